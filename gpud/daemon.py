@@ -592,6 +592,9 @@ class Daemon:
         # the stop budget: past that it is left, and the stop goes on)
         self.on_shutdown(lambda: self.admission.passes.close(self.pass_stop_wait_s))
         self.traffic.start()
+        # each feature's tables are made: from now on a write held up by another process's
+        # lock is refused within write_wait_s, so that an API call says why
+        self.store.start_done()
 
     def _faulty_gpus(self) -> dict[int, str]:
         """GPU index -> reason, for the GPUs the last sample found unhealthy (lost, not

@@ -76,7 +76,7 @@ class StateUnwritable(StateError):
 
 class StateInUse(StateUnwritable):
     """Another process (a sqlite3 shell, a backup tool) held the state database's lock
-    past the wait of a write (SQLITE_BUSY, SQLITE_LOCKED): nothing of the change was kept,
+    past the wait of a write (SQLITE_BUSY): nothing of the change was kept,
     and a retry once it lets go can work."""
 
 

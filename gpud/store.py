@@ -36,10 +36,16 @@ _CANNOT_OPEN = frozenset({3, 8, 14})
 # SQLITE_IOERR, SQLITE_FULL: at open, the disk under the file (full: no room for the WAL
 # index, or failing), not its content
 _DISK = frozenset({10, 13})
-# SQLITE_BUSY, SQLITE_LOCKED: another process holds the file's lock (a sqlite3 shell in
-# exclusive locking mode, a backup tool), past the busy timeout
+# SQLITE_BUSY, SQLITE_LOCKED: at open, another process holds the file's lock (a sqlite3
+# shell in exclusive locking mode, a backup tool), past the busy timeout
 _IN_USE = frozenset({5, 6})
+# SQLITE_BUSY alone in a transaction: SQLITE_LOCKED there is a conflict within gpud's own
+# connection (a table dropped while a statement reads it), a bug no other process causes
+_BUSY = 5
 _HOLDER = "a sqlite3 shell, a backup tool?"
+# the least a transaction waits for another process's lock, however long it queued behind
+# gpud's own writers: a lock taken for a moment does not refuse it at once
+_LOCK_WAIT_FLOOR_S = 0.5
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -50,16 +56,20 @@ def _unreadable(path: Path, why: str) -> str:
     )
 
 
+def _in_use_at_start(path: Path, err: sqlite3.Error) -> str:
+    return (
+        f"state database {path} is in use by another process ({err}; {_HOLDER}): stop it, "
+        "then start gpud again; nothing was changed"
+    )
+
+
 def _open_error(path: Path, err: sqlite3.Error) -> StateError:
     """What an open of the database (the writer's or the reader's) that failed with ``err``
     tells the operator: the choices that fit the cause, so that a database gpud merely cannot
     open now is not moved aside with what it holds."""
     code = getattr(err, "sqlite_errorcode", 0) & 0xFF
     if code in _IN_USE:
-        return StateError(
-            f"state database {path} is in use by another process ({err}; {_HOLDER}): stop it, "
-            "then start gpud again; nothing was changed"
-        )
+        return StateError(_in_use_at_start(path, err))
     if code in _DISK:
         return StateError(
             f"cannot open the state database {path} ({err}): the disk under it is full or "
@@ -185,6 +195,10 @@ class StateStore:
         started = clock()
         deadline, warn_at = started + busy_timeout_s, started + min(busy_timeout_s, warn_after_s)
         self._warned = False
+        # until the daemon's start is done (start_done): its first transactions (each
+        # feature's ensure_schema) wait, as the open did, to the open's deadline; the
+        # open's steps pass at once in WAL mode while another process's write holds the lock
+        self._starting: tuple[float, float] | None = (deadline, warn_at)
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
@@ -230,6 +244,14 @@ class StateStore:
             self._reader.close()
             self._conn.close()
             raise _open_error(self.path, err) from None
+
+    def start_done(self) -> None:
+        """The daemon's start is done: from now on a transaction waits for another process's
+        lock on the file (SQLite's busy timeout) ``write_wait_s`` at most, and is refused
+        as a change, not as a start. Before, it waits what is left of the open's
+        ``busy_timeout_s``, said once at ``warn_after_s``, and a refusal says to stop that
+        process and start gpud again."""
+        self._starting = None
 
     def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
         """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings."""
@@ -325,6 +347,28 @@ class StateStore:
                 self._reader.execute("COMMIT")
 
     @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A read of what is committed that takes no write lock: within this thread's
+        transaction (:meth:`transaction` or :meth:`reading`), that transaction's connection,
+        so it sees the thread's own changes; else a snapshot of its own (:meth:`reading`).
+        So it never waits for another process's write lock (WAL), is never refused as a
+        change, and sets no :meth:`write_problem`; one the disk fails (an I/O error)
+        raises :class:`StateUnwritable` naming the file, as a read."""
+        if self.in_transaction():
+            with self.transaction() as conn:
+                yield conn
+            return
+        try:
+            with self.reading(), self.transaction() as conn:
+                yield conn
+        except sqlite3.OperationalError as err:
+            if err.sqlite_errorcode & 0xFF not in _UNWRITABLE | {_BUSY}:
+                raise
+            raise StateUnwritable(
+                f"state database {self.path} cannot be read ({err}); nothing was changed"
+            ) from err
+
+    @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread.
 
@@ -332,7 +376,10 @@ class StateStore:
         :class:`StateUnwritable` naming the file: nothing of the transaction is kept. One
         whose lock another process holds (SQLITE_BUSY) past ``write_wait_s`` raises
         :class:`StateInUse`, naming the file and the likely holder (that wait counts from
-        the call, the wait behind this process's other transactions included)."""
+        the call, the wait behind this process's other transactions included, but for at
+        least half a second for the lock itself); until :meth:`start_done`, past what is
+        left of the open's ``busy_timeout_s``, saying to start gpud again. SQLITE_LOCKED, a
+        conflict within this connection, raises as it is."""
         reader = getattr(self._reading, "conn", None)
         if reader is not None:
             yield reader
@@ -342,13 +389,21 @@ class StateStore:
             if self._conn.in_transaction:
                 yield self._conn
                 return
+            self._write_begun = began = self._clock()
             # the wait for another process's lock counts the wait behind this process's
             # writers (one of them may have waited for it already): a call queued behind
-            # another still answers within write_wait_s of its own
-            self._wait_until(self._conn, asked + self._write_wait_s)
-            self._write_begun = self._clock()
+            # another still answers within write_wait_s of its own, or soon after, as
+            # each waits a little for the lock however long it queued
+            lock_wait_s = max(
+                asked + self._write_wait_s - began, min(_LOCK_WAIT_FLOOR_S, self._write_wait_s)
+            )
             try:
-                self._conn.execute("BEGIN IMMEDIATE")
+                starting = self._starting
+                if starting is not None and starting[0] - began > lock_wait_s:
+                    self._open_step(self._conn, "BEGIN IMMEDIATE", *starting)
+                else:
+                    self._conn.execute(f"PRAGMA busy_timeout = {round(lock_wait_s * 1000)}")
+                    self._conn.execute("BEGIN IMMEDIATE")
                 self._writer = threading.get_ident()
                 try:
                     changes = self._conn.total_changes
@@ -371,32 +426,47 @@ class StateStore:
                 finally:
                     self._writer = None
             except sqlite3.OperationalError as err:
-                refused = self._refusal(err)
+                refused = self._refusal(err, queued_s=began - asked, lock_wait_s=lock_wait_s)
                 if refused is None:
                     raise
                 raise refused from err
             finally:
                 self._write_begun = None
 
-    def _refusal(self, err: sqlite3.OperationalError) -> StateUnwritable | None:
+    def _refusal(
+        self, err: sqlite3.OperationalError, *, queued_s: float, lock_wait_s: float
+    ) -> StateUnwritable | None:
         """Under the writer's lock: the error a transaction that failed with ``err`` raises,
         kept as the write problem, when the file or another process's lock, not the SQL, is
-        the cause; None otherwise."""
+        the cause; None otherwise. ``queued_s``: how long it waited behind gpud's own
+        writers; ``lock_wait_s``: then for another process's lock."""
         code = err.sqlite_errorcode & 0xFF
-        if code in _IN_USE:
+        if code == _BUSY:
             why = f"in use by another process ({err}; {_HOLDER})"
-            self._refused, self._refused_in_use = (why, self._clock()), True
+            self._refuse(why, in_use=True)
+            if self._starting is not None:
+                return StateInUse(_in_use_at_start(self.path, err))
+            waited = f"{round(lock_wait_s, 2):g} s for its lock"
+            if round(queued_s, 1) > 0:  # a queue of note, not the microseconds of any call
+                waited = f"{queued_s:.1f} s queued behind its own writes, then {waited}"
             return StateInUse(
-                f"state database {self.path} is {why}: gpud waited {self._write_wait_s:g} s "
-                "for its lock; nothing of this change was kept: stop that process, then retry"
+                f"state database {self.path} is {why}: gpud waited {waited}; nothing of this "
+                "change was kept: stop that process, then retry"
             )
         if code not in _UNWRITABLE:
             return None
-        self._refused, self._refused_in_use = (str(err), self._clock()), False
+        self._refuse(str(err), in_use=False)
         return StateUnwritable(
             f"state database {self.path} cannot be written ({err}): nothing of this change "
             "was kept; free space or fix the file, then retry"
         )
+
+    def _refuse(self, why: str, *, in_use: bool) -> None:
+        """Keep ``why`` as the write problem, since the first refusal for it: a problem that
+        lasts (a disk full for hours) keeps the time it began, whatever refused since."""
+        kept = self._refused
+        since = kept[1] if kept is not None and kept[0] == why else self._clock()
+        self._refused, self._refused_in_use = (why, since), in_use
 
     def write_began(self) -> float | None:
         """When the transaction under way began (the store's clock; its wait for another

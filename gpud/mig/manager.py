@@ -78,6 +78,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     NotSupported,
+    StateError,
 )
 from gpud.events import EventLog
 from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config
@@ -908,14 +909,14 @@ class MigManager:
             if isinstance(step, SetMigMode):
                 mode = self._backend.set_mig_mode(step.gpu, step.enabled)
                 done.append(step.describe())
-                self._mark()
                 self._changed(gpu.index)
+                self._mark(gpu.index)
                 # Pending until a reset, or taken effect: then re-plan from what the driver has.
                 return mode.current != step.enabled
             self._do(step)
             done.append(step.describe())
-            self._mark()
             self._changed(gpu.index)
+            self._mark(gpu.index)
         return False
 
     def _changed(self, gpu: int) -> None:
@@ -927,9 +928,15 @@ class MigManager:
         if self._on_change is not None:
             self._on_change(gpu)
 
-    def _mark(self) -> None:
+    def _mark(self, gpu: int) -> None:
+        """Count a step that took effect on GPU ``gpu``. Its record in the store is only a
+        progress count (recovery re-reads the GPU from the driver): one refused (another
+        process's lock, a full disk) fails neither the step nor the apply."""
         self.steps_taken += 1
-        self._store.step_done()
+        try:
+            self._store.step_done()
+        except StateError as err:
+            log.warning("MIG step on GPU %d took effect; its progress not recorded: %s", gpu, err)
 
     def _do(self, step: Step) -> None:
         b = self._backend

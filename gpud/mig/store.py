@@ -98,7 +98,7 @@ class MigStore:
         store.ensure_schema(SCHEMA)
 
     def desired(self) -> dict[str, DesiredRecord]:
-        with self._store.transaction() as conn:
+        with self._store.read() as conn:
             rows = conn.execute(
                 "SELECT gpu_uuid, gpu_index, config_name, layout, updated_at FROM mig_desired"
             ).fetchall()
@@ -151,7 +151,7 @@ class MigStore:
             conn.execute("UPDATE mig_inflight SET steps_done = steps_done + 1 WHERE id = 1")
 
     def inflight(self) -> InflightRecord | None:
-        with self._store.transaction() as conn:
+        with self._store.read() as conn:
             row = conn.execute(
                 "SELECT config_name, steps, options, started_at, steps_done FROM mig_inflight WHERE id = 1"
             ).fetchone()

@@ -1923,7 +1923,7 @@ class MpsManager:
         and start time, or the PID file in its pipe directory, as :meth:`_take_over` finds
         them. Never another daemon under that run dir (another gpud's that uses it now)."""
         try:
-            with self._store.transaction() as conn:
+            with self._store.read() as conn:
                 rows = conn.execute(
                     "SELECT uuid, pid, start_time, pipe_dir FROM mps_daemons"
                 ).fetchall()

@@ -208,7 +208,9 @@ class StateFilesStatus(_message.Message):
     that change is not kept, and it holds until a change is written again
     """
     state_db_error_age_seconds: _builtins.float
-    """since that refusal; absent without one"""
+    """since the first refusal for that reason (a disk full for hours, whatever was refused
+    since, reads hours); absent without one
+    """
     event_log_path: _builtins.str
     """events.jsonl"""
     event_log_error: _builtins.str
@@ -222,7 +224,7 @@ class StateFilesStatus(_message.Message):
     yet in the file: the one being written, and those queued behind it.
     """
     event_log_write_seconds: _builtins.float
-    """how long the write under way has run"""
+    """how long the write under way has run; absent while none runs"""
     state_db_write_seconds: _builtins.float
     """how long the database's transaction under way has run (its commit's fsync, or the
     wait for another process's lock); absent while none runs

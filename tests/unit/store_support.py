@@ -1,10 +1,13 @@
-"""The state database for tests that count what a step costs in it."""
+"""The state database for tests: one that counts what a step costs in it, and another
+process holding its lock."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
 from gpud.store import StateStore
 
@@ -19,3 +22,38 @@ class CountingStore(StateStore):
         self.transactions += 1
         with super().transaction() as conn:
             yield conn
+
+
+@contextlib.contextmanager
+def held_write_lock(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another process's write in progress on the database ``path`` (a sqlite3 shell's
+    ``BEGIN IMMEDIATE``): gpud's writes wait for it, its reads do not (WAL). Let go at the
+    end, or earlier by closing the connection."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        yield holder
+    finally:
+        holder.close()  # a transaction still open is rolled back
+
+
+class LetGoWhenSaid(logging.Handler):
+    """Ends the lock's holder when the store says it waits for it: the shell closed."""
+
+    def __init__(self, holder: sqlite3.Connection) -> None:
+        super().__init__(logging.WARNING)
+        self.holder = holder
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+        self.holder.close()  # in exclusive locking mode, only a close lets go
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[LetGoWhenSaid]:
+        """Within, it hears what ``gpud.store`` warns."""
+        logging.getLogger("gpud.store").addHandler(self)
+        try:
+            yield self
+        finally:
+            logging.getLogger("gpud.store").removeHandler(self)

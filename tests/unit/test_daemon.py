@@ -48,9 +48,10 @@ from gpud.metrics_http import METRICS_POLL_S
 from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
 from gpud.notify import Notifier
-from gpud.store import StateStore
+from gpud.store import DB_NAME, StateStore
 from gpud.v1 import mig_pb2, mig_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.unit.mps_support import short_dir
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock
 
 MIG_LAYOUTS = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
 
@@ -505,6 +506,29 @@ def test_the_status_call_says_which_state_file_cannot_be_written_and_why(root: P
         assert said.state_db_error == "database or disk is full"
         assert said.state_db_error_age_seconds == 5.0
         assert (said.event_log_error, said.event_log_lines_missing) == ("Is a directory", 1)
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_start_waits_for_another_process_s_write_then_refuses_held_up_writes_soon(
+    root: Path,
+) -> None:
+    """A sqlite3 shell's write under way when gpud starts: the open passes (WAL), and the
+    first tables wait for it as the open would, saying so, rather than the start stopping
+    after write_wait_s; once started, a write waits write_wait_s for such a lock."""
+    config = make_config(root)
+    StateStore(config.daemon.state_dir).close()
+    with (
+        held_write_lock(config.daemon.state_dir / DB_NAME) as holder,
+        LetGoWhenSaid(holder).listening() as said,
+    ):
+        d = build(config)
+    try:
+        assert len(said.said) == 1 and "in use by another process" in said.said[0]
+        with d.store.transaction() as conn:  # the open's deadline: some 27 s left
+            assert conn.execute("PRAGMA busy_timeout").fetchone()[0] <= 5000
     finally:
         d.sampler.close()
         d.store.close()

@@ -4,6 +4,7 @@ NVML adapter."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 import time
@@ -18,15 +19,16 @@ from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
-from gpud.errors import Busy, GpuLost, InUse, InvalidArgument, NotFound
+from gpud.errors import Busy, GpuLost, InUse, InvalidArgument, NotFound, StateInUse
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
-from gpud.mig.store import ApplyOptions
+from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
 from tests.unit.nvml_doubles import Refusing
+from tests.unit.store_support import held_write_lock
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
 H100 = "H100-SXM5-80GB"
@@ -63,12 +65,14 @@ class Host:
         self.release: Release | None = None  # the MPS daemons' stop before a destroy
         self.release_active: Callable[[], bool] | None = None  # MPS on
         self.wrap: Callable[[NvmlBackend], Any] = lambda b: b  # the manager's backend
+        self.open_store: Callable[[Path], StateStore] = StateStore  # on gpud's state dir
+        self.on_change: Callable[[int], None] | None = None  # a GPU's devices changed
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
         node = SimNode(self.spec, state_file=self.tmp / "driver.json", proc_root=self.proc)
         backend = NvmlBackend(node.nvml, reset=node.reset if resets else None)
-        store = StateStore(self.tmp / "state")
+        store = self.open_store(self.tmp / "state")
         events = EventLog(None)
         sleeps: list[float] = []
         clock = [0.0]
@@ -88,6 +92,7 @@ class Host:
             read_timeout_s=self.read_timeout_s,
             release=self.release,
             release_active=self.release_active,
+            on_change=self.on_change,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
@@ -780,6 +785,67 @@ def test_hopper_switches_mig_mode_without_a_reset(tmp_path: Path, config: MigCon
         assert [o.status for o in partly.gpus] == ["changed", "changed", "reset_pending"]
     finally:
         host.close()
+
+
+class _ProgressRefused(StateStore):
+    """Another process's lock taken at each record of an apply's progress, only then."""
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Any]:
+        with super().transaction() as conn:
+            yield _RefusesProgress(conn, self.path)
+
+
+@dataclass
+class _RefusesProgress:
+    conn: Any
+    path: Path
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if "steps_done = steps_done + 1" in sql:
+            raise StateInUse(f"state database {self.path} is in use by another process")
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def test_a_step_whose_progress_record_is_refused_is_not_called_failed(
+    host: Host, config: MigConfigFile, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver took each step: the apply succeeds, MPS and co-location hear of each GPU
+    changed, and the log says only that the progress count was not recorded."""
+    changed: list[int] = []
+    host.open_store = _ProgressRefused
+    host.on_change = changed.append
+    d = host.start()
+    with caplog.at_level(logging.WARNING, logger="gpud.mig.manager"):
+        result = d.mig.apply(config, "all-balanced")
+    assert result.result == "success", result
+    assert all(o.status == "changed" for o in result.gpus)
+    assert sorted(set(changed)) == [0, 1]
+    assert d.mig.assert_config(config, "all-balanced") == []
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("MIG step failed" in m for m in said)
+    assert any(
+        m.startswith("MIG step on GPU 0 took effect; its progress not recorded") for m in said
+    )
+
+
+def test_the_desired_layouts_are_read_while_another_process_writes_the_database(
+    tmp_path: Path,
+) -> None:
+    """A sqlite3 shell's write under way: reading the desired layouts and the apply in
+    flight waits for nothing, says no change was refused, and ``gpuctl status`` shows no
+    write problem."""
+    store = StateStore(tmp_path, write_wait_s=0.05)
+    mig = MigStore(store)
+    store.start_done()
+    with held_write_lock(tmp_path / "state.db"):
+        assert mig.desired() == {}
+        assert mig.inflight() is None
+    assert store.write_problem() is None
+    store.close()
 
 
 def test_skip_reset_leaves_the_mode_change_pending(a100: Host) -> None:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from gpud.errors import StateError, StateInUse, StateUnwritable, classify
 from gpud.main import main
 from gpud.store import DB_NAME, StateStore
 from tests.unit.api_support import short_dir
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock
 
 
 def fill(state: Path) -> int:
@@ -137,12 +139,12 @@ def test_a_write_under_way_says_when_it_began_without_a_lock(tmp_path: Path) -> 
     store.close()
 
 
-def _hold_write_lock(state: Path) -> sqlite3.Connection:
-    """Another process's write in progress on the database (a sqlite3 shell's ``BEGIN
-    IMMEDIATE``): gpud's writes wait for it, its reads do not (WAL)."""
-    holder = sqlite3.connect(state / DB_NAME, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")
-    return holder
+def _started(state: Path, **options: Any) -> StateStore:
+    """A store with a table ``t``, its daemon's start done: writes wait ``write_wait_s``."""
+    store = StateStore(state, **options)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    store.start_done()
+    return store
 
 
 def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely_holder(
@@ -151,15 +153,13 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     """UNAVAILABLE (gpuctl exits 3, retry later), not an INTERNAL error with SQLite's words
     alone; ``gpuctl status`` says it until a transaction takes the lock again."""
     now = [7.0]
-    store = StateStore(tmp_path, clock=lambda: now[0], write_wait_s=0.05)
-    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
-    holder = _hold_write_lock(tmp_path)
-    try:
-        with pytest.raises(StateInUse) as caught, store.transaction() as conn:
-            conn.execute("INSERT INTO t (v) VALUES ('refused')")
-    finally:
-        holder.execute("COMMIT")
-        holder.close()
+    store = _started(tmp_path, clock=lambda: now[0], write_wait_s=0.05)
+    with (
+        held_write_lock(tmp_path / DB_NAME),
+        pytest.raises(StateInUse) as caught,
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
     why = "in use by another process (database is locked; a sqlite3 shell, a backup tool?)"
     assert str(caught.value) == (
         f"state database {tmp_path / DB_NAME} is {why}: gpud waited 0.05 s for its lock; "
@@ -187,6 +187,143 @@ def test_a_write_queued_behind_another_waits_for_a_lock_only_what_is_left_of_its
     times[:] = [100.0, 102.0]  # asked, then the writer's lock taken
     with store.transaction() as conn:
         assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 3000
+    store.close()
+
+
+def test_a_write_queued_past_its_own_wait_still_waits_a_little_for_the_lock_and_commits(
+    tmp_path: Path,
+) -> None:
+    """A write that queued its whole 5 s behind gpud's own writers is not refused at once
+    by a lock another process takes for a moment: it waits half a second for it, and with
+    no such lock it commits."""
+    times = [0.0]
+    store = _started(tmp_path, clock=lambda: times.pop(0) if len(times) > 1 else times[0])
+    times[:] = [100.0, 106.0]  # asked, then the writer's lock taken: 6 s queued
+    with store.transaction() as conn:
+        assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 500
+        conn.execute("INSERT INTO t (v) VALUES ('queued')")
+    with store.reading(), store.transaction() as conn:
+        assert conn.execute("SELECT v FROM t").fetchall()[0][0] == "queued"
+    assert store.write_problem() is None
+    store.close()
+
+
+def test_a_write_refused_after_queueing_says_how_long_it_queued_and_waited_for_the_lock(
+    tmp_path: Path,
+) -> None:
+    """The refusal says both waits, not that gpud waited all of write_wait_s for the lock;
+    no write is said under way after it."""
+    times = [0.0]
+    store = _started(
+        tmp_path, clock=lambda: times.pop(0) if len(times) > 1 else times[0], write_wait_s=0.3
+    )
+    times[:] = [100.0, 100.2]  # asked, then the writer's lock taken
+    with (
+        held_write_lock(tmp_path / DB_NAME),
+        pytest.raises(StateInUse) as caught,
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    assert ": gpud waited 0.2 s queued behind its own writes, then 0.3 s for its lock; " in str(
+        caught.value
+    )
+    assert store.write_began() is None
+    store.close()
+
+
+def test_a_lasting_refusal_keeps_the_time_of_the_first(tmp_path: Path) -> None:
+    """``gpuctl status`` says since when changes are refused: a disk full for an hour with a
+    change refused each minute reads an hour, not the latest minute; another reason
+    refusing next starts its own time."""
+    now = [7.0]
+    store = _started(tmp_path, clock=lambda: now[0], write_wait_s=0.05)
+    with store.transaction() as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+    for at in (7.0, 3607.0):
+        now[0] = at
+        with pytest.raises(StateUnwritable), store.transaction() as conn:
+            conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 4000,) for _ in range(20)])
+    assert store.write_problem() == ("database or disk is full", 7.0)
+    now[0] = 4000.0
+    with (
+        held_write_lock(tmp_path / DB_NAME),
+        pytest.raises(StateInUse),
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    problem = store.write_problem()
+    assert problem is not None and problem[1] == 4000.0
+    store.close()
+
+
+def test_a_read_waits_for_no_other_process_s_write_and_is_never_a_refused_change(
+    tmp_path: Path,
+) -> None:
+    """Another process's write holds the lock: a read still answers at once from what is
+    committed, and ``gpuctl status`` says no change refused; within a transaction of its
+    thread, a read sees that transaction's own change."""
+    store = _started(tmp_path, write_wait_s=0.05)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    with held_write_lock(tmp_path / DB_NAME) as holder:
+        holder.execute("INSERT INTO t (v) VALUES ('not yet')")
+        with store.read() as conn:
+            assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
+    assert store.write_problem() is None
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('mine')")
+        with store.read() as seen:
+            assert seen.execute("SELECT count(*) FROM t").fetchone()[0] == 2
+    store.close()
+
+
+def test_a_table_locked_within_gpud_s_own_connection_is_raised_as_the_bug_it_is(
+    tmp_path: Path,
+) -> None:
+    """SQLITE_LOCKED in a transaction (a table dropped while a statement of the same
+    connection still reads it) is no other process's doing: not StateInUse, and not kept
+    as the write problem."""
+    store = _started(tmp_path)
+    with store.transaction() as conn:
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("a",), ("b",)])
+    with pytest.raises(sqlite3.OperationalError) as caught, store.transaction() as conn:
+        reading = conn.execute("SELECT v FROM t")
+        reading.fetchone()
+        conn.execute("DROP TABLE t")
+    assert not isinstance(caught.value, StateError)
+    assert caught.value.sqlite_errorcode & 0xFF == 6
+    assert store.write_problem() is None
+    store.close()
+
+
+def test_a_start_waits_for_another_process_s_write_to_the_open_s_deadline(
+    tmp_path: Path,
+) -> None:
+    """In WAL mode the open's steps pass while another process's write holds the lock; the
+    first feature's tables then wait for it as the open would (said once, naming the file),
+    not only write_wait_s, and the start goes on once it lets go."""
+    StateStore(tmp_path).close()
+    store = StateStore(tmp_path, warn_after_s=0.0, write_wait_s=0.05)
+    with held_write_lock(tmp_path / DB_NAME) as holder, LetGoWhenSaid(holder).listening() as said:
+        store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    assert len(said.said) == 1
+    assert said.said[0].startswith(f"state database {tmp_path / DB_NAME} is in use by another")
+    store.close()
+
+
+def test_a_start_held_up_past_the_open_s_deadline_says_to_start_gpud_again(
+    tmp_path: Path,
+) -> None:
+    """A start whose first tables another process's write holds up past the open's busy
+    timeout stops as the open would: stop that process, then start gpud again."""
+    StateStore(tmp_path).close()
+    store = StateStore(tmp_path, busy_timeout_s=0.2, warn_after_s=0.0, write_wait_s=0.05)
+    with held_write_lock(tmp_path / DB_NAME), pytest.raises(StateInUse) as caught:
+        store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
+    text = str(caught.value)
+    assert text.startswith(f"state database {tmp_path / DB_NAME} is in use by another process")
+    assert text.endswith("stop it, then start gpud again; nothing was changed")
     store.close()
 
 
@@ -761,19 +898,6 @@ def test_a_database_in_use_by_another_process_says_to_stop_it_not_to_move_it(
     store.close()
 
 
-class _LetGoWhenSaid(logging.Handler):
-    """Ends the lock's holder when the store says it waits for it: the shell closed."""
-
-    def __init__(self, holder: sqlite3.Connection) -> None:
-        super().__init__(logging.WARNING)
-        self.holder = holder
-        self.said: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.said.append(record.getMessage())
-        self.holder.close()  # in exclusive locking mode, only a close lets go
-
-
 def test_a_database_in_use_by_another_process_is_said_soon_and_still_waited_for(
     tmp_path: Path,
 ) -> None:
@@ -784,7 +908,7 @@ def test_a_database_in_use_by_another_process_is_said_soon_and_still_waited_for(
     holder = sqlite3.connect(state / DB_NAME, isolation_level=None)
     holder.execute("PRAGMA locking_mode=EXCLUSIVE")
     holder.execute("BEGIN EXCLUSIVE")
-    said = _LetGoWhenSaid(holder)
+    said = LetGoWhenSaid(holder)
     logging.getLogger("gpud.store").addHandler(said)
     try:
         store = StateStore(state, busy_timeout_s=30.0, warn_after_s=0.05)
@@ -813,7 +937,7 @@ def test_an_open_waits_for_a_lock_only_what_is_left_of_its_one_deadline(
     holder.execute("PRAGMA locking_mode=EXCLUSIVE")
     holder.execute("BEGIN EXCLUSIVE")
     reads = iter([100.0])
-    said = _LetGoWhenSaid(holder)
+    said = LetGoWhenSaid(holder)
     logging.getLogger("gpud.store").addHandler(said)
     try:
         store = StateStore(
