@@ -107,9 +107,12 @@ QUIET_INTERVALS = 2.0
 # ... but after no more than this many traffic.idle_after_s: a job that once reported
 # seldom (a long pause, twice) neither holds a level nor keeps a tag from others for hours
 QUIET_CAP_IDLES = 10.0
-# reports that arrive within this of a batch's first are one arrival: their interval is
-# none of the job's cadence
+# reports that arrive within this of the one before them are one arrival (a batch: a job's
+# processes reporting a moment apart): their interval is none of the job's cadence
 _ONE_ARRIVAL_S = 0.5
+# ... for at most this long from the batch's first (and half traffic.idle_after_s): reports
+# that never pause are an arrival each, whose short interval is the job's cadence
+_ARRIVAL_MAX_S = 5.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -171,17 +174,20 @@ class _JobReports:
     arrived_at: float = 0.0
 
 
-def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None, float]:
+def _intervals(
+    prev: _JobReports | None, heard: float, longest: float
+) -> tuple[float | None, float | None, float]:
     """The last interval between arrivals, the usual one (:class:`_JobReports`) and the
-    last arrival's start, once a report arrives at ``heard`` after ``prev``. Reports within
-    :data:`_ONE_ARRIVAL_S` of a batch's first are one arrival; measured from that first,
-    reports that never pause are an arrival each :data:`_ONE_ARRIVAL_S`: a short interval,
-    not the one before them kept for good."""
+    last arrival's start, once a report arrives at ``heard`` after ``prev``. A report
+    within :data:`_ONE_ARRIVAL_S` of the one before it joins that one's arrival (a batch),
+    unless the batch began ``longest`` seconds ago or more: reports that never pause are
+    an arrival each ``longest`` seconds, a short interval, not the one before them kept
+    for good. Intervals run from an arrival's first report."""
     if prev is None:
         return None, None, heard
-    interval = heard - prev.arrived_at
-    if interval < _ONE_ARRIVAL_S:
+    if heard - prev.heard_at < _ONE_ARRIVAL_S and heard - prev.arrived_at < longest:
         return prev.interval_s, prev.usual_interval_s, prev.arrived_at
+    interval = heard - prev.arrived_at
     usual = None if prev.interval_s is None else min(interval, prev.interval_s)
     return interval, usual, heard
 
@@ -464,7 +470,8 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
-            interval, usual, arrived = _intervals(prev, heard)
+            longest = min(_ARRIVAL_MAX_S, self.config.idle_after_s / QUIET_INTERVALS)
+            interval, usual, arrived = _intervals(prev, heard, longest)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,

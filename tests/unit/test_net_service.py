@@ -2360,3 +2360,38 @@ def test_the_gap_limit_is_traffic_progress_gap_spacings(tmp_path: Path, sysfs: P
         (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
         assert (a.stopped_s is not None) is stopped, spacings
         assert rig.service.view().gap_spacings == spacings
+
+
+def _rounds(rig: Rig, rounds: int, each: float, spread: Iterable[float]) -> list[JobTraffic]:
+    """Job "a" reports from several processes ``spread`` seconds after each round's start
+    (one iteration each), a round every ``each`` seconds, the service ticking each second:
+    its row at each tick."""
+    rows = []
+    offsets = sorted(spread)
+    done = 0
+    start = rig.clock.t
+    for r in range(rounds):
+        base = start + r * each
+        for offset in offsets:
+            rig.clock.t = base + offset
+            done += 1
+            rig.service.report(Report("a", done, rig.clock.t, session="s"))
+        for second in range(1, int(each) + 1):
+            rig.clock.t = base + second
+            rig.service.tick()
+            (row,) = [j for j in rig.service.view().jobs if j.job == "a"]
+            rows.append(row)
+    return rows
+
+
+def test_a_job_reporting_from_processes_a_moment_apart_keeps_the_rounds_cadence(
+    rig: Rig,
+) -> None:
+    """Four processes of a job report 0.2 s apart, a round every 90 s (traffic.idle_after_s
+    60): each round is one arrival, the job's usual interval is 90 s, and it ends at most
+    once, while that interval is learnt, not between every round."""
+    rig.active = {"b"}
+    rows = _rounds(rig, 8, 90, (0.0, 0.2, 0.4, 0.6))
+    assert _ends(rows) == 1
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
+    assert said.fields["interval_s"] == 90
