@@ -372,17 +372,17 @@ class TrafficService:
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
         self._held: frozenset[str] = frozenset()
-        # job -> the tick count when a run of it reserved its devices (see run_started):
-        # held now, though the last tick's read did not see it. Kept until a tick sees it
-        # held, or the tick after (a reservation whose transaction was rolled back); under
-        # self._ends_lock
+        # job -> the count of runs said (self._runs_said) when a run of it reserved its
+        # devices (see run_started): held now, though the last tick's read did not see it.
+        # Kept until a tick whose read began after it (a reservation rolled back is not in
+        # that read) or that sees it held; under self._ends_lock
         self._started: dict[str, int] = {}
-        self._ticks = 0
-        # job -> the count of run ends (no other run of the job holding) at its last one,
-        # until a run of it starts or a tick whose read of the reservations began after it;
-        # under self._ends_lock. The tick leaves out of its read those ended while it read
+        # job -> the count of runs said at its last run end (no other run of the job
+        # holding), until a run of it starts or a tick whose read of the reservations began
+        # after it; under self._ends_lock. The tick leaves out of its read those ended while
+        # it read
         self._ended_runs: dict[str, int] = {}
-        self._run_ends = 0
+        self._runs_said = 0  # run starts and ends said (run_started, run_ended)
         self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
@@ -557,17 +557,21 @@ class TrafficService:
             # the last tick's read of the reservations still has it: read by the views, it
             # would say the job runs, at its level, until the next tick
             self._held = self._held - {job}
-            self._run_ends += 1
-            self._ended_runs[job] = self._run_ends
+            self._runs_said += 1
+            self._ended_runs[job] = self._runs_said
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
         from now on for every view (whatever the last tick saw). Takes no lock but its own,
         as :meth:`run_ended`."""
         with self._ends_lock:
-            self._ends.pop(job, None)
+            # its end is kept: this reservation may yet be rolled back (a disk full), and
+            # the tick drops the end once its read sees the job held. Its count goes: a
+            # tick whose read began before the end and sees the job held may be seeing
+            # this run, which the tick after reads again either way
             self._ended_runs.pop(job, None)
-            self._started[job] = self._ticks
+            self._runs_said += 1
+            self._started[job] = self._runs_said
 
     def _held_now(self) -> frozenset[str]:
         """The jobs holding a reservation: those the last tick saw, and those whose run
@@ -1129,7 +1133,7 @@ class TrafficService:
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         with self._ends_lock:
-            read_from = self._run_ends
+            read_from = self._runs_said
         active_res = self._active()
         with self._ends_lock:
             # a run that ended while the store was read, its release after the read: the
@@ -1139,12 +1143,15 @@ class TrafficService:
             self._ended_runs = {j: self._ended_runs[j] for j in late}
             active_res = active_res - late
             self._held = frozenset(active_res)
-            # a run started since the last tick that this read saw, or one the tick before
-            # did not see either (rolled back), is no longer kept apart
+            # a job this read sees held runs: its last end is over (not before, as the
+            # reservation that said it started may have been rolled back)
+            for job in active_res & self._ends.keys():
+                del self._ends[job]
+            # a run started before this read began is in it, or was rolled back; one this
+            # read saw is in it: neither is kept apart any longer
             self._started = {
-                j: n for j, n in self._started.items() if n == self._ticks and j not in active_res
+                j: n for j, n in self._started.items() if n > read_from and j not in active_res
             }
-            self._ticks += 1
         active = []
         heard = self._monotonic()
         for job in registered:

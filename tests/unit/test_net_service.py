@@ -956,6 +956,48 @@ def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
     service.shutdown()
 
 
+def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path: Path) -> None:
+    """A run that reserves right after its job's last run was released, in a transaction
+    that is rolled back (the disk full), holds nothing: the job reads ended at the ticks
+    after, without its level, though it reported within traffic.idle_after_s."""
+    from gpud.jobs.service import RunRequest
+
+    jobs, service = wired_traffic(tmp_path, 1)
+    launch = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+    jobs.release(launch.reservation.id)
+    with pytest.raises(OSError), jobs.store.transaction():
+        jobs.reserve(RunRequest("train-a"))
+        raise OSError(28, "No space left on device")
+    assert not jobs.reservations.held()
+    for _ in range(2):
+        service.tick()
+        (row,) = service.view().jobs
+        assert row.ended_s is not None and row.level is None
+    service.shutdown()
+
+
+def test_the_reservations_are_read_in_turn_with_their_writes(tmp_path: Path) -> None:
+    """The tick reads the reservations through the store's writer, in turn with its writes
+    (a release is said to the service before it commits), never a reading snapshot of what
+    was committed: a tick after the release reads the job ended, without its level."""
+    from gpud.jobs.service import RunRequest
+
+    jobs, service = wired_traffic(tmp_path, 1)
+    launch = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+    with jobs.store.transaction():
+        jobs.release(launch.reservation.id)  # told to the service, not committed yet
+        service.tick()
+    (row,) = service.view().jobs
+    assert row.ended_s is not None and row.level is None
+    service.shutdown()
+
+
 def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
