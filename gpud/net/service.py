@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 # a removed job's cgroup that still holds processes: how many of their PIDs an event names
 _PIDS_SHOWN = 8
 _UNTAGGED_SHOWN = 8  # jobs left without a tag in one pass, told one event each
+_QUIET_SHOWN = 8  # jobs a spent pool's refusal names as held by their quiet time
 _CHAINS_SHOWN = 8  # chains not gpud's removed from its nftables table, named in the event
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
@@ -594,14 +595,23 @@ class TrafficService:
         (:meth:`report` notes that end as a run's)."""
         if job in active:
             return None
-        with self._ends_lock:
-            ended = self._ends.get(job)
+        ended = self._run_end(job)
+        if ended is not None:
+            return ended
         now = self._reports.get(job)
-        if ended is not None and not _progressed(now, *ended):
-            return ended[0]
         if now is not None and self._monotonic() - now.heard_at > self._quiet_s(now):
             return now.heard_at
         return None
+
+    def _run_end(self, job: str) -> float | None:
+        """When ``job``'s last run ended (:meth:`run_ended`, or its reports ended, see
+        :meth:`report`), where it made no progress since; else None. Whether a run of it
+        holds a reservation is the caller's to know."""
+        with self._ends_lock:
+            ended = self._ends.get(job)
+        if ended is None or _progressed(self._reports.get(job), *ended):
+            return None
+        return ended[0]
 
     # -- the cluster's port ----------------------------------------------------------------
     def apply_order(
@@ -1022,10 +1032,13 @@ class TrafficService:
 
         Tags are held by registered jobs, so a node that has seen many jobs can run out of
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
-        holding no reservation, not pinned, with no process in its cgroup, and neither a
-        progress report nor a call here that gave it its tag for ``traffic.idle_after_s``
-        (nor since gpud started; a job that reports less often: for twice its usual
-        interval between reports, see :meth:`_quiet_s`). It gets a new tag when it runs again. Raises
+        holding no reservation, not pinned, with no process in its cgroup, and either done
+        (its run ended, with no progress and no call here since: handed over at once,
+        however lately it reported) or with neither a progress report nor a call here that
+        gave it its tag for ``traffic.idle_after_s`` (nor since gpud started; a job that
+        reports less often: for twice its usual interval between reports, at most
+        :data:`QUIET_CAP_IDLES` times that, see :meth:`_quiet_s`). It gets a new tag when it
+        runs again. Raises
         DscpPoolExhausted when every tag is held by a job in use (a refused call counts as
         nothing: the job does not start).
         """
@@ -1050,7 +1063,8 @@ class TrafficService:
             held = self.tags.allocations()
             idle = self._idle_since([j for j in held if j != job])
             if not idle:
-                raise DscpPoolExhausted(f"{err.reason}{self._why_none_idle()}", job=job) from err
+                why = self._why_none_idle([j for j in held if j != job])
+                raise DscpPoolExhausted(f"{err.reason}{why}", job=job) from err
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
             self.tags.release(holder)
@@ -1064,8 +1078,9 @@ class TrafficService:
             )
             return self.tags.tag(job)
 
-    def _why_none_idle(self) -> str:
-        """Why no held tag can be handed over, for DscpPoolExhausted."""
+    def _why_none_idle(self, holders: Sequence[str]) -> str:
+        """Why no held tag can be handed over, for DscpPoolExhausted: ``holders``, the jobs
+        holding them, none idle."""
         wait = self.config.idle_after_s
         up = self._monotonic() - self._started_at
         if up <= wait:
@@ -1076,9 +1091,24 @@ class TrafficService:
                 f" are handed over in {max(1.0, wait - up):.0f} s (or widen"
                 " traffic.dscp_pool, or remove jobs: gpuctl jobs rm)"
             )
+        now = self._monotonic()
+        quiet = []  # held past traffic.idle_after_s by a longer quiet time
+        for job in sorted(holders):
+            reports = self._reports.get(job)
+            if reports is None:
+                continue
+            silent, quiet_s = now - reports.heard_at, self._quiet_s(reports)
+            if wait < silent <= quiet_s:  # its interval is known: it made quiet_s longer
+                every = reports.usual_interval_s or reports.interval_s or 0.0
+                left = quiet_s - silent
+                quiet.append(f"job {job} (a report every {every:.0f} s: idle in {left:.0f} s)")
+        named = f": {first_few(quiet, _QUIET_SHOWN)}" if quiet else ""
         return (
-            f", each by a job that runs, is pinned or reported progress in"
-            f" the last {wait:g} s: widen traffic.dscp_pool or remove jobs (gpuctl jobs rm)"
+            f", each by a job that runs, is pinned, or was given its tag or reported in the"
+            f" last {wait:g} s (traffic.idle_after_s), or, reporting less often, within twice"
+            f" its usual interval between reports, at most {QUIET_CAP_IDLES:g} times"
+            f" traffic.idle_after_s{named}; widen traffic.dscp_pool or remove jobs"
+            " (gpuctl jobs rm)"
         )
 
     def _pins(self) -> dict[str, int]:
@@ -1089,9 +1119,10 @@ class TrafficService:
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (the monotonic clock): no
-        reservation, no pin, no process in their cgroup, no progress report or tag handed
-        out for ``traffic.idle_after_s`` (nor since gpud started), nor a report for the
-        job's :meth:`_quiet_s`."""
+        reservation, no pin, no process in their cgroup, and either a run that ended with
+        no progress and no tag handed out since (idle from its end, however lately it
+        reported), or no progress report or tag handed out for ``traffic.idle_after_s``
+        (nor since gpud started), nor a report for the job's :meth:`_quiet_s`."""
         now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()
@@ -1100,12 +1131,18 @@ class TrafficService:
             if job in active or job in pins:
                 continue
             reports = self._reports.get(job)
-            since = max(self._started_at, self._tagged_at.get(job, 0.0))
-            if now - since <= self.config.idle_after_s or (
-                reports is not None and now - reports.heard_at <= self._quiet_s(reports)
-            ):
-                continue
-            since = max(since, reports.heard_at if reports else 0.0)
+            tagged = self._tagged_at.get(job, 0.0)
+            ended = self._run_end(job)
+            if ended is not None and tagged < ended:
+                # done: nothing of it runs, and a tag handed out since would be a new run's
+                since = ended
+            else:
+                since = max(self._started_at, tagged)
+                if now - since <= self.config.idle_after_s or (
+                    reports is not None and now - reports.heard_at <= self._quiet_s(reports)
+                ):
+                    continue
+                since = max(since, reports.heard_at if reports else 0.0)
             if self._cgroups is not None and self._cgroups.busy(job):
                 continue
             out[job] = since

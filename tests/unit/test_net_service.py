@@ -1390,7 +1390,10 @@ def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> No
     rig.jobs.append("new")
     (rig.cgroups.ensure("a") / "cgroup.procs").write_text("4242\n")  # a's process runs
     s.pin("b", 1)
-    with pytest.raises(ResourceExhausted, match="each by a job that runs, is pinned or reported"):
+    with pytest.raises(
+        ResourceExhausted,
+        match="each by a job that runs, is pinned, or was given its tag or reported",
+    ):
         s.tag("new")
     (rig.cgroups.dir("a") / "cgroup.procs").write_text("")
     assert s.tag("new") == 10 + 11 - s.tags.allocations()["b"]
@@ -2437,3 +2440,43 @@ def test_a_job_reporting_from_processes_a_moment_apart_keeps_the_rounds_cadence(
     assert _ends(rows) == 1
     (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
     assert said.fields["interval_s"] == 90
+
+
+def test_a_job_whose_run_ended_gives_its_tag_to_a_job_that_starts_at_once(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """With every tag held, a job whose run ended (no progress since) gives its tag to a
+    job that starts, however lately it reported; a job tagged again since its end (about to
+    run again) keeps its tag."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
+    rig.active = {"b", "c"}
+    _every(rig, 70, 10)
+    dscp = rig.service.tags.get("a")
+    rig.jobs += ["d", "e"]
+    rig.service.run_ended("a")
+    rig.clock.t += 5
+    assert rig.service.tag("d") == dscp
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.reclaim"]
+    assert said.fields["job"] == "a"
+    rig.service.run_ended("d")
+    rig.service.tag("d")  # about to run again
+    with pytest.raises(DscpPoolExhausted):
+        rig.service.tag("e")
+
+
+def test_a_spent_pool_names_the_jobs_whose_quiet_time_keeps_their_tags(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """The refusal of a tag says a job reporting less often than traffic.idle_after_s keeps
+    its tag for its quiet time, and names the job that does so now."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"b", "c"}
+    _every(rig, 270, 90)
+    rig.jobs.append("d")
+    rig.clock.t += 70  # past idle_after_s since a's last report, within its quiet time
+    with pytest.raises(DscpPoolExhausted) as refused:
+        rig.service.tag("d")
+    message = str(refused.value)
+    assert "reported in the last 60 s (traffic.idle_after_s)" in message
+    assert "at most 10 times traffic.idle_after_s" in message
+    assert "job a (a report every 90 s: idle in 110 s)" in message
