@@ -492,7 +492,8 @@ class TrafficService:
         over): ``traffic.idle_after_s``, or :data:`QUIET_INTERVALS` of its usual interval
         between reports where that is longer (its one interval while only one is known),
         so that a job reporting less often than ``traffic.idle_after_s`` does not end and
-        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``."""
+        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``,
+        so one reporting less often than that does."""
         usual = reports.usual_interval_s
         return self._quiet_for(reports.interval_s if usual is None else usual)
 
@@ -516,10 +517,13 @@ class TrafficService:
             if quiet < QUIET_INTERVALS * usual
             else ""
         )
+        # capped below one interval, the quiet time ends it before each next report
+        between = ", so it ends and runs again at each report" if quiet < usual else ""
         self._events.emit(
             "net.slow_reports",
             f"job {job} reports every {usual:.0f} s, less often than traffic.idle_after_s"
             f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report{capped}"
+            f"{between}"
             " (raise traffic.idle_after_s, or report more often)",
             job=job,
             interval_s=round(usual, 3),

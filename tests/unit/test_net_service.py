@@ -2215,6 +2215,7 @@ def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
     assert said.fields["job"] == "a" and said.fields["interval_s"] == 90
     assert said.fields["quiet_s"] == 180
     assert "traffic.idle_after_s (60 s)" in said.message
+    assert "runs again at each report" not in said.message
     (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
     assert a.level is not None
     rig.jobs.append("d")
@@ -2265,6 +2266,7 @@ def test_a_job_reporting_very_seldom_is_idle_after_ten_times_idle_after_s(rig: R
     (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
     assert said.fields["interval_s"] == 1000 and said.fields["quiet_s"] == 600
     assert "after 600 s without a report" in said.message
+    assert "it ends and runs again at each report" in said.message
 
 
 def test_a_run_that_ends_while_a_tick_reads_the_reservations_stays_ended(rig: Rig) -> None:
