@@ -37,7 +37,7 @@ from gpud.store import StateStore
 from tests.unit.store_support import CountingStore
 
 if TYPE_CHECKING:
-    from gpud.jobs.service import JobService
+    from gpud.jobs.service import JobService, Launch
 from netshaper import tcplan
 from netshaper.nftables import CgroupMark, MarkSync
 
@@ -943,10 +943,7 @@ def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
     from gpud.jobs.service import RunRequest
 
     jobs, service = wired_traffic(tmp_path, 3)
-    first = jobs.reserve(RunRequest("train-a"))
-    service.tick()
-    service.report(Report("train-a", 1, time.time() - 1, session="s"))
-    service.tick()
+    first = _ranked_run(jobs, service)
     jobs.release(first.reservation.id)
     second = jobs.reserve(RunRequest("train-a"))
     jobs.reserve(RunRequest("train-a"))
@@ -956,6 +953,17 @@ def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
     service.shutdown()
 
 
+def _ranked_run(jobs: JobService, service: TrafficService) -> Launch:
+    """A run of job "train-a" reserved, reporting, and ranked by a tick."""
+    from gpud.jobs.service import RunRequest
+
+    launch = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+    return launch
+
+
 def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path: Path) -> None:
     """A run that reserves right after its job's last run was released, in a transaction
     that is rolled back (the disk full), holds nothing: the job reads ended at the ticks
@@ -963,10 +971,7 @@ def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path
     from gpud.jobs.service import RunRequest
 
     jobs, service = wired_traffic(tmp_path, 1)
-    launch = jobs.reserve(RunRequest("train-a"))
-    service.tick()
-    service.report(Report("train-a", 1, time.time() - 1, session="s"))
-    service.tick()
+    launch = _ranked_run(jobs, service)
     jobs.release(launch.reservation.id)
     with pytest.raises(OSError), jobs.store.transaction():
         jobs.reserve(RunRequest("train-a"))
@@ -983,13 +988,9 @@ def test_the_reservations_are_read_in_turn_with_their_writes(tmp_path: Path) -> 
     """The tick reads the reservations through the store's writer, in turn with its writes
     (a release is said to the service before it commits), never a reading snapshot of what
     was committed: a tick after the release reads the job ended, without its level."""
-    from gpud.jobs.service import RunRequest
 
     jobs, service = wired_traffic(tmp_path, 1)
-    launch = jobs.reserve(RunRequest("train-a"))
-    service.tick()
-    service.report(Report("train-a", 1, time.time() - 1, session="s"))
-    service.tick()
+    launch = _ranked_run(jobs, service)
     with jobs.store.transaction():
         jobs.release(launch.reservation.id)  # told to the service, not committed yet
         service.tick()
