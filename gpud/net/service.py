@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 # a removed job's cgroup that still holds processes: how many of their PIDs an event names
 _PIDS_SHOWN = 8
 _UNTAGGED_SHOWN = 8  # jobs left without a tag in one pass, told one event each
+_QUIET_SHOWN = 8  # jobs a spent pool's refusal names as held by their quiet time
 _CHAINS_SHOWN = 8  # chains not gpud's removed from its nftables table, named in the event
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
@@ -107,9 +108,12 @@ QUIET_INTERVALS = 2.0
 # ... but after no more than this many traffic.idle_after_s: a job that once reported
 # seldom (a long pause, twice) neither holds a level nor keeps a tag from others for hours
 QUIET_CAP_IDLES = 10.0
-# reports that arrive within this of a batch's first are one arrival: their interval is
-# none of the job's cadence
+# reports that arrive within this of the one before them are one arrival (a batch: a job's
+# processes reporting a moment apart): their interval is none of the job's cadence
 _ONE_ARRIVAL_S = 0.5
+# ... for at most this long from the batch's first (and half traffic.idle_after_s): reports
+# that never pause are an arrival each, whose short interval is the job's cadence
+_ARRIVAL_MAX_S = 5.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -171,17 +175,20 @@ class _JobReports:
     arrived_at: float = 0.0
 
 
-def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None, float]:
+def _intervals(
+    prev: _JobReports | None, heard: float, longest: float
+) -> tuple[float | None, float | None, float]:
     """The last interval between arrivals, the usual one (:class:`_JobReports`) and the
-    last arrival's start, once a report arrives at ``heard`` after ``prev``. Reports within
-    :data:`_ONE_ARRIVAL_S` of a batch's first are one arrival; measured from that first,
-    reports that never pause are an arrival each :data:`_ONE_ARRIVAL_S`: a short interval,
-    not the one before them kept for good."""
+    last arrival's start, once a report arrives at ``heard`` after ``prev``. A report
+    within :data:`_ONE_ARRIVAL_S` of the one before it joins that one's arrival (a batch),
+    unless the batch began ``longest`` seconds ago or more: reports that never pause are
+    an arrival each ``longest`` seconds, a short interval, not the one before them kept
+    for good. Intervals run from an arrival's first report."""
     if prev is None:
         return None, None, heard
-    interval = heard - prev.arrived_at
-    if interval < _ONE_ARRIVAL_S:
+    if heard - prev.heard_at < _ONE_ARRIVAL_S and heard - prev.arrived_at < longest:
         return prev.interval_s, prev.usual_interval_s, prev.arrived_at
+    interval = heard - prev.arrived_at
     usual = None if prev.interval_s is None else min(interval, prev.interval_s)
     return interval, usual, heard
 
@@ -366,17 +373,17 @@ class TrafficService:
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
         self._held: frozenset[str] = frozenset()
-        # job -> the tick count when a run of it reserved its devices (see run_started):
-        # held now, though the last tick's read did not see it. Kept until a tick sees it
-        # held, or the tick after (a reservation whose transaction was rolled back); under
-        # self._ends_lock
+        # job -> the count of runs said (self._runs_said) when a run of it reserved its
+        # devices (see run_started): held now, though the last tick's read did not see it.
+        # Kept until a tick whose read began after it (a reservation rolled back is not in
+        # that read) or that sees it held; under self._ends_lock
         self._started: dict[str, int] = {}
-        self._ticks = 0
-        # job -> the count of run ends (no other run of the job holding) at its last one,
-        # until a run of it starts or a tick whose read of the reservations began after it;
-        # under self._ends_lock. The tick leaves out of its read those ended while it read
+        # job -> the count of runs said at its last run end (no other run of the job
+        # holding), until a run of it starts or a tick whose read of the reservations began
+        # after it; under self._ends_lock. The tick leaves out of its read those ended while
+        # it read
         self._ended_runs: dict[str, int] = {}
-        self._run_ends = 0
+        self._runs_said = 0  # run starts and ends said (run_started, run_ended)
         self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
@@ -464,7 +471,8 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
-            interval, usual, arrived = _intervals(prev, heard)
+            longest = min(_ARRIVAL_MAX_S, self.config.idle_after_s / QUIET_INTERVALS)
+            interval, usual, arrived = _intervals(prev, heard, longest)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
@@ -484,7 +492,8 @@ class TrafficService:
         over): ``traffic.idle_after_s``, or :data:`QUIET_INTERVALS` of its usual interval
         between reports where that is longer (its one interval while only one is known),
         so that a job reporting less often than ``traffic.idle_after_s`` does not end and
-        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``."""
+        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``,
+        so one reporting less often than that does."""
         usual = reports.usual_interval_s
         return self._quiet_for(reports.interval_s if usual is None else usual)
 
@@ -508,10 +517,13 @@ class TrafficService:
             if quiet < QUIET_INTERVALS * usual
             else ""
         )
+        # capped below one interval, the quiet time ends it before each next report
+        between = ", so it ends and runs again at each report" if quiet < usual else ""
         self._events.emit(
             "net.slow_reports",
             f"job {job} reports every {usual:.0f} s, less often than traffic.idle_after_s"
             f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report{capped}"
+            f"{between}"
             " (raise traffic.idle_after_s, or report more often)",
             job=job,
             interval_s=round(usual, 3),
@@ -550,17 +562,21 @@ class TrafficService:
             # the last tick's read of the reservations still has it: read by the views, it
             # would say the job runs, at its level, until the next tick
             self._held = self._held - {job}
-            self._run_ends += 1
-            self._ended_runs[job] = self._run_ends
+            self._runs_said += 1
+            self._ended_runs[job] = self._runs_said
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
         from now on for every view (whatever the last tick saw). Takes no lock but its own,
         as :meth:`run_ended`."""
         with self._ends_lock:
-            self._ends.pop(job, None)
+            # its end is kept: this reservation may yet be rolled back (a disk full), and
+            # the tick drops the end once its read sees the job held. Its count goes: a
+            # tick whose read began before the end and sees the job held may be seeing
+            # this run, which the tick after reads again either way
             self._ended_runs.pop(job, None)
-            self._started[job] = self._ticks
+            self._runs_said += 1
+            self._started[job] = self._runs_said
 
     def _held_now(self) -> frozenset[str]:
         """The jobs holding a reservation: those the last tick saw, and those whose run
@@ -583,14 +599,23 @@ class TrafficService:
         (:meth:`report` notes that end as a run's)."""
         if job in active:
             return None
-        with self._ends_lock:
-            ended = self._ends.get(job)
+        ended = self._run_end(job)
+        if ended is not None:
+            return ended
         now = self._reports.get(job)
-        if ended is not None and not _progressed(now, *ended):
-            return ended[0]
         if now is not None and self._monotonic() - now.heard_at > self._quiet_s(now):
             return now.heard_at
         return None
+
+    def _run_end(self, job: str) -> float | None:
+        """When ``job``'s last run ended (:meth:`run_ended`, or its reports ended, see
+        :meth:`report`), where it made no progress since; else None. Whether a run of it
+        holds a reservation is the caller's to know."""
+        with self._ends_lock:
+            ended = self._ends.get(job)
+        if ended is None or _progressed(self._reports.get(job), *ended):
+            return None
+        return ended[0]
 
     # -- the cluster's port ----------------------------------------------------------------
     def apply_order(
@@ -1011,10 +1036,13 @@ class TrafficService:
 
         Tags are held by registered jobs, so a node that has seen many jobs can run out of
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
-        holding no reservation, not pinned, with no process in its cgroup, and neither a
-        progress report nor a call here that gave it its tag for ``traffic.idle_after_s``
-        (nor since gpud started; a job that reports less often: for twice its usual
-        interval between reports, see :meth:`_quiet_s`). It gets a new tag when it runs again. Raises
+        holding no reservation, not pinned, with no process in its cgroup, and either done
+        (its run ended, with no progress and no call here since: handed over at once,
+        however lately it reported) or with neither a progress report nor a call here that
+        gave it its tag for ``traffic.idle_after_s`` (nor since gpud started; a job that
+        reports less often: for twice its usual interval between reports, at most
+        :data:`QUIET_CAP_IDLES` times that, see :meth:`_quiet_s`). It gets a new tag when it
+        runs again. Raises
         DscpPoolExhausted when every tag is held by a job in use (a refused call counts as
         nothing: the job does not start).
         """
@@ -1039,7 +1067,8 @@ class TrafficService:
             held = self.tags.allocations()
             idle = self._idle_since([j for j in held if j != job])
             if not idle:
-                raise DscpPoolExhausted(f"{err.reason}{self._why_none_idle()}", job=job) from err
+                why = self._why_none_idle([j for j in held if j != job])
+                raise DscpPoolExhausted(f"{err.reason}{why}", job=job) from err
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
             self.tags.release(holder)
@@ -1053,8 +1082,9 @@ class TrafficService:
             )
             return self.tags.tag(job)
 
-    def _why_none_idle(self) -> str:
-        """Why no held tag can be handed over, for DscpPoolExhausted."""
+    def _why_none_idle(self, holders: Sequence[str]) -> str:
+        """Why no held tag can be handed over, for DscpPoolExhausted: ``holders``, the jobs
+        holding them, none idle."""
         wait = self.config.idle_after_s
         up = self._monotonic() - self._started_at
         if up <= wait:
@@ -1065,9 +1095,24 @@ class TrafficService:
                 f" are handed over in {max(1.0, wait - up):.0f} s (or widen"
                 " traffic.dscp_pool, or remove jobs: gpuctl jobs rm)"
             )
+        now = self._monotonic()
+        quiet = []  # held past traffic.idle_after_s by a longer quiet time
+        for job in sorted(holders):
+            reports = self._reports.get(job)
+            if reports is None:
+                continue
+            silent, quiet_s = now - reports.heard_at, self._quiet_s(reports)
+            if wait < silent <= quiet_s:  # its interval is known: it made quiet_s longer
+                every = reports.usual_interval_s or reports.interval_s or 0.0
+                left = quiet_s - silent
+                quiet.append(f"job {job} (a report every {every:.0f} s: idle in {left:.0f} s)")
+        named = f": {first_few(quiet, _QUIET_SHOWN)}" if quiet else ""
         return (
-            f", each by a job that runs, is pinned or reported progress in"
-            f" the last {wait:g} s: widen traffic.dscp_pool or remove jobs (gpuctl jobs rm)"
+            f", each by a job that runs, is pinned, or was given its tag or reported in the"
+            f" last {wait:g} s (traffic.idle_after_s), or, reporting less often, within twice"
+            f" its usual interval between reports, at most {QUIET_CAP_IDLES:g} times"
+            f" traffic.idle_after_s{named}; widen traffic.dscp_pool or remove jobs"
+            " (gpuctl jobs rm)"
         )
 
     def _pins(self) -> dict[str, int]:
@@ -1078,9 +1123,10 @@ class TrafficService:
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (the monotonic clock): no
-        reservation, no pin, no process in their cgroup, no progress report or tag handed
-        out for ``traffic.idle_after_s`` (nor since gpud started), nor a report for the
-        job's :meth:`_quiet_s`."""
+        reservation, no pin, no process in their cgroup, and either a run that ended with
+        no progress and no tag handed out since (idle from its end, however lately it
+        reported), or no progress report or tag handed out for ``traffic.idle_after_s``
+        (nor since gpud started), nor a report for the job's :meth:`_quiet_s`."""
         now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()
@@ -1089,12 +1135,18 @@ class TrafficService:
             if job in active or job in pins:
                 continue
             reports = self._reports.get(job)
-            since = max(self._started_at, self._tagged_at.get(job, 0.0))
-            if now - since <= self.config.idle_after_s or (
-                reports is not None and now - reports.heard_at <= self._quiet_s(reports)
-            ):
-                continue
-            since = max(since, reports.heard_at if reports else 0.0)
+            tagged = self._tagged_at.get(job, 0.0)
+            ended = self._run_end(job)
+            if ended is not None and tagged < ended:
+                # done: nothing of it runs, and a tag handed out since would be a new run's
+                since = ended
+            else:
+                since = max(self._started_at, tagged)
+                if now - since <= self.config.idle_after_s or (
+                    reports is not None and now - reports.heard_at <= self._quiet_s(reports)
+                ):
+                    continue
+                since = max(since, reports.heard_at if reports else 0.0)
             if self._cgroups is not None and self._cgroups.busy(job):
                 continue
             out[job] = since
@@ -1122,7 +1174,7 @@ class TrafficService:
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         with self._ends_lock:
-            read_from = self._run_ends
+            read_from = self._runs_said
         active_res = self._active()
         with self._ends_lock:
             # a run that ended while the store was read, its release after the read: the
@@ -1132,12 +1184,15 @@ class TrafficService:
             self._ended_runs = {j: self._ended_runs[j] for j in late}
             active_res = active_res - late
             self._held = frozenset(active_res)
-            # a run started since the last tick that this read saw, or one the tick before
-            # did not see either (rolled back), is no longer kept apart
+            # a job this read sees held runs: its last end is over (not before, as the
+            # reservation that said it started may have been rolled back)
+            for job in active_res & self._ends.keys():
+                del self._ends[job]
+            # a run started before this read began is in it, or was rolled back; one this
+            # read saw is in it: neither is kept apart any longer
             self._started = {
-                j: n for j, n in self._started.items() if n == self._ticks and j not in active_res
+                j: n for j, n in self._started.items() if n > read_from and j not in active_res
             }
-            self._ticks += 1
         active = []
         heard = self._monotonic()
         for job in registered:

@@ -82,6 +82,13 @@ def open_traffic(
         return jobs.registry.names()
 
     def active() -> set[str]:
+        """The jobs holding a reservation, read through ``store.transaction()``: the
+        writer's lock, so the read takes its turn with the writes and sees every release
+        and reservation said to the service (``run_ended``, ``run_started``: inside their
+        transactions) before it began, committed or rolled back. The tick's sequence
+        numbers rely on it: a run end or start counted before the read is in it. Never
+        ``store.reading()``, whose snapshot holds only what was committed: a release said
+        but not yet committed would read as held."""
         return {r.job for r in jobs.reservations.held()}
 
     service = TrafficService(

@@ -37,7 +37,7 @@ from gpud.store import StateStore
 from tests.unit.store_support import CountingStore
 
 if TYPE_CHECKING:
-    from gpud.jobs.service import JobService
+    from gpud.jobs.service import JobService, Launch
 from netshaper import tcplan
 from netshaper.nftables import CgroupMark, MarkSync
 
@@ -943,16 +943,59 @@ def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
     from gpud.jobs.service import RunRequest
 
     jobs, service = wired_traffic(tmp_path, 3)
-    first = jobs.reserve(RunRequest("train-a"))
-    service.tick()
-    service.report(Report("train-a", 1, time.time() - 1, session="s"))
-    service.tick()
+    first = _ranked_run(jobs, service)
     jobs.release(first.reservation.id)
     second = jobs.reserve(RunRequest("train-a"))
     jobs.reserve(RunRequest("train-a"))
     jobs.release(second.reservation.id)  # the third holds, no tick since
     (row,) = service.view().jobs
     assert row.ended_s is None and row.level is not None
+    service.shutdown()
+
+
+def _ranked_run(jobs: JobService, service: TrafficService) -> Launch:
+    """A run of job "train-a" reserved, reporting, and ranked by a tick."""
+    from gpud.jobs.service import RunRequest
+
+    launch = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+    return launch
+
+
+def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path: Path) -> None:
+    """A run that reserves right after its job's last run was released, in a transaction
+    that is rolled back (the disk full), holds nothing: the job reads ended at the ticks
+    after, without its level, though it reported within traffic.idle_after_s."""
+    from gpud.jobs.service import RunRequest
+
+    jobs, service = wired_traffic(tmp_path, 1)
+    launch = _ranked_run(jobs, service)
+    jobs.release(launch.reservation.id)
+    with pytest.raises(OSError), jobs.store.transaction():
+        jobs.reserve(RunRequest("train-a"))
+        raise OSError(28, "No space left on device")
+    assert not jobs.reservations.held()
+    for _ in range(2):
+        service.tick()
+        (row,) = service.view().jobs
+        assert row.ended_s is not None and row.level is None
+    service.shutdown()
+
+
+def test_the_reservations_are_read_in_turn_with_their_writes(tmp_path: Path) -> None:
+    """The tick reads the reservations through the store's writer, in turn with its writes
+    (a release is said to the service before it commits), never a reading snapshot of what
+    was committed: a tick after the release reads the job ended, without its level."""
+
+    jobs, service = wired_traffic(tmp_path, 1)
+    launch = _ranked_run(jobs, service)
+    with jobs.store.transaction():
+        jobs.release(launch.reservation.id)  # told to the service, not committed yet
+        service.tick()
+    (row,) = service.view().jobs
+    assert row.ended_s is not None and row.level is None
     service.shutdown()
 
 
@@ -1348,7 +1391,10 @@ def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> No
     rig.jobs.append("new")
     (rig.cgroups.ensure("a") / "cgroup.procs").write_text("4242\n")  # a's process runs
     s.pin("b", 1)
-    with pytest.raises(ResourceExhausted, match="each by a job that runs, is pinned or reported"):
+    with pytest.raises(
+        ResourceExhausted,
+        match="each by a job that runs, is pinned, or was given its tag or reported",
+    ):
         s.tag("new")
     (rig.cgroups.dir("a") / "cgroup.procs").write_text("")
     assert s.tag("new") == 10 + 11 - s.tags.allocations()["b"]
@@ -2170,6 +2216,7 @@ def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
     assert said.fields["job"] == "a" and said.fields["interval_s"] == 90
     assert said.fields["quiet_s"] == 180
     assert "traffic.idle_after_s (60 s)" in said.message
+    assert "runs again at each report" not in said.message
     (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
     assert a.level is not None
     rig.jobs.append("d")
@@ -2220,6 +2267,7 @@ def test_a_job_reporting_very_seldom_is_idle_after_ten_times_idle_after_s(rig: R
     (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
     assert said.fields["interval_s"] == 1000 and said.fields["quiet_s"] == 600
     assert "after 600 s without a report" in said.message
+    assert "it ends and runs again at each report" in said.message
 
 
 def test_a_run_that_ends_while_a_tick_reads_the_reservations_stays_ended(rig: Rig) -> None:
@@ -2360,3 +2408,78 @@ def test_the_gap_limit_is_traffic_progress_gap_spacings(tmp_path: Path, sysfs: P
         (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
         assert (a.stopped_s is not None) is stopped, spacings
         assert rig.service.view().gap_spacings == spacings
+
+
+def _rounds(rig: Rig, rounds: int, each: float, spread: Iterable[float]) -> list[JobTraffic]:
+    """Job "a" reports from several processes ``spread`` seconds after each round's start
+    (one iteration each), a round every ``each`` seconds, the service ticking each second:
+    its row at each tick."""
+    rows = []
+    offsets = sorted(spread)
+    done = 0
+    start = rig.clock.t
+    for r in range(rounds):
+        base = start + r * each
+        for offset in offsets:
+            rig.clock.t = base + offset
+            done += 1
+            rig.service.report(Report("a", done, rig.clock.t, session="s"))
+        for second in range(1, int(each) + 1):
+            rig.clock.t = base + second
+            rig.service.tick()
+            (row,) = [j for j in rig.service.view().jobs if j.job == "a"]
+            rows.append(row)
+    return rows
+
+
+def test_a_job_reporting_from_processes_a_moment_apart_keeps_the_rounds_cadence(
+    rig: Rig,
+) -> None:
+    """Four processes of a job report 0.2 s apart, a round every 90 s (traffic.idle_after_s
+    60): each round is one arrival, the job's usual interval is 90 s, and it ends at most
+    once, while that interval is learnt, not between every round."""
+    rig.active = {"b"}
+    rows = _rounds(rig, 8, 90, (0.0, 0.2, 0.4, 0.6))
+    assert _ends(rows) == 1
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
+    assert said.fields["interval_s"] == 90
+
+
+def test_a_job_whose_run_ended_gives_its_tag_to_a_job_that_starts_at_once(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """With every tag held, a job whose run ended (no progress since) gives its tag to a
+    job that starts, however lately it reported; a job tagged again since its end (about to
+    run again) keeps its tag."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
+    rig.active = {"b", "c"}
+    _every(rig, 70, 10)
+    dscp = rig.service.tags.get("a")
+    rig.jobs += ["d", "e"]
+    rig.service.run_ended("a")
+    rig.clock.t += 5
+    assert rig.service.tag("d") == dscp
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.reclaim"]
+    assert said.fields["job"] == "a"
+    rig.service.run_ended("d")
+    rig.service.tag("d")  # about to run again
+    with pytest.raises(DscpPoolExhausted):
+        rig.service.tag("e")
+
+
+def test_a_spent_pool_names_the_jobs_whose_quiet_time_keeps_their_tags(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """The refusal of a tag says a job reporting less often than traffic.idle_after_s keeps
+    its tag for its quiet time, and names the job that does so now."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"b", "c"}
+    _every(rig, 270, 90)
+    rig.jobs.append("d")
+    rig.clock.t += 70  # past idle_after_s since a's last report, within its quiet time
+    with pytest.raises(DscpPoolExhausted) as refused:
+        rig.service.tag("d")
+    message = str(refused.value)
+    assert "reported in the last 60 s (traffic.idle_after_s)" in message
+    assert "at most 10 times traffic.idle_after_s" in message
+    assert "job a (a report every 90 s: idle in 110 s)" in message
