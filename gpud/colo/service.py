@@ -360,32 +360,53 @@ def _question(v: JobView, hold_s: float) -> Hashable:
 
 
 class _Off(NamedTuple):
-    """A waiting run no longer listed, remembered for its next question: when (the loop's
-    clock) it was dropped or taken out, its job, since when it waited, its last question,
-    and whether it asked without an id."""
+    """A waiting run dropped for its silence, remembered for its next question: when (the
+    loop's clock) it was dropped, its job, since when it waited, its last question, and
+    whether it asked without an id."""
 
     at: float
     job: str
     since: float
     last: float
     anonymous: bool
-    wall: float = 0.0  # Unix time it was taken out (written to the state file)
 
 
 def _off(at: float, w: _Waiter) -> _Off:
     return _Off(at, w.job, w.since, w.last, w.anonymous)
 
 
+class _Left(NamedTuple):
+    """A waiting run taken out of the wait, remembered for its next question: when (the
+    loop's clock, and ``wall``: Unix time) it was taken out, its job, and whether it asked
+    without an id."""
+
+    at: float
+    job: str
+    anonymous: bool
+    wall: float
+
+
+class _Removed(NamedTuple):
+    """A job removed while a run of it waited (or was dropped), remembered for that run's
+    next question: when (the loop's clock, and ``wall``: Unix time), and whether with
+    ``--force``."""
+
+    at: float
+    forced: bool
+    wall: float
+
+
 _Kept = TypeVar("_Kept", bound=tuple[Any, ...])
 
 
-def _forget_old(kept: dict[str, _Kept], now: float, most: int) -> None:
+def _forget_old(kept: dict[str, _Kept], now: float, most: int, keep_s: float | None = None) -> None:
     """Drop the oldest of ``kept`` (each stamped first with when it came, in the order
-    they came) past :data:`DROPPED_KEEP_S` or beyond ``most``, from the front: no walk
-    over the rest."""
+    they came) past ``keep_s`` (default :data:`DROPPED_KEEP_S`) or beyond ``most``, from
+    the front: no walk over the rest."""
+    keep_s = DROPPED_KEEP_S if keep_s is None else keep_s
     while kept:
         key, first = next(iter(kept.items()))
-        if len(kept) <= most and now - first[0] <= DROPPED_KEEP_S:
+        if len(kept) <= most and now - first[0] <= keep_s:
             return
         del kept[key]
 
@@ -399,6 +420,43 @@ class _Gone:
     wall: float
     at: float
     seq: int
+
+
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def read_boot_id(path: Path = BOOT_ID_PATH) -> str | None:
+    """The kernel's id of the running boot (``/proc/sys/kernel/random/boot_id``, new at
+    each boot); None where it cannot be read."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+_Entry = TypeVar("_Entry")
+
+
+def _saved_entries(
+    path: Path, data: Mapping[str, Any], key: str, read: Callable[[str, Any], _Entry | None]
+) -> list[_Entry]:
+    """The entries of the state file's object ``key`` as ``read`` makes them (None: not
+    kept). One it refuses is logged, naming the file and its key, and skipped: the rest,
+    and the rest of the file, are kept."""
+    saved = data.get(key) or {}
+    if not isinstance(saved, dict):
+        log.error("co-location state %s: %s is not an object (%r): not read", path, key, saved)
+        return []
+    read_: list[_Entry] = []
+    for name, entry in saved.items():
+        try:
+            one = read(str(name), entry)
+        except ValueError as err:
+            log.error("co-location state %s: %s.%s not read (%s): skipped", path, key, name, err)
+            continue
+        if one is not None:
+            read_.append(one)
+    return read_
 
 
 def _write_state(path: Path, text: str) -> None:
@@ -523,13 +581,17 @@ PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
 # A waiting gpuctl run asks every 1-4 s: one silent this long has gone (Ctrl-C, killed).
 WAITER_GONE_S = 10.0
 # How long a waiting run dropped for its silence is remembered, and a `gpuctl queue
-# --leave` or `gpuctl jobs rm --force` that took it out: one that was only stopped (Ctrl-Z)
+# --leave` or `gpuctl jobs rm` that took it out: one that was only stopped (Ctrl-Z)
 # and asks again within it is told what happened to it meanwhile, or waits again from
 # then, behind the runs that came while gpud listed it no more.
 DROPPED_KEEP_S = 86400.0
 # How many such runs are remembered at most, dropped and taken out each (the oldest go
 # first): a client asking under ever new ids and then falling silent costs no more.
 DROPPED_KEEP_MAX = 10_000
+# How long a run that took itself out of the wait as it stopped (Ctrl-C, SIGTERM: its
+# process exits) is remembered: only a question of it already on its way comes later. Not
+# written to colo.json: its process is gone.
+STOPPED_LEFT_KEEP_S = 60.0
 # A run dropped for its silence that asks again within this of its last question was not
 # stopped but late (gpud slow to answer its last question, which it waits for before its
 # next 1-4 s): it keeps its place. Silent longer, it was stopped (Ctrl-Z) and waits again
@@ -664,6 +726,7 @@ class ColoService:
         write: Callable[[Path, str], None] | None = None,
         registered: Callable[[], Mapping[str, float | None]] | None = None,
         remember: int = DROPPED_KEEP_MAX,
+        boot_id: Callable[[], str | None] = read_boot_id,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -690,8 +753,13 @@ class ColoService:
         planned with the removed one's footprints, alone rate and duties (default: all
         are kept). ``remember``: how many waiting runs dropped for their silence, and how
         many taken out, are remembered at most for their next question (the oldest go
-        first)."""
+        first). ``boot_id``: the kernel's id of the running boot (default:
+        :func:`read_boot_id`), read once: the leaves and removals colo.json holds are read
+        on the loop's ``clock`` (``time.monotonic``: kept by the kernel from boot) as it
+        wrote them when written on this boot, and forgotten when written on another (no
+        gpuctl run outlives a reboot)."""
         self._remember = remember
+        self._boot = boot_id()  # one for the process's life
         self._name_of = name_of
         self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
         self._wall = wall
@@ -743,7 +811,7 @@ class ColoService:
         # job -> when `gpuctl jobs rm` removed it while a run of it waited (--force) or was
         # dropped, and whether forced: that run's next question is answered NotFound (kept
         # DROPPED_KEEP_S, in the order removed)
-        self._removed: dict[str, tuple[float, bool, float]] = {}  # and its Unix time
+        self._removed: dict[str, _Removed] = {}
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
@@ -752,7 +820,11 @@ class ColoService:
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
         # next question is answered LeftQueue (kept DROPPED_KEEP_S, `remember` at most,
         # in the order taken out)
-        self._left: dict[str, _Off] = {}
+        self._left: dict[str, _Left] = {}
+        # waiter id -> when the run took itself out as it stopped (Ctrl-C, SIGTERM): only a
+        # question already on its way is answered LeftQueue (kept STOPPED_LEFT_KEEP_S, not
+        # written to colo.json: the process has exited)
+        self._stopped: dict[str, _Left] = {}
         # waiter id -> the run dropped for its silence (kept as _left is): a run stopped
         # meanwhile may ask again with that id
         self._dropped: dict[str, _Off] = {}
@@ -1124,7 +1196,7 @@ class ColoService:
             for name in evicted:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
-            self._load_off(data)
+            self._load_off(path, data)
             if registered is not None:
                 self._drop_unregistered(path, registered())
             # those it wrote as running (a job that had ended, with how long ago it ran)
@@ -1154,31 +1226,63 @@ class ColoService:
             return
         self.configure(self.config)  # the planner predicts with the restored one
 
-    def _load_off(self, data: Mapping[str, Any]) -> None:
+    def _load_off(self, path: Path, data: Mapping[str, Any]) -> None:
         """The waiting runs taken out and the jobs removed under a waiting run, as
-        :meth:`_state` wrote them (absent from files written before they were kept), on
-        the loop's clock as long ago as their Unix times say."""
+        :meth:`_state` wrote them (absent from files written before they were kept).
+        Written on this boot, each is as old on the loop's clock as it was written; on
+        another, none is kept: no gpuctl run waits across a reboot. A file that names no
+        boot (written before it was kept, or with the boot's id unknown) is read by its
+        Unix times, none later than now: a wall clock stepped back since does not make one
+        recent again. An entry not read is logged, naming the file and its key, and
+        skipped: the rest of the file is kept."""
         now, wall = self._clock(), self._wall()
-        left: list[tuple[float, str, _Off]] = []
-        for wid, saved in (data.get("left") or {}).items():
+        boot, saved_boot = self._boot, data.get("boot_id")
+        if isinstance(saved_boot, str) and boot is not None and saved_boot != boot:
+            if data.get("left") or data.get("removed"):
+                log.info(
+                    "co-location state %s: written on another boot (%s, now %s): its leaves"
+                    " and removals of waiting runs are forgotten",
+                    path,
+                    saved_boot,
+                    boot,
+                )
+            return
+        same = saved_boot is not None and saved_boot == boot
+
+        def at(where: str, entry: list[Any], unix: int, clock: int) -> float | None:
+            """When ``entry`` came, on the loop's clock; None: not to be kept."""
+            t = _saved_number(entry[unix], f"{where}.wall", 0.0)
+            if same and len(entry) > clock:
+                # the loop's clock counts from boot: one ahead of now is not of this boot
+                saved = _saved_number(entry[clock], f"{where}.clock", -math.inf)
+                return saved if saved <= now else None
+            return now - (wall - t) if t <= wall else None
+
+        def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
-            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[0], str)):
-                raise ValueError(f"{where}: [job, Unix time, anonymous] expected, not {saved!r}")
+            if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
+                raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
-                raise ValueError(f"{where}: anonymous is true or false, not {saved[2]!r}")
-            t = _saved_number(saved[1], f"{where}.wall", 0.0)
-            at = now - max(0.0, wall - t)
-            left.append((t, str(wid), _Off(at, saved[0], at, at, saved[2], t)))
-        removed: list[tuple[float, str, bool]] = []
-        for job, saved in (data.get("removed") or {}).items():
-            where = f"removed.{job}"
-            if not (isinstance(saved, list) and len(saved) == 2 and isinstance(saved[1], bool)):
-                raise ValueError(f"{where}: [Unix time, forced] expected, not {saved!r}")
-            removed.append((_saved_number(saved[0], f"{where}.wall", 0.0), str(job), saved[1]))
+                raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
+            came = at(where, saved, 1, 3)
+            return (
+                None
+                if came is None
+                else (came, wid, _Left(came, saved[0], saved[2], float(saved[1])))
+            )
+
+        def one_removed(job: str, saved: Any) -> tuple[float, str, _Removed] | None:
+            if not (
+                isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
+            ):
+                raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
+            came = at(f"removed.{job}", saved, 0, 2)
+            return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
+
+        left = _saved_entries(path, data, "left", one_left)
+        removed = _saved_entries(path, data, "removed", one_removed)
         self._left = {wid: off for _, wid, off in sorted(left)}
-        self._removed = {
-            job: (now - max(0.0, wall - t), forced, t) for t, job, forced in sorted(removed)
-        }
+        self._removed = {job: r for _, job, r in sorted(removed)}
         _forget_old(self._left, now, self._remember)
         _forget_old(self._removed, now, self._remember)
 
@@ -1382,11 +1486,15 @@ class ColoService:
             "predictor": self.predictor.to_dict(),
         }
         # the waiting runs taken out, and the jobs removed under a waiting run, that a run
-        # stopped meanwhile is told of when it asks again after a restart (Unix times)
+        # stopped meanwhile is told of when it asks again after a restart: on the loop's
+        # clock, read as written on the same boot alone (Unix times for the operator, and
+        # where the boot is not known)
+        if (self._left or self._removed) and self._boot is not None:
+            state["boot_id"] = self._boot
         if self._left:
-            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
+            state["left"] = {i: [o.job, o.wall, o.anonymous, o.at] for i, o in self._left.items()}
         if self._removed:
-            state["removed"] = {j: [r[2], r[1]] for j, r in self._removed.items()}
+            state["removed"] = {j: [r.wall, r.forced, r.at] for j, r in self._removed.items()}
         return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
@@ -2119,7 +2227,8 @@ class ColoService:
         if wid in self._waiting:
             return True
         return any(
-            d is not None and d.job != job for d in (self._dropped.get(wid), self._left.get(wid))
+            d is not None and d.job != job
+            for d in (self._dropped.get(wid), self._left.get(wid), self._stopped.get(wid))
         )
 
     def _promise(
@@ -2187,28 +2296,31 @@ class ColoService:
     def _check_not_removed(
         self, job: str, wid: str, since: float, now: float, *, anonymous: bool = False
     ) -> None:
-        """NotFound for a waiting asker of ``job`` when `gpuctl jobs rm --force` removed
-        the job after it began to wait (a run that began later is another run). Under the
-        lock. LeftQueue for the run waiting as ``wid`` that `gpuctl queue --leave` took
-        out; for an ``anonymous`` one (no id to tell), the job's anonymous run taken out
-        after it began to wait."""
+        """NotFound for a waiting asker of ``job`` when `gpuctl jobs rm` (with ``--force``
+        while the run was listed, plain or forced once it was dropped for its silence)
+        removed the job after it began to wait (a run that began later is another run).
+        Under the lock. LeftQueue for the run waiting as ``wid`` that `gpuctl queue
+        --leave`, or its own stop, took out; for an ``anonymous`` one (no id to tell), the
+        job's anonymous run taken out after it began to wait."""
         # kept as long as a run dropped for its silence is (a stopped one may ask again)
         _forget_old(self._removed, now, self._remember)
         _forget_old(self._left, now, self._remember)
+        _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
         removed = self._removed.get(job)
-        if removed is not None and since <= removed[0]:
+        if removed is not None and since <= removed.at:
             self._waiting.pop(wid, None)
-            how = "gpuctl jobs rm --force" if removed[1] else "gpuctl jobs rm"
+            how = "gpuctl jobs rm --force" if removed.forced else "gpuctl jobs rm"
             raise NotFound(
                 f"job {job} was removed ({how}) while its gpuctl run waited "
                 "for co-location: nothing was started"
             )
-        left = (wid, self._left[wid]) if wid in self._left else None
+        mine = self._left.get(wid) or self._stopped.get(wid)
+        left = (wid, mine) if mine is not None else None
         if anonymous:
             left = next(
                 (
                     (i, o)
-                    for i, o in self._left.items()
+                    for i, o in itertools.chain(self._left.items(), self._stopped.items())
                     if o.job == job and o.anonymous and since <= o.at
                 ),
                 None,
@@ -2238,8 +2350,10 @@ class ColoService:
         ``job`` waiting for advice would otherwise go on waiting, and register the job
         again once placed. Without ``force`` that is refused, as for a queued run; with it
         the run's next question is answered NotFound, and it exits without starting, once
-        the removal committed: it is the returned callable that stops the wait (a removal
-        whose commit failed keeps the job, and its waiting runs wait on). Committed, a
+        the removal committed (a run dropped for its silence, stopped, is told so too when
+        it asks again, the removal forced or not): it is the returned callable that stops
+        the wait (a removal whose commit failed keeps the job, and its waiting runs wait
+        on). Committed, a
         place advice promised a run of it (``reserving``) holds no GPU any more."""
         now = self._clock()
         with self._lock:
@@ -2271,7 +2385,7 @@ class ColoService:
                 )
                 if mine or silent:
                     self._removed.pop(job, None)  # kept in the order removed
-                    self._removed[job] = (at, force, self._wall())
+                    self._removed[job] = _Removed(at, force, self._wall())
                 # written at once: a kill -9 before the next tick does not bring it back
                 state = self._state(n for n in self._running_names() if n != job)
             self._save(state)
@@ -2290,7 +2404,9 @@ class ColoService:
         queue --leave ID``): its next question is answered LeftQueue, and it exits having
         started nothing, as a queued run taken out does. None when no run waits with that
         id (an admission queue entry's, or one gone). ``stopped_by``: the run itself leaves
-        as it stops, sent that signal ("" when not known); None: an operator took it out."""
+        as it stops, sent that signal ("" when not known), and is remembered a minute, for
+        a question already on its way; None: an operator took it out, written to colo.json
+        at once, so that the run, stopped and continued after a gpud restart, is told."""
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
@@ -2298,10 +2414,22 @@ class ColoService:
             # one dropped for its silence (stopped: Ctrl-Z) is taken out too, not to wait
             # again once continued
             off = _off(now, w) if w is not None else self._dropped.pop(waiter_id, None)
+            state = None
             if off is not None:
-                self._left.pop(waiter_id, None)
-                self._left[waiter_id] = off._replace(at=now, wall=self._wall())
-                _forget_old(self._left, now, self._remember)
+                taken = _Left(now, off.job, off.anonymous, self._wall())
+                if stopped_by is None:
+                    self._left.pop(waiter_id, None)
+                    self._left[waiter_id] = taken
+                    _forget_old(self._left, now, self._remember)
+                    # written at once: a restart before the next tick does not let the run,
+                    # continued, wait again
+                    state = self._state(self._running_names())
+                else:
+                    # its process has exited: only a question already on its way comes
+                    self._stopped.pop(waiter_id, None)
+                    self._stopped[waiter_id] = taken
+                    _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
+        self._save(state)
         self._say_gone(gone, now)
         if off is None:
             return None

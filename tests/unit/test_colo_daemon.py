@@ -1875,6 +1875,36 @@ def test_a_run_dropped_while_stopped_is_told_its_job_was_removed_by_a_plain_rm_a
         svc.advise("w", snapshot=snap, waiting=True, waited_s=20.0, waiter_id=wid)
 
 
+class Restarts:
+    """A gpud's co-location loop started again over one colo.json, on the loop's clock and
+    Unix time the test moves, on a boot the test names."""
+
+    def __init__(self, tmp_path: Path, remember: int = 10_000) -> None:
+        self.tmp_path = tmp_path
+        self.clock, self.wall = Clock(), Clock()
+        self.wall.t = 1_700_000_000.0
+        self.boot = "0b0b0b0b-0000-4000-8000-000000000001"
+        self.jobs: list[RunningJob] = []
+        self.remember = remember
+
+    @property
+    def file(self) -> Path:
+        return self.tmp_path / "colo.json"
+
+    def start(self) -> tuple[ColoService, Snapshot]:
+        svc = ColoService(
+            ColocateConfig(),
+            EventLog(self.tmp_path / "events.jsonl"),
+            running=lambda: self.jobs,
+            clock=self.clock,
+            wall=self.wall,
+            state_file=self.file,
+            remember=self.remember,
+            boot_id=lambda: self.boot,
+        )
+        return svc, memory_held(svc, self.jobs)
+
+
 def test_a_run_taken_out_or_removed_while_stopped_is_told_so_after_a_gpud_restart(
     tmp_path: Path,
 ) -> None:
@@ -1884,37 +1914,175 @@ def test_a_run_taken_out_or_removed_while_stopped_is_told_so_after_a_gpud_restar
     started. gpud forgot both with the restart, and each waited again at the head."""
     from gpud.errors import LeftQueue
 
-    clock, wall = Clock(), Clock()
-    wall.t = 1_700_000_000.0
-    jobs: list[RunningJob] = []
-
-    def started() -> ColoService:
-        return ColoService(
-            ColocateConfig(),
-            EventLog(tmp_path / "events.jsonl"),
-            running=lambda: jobs,
-            clock=clock,
-            wall=wall,
-            state_file=tmp_path / "colo.json",
-        )
-
-    svc = started()
-    snap = memory_held(svc, jobs)
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
     left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
     removed = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    host.clock.t += 3.0  # each began to wait 3 s before it was taken out
     assert svc.leave(left) is not None
     svc.job_removed("x", True)()
     svc.tick(snap)
-    clock.t, wall.t = 5.0, wall.t + 60.0  # the host's clock starts anew
-    svc = started()
-    snap = memory_held(svc, jobs)
+    host.clock.t += 60.0
+    host.wall.t += 60.0
+    svc, snap = host.start()
     with pytest.raises(LeftQueue, match=left):
-        svc.advise("w", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=left)
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=63.0, waiter_id=left)
     with pytest.raises(NotFound, match=r"job x was removed \(gpuctl jobs rm --force\)"):
-        svc.advise("x", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=removed)
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=63.0, waiter_id=removed)
     assert svc.waiting() == []
     # a run that begins to wait after the restart is another run
     assert svc.advise("x", snapshot=snap, waiting=True).gpu == -1
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 2 * 86400.0])
+def test_a_removal_outlives_a_restart_as_old_as_it_is_whatever_the_wall_clock_did(
+    tmp_path: Path, step_s: float
+) -> None:
+    """The wall clock stepped back an hour, or on two days (NTP, a suspend), between a
+    removal under a waiting run and a gpud restart on the same boot: the run that waited
+    before the removal is still told of it, a run that began to wait after it is not, and
+    colo.json holds the removal as it came. A step back made the saved removal look as if
+    it had just come (renewed at each restart), and a later run was refused as removed; a
+    step on past a day forgot it."""
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
+    before = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    host.clock.t += 20.0
+    svc.tick(snap)  # dropped: stopped (Ctrl-Z)
+    svc.job_removed("x", True)()
+    removed_at = host.clock.t
+    host.clock.t += 30.0
+    host.wall.t += 30.0 + step_s
+    svc, snap = host.start()
+    later = svc.advise("x", snapshot=snap, waiting=True, waited_s=10.0)
+    assert later.gpu == -1 and later.waiter_id != before  # it waits: another run
+    with pytest.raises(NotFound, match="job x was removed"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=50.0, waiter_id=before)
+    svc.tick(snap)
+    (saved,) = json.loads(host.file.read_text())["removed"].values()
+    assert saved[-1] == removed_at
+
+
+def test_the_leaves_and_removals_of_another_boot_are_forgotten(tmp_path: Path) -> None:
+    """colo.json written on another boot: no gpuctl run waiting then asks now, and a
+    run with an id of then waits as any run does."""
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
+    left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(left) is not None
+    svc.tick(snap)
+    assert left in json.loads(host.file.read_text())["left"]
+    host.boot = "0b0b0b0b-0000-4000-8000-000000000002"
+    svc, snap = host.start()
+    assert svc.advise("w", snapshot=snap, waiting=True, waiter_id=left).waiter_id == left
+
+
+def test_leaves_and_removals_saved_by_unix_time_alone_are_read_none_from_the_future(
+    tmp_path: Path,
+) -> None:
+    """A colo.json whose leaves and removals name no boot (the layout before it did) is
+    still read by their Unix times: one as old as a minute holds; one later than now (the
+    wall clock stepped back since) is dropped, not taken as just come."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    then, ahead = host.wall.t - 60.0, host.wall.t + 3600.0
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "left": {"0123456789ab": ["w", then, False], "0123456789cd": ["v", ahead, False]},
+                "removed": {"x": [then, True], "y": [ahead, True]},
+            }
+        )
+    )
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=90.0, waiter_id="0123456789ab")
+    with pytest.raises(NotFound, match="job x was removed"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=90.0)
+    # a minute's wait began after what the wall clock dates an hour from now
+    assert svc.advise("v", snapshot=snap, waiting=True, waiter_id="0123456789cd").gpu == -1
+    assert svc.advise("y", snapshot=snap, waiting=True, waited_s=60.0).gpu == -1
+
+
+def test_a_run_taken_out_is_told_so_after_a_restart_before_the_next_tick(
+    tmp_path: Path,
+) -> None:
+    """`gpuctl queue --leave ID` of a stopped run, then gpud restarted before its loop's
+    next tick (up to an hour): continued, the run is LeftQueue. The leave was written at
+    the next tick alone, and the run waited again and could start."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    host.clock.t += 3.0
+    assert svc.leave(wid) is not None
+    host.clock.t += 10.0
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match=wid):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=13.0, waiter_id=wid)
+
+
+def test_a_bad_leave_or_removal_in_colo_json_is_skipped_and_the_rest_is_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave or a removal colo.json holds that is not read (a hand edit, a bug) is
+    logged, naming the file and its key, and skipped: the other leaves, the jobs' duties
+    and the predictor are kept. The whole file was set aside and all it held forgotten."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    then = host.wall.t - 60.0
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}},
+                "left": {"0123456789ab": ["w", then, False], "0123456789cd": ["v", "then", False]},
+                "removed": {"x": [1.0]},
+            }
+        )
+    )
+    svc, snap = host.start()
+    assert svc._jobs["train"].alone_rate == 10.0
+    assert not (tmp_path / "colo.json.unreadable").exists()
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=90.0, waiter_id="0123456789ab")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 2
+    assert all(str(host.file) in m for m in said)
+    assert any("left.0123456789cd" in m for m in said)
+    assert any("removed.x" in m for m in said)
+
+
+def test_a_run_that_left_as_it_stopped_is_kept_a_minute_and_not_written(
+    tmp_path: Path,
+) -> None:
+    """A waiting run that takes itself out as it stops (Ctrl-C, SIGTERM: its process
+    exits): a question of it already on its way is LeftQueue, but it is kept a minute, in
+    gpud alone: colo.json does not hold it, and it takes no place of an operator's leave
+    among those remembered. Kept a day and written as an operator's leave, such runs
+    filled the file and pushed out the leaves an operator gave."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path, remember=1)
+    svc, snap = host.start()
+    taken = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    own = svc.advise("v", snapshot=snap, waiting=True).waiter_id
+    host.clock.t += 3.0
+    assert svc.leave(taken) is not None
+    assert svc.leave(own, stopped_by="SIGTERM") is not None
+    with pytest.raises(LeftQueue, match=own):
+        svc.advise("v", snapshot=snap, waiting=True, waited_s=3.0, waiter_id=own)
+    svc.tick(snap)
+    assert list(json.loads(host.file.read_text())["left"]) == [taken]
+    host.clock.t += 61.0
+    assert svc.advise("v", snapshot=snap, waiting=True, waiter_id=own).waiter_id == own
+    with pytest.raises(LeftQueue, match=taken):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=64.0, waiter_id=taken)
 
 
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
@@ -2950,8 +3118,6 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"alone_rates": [8.0]}',
         '{"jobs": {}, "evicted": "big"}',
         '{"jobs": {}, "evicted": [1]}',
-        '{"jobs": {}, "left": {"0123456789ab": ["w", "then", false]}}',
-        '{"jobs": {}, "removed": {"w": [1.0]}}',
     ):
         state.write_text(text)
         caplog.clear()
