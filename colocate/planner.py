@@ -39,7 +39,13 @@ One pass:
    One job at a time, the first in arrival order.
 4. Commit. In arrival order, each job takes its priced choice if it still holds against
    what was committed before it (hard memory check, slowdown caps), else its next best
-   valid option, else it waits, with the reason.
+   valid option, else it waits, with the reason. A job whose MIG instance went to a job
+   ahead of it may re-pick, on that GPU, the instance it would take among those still
+   free there (a larger one may hold it): after every ranked option that slows no one (a
+   free instance, a free GPU), so that it takes neither a larger instance a job behind it
+   may need nor a smaller one while one it ranked higher is free; before an MPS share of a
+   GPU where jobs or processes of no known job run, which would slow them while an
+   instance stays empty.
 5. Directives. Running training jobs get the duty cycle the SLO guards allow on their GPU;
    evictions carry the guard's or the memory check's reason.
 
@@ -333,6 +339,10 @@ class _Gpu:
             else:
                 out.append(m)
         return out
+
+    def busy(self) -> bool:
+        """Jobs, or compute processes of no job gpud knows, run on it: a share slows them."""
+        return bool(self.residents) or self.view.foreign is not None
 
     def shared(self) -> int:
         """Jobs that share the GPU's SMs (those in MIG instances are isolated)."""
@@ -817,13 +827,17 @@ class Planner:
     ) -> Iterator[tuple[int, float, str | None]]:
         """(GPU, SM share, MIG profile) to try for the job at commit, best first.
 
-        Its ranked options first, as they were weighed, skipping those taken this pass by
-        jobs ahead of it. Only when none of them places it, on each GPU whose MIG instance
-        went to a job ahead of it, the instance it would take of those still free there (a
-        larger one may hold it): a re-pick was never weighed against its other options, so
-        it must not take a GPU's larger instance from a job behind it, nor leave an
-        instance it ranked higher free.
+        Its ranked options, as they were weighed, skipping those taken this pass by jobs
+        ahead of it; and on each GPU whose MIG instance went to a job ahead of it, the
+        instance it would take of those still free there (a larger one may hold it). A
+        re-pick was never weighed against its other options: it must not take a GPU's
+        larger instance from a job behind it, nor leave an instance it ranked higher free,
+        so it comes after the ranked options that slow no one (free instances, a free GPU)
+        ranked above the first MPS share of a GPU where jobs, or processes of no job gpud
+        knows, run; and before that share, as sharing is for work that would otherwise
+        wait and a free instance slows no one.
         """
+        tries: list[tuple[int, float, str | None]] = []
         lost: list[int] = []
         for o in ranked:
             share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
@@ -834,11 +848,17 @@ class Planner:
                 if o.gpu not in lost:
                     lost.append(o.gpu)
                 continue
-            yield o.gpu, share, mig
-        for gpu in lost:
-            m = self._instance_for(job, state[gpu].free_migs())
-            if m is not None:
-                yield gpu, m.sm_fraction, m.profile
+            tries.append((o.gpu, share, mig))
+        repicks = [
+            (gpu, m.sm_fraction, m.profile)
+            for gpu in lost
+            if (m := self._instance_for(job, state[gpu].free_migs())) is not None
+        ]
+        shares = (i for i, (gpu, _, mig) in enumerate(tries) if mig is None and state[gpu].busy())
+        cut = next(shares, len(tries))
+        yield from tries[:cut]
+        yield from repicks
+        yield from tries[cut:]
 
     def _hold_for_head(
         self,
@@ -926,7 +946,7 @@ class Planner:
     def _memory_need(gpu: _Gpu, job: JobView, mig: str | None) -> int:
         """The memory a job must find free: with its growth margin beside others; alone on
         a GPU, only what it needs, as its growth can reach nobody else."""
-        if not gpu.residents and gpu.view.foreign is None and mig is None:
+        if not gpu.busy() and mig is None:
             return job.shape.needed_bytes()
         return job.shape.reserve_bytes()
 
@@ -1001,7 +1021,7 @@ class Planner:
                 else f"predicted speed {ev.speed:.2f} of its speed on a whole GPU"
             )
             return f"GPU {g.view.index} is in MIG mode: MIG instance {mig}, {what}"
-        if not g.residents and g.view.foreign is None:
+        if not g.busy():
             return f"GPU {g.view.index} is free: exclusive"
         if not g.residents:
             return (

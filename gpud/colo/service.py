@@ -788,8 +788,9 @@ class ColoService:
         self._plan_at = 0.0
         self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
-        # the jobs colo.json wrote as running, until the first tick reads who runs now: a
-        # removal before it writes their directives and guards as the file held them
+        # the jobs colo.json wrote as running (less those a tick finds ended while the loop
+        # stands still), until the first tick that plans reads who runs now: a removal
+        # before it writes their directives and guards as the file held them
         self._restored: tuple[str, ...] | None = None
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
@@ -1024,7 +1025,13 @@ class ColoService:
                 removals = self._removals
             running = tuple(self._running())
             with self._lock:
-                self._present(running, removals)  # a job added again is one no more removed
+                # a job added again is one no more removed
+                running = self._present(running, removals)
+                if self._restored is not None:
+                    # a job colo.json held as running that has ended since is written as
+                    # ended by a removal, not as running for as long as the loop stands still
+                    now_running = {r.name for r in running}
+                    self._restored = tuple(n for n in self._restored if n in now_running)
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -1334,7 +1341,8 @@ class ColoService:
     def _running_names(self) -> tuple[str, ...]:
         """The jobs running as the loop last saw them: at its last tick, or, until its
         first, as colo.json wrote them (a removal then would otherwise write every job as
-        not running, its eviction, duty and guard lost to the next restart). Under the
+        not running, its eviction, duty and guard lost to the next restart), less those a
+        tick found ended while the loop stood still (off, or no snapshot). Under the
         lock."""
         if self._restored is not None:
             return self._restored

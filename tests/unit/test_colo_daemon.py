@@ -913,6 +913,36 @@ def test_a_removal_before_the_first_tick_after_a_restart_keeps_what_the_file_hel
     assert told.evict and "memory" in told.reason, told
 
 
+@pytest.mark.parametrize("still", ["loop off", "no snapshot"])
+def test_a_removal_while_the_loop_stands_still_writes_a_job_that_ended_as_ended(
+    tmp_path: Path, still: str
+) -> None:
+    """gpud restarts with `a`, `b` and `c` running as colo.json wrote them; the loop stands
+    still (`[colocate] enabled = false`, or no snapshot yet); `b` ends and a tick reads who
+    runs; then `gpuctl jobs rm --force a`: colo.json writes `b` as ended (how long ago it
+    ran, so that a restart forgets it in time), `c` as running."""
+    clock = Clock()
+    jobs = [*two_jobs_alone(), RunningJob("c", "training", 1, memory_bytes=8 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    assert not any(
+        "idle_s" in j for j in json.loads((tmp_path / "colo.json").read_text())["jobs"].values()
+    )
+    svc = kept_loop(tmp_path, jobs, clock)  # restarted
+    if still == "loop off":
+        svc.configure(ColocateConfig(enabled=False))
+    jobs[:] = [r for r in jobs if r.name != "b"]  # it ends
+    clock.t += 5.0
+    svc.tick(snapshot(used_gib=10) if still == "loop off" else None)
+    svc.job_removed("a", force=True)()
+    written = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert "a" not in written
+    assert written["b"]["idle_s"] == 5.0
+    assert "idle_s" not in written["c"]
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)

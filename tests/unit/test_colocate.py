@@ -566,6 +566,51 @@ def test_a_job_whose_instance_went_ahead_leaves_the_larger_one_to_a_job_that_nee
     assert not plan.waiting
 
 
+@pytest.mark.parametrize("beside", ["job", "processes of no job"])
+def test_a_job_whose_instance_went_ahead_takes_a_free_one_rather_than_share_a_busy_gpu(
+    beside: str,
+) -> None:
+    """GPU 0 in MIG mode has a 3g.40gb and a 2g.20gb free; GPU 1 is whole, with training
+    (or processes gpud does not know) on it. Two small training jobs both rank GPU 0's
+    2g.20gb first: the first takes it, the second GPU 0's 3g.40gb rather than an MPS share
+    beside GPU 1's work that slows it, the 3g.40gb left empty."""
+    three, two = MigOption("3g.40gb", 60 / 132, 40 * GIB), MigOption("2g.20gb", 32 / 132, 20 * GIB)
+    views = [
+        GpuView(index=0, memory_total=80 * GIB, mig_options=(three, two), whole=False),
+        GpuView(index=1, memory_total=80 * GIB),
+    ]
+    jobs = [
+        training("a", sm=0.15, bw=0.1, mem_gib=8, order=1),
+        training("b", sm=0.15, bw=0.1, mem_gib=8, order=2),
+    ]
+    if beside == "job":
+        jobs.append(training("r", gpu=1))
+    else:
+        views[1] = replace(views[1], foreign=JobFeatures(sm=0.3, mem_bw=0.2))
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    assert [(p.job_id, p.gpu, p.mig_profile) for p in plan.placements] == [
+        ("a", 0, "2g.20gb"),
+        ("b", 0, "3g.40gb"),
+    ]
+    assert set(plan.predicted_speed.values()) == {1.0}
+
+
+def test_a_job_whose_instance_went_ahead_takes_a_free_gpu_before_a_smaller_instance() -> None:
+    """A re-pick comes after the ranked options that slow no one: with GPU 0's 3g.40gb gone
+    to the job ahead and its 1g.10gb left, the second job takes the free whole GPU 1."""
+    three, one = MigOption("3g.40gb", 3 / 7, 40 * GIB), MigOption("1g.10gb", 1 / 7, 10 * GIB)
+    views = [
+        GpuView(index=0, memory_total=80 * GIB, mig_options=(three, one), whole=False),
+        GpuView(index=1, memory_total=80 * GIB),
+    ]
+    jobs = [training("c", sm=0.3, mem_gib=8), training("d", sm=0.3, mem_gib=8, order=1)]
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    assert [(p.job_id, p.gpu, p.mig_profile) for p in plan.placements] == [
+        ("c", 0, "3g.40gb"),
+        ("d", 1, None),
+    ]
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
 def test_head_hold_is_a_duration(bad: float) -> None:
     with pytest.raises(ValueError, match="head_hold_s"):
@@ -880,9 +925,9 @@ def test_on_several_mig_gpus_a_job_takes_a_second_choice_only_when_its_first_are
     layouts: list[list[MigOption]], specs: list[tuple[float, float, float, int | None]]
 ) -> None:
     """Training jobs over GPUs in MIG mode: a job placed in an instance other than the one
-    it takes on that GPU alone left none of its first choices (the instance it takes on
-    each GPU alone) free, and no job waits while an instance that holds it alone stays
-    free, on any GPU."""
+    it takes on that GPU alone found none of its first choices (the instance it takes on
+    each GPU alone) free when it was placed, in arrival order, and no job waits while an
+    instance that holds it alone stays free, on any GPU."""
     views = [
         GpuView(index=i, memory_total=80 * GIB, mig_options=tuple(free), whole=False)
         for i, free in enumerate(layouts)
@@ -897,17 +942,17 @@ def test_on_several_mig_gpus_a_job_takes_a_second_choice_only_when_its_first_are
         return plan.placements[0].mig_profile if plan.placements else None
 
     plan = Planner(InterferencePredictor()).plan(views, jobs)
+    by_id = {j.job_id: j for j in jobs}
+    # The instances still free as each job was placed, in the order the jobs were committed:
+    # a job's first choice that a job behind it took was free when it chose.
     left = {v.index: [m.profile for m in v.mig_options] for v in views}
     for p in plan.placements:
         assert p.mig_profile is not None
+        if p.mig_profile != alone(views[p.gpu], by_id[p.job_id]):
+            for v in views:
+                first = alone(v, by_id[p.job_id])
+                assert first is None or first not in left[v.index], (p, v.index, first)
         left[p.gpu].remove(p.mig_profile)  # each instance to one job at most
-    by_id = {j.job_id: j for j in jobs}
-    for p in plan.placements:
-        if p.mig_profile == alone(views[p.gpu], by_id[p.job_id]):
-            continue
-        for v in views:
-            first = alone(v, by_id[p.job_id])
-            assert first is None or first not in left[v.index], (p, v.index, first)
     for job_id in plan.waiting:
         for v in views:
             for profile in left[v.index]:
