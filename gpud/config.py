@@ -11,6 +11,7 @@ Every numeric key declares its allowed range where it is declared (:func:`ranged
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import grp
 import ipaddress
@@ -266,11 +267,13 @@ FLAGS_SOURCE = "command line"  # where an error says a flag's value came from
 @dataclass(frozen=True)
 class Layers:
     """A config as read, layer by layer: the file's own values, and the config gpud runs
-    (flags over the file). ``flags``: dotted key -> the flag that set it (``--log-level``)."""
+    (flags over the file). ``flags``: dotted key -> the flag that set it (``--log-level``);
+    ``keys``: the dotted keys the file sets (any others hold their built-in defaults)."""
 
     file: Config
     final: Config
     flags: dict[str, str] = field(default_factory=dict)
+    keys: frozenset[str] = frozenset()  # the dotted keys the file itself sets
 
 
 def value_of(config: Config, dotted: str) -> Any:
@@ -292,13 +295,24 @@ def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
     ]
 
 
-def source(key: str, *, path: str, flags: Collection[str]) -> str:
+def source(key: str, *, path: str, flags: Collection[str], keys: Collection[str] = ()) -> str:
     """Where ``key``'s value came from, for an error about it: the command line when a flag
-    set it (``flags``: the dotted keys flags set), else the file ``path``."""
-    return FLAGS_SOURCE if key in flags else path
+    set it (``flags``: the dotted keys flags set), the file ``path`` when it sets it
+    (``keys``: the dotted keys the file sets), else "": a built-in default, said by the key
+    alone rather than by a file that does not set it (or does not exist)."""
+    if key in flags:
+        return FLAGS_SOURCE
+    return path if key in keys else ""
 
 
-def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+def where(path: str, key: str) -> str:
+    """``FILE:key``, or the bare key where ``path`` is "" (a built-in default)."""
+    return f"{path}:{key}" if path else key
+
+
+def check_socket(
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+) -> None:
     """The API socket's path must fit a unix socket address: checked on the final config
     (flags over the file), not when the API binds at the end of start-up."""
     socket = os.fsencode(config.socket_path)
@@ -307,12 +321,14 @@ def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> N
         raise ConfigError(
             f"the socket {config.socket_path} is {len(socket)} bytes long: a unix socket "
             f"path is at most {MAX_UNIX_PATH}",
-            path=source(key, path=path, flags=flags),
+            path=source(key, path=path, flags=flags, keys=keys),
             key=key,
         )
 
 
-def check_socket_file(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+def check_socket_file(
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+) -> None:
     """The API socket's path must not hold anything but a socket: gpud replaces only a
     socket nothing listens on (a stale one of its own) and refuses to start over anything
     else. Checked at start and by ``--check-config``, before the GPUs are touched, so that
@@ -328,12 +344,14 @@ def check_socket_file(config: Config, *, path: str, flags: Collection[str] = ())
     raise ConfigError(
         f"{socket} is {_file_kind(mode)}, not a socket: gpud binds its socket there and "
         "replaces nothing but a stale socket; remove it or choose another path",
-        path=source(key, path=path, flags=flags),
+        path=source(key, path=path, flags=flags, keys=keys),
         key=key,
     )
 
 
-def check_dirs(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+def check_dirs(
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+) -> None:
     """The state directory, the run directory and the socket's must be directories, or be
     makeable as ``mkdir -p`` makes them: a regular file (or other non-directory) at one of
     them, or above one, is a ConfigError naming its key. For ``--check-config``: the start
@@ -355,10 +373,13 @@ def check_dirs(config: Config, *, path: str, flags: Collection[str] = ()) -> Non
             if stat.S_ISDIR(mode):
                 break
             above = "" if there == directory else f"cannot make {directory}: "
+            kind = _file_kind(mode)
+            with contextlib.suppress(OSError):
+                if there.is_symlink():  # the link is what the operator finds at the path
+                    kind = f"a symbolic link to {kind}"
             raise ConfigError(
-                f"{above}{there} is {_file_kind(mode)}, not a directory: remove it or choose"
-                " another path",
-                path=source(key, path=path, flags=flags),
+                f"{above}{there} is {kind}, not a directory: remove it or choose another path",
+                path=source(key, path=path, flags=flags, keys=keys),
                 key=key,
             )
 
@@ -377,12 +398,18 @@ def _file_kind(mode: int) -> str:
 
 def load(path: Path, *, required: bool = False) -> Config:
     """Read and check a TOML file; a missing file gives the defaults unless ``required``."""
+    return read(path, required=required)[0]
+
+
+def read(path: Path, *, required: bool = False) -> tuple[Config, frozenset[str]]:
+    """:func:`load`, and the dotted keys the file sets (none for a missing file), so that
+    an error about a key left at its default does not name the file."""
     try:
         raw = read_regular(path, MAX_CONFIG_BYTES, kind="a config file")
     except FileNotFoundError:
         if required:
             raise ConfigError("file not found", path=str(path)) from None
-        return Config()
+        return Config(), frozenset()
     except OSError as err:
         raise ConfigError(f"cannot read: {err.strerror}", path=str(path)) from err
     try:
@@ -392,7 +419,8 @@ def load(path: Path, *, required: bool = False) -> Config:
     except RecursionError:
         # tomllib parses nested arrays and inline tables recursively
         raise ConfigError("not valid TOML: nested too deeply", path=str(path)) from None
-    return from_dict(data, path=str(path))
+    loaded = from_dict(data, path=str(path))  # each section a table, each key known
+    return loaded, frozenset(f"{name}.{key}" for name, table in data.items() for key in table)
 
 
 # a file's identity and version: (st_dev, st_ino, st_size, st_mtime_ns)
@@ -573,6 +601,15 @@ def validate(config: Config, *, path: str) -> Config:
             "(a path, or a name looked up in PATH; default nvidia-cuda-mps-control)",
             path=path,
             key="mps.control_binary",
+        )
+    binary = config.mps.control_binary
+    if "/" in binary and not binary.startswith("/"):
+        # absolute from the directory gpud starts in, as a Path key is: execve resolves a
+        # relative one against the cwd of whoever runs it, and --check-config, run from a
+        # shell, would judge another file than the daemon (started in /) runs
+        absolute = str(Path(binary).absolute())
+        config = dataclasses.replace(
+            config, mps=dataclasses.replace(config.mps, control_binary=absolute)
         )
     _validate_traffic(config.traffic, path=path)
     _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)

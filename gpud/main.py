@@ -179,12 +179,18 @@ def mps_control_command(cfg: config.Config) -> list[str]:
     return [cfg.mps.control_binary]
 
 
-def mps_binary_warning(cfg: config.Config, *, path: str) -> str:
-    """Why ``mps.control_binary`` cannot be run now, as ``FILE:mps.control_binary: ...``, or
+def mps_binary_warning(
+    cfg: config.Config, *, path: str, keys: Collection[str], uid: int | None = None
+) -> str:
+    """Why ``mps.control_binary`` cannot be run now, as ``FILE:mps.control_binary: ...``
+    (the bare key when the file ``path`` does not set it: ``keys``, the keys it sets), or
     "" when it can (or MPS is off, or a simulated node runs its bundled fake daemon). A
     warning, not an error: on some images the driver's tools are installed after gpud
     starts, and gpud starts each device's daemon again (with back-off) until it runs. A name
-    without a ``/`` is looked up in the PATH the control daemons are started with."""
+    without a ``/`` is looked up in the PATH the control daemons are started with. Judged
+    with this process's rights (``uid``: its real uid, as ``access(2)`` checks): a user
+    other than root that gpud is not may be refused a binary that root may run, so the
+    warning says which uid was checked."""
     if not cfg.mps.enabled or mps_control_command(cfg) != [cfg.mps.control_binary]:
         return ""
     from gpud.mps.daemon import DEFAULT_BASE_ENV
@@ -199,7 +205,11 @@ def mps_binary_warning(cfg: config.Config, *, path: str) -> str:
         why = "not an executable file"
     else:
         why = "no such file"
-    return f"{path}:mps.control_binary: {binary}: {why}"
+    uid = os.getuid() if uid is None else uid
+    if uid != 0:
+        why += f" (checked as uid {uid})"
+    where = config.source("mps.control_binary", path=path, flags=(), keys=keys)
+    return f"{config.where(where, 'mps.control_binary')}: {binary}: {why}"
 
 
 def mps_cgroups(
@@ -290,12 +300,12 @@ def load_layers(args: argparse.Namespace) -> config.Layers:
     """The config file's values and the config gpud runs, flags over them (checked as a
     whole: the socket's length, the cluster's files)."""
     path = args.config or config.DEFAULT_PATH
-    loaded = config.load(path, required=args.config is not None)
+    loaded, keys = config.read(path, required=args.config is not None)
     flags = flag_overrides(args)
     final = loaded.with_overrides(flags, source=config.FLAGS_SOURCE)
-    config.check_socket(final, path=str(path), flags=flags)
+    config.check_socket(final, path=str(path), flags=flags, keys=keys)
     check_cluster_files(final, path=str(path))
-    return config.Layers(file=loaded, final=final, flags=flag_names(args))
+    return config.Layers(file=loaded, final=final, flags=flag_names(args), keys=keys)
 
 
 def load_config(args: argparse.Namespace) -> config.Config:
@@ -376,12 +386,15 @@ def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
         raise ConfigError(str(err), path=path, key="admission.mig_config") from None
 
 
-def check_listen_hosts(cfg: config.Config, *, path: str, flags: Collection[str] = ()) -> None:
+def check_listen_hosts(
+    cfg: config.Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+) -> None:
     """That the hosts of ``metrics.address``, ``api.tcp_address`` and (with etcd)
     ``cluster.listen`` resolve to addresses of this host, as the start will need: a socket bound to each on port 0 (any free port),
     so that a port the running gpud serves on is no error. Only for ``--check-config``; the
     start itself says the same when it binds. ``flags``: the keys set by flags, named as
-    the command line's rather than the file's."""
+    the command line's rather than the file's; ``keys``: those the file sets (others are
+    named by the key alone: their defaults)."""
     for key, address, used in (
         ("metrics.address", cfg.metrics.address, cfg.metrics.enabled),
         ("api.tcp_address", cfg.api.tcp_address, bool(cfg.api.tcp_address)),
@@ -389,7 +402,7 @@ def check_listen_hosts(cfg: config.Config, *, path: str, flags: Collection[str] 
     ):
         if not used:
             continue
-        where = config.source(key, path=path, flags=flags)
+        where = config.source(key, path=path, flags=flags, keys=keys)
         host, _ = config.parse_address(address, path=where, key=key)
         try:
             infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -417,25 +430,20 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     """``gpud``; ``nvml``: the pynvml-shaped module for real GPUs (None: ``pynvml``)."""
     args = build_parser().parse_args(argv)
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
+    path, flags = str(args.config or config.DEFAULT_PATH), flag_overrides(args)
     try:
         layers = load_layers(args)
         # at start only: while gpud runs, what is at the path is its own (rebound when removed)
-        config.check_socket_file(
-            layers.final, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
-        )
+        config.check_socket_file(layers.final, path=path, flags=flags, keys=layers.keys)
     except ConfigError as err:
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
     cfg = layers.final
     if args.check_config:
         try:
-            check_listen_hosts(
-                cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
-            )
-            config.check_dirs(
-                cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
-            )
-            check_mig_config_file(cfg, path=str(args.config or config.DEFAULT_PATH))
+            check_listen_hosts(cfg, path=path, flags=flags, keys=layers.keys)
+            config.check_dirs(cfg, path=path, flags=flags, keys=layers.keys)
+            check_mig_config_file(cfg, path=path)
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2
@@ -443,12 +451,12 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         from gpud.net.wiring import config_warnings
 
         warnings = [
-            *config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
-            *config.config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
+            *config_warnings(cfg, path=path),
+            *config.config_warnings(cfg, path=path),
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
-            mps_binary_warning(cfg, path=str(args.config or config.DEFAULT_PATH)),
+            mps_binary_warning(cfg, path=path, keys=layers.keys),
             backend_warning(cfg, nvml=nvml),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
@@ -464,11 +472,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         except ConfigError as err:
             # the key's value is the config's: named where it came from, as a config error
             # is (exit 1 all the same: see make_dirs)
-            where = config.source(
-                err.key or "",
-                path=str(args.config or config.DEFAULT_PATH),
-                flags=flag_overrides(args),
-            )
+            where = config.source(err.key or "", path=path, flags=flags, keys=layers.keys)
             raise err.in_file(where) from None
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
@@ -478,7 +482,14 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         return 1
     try:
         code = run(
-            cfg, args, nvml=nvml, locks=locks, stamp=stamp, created=created, file_config=layers.file
+            cfg,
+            args,
+            nvml=nvml,
+            locks=locks,
+            stamp=stamp,
+            created=created,
+            file_config=layers.file,
+            file_keys=layers.keys,
         )
     finally:
         locks.close()
@@ -495,11 +506,12 @@ def run(
     stamp: config.FileStamp | None = None,
     created: Sequence[str] = (),
     file_config: config.Config | None = None,
+    file_keys: Collection[str] = (),
 ) -> int:
     """Open the backend and run the daemon until it stops (holding ``locks`` in its
     directories; ``stamp``: the config file's, taken before ``cfg`` was read; ``created``:
     what :func:`make_dirs` made, said in the log; ``file_config``: the file's own values,
-    flags not applied); its exit status."""
+    flags not applied; ``file_keys``: the keys the file sets); its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for line in created:
         log.info("%s", line)
@@ -507,7 +519,7 @@ def run(
     warnings = (
         *config.config_warnings(cfg, path=path),
         *readable_secrets(cfg),
-        mps_binary_warning(cfg, path=path),
+        mps_binary_warning(cfg, path=path, keys=file_keys),
     )
     for warning in filter(None, warnings):
         log.warning("%s", warning)

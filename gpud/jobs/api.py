@@ -179,7 +179,9 @@ class JobsServicer(pb_grpc.JobsServicer):
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:  # noqa: N802
         def list_jobs() -> pb.ListJobsResponse:
             if request.HasField("name"):
-                jobs = [self._service.registry.get(request.name)]
+                # a name the registry could not hold is refused by its rule, at any length,
+                # as RemoveJob refuses it: not "no job" for a short one alone
+                jobs = [self._service.registry.get(check_name(request.name))]
             else:
                 jobs = self._service.registry.all()
             return pb.ListJobsResponse(jobs=self._messages(jobs))

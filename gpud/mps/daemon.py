@@ -350,17 +350,26 @@ class ControlDaemon:
                 uuid=self.uuid,
                 call=" ".join(args) or (stdin or "").strip(),
             ) from err
-        except FileNotFoundError as err:
+        except OSError as err:
             # the program mps.control_binary names: the key is what the operator mends
             raise BackendError(
-                f"cannot run mps.control_binary: {self._command[0]}: no such file"
-                + ("" if "/" in self._command[0] else f" in PATH ({self.env.get('PATH', '')})"),
+                f"cannot run mps.control_binary: {self._command[0]}: {self._exec_failure(err)}",
                 uuid=self.uuid,
                 call="exec",
             ) from err
-        except OSError as err:
-            raise BackendError(
-                f"cannot run {self._command[0]}: {err.strerror}",
-                uuid=self.uuid,
-                call="exec",
-            ) from err
+
+    def _exec_failure(self, err: OSError) -> str:
+        """Why execve refused the control binary, in words: ENOENT also comes for a file
+        that is there when its ``#!`` interpreter or its ELF loader is not, which ``ls``
+        would seem to deny."""
+        program = self._command[0]
+        if "/" not in program:
+            found = shutil.which(program, path=self.env.get("PATH", ""))
+            if found is None and isinstance(err, FileNotFoundError):
+                return f"no such file in PATH ({self.env.get('PATH', '')})"
+            program = found or program
+        if isinstance(err, FileNotFoundError):
+            if not os.path.exists(program):
+                return "no such file"
+            return "exists but cannot be run (its interpreter or loader missing?)"
+        return err.strerror or str(err)

@@ -17,13 +17,11 @@ from typing import Any
 from gpud.api.access import ReportTokens
 from gpud.api.validate import optional
 from gpud.errors import GpudError, classify
-from gpud.jobs.registry import check_name
+from gpud.jobs.registry import MAX_NAME, check_name
 from gpud.net.port import JobTraffic, TrafficCounters
 from gpud.net.service import NetView, Report, TrafficService
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
-
-_JOB_MAX = 63  # the registry's bound on a job name (check_name): a refused one echoed back
 
 
 def counters_message(c: TrafficCounters) -> pb.NetCounters:
@@ -191,4 +189,5 @@ class NetServicer(pb_grpc.NetServicer):
 
 def _rejected(index: int, job: str, err: GpudError) -> pb.RejectedReport:
     code, _ = classify(err)
-    return pb.RejectedReport(index=index, job=job[:_JOB_MAX], code=code, message=str(err))
+    # a refused name is echoed back no longer than a job name may be
+    return pb.RejectedReport(index=index, job=job[:MAX_NAME], code=code, message=str(err))

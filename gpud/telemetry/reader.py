@@ -295,12 +295,11 @@ class GpuReader:
 # The identity's NVML calls that read what a sample's readings read too, by the readings'
 # names: a GPU refused at its first read is said as it would be at any later one
 # (``reset required (memory): nvmlDeviceGetMemoryInfo failed``); the other identity calls
-# (handle, UUID, name, PCI info) read who the GPU is, and say "identity"
+# (handle, UUID, name, PCI info, the PCIe link's generation and width) read who the GPU is,
+# and say "identity": "pcie" is the later readings' PCIe throughput, another call
 _IDENTITY_READS = {
     "nvmlDeviceGetMemoryInfo": "memory",
     "nvmlDeviceGetMigMode": "mig_mode",
-    "nvmlDeviceGetMaxPcieLinkGeneration": "pcie",
-    "nvmlDeviceGetMaxPcieLinkWidth": "pcie",
 }
 
 

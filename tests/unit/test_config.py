@@ -29,6 +29,7 @@ from gpud.main import (
     load_layers,
     lock_dirs,
     main,
+    mps_binary_warning,
     open_files_wanted,
 )
 from tests.unit.nvml_doubles import NoNvml, answering
@@ -379,6 +380,115 @@ def test_check_config_warns_of_an_mps_control_binary_that_is_not_there(
     cfg = write(tmp_path, setting)  # MPS off: the binary is never run
     assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
     assert "mps.control_binary" not in capsys.readouterr().err
+
+
+def test_a_key_left_at_its_default_is_named_alone_not_by_a_file_that_does_not_set_it(
+    tmp_path: Path,
+) -> None:
+    """With no /etc/gpud/gpud.toml, or one that leaves ``daemon.state_dir`` out, an error
+    about /var/lib/gpud names the key alone: the file neither sets it nor, maybe, exists."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    path = write(tmp_path, "[metrics]\nenabled = false\n")
+    loaded, keys = config.read(path)
+    assert keys == {"metrics.enabled"}
+    assert config.read(tmp_path / "absent.toml") == (config.Config(), frozenset())
+    # as where a built-in default cannot be made (a file in its way)
+    daemon = dataclasses.replace(loaded.daemon, run_dir=afile / "run")
+    cfg = dataclasses.replace(loaded, daemon=daemon)
+    with pytest.raises(ConfigError) as info:
+        config.check_dirs(cfg, path=str(path), flags=(), keys=keys)
+    assert str(info.value).startswith(f"daemon.run_dir: cannot make {afile}/run: {afile} is")
+    (tmp_path / "gpud.sock").write_text("")
+    with pytest.raises(ConfigError) as info:
+        config.check_socket_file(
+            dataclasses.replace(cfg, daemon=dataclasses.replace(daemon, run_dir=tmp_path)),
+            path=str(path),
+            keys=keys,
+        )
+    assert str(info.value).startswith(f"daemon.run_dir: {tmp_path}/gpud.sock is ")
+    assert config.source("metrics.enabled", path=str(path), flags=(), keys=keys) == str(path)
+    flags = {"metrics.enabled"}
+    assert config.source("metrics.enabled", path=str(path), flags=flags, keys=keys) == (
+        config.FLAGS_SOURCE
+    )
+
+
+def test_the_default_control_binary_missing_is_warned_of_by_its_key_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file enables MPS but leaves ``mps.control_binary`` at its default: the warning,
+    by --check-config and at start, does not send the operator to the file for it."""
+    dirs = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")]
+    path = write(tmp_path, "[metrics]\nenabled = false\n[mps]\nenabled = true\n")
+    binary = config.MpsConfig().control_binary
+    args = ["--config", str(path), *dirs]
+    no_driver = NoNvml(fakenvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    assert main(["--check-config", *args], nvml=no_driver) == 0
+    err = capsys.readouterr().err
+    assert f"gpud: warning: mps.control_binary: {binary}: no such file in PATH (" in err
+    assert f"{path}:mps.control_binary" not in err
+    assert main(args, nvml=no_driver) == 1  # the warning is logged before the GPUs fail
+    err = capsys.readouterr().err
+    assert f"WARNING gpud.main: mps.control_binary: {binary}: no such file in PATH (" in err
+    assert f"{path}:mps.control_binary" not in err
+
+
+def test_a_relative_control_binary_path_is_made_absolute_from_where_gpud_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As path keys are: the daemon and --check-config, run from different directories,
+    would otherwise each run or judge a file of their own."""
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, '[mps]\ncontrol_binary = "bin/mps-control"\n')
+    assert config.load(path).mps.control_binary == f"{tmp_path}/bin/mps-control"
+    path = write(tmp_path, '[mps]\ncontrol_binary = "mps-control"\n')  # looked up in PATH
+    assert config.load(path).mps.control_binary == "mps-control"
+
+
+def test_the_control_binary_warning_says_the_uid_it_was_checked_as_when_not_root(
+    tmp_path: Path,
+) -> None:
+    """A user other than root may be refused a binary root may run, or the reverse."""
+    path = write(tmp_path, f'[mps]\nenabled = true\ncontrol_binary = "{tmp_path}/x"\n')
+    cfg, keys = config.read(path)
+    said = f"{path}:mps.control_binary: {tmp_path}/x: no such file"
+    assert mps_binary_warning(cfg, path=str(path), keys=keys, uid=0) == said
+    as_user = mps_binary_warning(cfg, path=str(path), keys=keys, uid=1000)
+    assert as_user == f"{said} (checked as uid 1000)"
+
+
+def test_a_state_or_run_dir_that_is_or_sits_under_a_link_to_a_directory_is_taken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``mkdir -p`` takes it; and a path that does not exist yet is made at start."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for state, run in (
+        (tmp_path / "link", tmp_path / "link" / "run"),
+        (tmp_path / "link" / "not" / "yet", tmp_path / "fresh" / "run"),
+    ):
+        path = write(
+            tmp_path,
+            f'[metrics]\nenabled = false\n[daemon]\nstate_dir = "{state}"\nrun_dir = "{run}"\n',
+        )
+        assert main(["--check-config", "--simulate", "--config", str(path)]) == 0
+        assert capsys.readouterr().out == "config OK\n"
+
+
+def test_a_link_to_a_file_where_a_directory_goes_is_said_as_the_link_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("")
+    link = tmp_path / "linkfile"
+    link.symlink_to(tmp_path / "afile")
+    path = write(tmp_path, f'[metrics]\nenabled = false\n[daemon]\nstate_dir = "{link}"\n')
+    args = ["--check-config", "--simulate", "--config", str(path), "--run-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert (
+        f"{path}:daemon.state_dir: {link} is a symbolic link to a regular file, not a directory"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(

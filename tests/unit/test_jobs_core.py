@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, is_about, shell_exports
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample
+from gpud.v1 import jobs_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 
 NODE = snapshot(
@@ -513,6 +515,19 @@ def service(tmp_path: Path, store: StateStore) -> Iterator[JobService]:
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
     mps.observe(DEVICES)
     yield JobService(store, EventLog(None), mps, socket_path=Path("/run/gpud/gpud.sock"))
+
+
+def test_a_lookup_of_a_name_no_job_may_have_says_the_name_rule_at_any_length(
+    service: JobService,
+) -> None:
+    """``gpuctl jobs ls 'a b'``: refused by the rule, as one over the request bound is
+    (:data:`gpud.api.validate.JOB_NAME_FIELDS`), not "no job" for a short one alone."""
+    servicer = JobsServicer(service)
+    for name in ("a b", "x" * 64):
+        with pytest.raises(InvalidArgument, match=r"^name: .*letters, digits"):
+            asyncio.run(servicer.ListJobs(jobs_pb2.ListJobsRequest(name=name), None))
+    with pytest.raises(NotFound, match=r"^no job 'absent'$"):
+        asyncio.run(servicer.ListJobs(jobs_pb2.ListJobsRequest(name="absent"), None))
 
 
 def test_a_removal_within_an_open_transaction_is_refused(

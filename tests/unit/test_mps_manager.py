@@ -742,6 +742,34 @@ def test_a_control_binary_that_does_not_exist_is_named_by_its_key_when_a_start_f
         store.close()
 
 
+def test_a_control_binary_that_is_there_but_cannot_be_run_is_named_by_its_key_and_why(
+    root: Path, tmp_path: Path
+) -> None:
+    """Not "no such file" for a file ``ls`` shows: execve's ENOENT for a script whose
+    interpreter is missing is said as that, and a file without an execute bit as
+    execve's EACCES, both naming the key."""
+    orphan = tmp_path / "orphan-mps-control"
+    orphan.write_text("#!/nonexistent/interpreter\n")
+    orphan.chmod(0o755)
+    plain = tmp_path / "plain-mps-control"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    for binary, why in (
+        (orphan, "exists but cannot be run (its interpreter or loader missing?)"),
+        (plain, "Permission denied"),
+    ):
+        mgr, store, events = make_manager(root, [str(binary)], sleep=lambda s: None)
+        try:
+            mgr.reconcile(snapshot(gpu_sample(0)))
+            (failed,) = events.recent(kind_prefix="mps.start_failed")
+            assert f"did not start: cannot run mps.control_binary: {binary}: {why}" in (
+                failed.message
+            )
+        finally:
+            mgr.stop()
+            store.close()
+
+
 def test_events_of_a_daemon_name_its_gpu_as_the_health_checks_do(root: Path) -> None:
     """``gpuctl events --kind mps. --json`` filtered on a GPU finds every event of its
     daemon: a start, a failed start, as a failed health check does."""

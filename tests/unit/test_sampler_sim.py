@@ -193,6 +193,27 @@ def test_a_gpu_that_requires_a_reset_when_first_read_names_the_read_that_failed(
     assert "(identity)" not in reason
 
 
+@pytest.mark.parametrize(
+    ("call", "label"),
+    [
+        ("nvmlDeviceGetMigMode", "mig_mode"),
+        # who the GPU is: not "pcie", the later readings' PCIe throughput
+        ("nvmlDeviceGetMaxPcieLinkGeneration", "identity"),
+        ("nvmlDeviceGetMaxPcieLinkWidth", "identity"),
+    ],
+)
+def test_a_gpu_refused_at_its_first_read_is_labelled_by_what_the_call_reads(
+    call: str, label: str
+) -> None:
+    node = Node(lambda nv: Refusing(nv, fakenvml.NVML_ERROR_RESET_REQUIRED, [call], [1]))
+    try:
+        reason = node.sampler.tick().gpus[1].reason
+        assert reason.startswith(f"reset required ({label}): {call} failed on GPU 1:")
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
 class SteppedClock:
     """A monotonic clock that moves only when told."""
 
