@@ -592,9 +592,8 @@ class Daemon:
         # the stop budget: past that it is left, and the stop goes on)
         self.on_shutdown(lambda: self.admission.passes.close(self.pass_stop_wait_s))
         self.traffic.start()
-        # each feature's tables are made: from now on a write held up by another process's
-        # lock is refused within write_wait_s, so that an API call says why
-        self.store.start_done()
+        # the store's start is done in run(), once its start-up steps wrote: until then a
+        # write held up by another process's lock waits to the open's deadline, said once
 
     def _faulty_gpus(self) -> dict[int, str]:
         """GPU index -> reason, for the GPUs the last sample found unhealthy (lost, not
@@ -1002,6 +1001,10 @@ class Daemon:
                 progress=lambda: self.mig.steps_taken,
                 status=lambda n: f"bringing MIG layouts to the desired ones: {n} changes made",
             )
+            # the start-up steps wrote (a sqlite3 shell's write that held them up was waited
+            # for, said naming the file, as the open waits): from now on such a write is
+            # refused within write_wait_s, so that an API call says why
+            self.store.start_done()
             if self.config.metrics.enabled:
                 host, port = parse_address(
                     self.config.metrics.address, path="config", key="metrics.address"

@@ -28,8 +28,9 @@ class CountingStore(StateStore):
 def held_write_lock(path: Path) -> Iterator[sqlite3.Connection]:
     """Another process's write in progress on the database ``path`` (a sqlite3 shell's
     ``BEGIN IMMEDIATE``): gpud's writes wait for it, its reads do not (WAL). Let go at the
-    end, or earlier by closing the connection."""
-    holder = sqlite3.connect(path, isolation_level=None)
+    end, or earlier by closing the connection (from any thread: gpud's writes wait on
+    worker threads)."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")
     try:
         yield holder
