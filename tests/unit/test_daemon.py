@@ -336,6 +336,7 @@ def test_a_reload_reads_the_file_off_the_event_loop(root: Path) -> None:
     meanwhile; the new config applies once read."""
     reading = threading.Event()
     release = threading.Event()
+    checked = threading.Event()  # the scenario looked whether the loop ran during the read
 
     def slow_read() -> Layers:
         reading.set()
@@ -354,14 +355,18 @@ def test_a_reload_reads_the_file_off_the_event_loop(root: Path) -> None:
         assert await asyncio.to_thread(reading.wait, 5)
         await asyncio.sleep(0.1)  # runs only while the loop is free
         answered.append(not release.is_set())
+        checked.set()
         release.set()
         while d.events.recent(1, "config.reload") == []:
             await asyncio.sleep(0.05)
         d.request_stop()
         assert await asyncio.wait_for(run, timeout=20) == 0
 
-    def let_go() -> None:  # the old way blocks the loop: let the read end after a while
-        time.sleep(3)
+    def let_go() -> None:
+        # A read on the loop blocks it, so the check never comes: end the read so the
+        # check runs, late, and fails. The wait starts at the read, not before gpud starts.
+        if reading.wait(20):
+            checked.wait(10)
         release.set()
 
     threading.Thread(target=let_go, daemon=True).start()

@@ -25,6 +25,7 @@ from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.seen import Seen, SeenGpus
 from tests.unit.api_support import short_dir
+from tests.unit.process_support import until
 from tests.unit.sim_support import NO_HOST
 
 T = TypeVar("T")
@@ -651,12 +652,14 @@ def test_a_simulated_reboot_that_fails_says_how_many_mps_daemons_ended(
     gpuctl = Gpuctl(config, capsys)
     sim_dir = root / "run" / "sim"
 
+    def up() -> list[object]:
+        code, out, err = gpuctl("--json", "mps", "show")
+        assert code == 0, err
+        return [d for d in json.loads(out)["devices"] if d.get("up")]
+
     def body() -> None:
-        deadline = time.monotonic() + 30
-        while len(list((root / "run" / "mps").glob("*/pipe/*.pid"))) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.3)  # their limits applied
+        # up: started and their limits applied, not only a PID file written
+        until(lambda: len(up()) == 2, "the two MPS control daemons did not come up", 30)
         shutil.move(sim_dir, root / "sim.saved")
         sim_dir.write_text("")  # node.json cannot be written under it
         try:

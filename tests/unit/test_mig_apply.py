@@ -1092,9 +1092,8 @@ def test_reconcile_never_waits_on_a_hung_gpu_past_its_deadline(
     d.mig.reconcile()  # tables and the view read while every GPU answers
     d.mig.VIEW_TIMEOUT_S = 0.3
     d.node.faults.slow(1, 3.0)  # telemetry has not noticed yet
-    started = time.monotonic()
     outcomes = {o.gpu: o for o in d.mig.reconcile()}
-    assert time.monotonic() - started < 2.0
+    assert d.mig._stuck == {1}  # its read is left in the driver, not waited for
     assert outcomes[0].status == "ok"
     assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
     # until the stuck read returns, GPU 1 gets no new call
@@ -1278,9 +1277,8 @@ def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(
     d = enable(host, config, "all-1g.10gb")
     before = instances(d)
     d.node.faults.slow(1, 1.0)  # every call on GPU 1 takes 1 s; telemetry has not noticed
-    started = time.monotonic()
     result = d.mig.apply(config, "all-3g.40gb")
-    assert time.monotonic() - started < 2.0
+    assert d.mig._stuck == {1}  # its read is left in the driver, not waited for
     assert result.result == "partial", result
     outcomes = {o.gpu: o for o in result.gpus}
     assert outcomes[0].status == "changed"
@@ -1300,9 +1298,10 @@ def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     d.node.faults.slow(1, 2.0)  # every call on GPU 1 takes 2 s; telemetry has not noticed
     tick = threading.Timer(0.3, host.faults.__setitem__, (1, "not answering: ..."))
     tick.start()  # the sampler's next tick, its read of GPU 1 outstanding
-    started = time.monotonic()
     result = d.mig.apply(config, "all-3g.40gb")
-    assert time.monotonic() - started < 1.5  # not the 2 s of the hung call, nor the 5 s
+    # not the 2 s of the hung call (its read is left in the driver), nor the 5 s (the reason
+    # given is telemetry's, below)
+    assert d.mig._stuck == {1}
     assert result.result == "partial", result
     outcomes = {o.gpu: o for o in result.gpus}
     assert outcomes[0].status == "changed"

@@ -494,11 +494,10 @@ def test_mig_devices_whose_processes_cannot_be_listed_keep_their_memory(node: No
 def test_hung_call_others_stay_fresh(node: Node) -> None:
     node.sampler.tick()
     node.sim.faults.slow(3, 1.0)
-    start = time.monotonic()
     snap = node.sampler.tick()
-    assert time.monotonic() - start < 1.0  # did not wait for the hung GPU
     g3 = snap.gpus[3]
     assert not g3.healthy
+    # did not wait for the hung GPU: a tick that had would hold the sample its call returned
     assert g3.reason == "not answering: a driver call is outstanding"
     assert all(g.healthy and g.sampled_at >= snap.monotonic for g in snap.gpus[:3])
     snap = node.sampler.tick()  # still stuck: not called again, others fresh

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -603,9 +602,8 @@ def test_a_bounded_close_says_once_that_a_read_still_ran(
     reader.start()
     try:
         assert reading.wait(5)
-        began = time.monotonic()
         store.close(wait_s=0.2)
-        assert time.monotonic() - began < 2
+        assert reader.is_alive()  # the close did not wait for the read, which still runs
     finally:
         release.set()
         reader.join(5)
