@@ -1036,13 +1036,14 @@ class TrafficService:
 
         Tags are held by registered jobs, so a node that has seen many jobs can run out of
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
-        holding no reservation, not pinned, with no process in its cgroup, and either done
-        (its run ended, with no progress and no call here since: handed over at once,
-        however lately it reported) or with neither a progress report nor a call here that
-        gave it its tag for ``traffic.idle_after_s`` (nor since gpud started; a job that
-        reports less often: for twice its usual interval between reports, at most
-        :data:`QUIET_CAP_IDLES` times that, see :meth:`_quiet_s`). It gets a new tag when it
-        runs again. Raises
+        holding no reservation, not pinned, with no process in its cgroup, and with neither
+        a progress report nor a call here that gave it its tag for ``traffic.idle_after_s``
+        (nor since gpud started; a job that reports less often: for twice its usual
+        interval between reports, at most :data:`QUIET_CAP_IDLES` times that, see
+        :meth:`_quiet_s`). A job whose run ended waits as long: its tag is not handed over
+        at its end, so a run of it tagged just before (``gpuctl run`` tags, then reserves)
+        starts with it, and one started again soon after finds it. It gets a new tag when
+        it runs again. Raises
         DscpPoolExhausted when every tag is held by a job in use (a refused call counts as
         nothing: the job does not start).
         """
@@ -1096,16 +1097,23 @@ class TrafficService:
                 " traffic.dscp_pool, or remove jobs: gpuctl jobs rm)"
             )
         now = self._monotonic()
+        active = self._active()
+        pins = self.tags.pins()
         quiet = []  # held past traffic.idle_after_s by a longer quiet time
         for job in sorted(holders):
             reports = self._reports.get(job)
-            if reports is None:
-                continue
+            if reports is None or job in active or job in pins:
+                continue  # one that runs or is pinned is not idle in any time
             silent, quiet_s = now - reports.heard_at, self._quiet_s(reports)
-            if wait < silent <= quiet_s:  # its interval is known: it made quiet_s longer
-                every = reports.usual_interval_s or reports.interval_s or 0.0
-                left = quiet_s - silent
-                quiet.append(f"job {job} (a report every {every:.0f} s: idle in {left:.0f} s)")
+            if not wait < silent <= quiet_s:  # its interval is known: it made quiet_s longer
+                continue
+            if self._cgroups is not None and self._cgroups.busy(job):
+                continue
+            every = reports.usual_interval_s or reports.interval_s or 0.0
+            # a tag handed out lately holds it for traffic.idle_after_s from then, too
+            by_tag = self._tagged_at.get(job, 0.0) + wait - now
+            left = max(quiet_s - silent, by_tag)
+            quiet.append(f"job {job} (a report every {every:.0f} s: idle in {left:.0f} s)")
         named = f": {first_few(quiet, _QUIET_SHOWN)}" if quiet else ""
         return (
             f", each by a job that runs, is pinned, or was given its tag or reported in the"
@@ -1123,10 +1131,12 @@ class TrafficService:
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (the monotonic clock): no
-        reservation, no pin, no process in their cgroup, and either a run that ended with
-        no progress and no tag handed out since (idle from its end, however lately it
-        reported), or no progress report or tag handed out for ``traffic.idle_after_s``
-        (nor since gpud started), nor a report for the job's :meth:`_quiet_s`."""
+        reservation, no pin, no process in their cgroup, no progress report or tag handed
+        out for ``traffic.idle_after_s`` (nor since gpud started), nor a report for the
+        job's :meth:`_quiet_s`. A job whose run ended is no exception: a run of it may have
+        been given its tag again before the end was said (``gpuctl run`` tags before it
+        reserves) and would start without it, and a user running it again at once would
+        find its tag gone."""
         now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()
@@ -1135,18 +1145,12 @@ class TrafficService:
             if job in active or job in pins:
                 continue
             reports = self._reports.get(job)
-            tagged = self._tagged_at.get(job, 0.0)
-            ended = self._run_end(job)
-            if ended is not None and tagged < ended:
-                # done: nothing of it runs, and a tag handed out since would be a new run's
-                since = ended
-            else:
-                since = max(self._started_at, tagged)
-                if now - since <= self.config.idle_after_s or (
-                    reports is not None and now - reports.heard_at <= self._quiet_s(reports)
-                ):
-                    continue
-                since = max(since, reports.heard_at if reports else 0.0)
+            since = max(self._started_at, self._tagged_at.get(job, 0.0))
+            if now - since <= self.config.idle_after_s or (
+                reports is not None and now - reports.heard_at <= self._quiet_s(reports)
+            ):
+                continue
+            since = max(since, reports.heard_at if reports else 0.0)
             if self._cgroups is not None and self._cgroups.busy(job):
                 continue
             out[job] = since

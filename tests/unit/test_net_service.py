@@ -6,9 +6,9 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -825,23 +825,40 @@ def wiring_parts(tmp_path: Path) -> tuple[StateStore, EventLog, JobService]:
     return store, events, JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
 
 
-def wired_traffic(tmp_path: Path, gpus: int) -> tuple[JobService, TrafficService]:
-    """The jobs service on ``gpus`` GPUs of 80 GiB and the traffic service open_traffic
-    wires to it (traffic on, no marking)."""
+class Wired(Protocol):
+    def __call__(self, gpus: int, dscp_pool: str = ...) -> tuple[JobService, TrafficService]: ...
+
+
+@pytest.fixture
+def wired_traffic(tmp_path: Path) -> Iterator[Wired]:
+    """Wires, given ``gpus`` (and ``traffic.dscp_pool``), the jobs service on that many GPUs of 80 GiB and the traffic
+    service open_traffic wires to it (traffic on, no marking). The service is shut down
+    when the test ends, pass or fail: its netlink socket left open would fail a later
+    test (an unclosed socket's warning is an error)."""
     from gpud.config import Config
     from gpud.jobs.service import JobService
     from gpud.mps.manager import MpsManager, targets_from_snapshot
     from gpud.net.wiring import open_traffic
     from tests.unit.mps_support import gpu_sample, snapshot
 
-    store, events, _ = wiring_parts(tmp_path)
-    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
-    mps.observe(
-        targets_from_snapshot(snapshot(*(gpu_sample(i, memory_gib=80) for i in range(gpus))))
-    )
-    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
-    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
-    return jobs, open_traffic(config, store, events, jobs)
+    opened: list[TrafficService] = []
+
+    def wire(
+        gpus: int, dscp_pool: str = TrafficConfig().dscp_pool
+    ) -> tuple[JobService, TrafficService]:
+        store, events, _ = wiring_parts(tmp_path)
+        mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+        mps.observe(
+            targets_from_snapshot(snapshot(*(gpu_sample(i, memory_gib=80) for i in range(gpus))))
+        )
+        jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+        traffic = TrafficConfig(enabled=True, marking=False, dscp_pool=dscp_pool)
+        opened.append(open_traffic(Config(traffic=traffic), store, events, jobs))
+        return jobs, opened[-1]
+
+    yield wire
+    for service in opened:
+        service.shutdown()
 
 
 def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
@@ -872,13 +889,13 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     assert not off.view().enabled
 
 
-def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
+def test_wiring_tells_the_service_when_a_run_ends(wired_traffic: Wired) -> None:
     """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
     its job reads as ended, until it holds a reservation again (at once)."""
     from gpud.jobs.ends import EndCause, RunEnd
     from gpud.jobs.service import RunRequest
 
-    jobs, service = wired_traffic(tmp_path, 1)
+    jobs, service = wired_traffic(1)
     launch = jobs.reserve(RunRequest("train-a"))
     service.tick()
     service.report(Report("train-a", 1, time.time() - 1, session="s"))
@@ -895,16 +912,15 @@ def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     again = jobs.reserve(RunRequest("train-a"))
     assert row().ended_s is None
     jobs.release(again.reservation.id)
-    service.shutdown()
 
 
-def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Path) -> None:
+def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(wired_traffic: Wired) -> None:
     """Between a run's end and the next traffic tick, ``gpuctl net show`` and /metrics do
     not count the job as running at its level: it reads ended, with no level, in no
     level's count. A job one of whose two runs ended still runs, at its level."""
     from gpud.jobs.service import RunRequest
 
-    jobs, service = wired_traffic(tmp_path, 2)
+    jobs, service = wired_traffic(2)
     first = jobs.reserve(RunRequest("train-a"))
     second = jobs.reserve(RunRequest("train-a"))
     service.tick()
@@ -932,17 +948,16 @@ def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Pa
     assert _samples(service).get_sample_value("gpud_net_job_level", {"job": "train-a"}) is None
     service.tick()
     assert row().ended_s is not None and row().level is None
-    service.shutdown()
 
 
 def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
-    tmp_path: Path,
+    wired_traffic: Wired,
 ) -> None:
     """A job's run that reserved after the last tick keeps it running, at its level, when
     another run of the job that also started since then ends."""
     from gpud.jobs.service import RunRequest
 
-    jobs, service = wired_traffic(tmp_path, 3)
+    jobs, service = wired_traffic(3)
     first = _ranked_run(jobs, service)
     jobs.release(first.reservation.id)
     second = jobs.reserve(RunRequest("train-a"))
@@ -950,7 +965,6 @@ def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
     jobs.release(second.reservation.id)  # the third holds, no tick since
     (row,) = service.view().jobs
     assert row.ended_s is None and row.level is not None
-    service.shutdown()
 
 
 def _ranked_run(jobs: JobService, service: TrafficService) -> Launch:
@@ -964,13 +978,15 @@ def _ranked_run(jobs: JobService, service: TrafficService) -> Launch:
     return launch
 
 
-def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path: Path) -> None:
+def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(
+    wired_traffic: Wired,
+) -> None:
     """A run that reserves right after its job's last run was released, in a transaction
     that is rolled back (the disk full), holds nothing: the job reads ended at the ticks
     after, without its level, though it reported within traffic.idle_after_s."""
     from gpud.jobs.service import RunRequest
 
-    jobs, service = wired_traffic(tmp_path, 1)
+    jobs, service = wired_traffic(1)
     launch = _ranked_run(jobs, service)
     jobs.release(launch.reservation.id)
     with pytest.raises(OSError), jobs.store.transaction():
@@ -981,22 +997,42 @@ def test_a_reservation_rolled_back_after_a_release_leaves_the_job_ended(tmp_path
         service.tick()
         (row,) = service.view().jobs
         assert row.ended_s is not None and row.level is None
-    service.shutdown()
 
 
-def test_the_reservations_are_read_in_turn_with_their_writes(tmp_path: Path) -> None:
+def test_a_run_tagged_as_its_jobs_last_run_ends_launches_with_its_dscp(
+    wired_traffic: Wired,
+) -> None:
+    """A job's second run tags it while its first still holds (gpuctl run tags before its
+    transaction), then the first ends: another job's run is refused the pool's one tag,
+    and the second run's environment carries the job's DSCP."""
+    from gpud.jobs.service import RunRequest
+
+    jobs, service = wired_traffic(2, dscp_pool="10")
+    jobs.set_tagger(service.tag, service.tags.get, service.starting)  # as gpud does
+    first = jobs.reserve(RunRequest("train-a"))
+    assert service.tag("train-a") == 10  # the second run, before its transaction
+    jobs.release(first.reservation.id)
+    with pytest.raises(DscpPoolExhausted):
+        jobs.reserve(RunRequest("train-d"))
+    second = jobs.reserve(RunRequest("train-a"))
+    assert second.env["GPUD_DSCP"] == "10"
+    assert jobs.env_for(second.reservation)["GPUD_DSCP"] == "10"
+
+
+def test_the_reservations_are_read_in_turn_with_their_writes(wired_traffic: Wired) -> None:
     """The tick reads the reservations through the store's writer, in turn with its writes
     (a release is said to the service before it commits), never a reading snapshot of what
-    was committed: a tick after the release reads the job ended, without its level."""
+    was committed: a tick after the release reads the job ended, without its level. A
+    guard, not a fix's test: the wiring's read goes through the writer, and this fails
+    only where it is switched to the store's ``reading()`` snapshot."""
 
-    jobs, service = wired_traffic(tmp_path, 1)
+    jobs, service = wired_traffic(1)
     launch = _ranked_run(jobs, service)
     with jobs.store.transaction():
         jobs.release(launch.reservation.id)  # told to the service, not committed yet
         service.tick()
     (row,) = service.view().jobs
     assert row.ended_s is not None and row.level is None
-    service.shutdown()
 
 
 def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
@@ -2445,26 +2481,53 @@ def test_a_job_reporting_from_processes_a_moment_apart_keeps_the_rounds_cadence(
     assert said.fields["interval_s"] == 90
 
 
-def test_a_job_whose_run_ended_gives_its_tag_to_a_job_that_starts_at_once(
+def _spent(rig: Rig) -> int:
+    """Jobs a, b and c run and hold the pool's three tags, gpud up past
+    traffic.idle_after_s, job a reporting: a's tag."""
+    rig.active = {"a", "b", "c"}
+    rig.service.tick()
+    rig.clock.t += 70
+    rig.service.report(Report("a", 1, rig.clock.t, session="s"))
+    dscp = rig.service.tags.get("a")
+    assert dscp is not None
+    return dscp
+
+
+def test_a_run_given_its_tag_before_its_jobs_last_run_ended_starts_with_it(
     tmp_path: Path, sysfs: Path
 ) -> None:
-    """With every tag held, a job whose run ended (no progress since) gives its tag to a
-    job that starts, however lately it reported; a job tagged again since its end (about to
-    run again) keeps its tag."""
-    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
+    """A run of a job that took its tag while another run of the job still held (gpuctl run
+    tags before it reserves) keeps it through that run's end: a job that starts meanwhile
+    is refused, and the run reserves with its tag."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    dscp = _spent(rig)
+    rig.clock.t += 1
+    assert rig.service.tag("a") == dscp  # the second run, before its transaction
+    rig.clock.t += 1
     rig.active = {"b", "c"}
-    _every(rig, 70, 10)
-    dscp = rig.service.tags.get("a")
-    rig.jobs += ["d", "e"]
-    rig.service.run_ended("a")
-    rig.clock.t += 5
-    assert rig.service.tag("d") == dscp
-    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.reclaim"]
-    assert said.fields["job"] == "a"
-    rig.service.run_ended("d")
-    rig.service.tag("d")  # about to run again
+    rig.service.run_ended("a")  # the first run ends
+    rig.jobs.append("d")
     with pytest.raises(DscpPoolExhausted):
-        rig.service.tag("e")
+        rig.service.tag("d")
+    assert rig.service.tags.get("a") == dscp
+    assert "net.reclaim" not in rig.kinds()
+
+
+def test_a_job_run_again_seconds_after_its_run_ended_finds_its_tag(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """The tick does not hand a job's tag to an untagged job in use when the job's run
+    ends: run again 4 s later (a restart wrapper), it is not refused."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    dscp = _spent(rig)
+    rig.jobs.append("d")
+    rig.active = {"b", "c", "d"}  # d runs untagged: the pool is spent
+    rig.service.run_ended("a")
+    rig.clock.t += 1
+    rig.service.tick()
+    assert rig.service.tags.get("d") is None
+    rig.clock.t += 3
+    assert rig.service.tag("a") == dscp
 
 
 def test_a_spent_pool_names_the_jobs_whose_quiet_time_keeps_their_tags(
@@ -2483,3 +2546,42 @@ def test_a_spent_pool_names_the_jobs_whose_quiet_time_keeps_their_tags(
     assert "reported in the last 60 s (traffic.idle_after_s)" in message
     assert "at most 10 times traffic.idle_after_s" in message
     assert "job a (a report every 90 s: idle in 110 s)" in message
+
+
+@pytest.mark.parametrize("in_use", ["reserved", "pinned", "process in its cgroup"])
+def test_a_spent_pools_refusal_does_not_name_a_job_in_use_as_idle_soon(
+    tmp_path: Path, sysfs: Path, in_use: str
+) -> None:
+    """A job reporting less often than traffic.idle_after_s that runs (a reservation), is
+    pinned or has a process in its cgroup is not idle in any time: the refusal of a tag
+    does not name it."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"b", "c"}
+    if in_use == "reserved":
+        rig.active.add("a")
+    elif in_use == "pinned":
+        rig.service.pin("a", 1)
+    else:
+        (rig.cgroups.ensure("a") / "cgroup.procs").write_text("4242\n")
+    _every(rig, 270, 90)
+    rig.jobs.append("d")
+    rig.clock.t += 70
+    with pytest.raises(DscpPoolExhausted) as refused:
+        rig.service.tag("d")
+    assert "job a (" not in str(refused.value)
+
+
+def test_a_spent_pools_refusal_counts_a_jobs_idle_time_from_its_tag_where_later(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job reporting less often, given its tag again near the end of its quiet time, is
+    idle traffic.idle_after_s after its tag: the refusal says so, not its quiet time's end."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"b", "c"}
+    _every(rig, 270, 90)
+    rig.jobs.append("d")
+    rig.clock.t += 170  # 10 s of a's quiet time (180 s) left
+    rig.service.tag("a")  # about to run
+    with pytest.raises(DscpPoolExhausted) as refused:
+        rig.service.tag("d")
+    assert "job a (a report every 90 s: idle in 60 s)" in str(refused.value)
