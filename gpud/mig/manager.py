@@ -477,6 +477,7 @@ class MigManager:
     def _finish(self, name: str, result: str, start: float, detail: str, **fields: object) -> float:
         duration = self._monotonic() - start
         self.stats.record(result, duration)
+        fields = {k: v for k, v in fields.items() if v is not None}  # None: does not apply
         self._events.emit(
             "mig.apply",
             f"apply {name}: {result}{': ' + detail if detail else ''}",
@@ -553,6 +554,9 @@ class MigManager:
             )
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
+        # an apply a crash, a stop or a failure left in flight: this one takes its place
+        # (its layouts are no longer wanted, and neither reconcile nor a start resumes it)
+        prior = self._store.inflight()
         self._store.begin_apply(
             name,
             {by_index[i].uuid: (i, layouts[i]) for i in plans},
@@ -596,6 +600,12 @@ class MigManager:
         else:
             result = "noop"
         detail = "; ".join(o.detail for o in outcomes if o.detail)
+        if prior is not None:
+            note = (
+                f"replaces the unfinished apply of {prior.config_name} ({prior.steps_done} of"
+                f" {len(prior.steps)} steps done)"
+            )
+            detail = f"{note}; {detail}" if detail else note
         gone = not wanted()
         if gone:
             detail = (
@@ -611,6 +621,7 @@ class MigManager:
             gpus={o.gpu: o.status for o in outcomes},
             steps=sum(len(o.steps) for o in outcomes),
             client_gone=gone,
+            replaced=prior.config_name if prior is not None else None,
         )
         return ApplyResult(name, result, tuple(outcomes), duration)
 

@@ -744,6 +744,31 @@ def test_report_mode_leaves_an_interrupted_apply_unfinished_and_says_so(
         host.close()
 
 
+def test_an_apply_that_replaces_an_unfinished_one_says_which(
+    host: Host, config: MigConfigFile
+) -> None:
+    """gpud was killed during an apply of all-balanced and started in "report" mode; the
+    operator applies another layout. The new one wins, and its ``mig.apply`` event says
+    that the interrupted one is dropped, not finished."""
+    d = host.start()
+    d.node.faults.crash_after_mutations(3)
+    with pytest.raises(SimulatedCrash):
+        d.mig.apply(config, "all-balanced", options=ApplyOptions(force=True))
+    again = host.start()
+    again.mig.reconcile("report")
+    assert again.mig.unfinished() is not None
+    assert again.mig.apply(config, "all-1g.10gb").result == "success"
+    (event,) = again.events.recent(kind_prefix="mig.apply")
+    assert event.fields["replaced"] == "all-balanced"
+    assert event.message.startswith(
+        "apply all-1g.10gb: success: replaces the unfinished apply of all-balanced (2 of 18"
+        " steps done)"
+    )
+    assert again.mig.assert_config(config, "all-1g.10gb") == []
+    assert again.mig.apply(config, "all-1g.10gb").result == "noop"
+    assert "replaced" not in again.events.recent(kind_prefix="mig.apply")[-1].fields
+
+
 def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
     host = Host(tmp_path, [(A100, 2)])  # the mode change waits for a reset
     try:
