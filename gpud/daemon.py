@@ -472,6 +472,7 @@ class Daemon:
             read_timeout_s=config.telemetry.call_timeout_s,
             release=self.mps.released,
             release_active=lambda: self.mps.enabled,
+            reserved=self._jobs_reserving,
         )
         self.colo = ColoService(
             config.colocate,
@@ -600,6 +601,11 @@ class Daemon:
         answering, ...): MIG calls leave them alone, as a driver call on them could block."""
         snap = self.sampler.latest()
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
+
+    def _jobs_reserving(self, uuid: str) -> list[str]:
+        """The jobs holding a reservation on device ``uuid`` (a GPU or a MIG device): a MIG
+        apply does not destroy it under them."""
+        return sorted({r.job for r in self.jobs.reservations.held() if uuid in r.devices})
 
     async def _state_step(self) -> None:
         """The state database's files checked (``rm state.db-wal`` while gpud runs): the

@@ -19,7 +19,7 @@ An apply that may reset GPUs is waited for up to 10 minutes (resets take a while
 
 ``--dry-run`` makes the apply's checks and changes nothing: it lists each GPU's steps and
 answers with the status words and exit code the apply would (``busy`` and exit 6: refused,
-processes run on instances it would destroy; ``faulty`` and exit 11: left alone;
+processes or jobs' reservations hold instances it would destroy; ``faulty`` and exit 11: left alone;
 ``reset_pending`` with ``--skip-reset``; ``failed`` and exit 1 where ``--force`` would leave a
 MIG mode change pending behind processes and the GPU reset would be refused), listing the
 GPU reset where the apply makes one. With ``--drain`` it does not wait: it names the
@@ -325,8 +325,8 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         )
     if resp.result == "busy":  # only a dry run answers so: an apply is refused with Busy
         raise CliError(
-            "the apply would be refused: processes run on instances it would destroy "
-            "(use --drain or --force)",
+            "the apply would be refused: processes or jobs' reservations hold instances it"
+            " would destroy (use --drain or --force)",
             EXIT_BUSY,
         )
     if resp.result == "partial":

@@ -7,7 +7,9 @@ by a lock, in this order for an apply:
    (nothing is touched when any GPU's layout is impossible);
 2. plan every GPU (:mod:`gpud.mig.plan`);
 3. check that no instance to be destroyed runs processes (``nvidia-smi`` "Processes" table,
-   per MIG device); refuse with :class:`~gpud.errors.Busy` naming pids and jobs, or wait for
+   per MIG device) or is reserved by a job whose process has not opened it yet (the driver
+   lists nothing there, and the run would find its device gone); refuse with
+   :class:`~gpud.errors.Busy` naming pids and jobs, or wait for
    them to leave (``drain``), or go ahead (``force``); a GPU whose processes cannot be
    listed is left alone unless ``force`` (nothing shows that it is idle);
 4. persist the desired layouts and the plan in one transaction, then run the steps, each
@@ -54,9 +56,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from gpud.backend.port import (
     GpuBackend,
@@ -114,6 +116,22 @@ Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
 would not stop)."""
 
+Reserved = Callable[[str], Sequence[str]]
+"""Device UUID (a GPU or a MIG device) -> the jobs that hold a reservation on it."""
+
+
+class ReservedBy(NamedTuple):
+    """A job's reservation on a device an apply would destroy, with no process of the job
+    listed there: its run has its ``CUDA_VISIBLE_DEVICES`` and may open the device at any
+    moment, and the driver refuses nothing until it does."""
+
+    job: str
+
+
+Holder = ProcessInfo | ReservedBy
+"""What holds a device an apply would destroy: a process the driver lists, or a job's
+reservation."""
+
 Faults = Callable[[], Mapping[int, str]]
 """GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
 
@@ -161,6 +179,7 @@ class MigManager:
         read_timeout_s: float = 5.0,
         release: Release | None = None,
         release_active: Callable[[], bool] | None = None,
+        reserved: Reserved | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -174,7 +193,9 @@ class MigManager:
         they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
         ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
-        without it, whenever ``release`` is given.
+        without it, whenever ``release`` is given. ``reserved(uuid)``: the jobs holding a
+        reservation on a device; what an apply would destroy counts as busy while one does,
+        as with a process on it (the driver sees no process yet, so it would refuse nothing).
         """
         self._backend = backend
         self._release = release
@@ -190,6 +211,7 @@ class MigManager:
         self._store = MigStore(store)
         self._events = events
         self._jobs = job_resolver
+        self._reserved = reserved
         self._monotonic = monotonic
         self._wall = wall
         self._sleep = sleep
@@ -291,23 +313,49 @@ class MigManager:
 
     def _busy(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
-    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]]:
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]]:
         """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
         "Processes" per MIG device), each with what it runs on. A MIG mode change made at
         once (Hopper), and a GPU reset (``reset``: the plan waits for one and gpud may do
         it), disturb every process on the GPU; a change left pending until a reset (A100
         without ``reset``: ``--skip-reset``) disturbs none until that reset, only the
-        instances the plan destroys."""
+        instances the plan destroys. A device a job has reserved is busy too, named by
+        that job, unless a process of the job already shows there."""
         doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
-        found: dict[int, tuple[str, ProcessInfo]] = {}
+        found: dict[int, tuple[str, Holder]] = {}
+        places: list[tuple[str, str]] = []
         for md in doomed:
             where = f"{md.profile_name} GPU instance {md.gpu_instance_id} ({md.uuid})"
+            places.append((where, md.uuid))
             for p in self._backend.processes(gpu.index, md.mig):
                 found.setdefault(p.pid, (where, p))
         if mode_change:
+            places.append(("the whole GPU", gpu.uuid))
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
-        return doomed, [found[pid] for pid in sorted(found)]
+        held = [found[pid] for pid in sorted(found)]
+        return doomed, held + self._reservations(places, held)
+
+    def _reservations(
+        self, places: list[tuple[str, str]], held: list[tuple[str, Holder]]
+    ) -> list[tuple[str, Holder]]:
+        """The jobs' reservations on ``places`` ((where, device UUID)) whose job runs no
+        process listed in ``held``: a run reserved but not yet on the device."""
+        if self._reserved is None:
+            return []
+        running = {self._job_of(p) for _, p in held}
+        out: list[tuple[str, Holder]] = []
+        for where, uuid in places:
+            for job in self._reserved(uuid):
+                if job not in running:
+                    running.add(job)
+                    out.append((where, ReservedBy(job)))
+        return out
+
+    def _job_of(self, holder: Holder) -> str | None:
+        if isinstance(holder, ReservedBy):
+            return holder.job
+        return self._jobs(holder.pid) if self._jobs is not None else None
 
     def _doomed(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
@@ -329,7 +377,7 @@ class MigManager:
 
     def _busy_or_unlisted(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
-    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
         support the query, say): gpud cannot tell that what the plan destroys is idle, so
         the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
@@ -342,7 +390,7 @@ class MigManager:
 
     def _busy_parts(
         self,
-        busy: dict[int, list[tuple[str, ProcessInfo]]],
+        busy: dict[int, list[tuple[str, Holder]]],
         ids: dict[int, GpuIdentity],
     ) -> tuple[list[int], list[str], list[str]]:
         """The pids, their jobs, and one line per process naming where it runs."""
@@ -351,32 +399,43 @@ class MigManager:
         parts = []
         for gpu, entries in sorted(busy.items()):
             for where, p in entries:
-                job = self._jobs(p.pid) if self._jobs is not None else None
-                pids.append(p.pid)
+                job = self._job_of(p)
+                if not isinstance(p, ReservedBy):
+                    pids.append(p.pid)
                 if job is not None and job not in jobs:
                     jobs.append(job)
-                parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {_who(p.pid, job)}")
+                parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {self._who(p)}")
         return pids, jobs, parts
 
-    def _pids(self, entries: list[tuple[str, ProcessInfo]]) -> str:
+    def _who(self, holder: Holder) -> str:
+        """ "pid 4242 (job train-7)", "pid 4243", or "reserved by job train-8 (no process
+        of it there yet)"."""
+        if isinstance(holder, ReservedBy):
+            return f"reserved by job {holder.job} (no process of it there yet)"
+        return _who(holder.pid, self._job_of(holder))
+
+    def _pids(self, entries: list[tuple[str, Holder]]) -> str:
         """The processes, each with its job: "pid 4242 (job train-7), pid 4243"."""
-        return ", ".join(
-            _who(p.pid, self._jobs(p.pid) if self._jobs is not None else None) for _, p in entries
-        )
+        return ", ".join(self._who(p) for _, p in entries)
 
     def _busy_error(
         self,
-        busy: dict[int, list[tuple[str, ProcessInfo]]],
+        busy: dict[int, list[tuple[str, Holder]]],
         ids: dict[int, GpuIdentity],
         waited_s: float | None,
     ) -> Busy:
         pids, jobs, parts = self._busy_parts(busy, ids)
+        reserved = any(isinstance(p, ReservedBy) for e in busy.values() for _, p in e)
         if waited_s is not None:
-            head = f"processes still running after draining for {waited_s:.0f}s"
+            what = (
+                "processes or reservations still there" if reserved else "processes still running"
+            )
+            head = f"{what} after draining for {waited_s:.0f}s"
             # drain was asked for: what is left is a longer drain or force
             hint = "stop them, drain longer (--drain-timeout) or force"
         else:
-            head = "refusing to destroy instances with running processes"
+            what = "running processes or jobs' reservations" if reserved else "running processes"
+            head = f"refusing to destroy instances with {what}"
             hint = "use drain or force"
         return Busy(f"{head}: {'; '.join(parts)} ({hint})", pids=tuple(pids), jobs=tuple(jobs))
 
@@ -419,6 +478,7 @@ class MigManager:
     def _finish(self, name: str, result: str, start: float, detail: str, **fields: object) -> float:
         duration = self._monotonic() - start
         self.stats.record(result, duration)
+        fields = {k: v for k, v in fields.items() if v is not None}  # None: does not apply
         self._events.emit(
             "mig.apply",
             f"apply {name}: {result}{': ' + detail if detail else ''}",
@@ -495,6 +555,9 @@ class MigManager:
             )
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
+        # an apply a crash, a stop or a failure left in flight: this one takes its place
+        # (its layouts are no longer wanted, and neither reconcile nor a start resumes it)
+        prior = self._store.inflight()
         self._store.begin_apply(
             name,
             {by_index[i].uuid: (i, layouts[i]) for i in plans},
@@ -538,6 +601,12 @@ class MigManager:
         else:
             result = "noop"
         detail = "; ".join(o.detail for o in outcomes if o.detail)
+        if prior is not None:
+            note = (
+                f"replaces the unfinished apply of {prior.config_name} ({prior.steps_done} of"
+                f" {len(prior.steps)} steps done)"
+            )
+            detail = f"{note}; {detail}" if detail else note
         gone = not wanted()
         if gone:
             detail = (
@@ -553,6 +622,7 @@ class MigManager:
             gpus={o.gpu: o.status for o in outcomes},
             steps=sum(len(o.steps) for o in outcomes),
             client_gone=gone,
+            replaced=prior.config_name if prior is not None else None,
         )
         return ApplyResult(name, result, tuple(outcomes), duration)
 
@@ -562,8 +632,8 @@ class MigManager:
         plans: dict[int, tuple[GpuActual, GpuPlan]],
         by_index: dict[int, GpuIdentity],
         *,
-        busy: dict[int, list[tuple[str, ProcessInfo]]],
-        held: dict[int, list[tuple[str, ProcessInfo]]],
+        busy: dict[int, list[tuple[str, Holder]]],
+        held: dict[int, list[tuple[str, Holder]]],
         opts: ApplyOptions,
         left_alone: tuple[GpuOutcome, ...],
     ) -> ApplyResult:
@@ -634,7 +704,7 @@ class MigManager:
 
     def _holders(
         self, plans: dict[int, tuple[GpuActual, GpuPlan]], by_index: dict[int, GpuIdentity]
-    ) -> dict[int, list[tuple[str, ProcessInfo]]]:
+    ) -> dict[int, list[tuple[str, Holder]]]:
         """For a forced dry run: the processes on each GPU whose MIG mode the plan changes
         (they keep the change pending, on Hopper too) or whose pending change would need a
         reset (the driver refuses it while they run). Read as the busy checks are
@@ -649,7 +719,7 @@ class MigManager:
             by_index[i] for i, (a, p) in sorted(plans.items()) if mode_change(by_index[i], a, p)
         ]
 
-        def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]]:
+        def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]]:
             return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
 
         answers = self._bounded(todo, listed, self._read_timeout_s, "busy")
@@ -695,7 +765,7 @@ class MigManager:
         faulty: dict[int, str],
         *,
         reset: bool,
-    ) -> dict[int, list[tuple[str, ProcessInfo]]]:
+    ) -> dict[int, list[tuple[str, Holder]]]:
         """One round of an apply's busy checks: the processes on what each plan disturbs, by
         GPU. A GPU found faulty (lost, hung, or its processes cannot be listed) is moved from
         ``plans`` to ``faulty``: it is left alone and the others go on. The process lists
@@ -704,7 +774,7 @@ class MigManager:
         busy = {}
         todo = dict(plans)  # what the reads use, while ``plans`` loses the faulty GPUs
 
-        def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]] | str:
+        def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]] | str:
             actual, plan = todo[gpu.index]
             found = self._busy_or_unlisted(gpu, actual, plan, reset=reset)
             return found if isinstance(found, str) else found[1]
@@ -842,7 +912,7 @@ class MigManager:
         *,
         force: bool,
         retry: bool = False,
-    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
         where their MPS daemons are to be stopped first (:meth:`_releasing`).

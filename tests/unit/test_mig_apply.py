@@ -59,6 +59,7 @@ class Host:
         # whatever runs on the machine, and a daemon started again still has it
         self.proc = tmp / "proc"
         self.jobs: dict[int, str] = {}
+        self.reserved: dict[str, list[str]] = {}  # device UUID -> jobs with a reservation
         self.faults: dict[int, str] = {}  # what telemetry found unhealthy
         self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
         self.daemons: list[Daemon] = []
@@ -93,6 +94,7 @@ class Host:
             release=self.release,
             release_active=self.release_active,
             on_change=self.on_change,
+            reserved=lambda uuid: self.reserved.get(uuid, []),
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
@@ -389,6 +391,54 @@ def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
     assert str(busy.value).endswith("(stop them, drain longer (--drain-timeout) or force)")
     assert sum(d.sleeps) == pytest.approx(5)
     assert instances(d) == before
+
+
+def test_an_instance_a_job_reserved_is_not_destroyed_before_its_process_opens_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A run reserved a MIG device and has not opened it yet (its process loads data): the
+    driver lists no process there, but destroying it would leave the run a device that is
+    gone. The apply is refused naming the job, a drain waits for the reservation to go."""
+    d = enable(host, config, "all-1g.10gb")
+    devices = d.backend.mig_devices(0)
+    victim = next(
+        m for m in devices if m.gpu_instance_id == min(x.gpu_instance_id for x in devices)
+    )
+    host.reserved[victim.uuid] = ["train-b"]
+    before = instances(d)
+    with pytest.raises(Busy) as err:
+        d.mig.apply(config, "all-3g.40gb")
+    assert err.value.jobs == ("train-b",) and err.value.pids == ()
+    assert f"GPU 0 (H100-SXM5-80GB) 1g.10gb GPU instance {victim.gpu_instance_id}" in str(err.value)
+    assert f"({victim.uuid}): reserved by job train-b" in str(err.value)
+    assert "jobs' reservations" in str(err.value)
+    assert instances(d) == before
+    dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
+    assert dry.result == "busy" and "reserved by job train-b" in dry.gpus[0].detail
+    original = d.mig._sleep
+
+    def released_after_one(s: float) -> None:
+        original(s)
+        host.reserved.clear()
+
+    d.mig._sleep = released_after_one
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert result.result == "success" and len(d.sleeps) == 1
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_job_whose_process_runs_on_the_instance_is_named_once(
+    host: Host, config: MigConfigFile
+) -> None:
+    """train-a's process shows on one of the devices it reserved: the refusal names the
+    process and its job, not the job's reservations again."""
+    d, pid = _busy_setup(host, config)
+    for m in d.backend.mig_devices(0):
+        host.reserved[m.uuid] = ["train-a"]
+    with pytest.raises(Busy) as err:
+        d.mig.apply(config, "all-3g.40gb")
+    assert err.value.jobs == ("train-a",) and err.value.pids == (pid,)
+    assert "reserved by" not in str(err.value)
 
 
 def test_force_skips_the_check_but_the_driver_still_refuses(
@@ -697,6 +747,31 @@ def test_report_mode_leaves_an_interrupted_apply_unfinished_and_says_so(
         assert again.mig.unfinished() is None
     finally:
         host.close()
+
+
+def test_an_apply_that_replaces_an_unfinished_one_says_which(
+    host: Host, config: MigConfigFile
+) -> None:
+    """gpud was killed during an apply of all-balanced and started in "report" mode; the
+    operator applies another layout. The new one wins, and its ``mig.apply`` event says
+    that the interrupted one is dropped, not finished."""
+    d = host.start()
+    d.node.faults.crash_after_mutations(3)
+    with pytest.raises(SimulatedCrash):
+        d.mig.apply(config, "all-balanced", options=ApplyOptions(force=True))
+    again = host.start()
+    again.mig.reconcile("report")
+    assert again.mig.unfinished() is not None
+    assert again.mig.apply(config, "all-1g.10gb").result == "success"
+    (event,) = again.events.recent(kind_prefix="mig.apply")
+    assert event.fields["replaced"] == "all-balanced"
+    assert event.message.startswith(
+        "apply all-1g.10gb: success: replaces the unfinished apply of all-balanced (2 of 18"
+        " steps done)"
+    )
+    assert again.mig.assert_config(config, "all-1g.10gb") == []
+    assert again.mig.apply(config, "all-1g.10gb").result == "noop"
+    assert "replaced" not in again.events.recent(kind_prefix="mig.apply")[-1].fields
 
 
 def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
