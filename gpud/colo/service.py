@@ -427,11 +427,18 @@ BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 def read_boot_id(path: Path = BOOT_ID_PATH) -> str | None:
     """The kernel's id of the running boot (``/proc/sys/kernel/random/boot_id``, new at
-    each boot); None where it cannot be read."""
+    each boot); None where it cannot be read, said in the log (gpud reads it once, at
+    start)."""
     try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
+        boot = path.read_text().strip()
+    except OSError as err:
+        why = err.strerror or str(err)
+    else:
+        if boot:
+            return boot
+        why = "empty"
+    log.warning("boot id unreadable (%s: %s): leaves and removals are read by Unix time", path, why)
+    return None
 
 
 _Entry = TypeVar("_Entry")
@@ -457,6 +464,19 @@ def _saved_entries(
         if one is not None:
             read_.append(one)
     return read_
+
+
+def _saved_clocks(path: Path, data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The state file's object ``key``: an entry's loop-clock time by its name, each read
+    as its entry is. One that is not an object is logged, naming the file and its key, and
+    its entries are read by their Unix times."""
+    saved = data.get(key) or {}
+    if not isinstance(saved, dict):
+        log.error(
+            "co-location state %s: %s is not an object (%r): read by Unix time", path, key, saved
+        )
+        return {}
+    return saved
 
 
 def _write_state(path: Path, text: str) -> None:
@@ -592,6 +612,9 @@ DROPPED_KEEP_MAX = 10_000
 # process exits) is remembered: only a question of it already on its way comes later. Not
 # written to colo.json: its process is gone.
 STOPPED_LEFT_KEEP_S = 60.0
+# How long an operator's leave waits for colo.json to hold it (a write of the loop's
+# tick may be under way): its RPC answers once it is on disk, or after this, saying so.
+LEAVE_WRITE_S = 2.0
 # A run dropped for its silence that asks again within this of its last question was not
 # stopped but late (gpud slow to answer its last question, which it waits for before its
 # next 1-4 s): it keeps its place. Silent longer, it was stopped (Ctrl-Z) and waits again
@@ -727,6 +750,7 @@ class ColoService:
         registered: Callable[[], Mapping[str, float | None]] | None = None,
         remember: int = DROPPED_KEEP_MAX,
         boot_id: Callable[[], str | None] = read_boot_id,
+        leave_write_s: float = LEAVE_WRITE_S,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -757,7 +781,8 @@ class ColoService:
         :func:`read_boot_id`), read once: the leaves and removals colo.json holds are read
         on the loop's ``clock`` (``time.monotonic``: kept by the kernel from boot) as it
         wrote them when written on this boot, and forgotten when written on another (no
-        gpuctl run outlives a reboot)."""
+        gpuctl run outlives a reboot). ``leave_write_s``: how long an operator's leave
+        waits for colo.json to hold it (a write of the tick under way) before it answers."""
         self._remember = remember
         self._boot = boot_id()  # one for the process's life
         self._name_of = name_of
@@ -844,6 +869,12 @@ class ColoService:
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
+        # Told each time a write is done (or failed): an operator's leave waits, up to
+        # leave_write_s, until the state it built, or a newer one, is on disk.
+        self._written = threading.Condition()
+        self._tried_state = 0  # (under _written) the newest state whose write is done
+        self._on_disk_state = 0  # (under _written) the newest state the file holds
+        self._leave_write_s = leave_write_s
         self.configure(config)
         if state_file is not None:
             self._load(state_file, registered)
@@ -1244,6 +1275,14 @@ class ColoService:
         skipped: the rest of the file is kept."""
         now, wall = self._clock(), self._wall()
         boot, saved_boot = self._boot, data.get("boot_id")
+        if saved_boot is not None and not isinstance(saved_boot, str):
+            log.error(
+                "co-location state %s: boot_id is not a string (%r): its leaves and removals"
+                " are read by Unix time",
+                path,
+                saved_boot,
+            )
+            saved_boot = None
         if isinstance(saved_boot, str) and boot is not None and saved_boot != boot:
             if data.get("left") or data.get("removed"):
                 log.info(
@@ -1256,22 +1295,27 @@ class ColoService:
             return
         same = saved_boot is not None and saved_boot == boot
 
-        def at(where: str, entry: list[Any], unix: int, clock: int) -> float | None:
-            """When ``entry`` came, on the loop's clock; None: not to be kept."""
-            t = _saved_number(entry[unix], f"{where}.wall", 0.0)
-            if same and len(entry) > clock:
+        left_clock = _saved_clocks(path, data, "left_clock") if same else {}
+        removed_clock = _saved_clocks(path, data, "removed_clock") if same else {}
+
+        def at(where: str, unix: Any, kept: Any) -> float | None:
+            """When an entry came, on the loop's clock, from its Unix time and the loop's
+            clock ``kept`` (None: not kept); None: not to be kept."""
+            t = _saved_number(unix, f"{where}.wall", 0.0)
+            if same and kept is not None:
                 # the loop's clock counts from boot: one ahead of now is not of this boot
-                saved = _saved_number(entry[clock], f"{where}.clock", -math.inf)
+                saved = _saved_number(kept, f"{where}.clock", -math.inf)
                 return saved if saved <= now else None
             return now - (wall - t) if t <= wall else None
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
             if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
-                raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
+                raise ValueError(f"[job, Unix time, anonymous] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
                 raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
-            came = at(where, saved, 1, 3)
+            # the clock beside the entry, or last in it (as gpud wrote it for a day)
+            came = at(where, saved[1], saved[3] if len(saved) > 3 else left_clock.get(wid))
             return (
                 None
                 if came is None
@@ -1282,8 +1326,9 @@ class ColoService:
             if not (
                 isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
             ):
-                raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
-            came = at(f"removed.{job}", saved, 0, 2)
+                raise ValueError(f"[Unix time, forced] expected, not {saved!r}")
+            kept = saved[2] if len(saved) > 2 else removed_clock.get(job)
+            came = at(f"removed.{job}", saved[0], kept)
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
         left = _saved_entries(path, data, "left", one_left)
@@ -1499,10 +1544,17 @@ class ColoService:
         # where the boot is not known)
         if (self._left or self._removed) and self._boot is not None:
             state["boot_id"] = self._boot
+        # The entries keep the shapes a gpud of before the clocks read ([job, Unix time,
+        # anonymous], [Unix time, forced]): it refuses any other, and with it the whole
+        # file, after a downgrade. The clocks go beside them, in keys it does not read.
         if self._left:
-            state["left"] = {i: [o.job, o.wall, o.anonymous, o.at] for i, o in self._left.items()}
+            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
+            if self._boot is not None:
+                state["left_clock"] = {i: o.at for i, o in self._left.items()}
         if self._removed:
-            state["removed"] = {j: [r.wall, r.forced, r.at] for j, r in self._removed.items()}
+            state["removed"] = {j: [r.wall, r.forced] for j, r in self._removed.items()}
+            if self._boot is not None:
+                state["removed_clock"] = {j: r.at for j, r in self._removed.items()}
         return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
@@ -1534,12 +1586,27 @@ class ColoService:
                     pending, self._pending = self._pending, None
                 if pending is not None and pending[0] > self._saved_state:
                     self._saved_state = pending[0]
-                    self._write_newest(self._state_file, pending[1])
+                    written = self._write_newest(self._state_file, pending[1])
+                    with self._written:
+                        self._tried_state = pending[0]
+                        if written:
+                            self._on_disk_state = pending[0]
+                        self._written.notify_all()
             finally:
                 self._save_lock.release()
 
-    def _write_newest(self, path: Path, data: dict[str, Any]) -> None:
-        """:meth:`_save` of a state newer than any written. Under the save lock."""
+    def _wait_written(self, state: int) -> str:
+        """Wait (up to ``leave_write_s``) until the state file holds ``state`` or a newer
+        one, written by this thread or by the one that held the write when it came: ""
+        once it does, else why not. Never under the loop's lock."""
+        with self._written:
+            if not self._written.wait_for(lambda: self._tried_state >= state, self._leave_write_s):
+                return f"another write of it still runs after {self._leave_write_s:g} s"
+            return "" if self._on_disk_state >= state else self._save_error
+
+    def _write_newest(self, path: Path, data: dict[str, Any]) -> bool:
+        """:meth:`_save` of a state newer than any written. Under the save lock. False:
+        the file does not hold it (the write failed, said in the log)."""
         predictor = dict(data["predictor"])
         clock = predictor.pop("clock_s", 0.0)
         # how long ago an ended job ran grows every tick: like the predictor's clock, it is
@@ -1550,16 +1617,18 @@ class ColoService:
         }
         unclocked = {**data, "jobs": jobs, "predictor": predictor}
         if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
-            return
+            return True
         try:
             self._write(path, json.dumps(data, allow_nan=False))
             self._saved, self._saved_clock = unclocked, clock
             self._save_error = ""
+            return True
         except (OSError, ValueError) as err:
             # tried again each tick: said once, not every few seconds of a full disk
             if str(err) != self._save_error:
                 log.warning("co-location state %s not written: %s", path, err)
             self._save_error = str(err)
+            return False
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput
@@ -2414,7 +2483,9 @@ class ColoService:
         id (an admission queue entry's, or one gone). ``stopped_by``: the run itself leaves
         as it stops, sent that signal ("" when not known), and is remembered a minute, for
         a question already on its way; None: an operator took it out, written to colo.json
-        at once, so that the run, stopped and continued after a gpud restart, is told."""
+        at once, so that the run, stopped and continued after a gpud restart, is told: it
+        answers once the file holds it (or after ``leave_write_s``, or a failed write,
+        saying so in the log: the leave is done in gpud alone)."""
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
@@ -2438,6 +2509,18 @@ class ColoService:
                     self._stopped[waiter_id] = taken
                     _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
         self._save(state)
+        if off is not None and state is not None and self._state_file is not None:
+            # the RPC answers once it is on disk: a kill -9 of gpud after does not lose it
+            why = self._wait_written(state[0])
+            if why:
+                log.warning(
+                    "co-location state %s: the leave of %s (job %s) not written (%s): done,"
+                    " but a gpud restart before the next write forgets it",
+                    self._state_file,
+                    waiter_id,
+                    off.job,
+                    why,
+                )
         self._say_gone(gone, now)
         if off is None:
             return None

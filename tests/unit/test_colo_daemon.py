@@ -29,6 +29,7 @@ from gpud.colo.service import (
     Advice,
     ColoService,
     RunningJob,
+    read_boot_id,
 )
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument, NotFound
@@ -1913,9 +1914,11 @@ class Restarts:
         self.tmp_path = tmp_path
         self.clock, self.wall = Clock(), Clock()
         self.wall.t = 1_700_000_000.0
-        self.boot = "0b0b0b0b-0000-4000-8000-000000000001"
+        self.boot: str | None = "0b0b0b0b-0000-4000-8000-000000000001"
         self.jobs: list[RunningJob] = []
         self.remember = remember
+        self.write: Callable[[Path, str], None] | None = None
+        self.leave_write_s = 2.0
 
     @property
     def file(self) -> Path:
@@ -1931,6 +1934,8 @@ class Restarts:
             state_file=self.file,
             remember=self.remember,
             boot_id=lambda: self.boot,
+            write=self.write,
+            leave_write_s=self.leave_write_s,
         )
         return svc, memory_held(svc, self.jobs)
 
@@ -1989,8 +1994,203 @@ def test_a_removal_outlives_a_restart_as_old_as_it_is_whatever_the_wall_clock_di
     with pytest.raises(NotFound, match="job x was removed"):
         svc.advise("x", snapshot=snap, waiting=True, waited_s=50.0, waiter_id=before)
     svc.tick(snap)
-    (saved,) = json.loads(host.file.read_text())["removed"].values()
-    assert saved[-1] == removed_at
+    (saved,) = json.loads(host.file.read_text())["removed_clock"].values()
+    assert saved == removed_at
+
+
+def _read_by_the_gpud_of_before_the_clocks(data: Mapping[str, Any]) -> None:
+    """The shape rule a gpud of before the loop's clocks were kept applies to colo.json's
+    leaves and removals: any other shape makes it set the whole file aside."""
+    for wid, saved in (data.get("left") or {}).items():
+        if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[0], str)):
+            raise ValueError(f"left.{wid}: [job, Unix time, anonymous] expected, not {saved!r}")
+        if not isinstance(saved[2], bool):
+            raise ValueError(f"left.{wid}: anonymous is true or false, not {saved[2]!r}")
+    for job, saved in (data.get("removed") or {}).items():
+        if not (isinstance(saved, list) and len(saved) == 2 and isinstance(saved[1], bool)):
+            raise ValueError(f"removed.{job}: [Unix time, forced] expected, not {saved!r}")
+
+
+def test_colo_json_with_leaves_and_removals_is_read_by_the_gpud_before_after_a_downgrade(
+    tmp_path: Path,
+) -> None:
+    """A leave and a removal colo.json holds keep the entry shapes the gpud of before
+    read, the loop's clocks beside them: a downgrade keeps the file, and this gpud reads
+    the clocks again. The entries held the clock last, and the gpud before set the whole
+    file aside (jobs, evictions, guards, predictor)."""
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
+    left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    svc.advise("x", snapshot=snap, waiting=True)
+    host.clock.t += 3.0
+    assert svc.leave(left) is not None
+    svc.job_removed("x", True)()
+    svc.tick(snap)
+    data = json.loads(host.file.read_text())
+    _read_by_the_gpud_of_before_the_clocks(data)
+    assert data["left_clock"] == {left: host.clock.t}
+    assert data["removed_clock"] == {"x": host.clock.t}
+
+
+def test_leaves_and_removals_with_the_clock_last_in_the_entry_are_read_on_it(
+    tmp_path: Path,
+) -> None:
+    """colo.json written with each entry's loop clock last in it (as gpud wrote it for a
+    day): read on that clock on the same boot, whatever the wall clock did since."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    host.clock.t = 1000.0
+    ahead = host.wall.t + 3600.0  # the wall clock stepped back an hour since
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "boot_id": host.boot,
+                "left": {"0123456789ab": ["w", ahead, False, 990.0]},
+                "removed": {"x": [ahead, True, 990.0]},
+            }
+        )
+    )
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=30.0, waiter_id="0123456789ab")
+    with pytest.raises(NotFound, match="job x was removed"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=30.0)
+
+
+def test_an_operators_leave_answers_once_colo_json_holds_it_while_the_tick_was_writing(
+    tmp_path: Path,
+) -> None:
+    """`gpuctl queue --leave ID` while the loop's tick is mid-write of colo.json: the
+    leave answers once the file holds it (the tick's writer writes it straight after its
+    own), so a kill -9 of gpud after the answer does not lose it. It answered at once,
+    the leave left to the tick's writer, not yet on disk."""
+    import threading
+
+    host = Restarts(tmp_path)
+    host.leave_write_s = 600.0  # what is tested is the order, not how long
+    svc, snap = host.start()
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    held, release = threading.Event(), threading.Event()
+
+    def slow_write(path: Path, text: str) -> None:
+        if not release.is_set():
+            held.set()
+            release.wait()
+        write_atomically(path, text)
+
+    svc._write = slow_write
+    host.jobs.append(RunningJob("c", "training", 0, memory_bytes=GIB))
+    ticker = threading.Thread(target=svc.tick, args=(snap,))
+    ticker.start()
+    assert held.wait(60.0)
+    on_disk: list[dict[str, Any]] = []
+
+    def leave() -> None:
+        assert svc.leave(wid) is not None
+        on_disk.append(json.loads(host.file.read_text()))
+
+    leaver = threading.Thread(target=leave)
+    leaver.start()
+    leaver.join(1.0)  # the old leave answered meanwhile; this one waits for the write
+    release.set()
+    leaver.join()
+    ticker.join()
+    (saved,) = on_disk
+    assert wid in saved.get("left", {})
+
+
+def test_an_operators_leave_colo_json_cannot_hold_is_done_and_said_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`gpuctl queue --leave ID` with colo.json not writable (a full disk): the run is
+    taken out all the same, and the log says, naming the file and the run, that a gpud
+    restart before the next write forgets it."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    svc, snap = host.start()
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+
+    def full(path: Path, text: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    svc._write = full
+    assert svc.leave(wid) is not None
+    with pytest.raises(LeftQueue, match=wid):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=3.0, waiter_id=wid)
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and f"the leave of {wid}" in r.getMessage()
+    ]
+    assert len(said) == 1
+    assert str(host.file) in said[0] and "No space left on device" in said[0]
+
+
+def test_a_boot_id_that_cannot_be_read_is_none_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/proc/sys/kernel/random/boot_id not readable: no boot id, and the log says where
+    and why, and that leaves and removals are read by Unix time. It said nothing."""
+    missing = tmp_path / "boot_id"
+    assert read_boot_id(missing) is None
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(missing) in said and "read by Unix time" in said
+
+
+def test_a_gpud_that_cannot_read_its_boots_id_keeps_leaves_across_a_restart_by_unix_time(
+    tmp_path: Path,
+) -> None:
+    """The boot's id not known: colo.json names no boot and no loop clock, and after a
+    restart a leave and a removal are read by their Unix times."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    host.boot = None
+    svc, snap = host.start()
+    left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    removed = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    host.clock.t += 3.0
+    assert svc.leave(left) is not None
+    svc.job_removed("x", True)()
+    svc.tick(snap)
+    data = json.loads(host.file.read_text())
+    assert not {"boot_id", "left_clock", "removed_clock"} & data.keys()
+    host.clock.t = 5.0  # the loop's clock of another process means nothing here
+    host.wall.t += 60.0
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match=left):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=63.0, waiter_id=left)
+    with pytest.raises(NotFound, match="job x was removed"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=63.0, waiter_id=removed)
+
+
+def test_a_boot_id_in_colo_json_that_is_not_a_string_is_named_and_read_by_unix_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json's boot_id not a string (a hand edit): the log names the file and the
+    field, and its leaves are read by their Unix times."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "boot_id": 7,
+                "left": {"0123456789ab": ["w", host.wall.t - 60.0, False]},
+            }
+        )
+    )
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=90.0, waiter_id="0123456789ab")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(str(host.file) in m and "boot_id" in m for m in said)
 
 
 def test_the_leaves_and_removals_of_another_boot_are_forgotten(tmp_path: Path) -> None:
