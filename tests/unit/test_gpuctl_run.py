@@ -570,7 +570,8 @@ def test_a_bad_job_name_is_refused_before_any_advice(
         assert n.jobs.reservations.held() == []
     assert code == 2 and not marker.exists()
     err = capsys.readouterr().err
-    assert "job: 'a b': letters, digits" in err
+    # refused by the first call that names the job (its lookup, or the advice)
+    assert "'a b': letters, digits" in err
     assert "on GPU" not in err and "no co-location advice" not in err  # not a fallback
 
 
