@@ -174,6 +174,45 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     store.close()
 
 
+def _lock_waits(store: StateStore) -> list[int]:
+    """The busy timeouts (ms) the store's writer sets from now on: each a transaction's
+    wait for another process's lock."""
+    waits: list[int] = []
+
+    def heard(statement: str) -> None:
+        if statement.startswith("PRAGMA busy_timeout = "):
+            waits.append(int(statement.rsplit(" ", 1)[1]))
+
+    store._conn.set_trace_callback(heard)
+    return waits
+
+
+def test_writes_after_one_refused_by_another_process_s_lock_only_look_whether_it_was_let_go(
+    tmp_path: Path,
+) -> None:
+    """A backup tool holds the lock: the loop's writing steps do not each wait
+    ``write_wait_s`` for it in turn (a pass past the systemd watchdog), only the first; the
+    others are refused as quickly, still naming the file, until the lock is let go and a
+    write commits; the one after waits in full again."""
+    store = _started(tmp_path, write_wait_s=0.6, in_use_wait_s=0.05)
+    waits = _lock_waits(store)
+    with held_write_lock(tmp_path / DB_NAME):
+        for _ in range(6):  # a pass's writing steps
+            with pytest.raises(StateInUse) as caught, store.transaction() as conn:
+                conn.execute("INSERT INTO t (v) VALUES ('refused')")
+            assert str(caught.value).startswith(f"state database {tmp_path / DB_NAME} is in use")
+            assert classify(caught.value) == ("UNAVAILABLE", 3)
+    assert waits == [600] + [50] * 5
+    assert ": gpud waited 0.05 s for its lock; " in str(caught.value)
+    with store.transaction() as conn:  # let go: the next one looks, takes it, commits
+        conn.execute("INSERT INTO t (v) VALUES ('written')")
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('again')")
+    assert waits[6:] == [50, 600]
+    assert store.write_problem() is None
+    store.close()
+
+
 def test_a_write_queued_behind_another_waits_for_a_lock_only_what_is_left_of_its_own_wait(
     tmp_path: Path,
 ) -> None:
