@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import shutil
@@ -29,6 +30,7 @@ from gpud.errors import (
     FailedPrecondition,
     InUse,
     ResourceExhausted,
+    StateInUse,
     StateUnwritable,
     Unavailable,
 )
@@ -678,6 +680,52 @@ def test_hung_mps_control_daemons_hold_no_other_step_back(root: Path) -> None:
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_an_mps_reconcile_still_running_at_the_stop_is_waited_for_and_its_error_said(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reconcile held up (another process's lock on the state database) past its step's
+    wait, then refused once the stop began: the stop waits for it before leaving the
+    control daemons, and says its error as a warning, not asyncio's "Task exception was
+    never retrieved" with a traceback at the exit."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    release = threading.Event()
+    order: list[str] = []
+    why = f"state database {d.store.path} is in use by another process"
+
+    def held_up(snapshot: object = None) -> None:
+        order.append("reconcile")
+        release.wait(timeout=30)
+        order.append("refused")
+        raise StateInUse(why)
+
+    async def scenario() -> None:
+        reconcile_held = asyncio.Event()
+
+        async def after_mps() -> None:
+            if "reconcile" in order:  # its step's wait is over; the reconcile runs on
+                reconcile_held.set()
+
+        (mps,) = [s for s in d.steps if s.name == "mps"]
+        d.steps = [mps, Step("after-mps", after_mps)]
+        run = await _started(d)
+        d.mps.reconcile = held_up  # type: ignore[method-assign]
+        d.mps.leave = lambda: order.append("leave")  # type: ignore[method-assign]
+        await asyncio.wait_for(reconcile_held.wait(), timeout=30)
+        d.request_stop()  # no pass starts from now on: none retrieves the error
+        release.set()
+        assert await asyncio.wait_for(run, timeout=d.worst_stop_s() + 5) == 0
+
+    caplog.set_level(logging.WARNING)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert f"mps step failed as gpud stopped: {why}" in caplog.text
+    assert order == ["reconcile", "refused", "leave"]
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:
