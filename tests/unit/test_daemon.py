@@ -577,6 +577,46 @@ def test_a_start_up_write_held_up_by_another_process_is_waited_for_and_gpud_serv
     assert waits_ms <= 5000
 
 
+def test_a_loop_pass_while_another_process_holds_the_state_lock_stays_within_the_watchdog(
+    root: Path,
+) -> None:
+    """A backup tool holds the state database's lock: the pass's writing steps (mps, jobs,
+    admission, colo, sim-jobs, cluster) are each refused, the first after ``write_wait_s``,
+    the others after a short look each, not 5 s each in turn: the pass's waits and the
+    loop's interval (half ``WatchdogSec`` at most) stay within the shipped unit's
+    ``WatchdogSec``. Let go, the next pass writes again."""
+    unit = Path(__file__).parents[2] / "systemd" / "gpud.service"
+    (line,) = [s for s in unit.read_text().splitlines() if s.startswith("WatchdogSec=")]
+    watchdog_s = float(line.removeprefix("WatchdogSec=").removesuffix("s"))
+    d = build(make_config(root, **{"daemon.tick_s": 0.05, "mps.enabled": True}))
+    d.store.start_done()
+    waits: list[int] = []
+
+    def heard(statement: str) -> None:
+        if statement.startswith("PRAGMA busy_timeout = "):
+            waits.append(int(statement.rsplit(" ", 1)[1]))
+
+    d.store._conn.set_trace_callback(heard)  # each a transaction's wait for the lock
+    writers = {"mps", "jobs", "admission", "colo", "sim-jobs", "cluster"}
+
+    async def scenario() -> None:
+        with held_write_lock(d.store.path):
+            await d.run_steps()
+        assert waits[0] == 5000 and waits[1:] == [500] * (len(waits) - 1), waits
+        assert len(waits) >= len(writers) - 1  # mps's: refused after its step's wait
+        assert sum(waits) / 1000 + watchdog_s / 2 < watchdog_s, waits
+        await d.run_steps()  # let go; the MPS reconcile's refusal is its step's now
+        refused = {s.name for s in d.steps if s.failing.failures}
+        assert refused <= writers and {"jobs", "admission", "cluster"} <= refused
+        assert [s.name for s in d.steps if s.failing.failed_runs] == ["mps"]
+        assert d.store.write_problem() is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _close(d)
+
+
 def test_the_status_call_says_how_long_a_state_database_write_has_run(root: Path) -> None:
     """A commit stuck in its fsync (a hung disk) fails nothing: the status call says the
     write under way and since when, read without the store's lock."""
