@@ -53,7 +53,7 @@ from gpud.notify import Notifier
 from gpud.store import DB_NAME, StateStore
 from gpud.v1 import mig_pb2, mig_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.unit.mps_support import short_dir
-from tests.unit.store_support import LetGoWhenSaid, held_write_lock
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
 
 MIG_LAYOUTS = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
 
@@ -590,13 +590,7 @@ def test_a_loop_pass_while_another_process_holds_the_state_lock_stays_within_the
     watchdog_s = float(line.removeprefix("WatchdogSec=").removesuffix("s"))
     d = build(make_config(root, **{"daemon.tick_s": 0.05, "mps.enabled": True}))
     d.store.start_done()
-    waits: list[int] = []
-
-    def heard(statement: str) -> None:
-        if statement.startswith("PRAGMA busy_timeout = "):
-            waits.append(int(statement.rsplit(" ", 1)[1]))
-
-    d.store._conn.set_trace_callback(heard)  # each a transaction's wait for the lock
+    waits = lock_waits(d.store)
     writers = {"mps", "jobs", "admission", "colo", "sim-jobs", "cluster"}
 
     async def scenario() -> None:

@@ -19,7 +19,7 @@ from gpud.errors import StateError, StateInUse, StateUnwritable, classify
 from gpud.main import main
 from gpud.store import DB_NAME, StateStore
 from tests.unit.api_support import short_dir
-from tests.unit.store_support import LetGoWhenSaid, held_write_lock
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
 
 
 def fill(state: Path) -> int:
@@ -174,19 +174,6 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     store.close()
 
 
-def _lock_waits(store: StateStore) -> list[int]:
-    """The busy timeouts (ms) the store's writer sets from now on: each a transaction's
-    wait for another process's lock."""
-    waits: list[int] = []
-
-    def heard(statement: str) -> None:
-        if statement.startswith("PRAGMA busy_timeout = "):
-            waits.append(int(statement.rsplit(" ", 1)[1]))
-
-    store._conn.set_trace_callback(heard)
-    return waits
-
-
 def test_writes_after_one_refused_by_another_process_s_lock_only_look_whether_it_was_let_go(
     tmp_path: Path,
 ) -> None:
@@ -195,7 +182,7 @@ def test_writes_after_one_refused_by_another_process_s_lock_only_look_whether_it
     others are refused as quickly, still naming the file, until the lock is let go and a
     write commits; the one after waits in full again."""
     store = _started(tmp_path, write_wait_s=0.6, in_use_wait_s=0.05)
-    waits = _lock_waits(store)
+    waits = lock_waits(store)
     with held_write_lock(tmp_path / DB_NAME):
         for _ in range(6):  # a pass's writing steps
             with pytest.raises(StateInUse) as caught, store.transaction() as conn:
