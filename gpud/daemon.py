@@ -204,6 +204,21 @@ class Overrun:
         if ended is not None:
             raise ended
 
+    async def end(self, timeout_s: float) -> None:
+        """At the stop: wait up to ``timeout_s`` for the run under way, if any; its error is
+        logged as a warning, not left for asyncio to print as a task's exception never
+        retrieved (with its traceback) when the process exits. One still running after that
+        is left to the exit (its error, if any, is retrieved then, unsaid)."""
+        task, self.task = self.task, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=timeout_s)
+        except TimeoutError:
+            pass
+        except Exception as err:
+            log.warning("%s step failed as gpud stopped: %s", self.name, err)
+
 
 class SampledFaults:
     """The simulated node's faults, an injected XID answered once the sampler has taken it in
@@ -583,7 +598,7 @@ class Daemon:
         self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
         # the MPS control daemons are left running for the jobs using them: see MpsManager
-        self.on_shutdown(self.mps.leave)
+        self.on_shutdown(self._mps_stop)
         self._traffic = Overrun("traffic", self._clock)
         self._mps = Overrun("mps", self._clock)
         self.on_shutdown(self._traffic_stop)
@@ -821,10 +836,14 @@ class Daemon:
 
     async def _traffic_stop(self) -> None:
         """Let a running traffic tick end before the interfaces are left or restored."""
-        if self._traffic.task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._traffic.task), timeout=30.0)
+        await self._traffic.end(timeout_s=30.0)
         await on_daemon_thread(self.traffic.shutdown)
+
+    async def _mps_stop(self) -> None:
+        """Let a running MPS reconcile end (a control daemon's query, a write to the state
+        database) before the control daemons are left."""
+        await self._mps.end(timeout_s=30.0)
+        await on_daemon_thread(self.mps.leave)
 
     def _devices_changed(self) -> None:
         """After a MIG apply: sample again and take the devices jobs are placed on from that

@@ -147,6 +147,7 @@ class StateStore:
         busy_timeout_s: float = 30.0,
         warn_after_s: float = 3.0,
         write_wait_s: float = 5.0,
+        in_use_wait_s: float = _LOCK_WAIT_FLOOR_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
@@ -155,7 +156,10 @@ class StateStore:
         before it fails; ``warn_after_s``: when an open that waits for one says so, naming
         the file. ``write_wait_s``: how long a transaction then waits for such a lock
         (SQLite's ``busy_timeout``) before it raises :class:`StateInUse`: less than gpuctl's
-        default ``--timeout``, so that the API answers why. ``clock``: the open's deadline,
+        default ``--timeout``, so that the API answers why. ``in_use_wait_s``: once one was
+        refused so, how long each later one waits for that lock (its busy timeout), until
+        one commits: the daemon's loop writes in several steps a pass, which would each wait
+        ``write_wait_s`` in turn, past the systemd watchdog. ``clock``: the open's deadline,
         and when a change was last refused (:meth:`write_problem`)."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -169,6 +173,7 @@ class StateStore:
         self._write_begun: float | None = None  # when it began (clock; set under _lock)
         self._clock = clock
         self._write_wait_s = write_wait_s
+        self._in_use_wait_s = in_use_wait_s
         # why the latest change was not written, and when (clock): gpuctl status says it;
         # whether another process's lock refused it (then any lock taken ends it)
         self._refused: tuple[str, float] | None = None
@@ -377,7 +382,8 @@ class StateStore:
         whose lock another process holds (SQLITE_BUSY) past ``write_wait_s`` raises
         :class:`StateInUse`, naming the file and the likely holder (that wait counts from
         the call, the wait behind this process's other transactions included, but for at
-        least half a second for the lock itself); until :meth:`start_done`, past what is
+        least half a second for the lock itself; once one was so refused, each later one
+        waits ``in_use_wait_s`` for it, until one commits); until :meth:`start_done`, past what is
         left of the open's ``busy_timeout_s``, saying to start gpud again. SQLITE_LOCKED, a
         conflict within this connection, raises as it is."""
         reader = getattr(self._reading, "conn", None)
@@ -397,8 +403,12 @@ class StateStore:
             lock_wait_s = max(
                 asked + self._write_wait_s - began, min(_LOCK_WAIT_FLOOR_S, self._write_wait_s)
             )
+            starting = self._starting
+            if self._refused_in_use and starting is None:
+                # the lock is known held: the first refusal waited for it in full; the
+                # rest only look whether it was let go, until one commits
+                lock_wait_s = min(lock_wait_s, self._in_use_wait_s)
             try:
-                starting = self._starting
                 if starting is not None and starting[0] - began > lock_wait_s:
                     self._open_step(self._conn, "BEGIN IMMEDIATE", *starting)
                 else:

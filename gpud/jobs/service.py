@@ -726,7 +726,12 @@ class JobService:
 
     # -- the tick --------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> None:
-        """Release reservations of dead holders; attribute the snapshot's processes."""
+        """Attribute the snapshot's processes and take the GPUs' health from it; release
+        reservations of dead holders. The snapshot first: it needs no write, so a transaction
+        refused (another process's lock on the state database, a full disk) does not keep a
+        newly unhealthy GPU from admission and ``gpuctl jobs`` until a write works again."""
+        if snapshot is not None:
+            self.observe(snapshot)
         now = self._clock()
         gone = RunEnd(EndCause.HOLDER_GONE if self._ticked else EndCause.GONE_AT_START)
         self._ticked = True
@@ -750,8 +755,6 @@ class JobService:
             self._freed()
         for stop in due:
             self._kill_leftovers(stop)
-        if snapshot is not None:
-            self.observe(snapshot)
 
     def observe(self, snapshot: Snapshot) -> None:
         """Take the GPUs' processes and health (:meth:`observe_health`) from ``snapshot``:

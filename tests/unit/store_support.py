@@ -24,6 +24,19 @@ class CountingStore(StateStore):
             yield conn
 
 
+def lock_waits(store: StateStore) -> list[int]:
+    """The busy timeouts (ms) the store's writer sets from now on: each a transaction's
+    wait for another process's lock (counted, not timed)."""
+    waits: list[int] = []
+
+    def heard(statement: str) -> None:
+        if statement.startswith("PRAGMA busy_timeout = "):
+            waits.append(int(statement.rsplit(" ", 1)[1]))
+
+    store._conn.set_trace_callback(heard)
+    return waits
+
+
 @contextlib.contextmanager
 def held_write_lock(path: Path) -> Iterator[sqlite3.Connection]:
     """Another process's write in progress on the database ``path`` (a sqlite3 shell's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import shutil
@@ -29,6 +30,7 @@ from gpud.errors import (
     FailedPrecondition,
     InUse,
     ResourceExhausted,
+    StateInUse,
     StateUnwritable,
     Unavailable,
 )
@@ -51,7 +53,7 @@ from gpud.notify import Notifier
 from gpud.store import DB_NAME, StateStore
 from gpud.v1 import mig_pb2, mig_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.unit.mps_support import short_dir
-from tests.unit.store_support import LetGoWhenSaid, held_write_lock
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
 
 MIG_LAYOUTS = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
 
@@ -575,6 +577,40 @@ def test_a_start_up_write_held_up_by_another_process_is_waited_for_and_gpud_serv
     assert waits_ms <= 5000
 
 
+def test_a_loop_pass_while_another_process_holds_the_state_lock_stays_within_the_watchdog(
+    root: Path,
+) -> None:
+    """A backup tool holds the state database's lock: the pass's writing steps (mps, jobs,
+    admission, colo, sim-jobs, cluster) are each refused, the first after ``write_wait_s``,
+    the others after a short look each, not 5 s each in turn: the pass's waits and the
+    loop's interval (half ``WatchdogSec`` at most) stay within the shipped unit's
+    ``WatchdogSec``. Let go, the next pass writes again."""
+    unit = Path(__file__).parents[2] / "systemd" / "gpud.service"
+    (line,) = [s for s in unit.read_text().splitlines() if s.startswith("WatchdogSec=")]
+    watchdog_s = float(line.removeprefix("WatchdogSec=").removesuffix("s"))
+    d = build(make_config(root, **{"daemon.tick_s": 0.05, "mps.enabled": True}))
+    d.store.start_done()
+    waits = lock_waits(d.store)
+    writers = {"mps", "jobs", "admission", "colo", "sim-jobs", "cluster"}
+
+    async def scenario() -> None:
+        with held_write_lock(d.store.path):
+            await d.run_steps()
+        assert waits[0] == 5000 and waits[1:] == [500] * (len(waits) - 1), waits
+        assert len(waits) >= len(writers) - 1  # mps's: refused after its step's wait
+        assert sum(waits) / 1000 + watchdog_s / 2 < watchdog_s, waits
+        await d.run_steps()  # let go; the MPS reconcile's refusal is its step's now
+        refused = {s.name for s in d.steps if s.failing.failures}
+        assert refused <= writers and {"jobs", "admission", "cluster"} <= refused
+        assert [s.name for s in d.steps if s.failing.failed_runs] == ["mps"]
+        assert d.store.write_problem() is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _close(d)
+
+
 def test_the_status_call_says_how_long_a_state_database_write_has_run(root: Path) -> None:
     """A commit stuck in its fsync (a hung disk) fails nothing: the status call says the
     write under way and since when, read without the store's lock."""
@@ -678,6 +714,52 @@ def test_hung_mps_control_daemons_hold_no_other_step_back(root: Path) -> None:
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_an_mps_reconcile_still_running_at_the_stop_is_waited_for_and_its_error_said(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reconcile held up (another process's lock on the state database) past its step's
+    wait, then refused once the stop began: the stop waits for it before leaving the
+    control daemons, and says its error as a warning, not asyncio's "Task exception was
+    never retrieved" with a traceback at the exit."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    release = threading.Event()
+    order: list[str] = []
+    why = f"state database {d.store.path} is in use by another process"
+
+    def held_up(snapshot: object = None) -> None:
+        order.append("reconcile")
+        release.wait(timeout=30)
+        order.append("refused")
+        raise StateInUse(why)
+
+    async def scenario() -> None:
+        reconcile_held = asyncio.Event()
+
+        async def after_mps() -> None:
+            if "reconcile" in order:  # its step's wait is over; the reconcile runs on
+                reconcile_held.set()
+
+        (mps,) = [s for s in d.steps if s.name == "mps"]
+        d.steps = [mps, Step("after-mps", after_mps)]
+        run = await _started(d)
+        d.mps.reconcile = held_up  # type: ignore[method-assign]
+        d.mps.leave = lambda: order.append("leave")  # type: ignore[method-assign]
+        await asyncio.wait_for(reconcile_held.wait(), timeout=30)
+        d.request_stop()  # no pass starts from now on: none retrieves the error
+        release.set()
+        assert await asyncio.wait_for(run, timeout=d.worst_stop_s() + 5) == 0
+
+    caplog.set_level(logging.WARNING)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert f"mps step failed as gpud stopped: {why}" in caplog.text
+    assert order == ["reconcile", "refused", "leave"]
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:

@@ -23,6 +23,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StateInUse,
 )
 from gpud.events import EventLog
 from gpud.jobs import leftovers
@@ -35,10 +36,11 @@ from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
 from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, is_about, shell_exports
-from gpud.store import StateStore
+from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.snapshot import GpuSample
 from gpud.v1 import jobs_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
+from tests.unit.store_support import held_write_lock
 
 NODE = snapshot(
     gpu_sample(0, migs=(("3g.40gb", 40), ("3g.40gb", 40))),
@@ -887,6 +889,31 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("c"))
     service.tick(NODE)  # they answer again
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_a_gpu_that_fails_while_another_process_holds_the_state_lock_takes_no_job(
+    tmp_path: Path,
+) -> None:
+    """A backup tool holds the state database's lock: the tick's write is refused
+    (StateInUse, naming the file), yet the GPU lost in its snapshot is known unhealthy at
+    once, and a job pinned there is refused for it, not placed on a lost GPU until the
+    lock is let go."""
+    state = tmp_path / "state"
+    store = StateStore(state, write_wait_s=0.05)
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/run/gpud/gpud.sock"))
+    store.start_done()
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    try:
+        with held_write_lock(state / DB_NAME):
+            with pytest.raises(StateInUse, match=str(state / DB_NAME)):
+                service.tick(snapshot(NODE.gpus[0], lost, NODE.gpus[2]))
+            assert service.unhealthy() == {1: "GPU lost (memory)"}
+        with pytest.raises(FailedPrecondition, match=r"on GPU 1, which is unhealthy: GPU lost"):
+            service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
+    finally:
+        store.close()
 
 
 def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(

@@ -19,7 +19,7 @@ from gpud.errors import StateError, StateInUse, StateUnwritable, classify
 from gpud.main import main
 from gpud.store import DB_NAME, StateStore
 from tests.unit.api_support import short_dir
-from tests.unit.store_support import LetGoWhenSaid, held_write_lock
+from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
 
 
 def fill(state: Path) -> int:
@@ -171,6 +171,32 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     assert store.write_problem() is None
     with store.reading(), store.transaction() as conn:
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 0
+    store.close()
+
+
+def test_writes_after_one_refused_by_another_process_s_lock_only_look_whether_it_was_let_go(
+    tmp_path: Path,
+) -> None:
+    """A backup tool holds the lock: the loop's writing steps do not each wait
+    ``write_wait_s`` for it in turn (a pass past the systemd watchdog), only the first; the
+    others are refused as quickly, still naming the file, until the lock is let go and a
+    write commits; the one after waits in full again."""
+    store = _started(tmp_path, write_wait_s=0.6, in_use_wait_s=0.05)
+    waits = lock_waits(store)
+    with held_write_lock(tmp_path / DB_NAME):
+        for _ in range(6):  # a pass's writing steps
+            with pytest.raises(StateInUse) as caught, store.transaction() as conn:
+                conn.execute("INSERT INTO t (v) VALUES ('refused')")
+            assert str(caught.value).startswith(f"state database {tmp_path / DB_NAME} is in use")
+            assert classify(caught.value) == ("UNAVAILABLE", 3)
+    assert waits == [600] + [50] * 5
+    assert ": gpud waited 0.05 s for its lock; " in str(caught.value)
+    with store.transaction() as conn:  # let go: the next one looks, takes it, commits
+        conn.execute("INSERT INTO t (v) VALUES ('written')")
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('again')")
+    assert waits[6:] == [50, 600]
+    assert store.write_problem() is None
     store.close()
 
 
