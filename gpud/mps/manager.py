@@ -1296,7 +1296,9 @@ class MpsManager:
                 )
                 return
             if desired is None:
-                if dev.up or dev.failures:
+                # one gpud stopped (a MIG apply, a reboot) is not started since: its stop was
+                # said, and it did not exit unasked
+                if dev.started and (dev.up or dev.failures):
                     # no restart says it meanwhile: said here, once
                     self._events.emit(
                         "mps.exited",
@@ -1690,7 +1692,12 @@ class MpsManager:
         one that outlives SIGKILL."""
         stake = f"{_LOST}; none is started beside it until it has gone"
         pid = dev.daemon.orphan()
-        if pid is None or self._end_orphan(uuid, dev, pid, stake) is not None:
+        if pid is not None and self._end_orphan(uuid, dev, pid, stake) is not None:
+            # gpud ended it, said as mps.stop: it neither exited unasked nor failed a check
+            dev.up = False
+            dev.failures = 0
+            pid = None
+        if pid is None:
             pid = self._end_stuck(uuid, dev, stake)
         if pid is None:
             return True

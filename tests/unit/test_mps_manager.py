@@ -3025,3 +3025,49 @@ def test_a_snapshot_whose_observe_failed_is_observed_again(root: Path) -> None:
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_daemon_stopped_for_a_mig_apply_while_its_limits_wait_is_not_said_exited(
+    root: Path,
+) -> None:
+    """A daemon whose limits wait to be moved, that once missed a health check, is stopped
+    by gpud for a MIG apply: its stop is said, and no ``mps.exited`` (an alert) follows."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=3)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        os.kill(pid, signal.SIGCONT)
+        assert events.recent(kind_prefix="mps.hung")
+        with mgr.released(["MIG-b"]) as kept:
+            assert not kept
+            mgr.reconcile()
+        mgr.reconcile()
+        assert events.recent(kind_prefix="mps.stop")
+        assert not events.recent(kind_prefix="mps.exited")
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_whose_limits_wait_ended_for_losing_its_pipe_dir_is_not_said_exited(
+    root: Path,
+) -> None:
+    """gpud SIGKILLs an adopted daemon whose limits wait to be moved once it lost its pipe
+    directory: said once, as ``mps.stop``; no ``mps.exited`` says it went unasked."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store)
+    try:
+        status = {s.target.uuid: s for s in mgr.status()}["MIG-b"]
+        shutil.rmtree(status.pipe_dir)  # its PID file and control socket go with it
+        mgr.reconcile()
+        wait_dead(pid)
+        mgr.reconcile()
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == pid and "it lost its pipe directory" in stop.message
+        assert not events.recent(kind_prefix="mps.exited")
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
