@@ -1059,7 +1059,10 @@ class MpsManager:
     def _recorded_pid(self, daemon: ControlDaemon, pid: int, ticks: int | None) -> int | None:
         """The running daemon a record names: its PID while that process started when
         recorded, else the one the PID file in its pipe directory names (one started by a
-        gpud killed before it recorded it). Never a process that only reuses the PID."""
+        gpud killed before it recorded it, pid 0, or while the state database could not be
+        written, under its predecessor's record). Never a process that only reuses the PID;
+        but where another gpud now uses that pipe directory (simulated nodes with the same
+        UUIDs), the daemon its PID file names is that gpud's."""
         found = daemon.pid()
         if pid > 0 and ticks is not None:
             if self._alive(pid, self._proc_root) and start_time(pid, self._proc_root) == ticks:
@@ -1928,7 +1931,8 @@ class MpsManager:
         """The running daemons, ``(PID, device UUID, run dir)``, that the records of daemons
         (``mps_daemons``) name under another ``daemon.run_dir``: each by its recorded PID
         and start time, or the PID file in its pipe directory, as :meth:`_take_over` finds
-        them. Never another daemon under that run dir (another gpud's that uses it now)."""
+        them: never one of a device no record names there, but the PID file's daemon of a
+        recorded device whose own has gone, whoever started it (see :meth:`_recorded_pid`)."""
         try:
             with self._store.read() as conn:
                 rows = conn.execute(

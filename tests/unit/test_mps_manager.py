@@ -3071,3 +3071,36 @@ def test_a_daemon_whose_limits_wait_ended_for_losing_its_pipe_dir_is_not_said_ex
         store.full = False
         mgr.stop()
         store.close()
+
+
+def test_a_reboot_ends_the_daemon_started_under_an_old_run_dir_while_its_record_was_not_kept(
+    root: Path,
+) -> None:
+    """A daemon restarted while the state database could not be written keeps its
+    predecessor's record (PID, start time). daemon.run_dir changed since, and the simulated
+    node reboots: the recorded daemon has gone, so the one the PID file of that device's
+    pipe directory names there is ended, not left holding the GPU beside the next one."""
+    store = _FullDisk(root / "state")
+    first, _, _ = make_manager(root, run="run", store=store)
+    first.reconcile(snapshot(gpu_sample(0)))
+    (recorded,) = [s.pid for s in first.status()]
+    assert recorded is not None
+    store.full = True
+    os.kill(recorded, signal.SIGKILL)
+    wait_dead(recorded)
+    first.reconcile(snapshot(gpu_sample(0)))
+    (unrecorded,) = [s.pid for s in first.status()]
+    assert unrecorded is not None and unrecorded != recorded
+    first.leave()
+    store.full = False
+    assert _record(store, gpu_uuid(0)) == (recorded, str(root / "run/mps" / gpu_uuid(0) / "pipe"))
+    second, _, _ = make_manager(root, run="run2", store=store)
+    try:
+        with second.rebooting() as ended:
+            assert ended == 1
+        wait_dead(unrecorded)
+    finally:
+        if alive(unrecorded):
+            os.kill(unrecorded, signal.SIGKILL)
+        second.stop()
+        store.close()
