@@ -392,6 +392,8 @@ class MpsManager:
         self._seen: set[str] = set()  # device UUIDs of the last observe
         # a failed move of re-created MIG devices' limits: when it is tried again (see observe)
         self._restore_at: float | None = None
+        # ... and why it failed: what the refusal of a change meanwhile names
+        self._restore_error: StateError | None = None
         # the re-created MIG devices whose move waits for that try: no daemon is started
         # for them meanwhile (their limits are not known yet)
         self._restoring: set[str] = set()
@@ -513,11 +515,18 @@ class MpsManager:
         manager's lock, as :meth:`observe` changes what waits."""
         if target.uuid not in self._restoring:
             return
-        at = self._restore_at
-        left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+        err = self._restore_error
+        why = str(err) if err is not None else f"state database {self._store.path} not writable"
+        if self._store.refuses_until_restart():
+            # every later try is refused as well: waiting for one does not help
+            then = "no move is made before gpud restarts: set them after the restart"
+        else:
+            at = self._restore_at
+            left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+            then = f"the move is tried again{left}: set them once it is made"
         raise FailedPrecondition(
-            f"{_label(target)} ({target.uuid}): {_LIMITS_WAIT}, so what it holds is not"
-            f" known yet; the move is tried again{left}: set them once it is made"
+            f"{_label(target)} ({target.uuid}): its MPS limits wait to be moved ({why}), so"
+            f" what it holds is not known yet; {then}"
         )
 
     def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
@@ -838,12 +847,15 @@ class MpsManager:
                             err,
                         )
                     self._restore_at = self._clock() + RESTORE_RETRY_S
+                    self._restore_error = err
                 else:
                     if self._restore_at is not None:
                         log.info("MPS: the limits of re-created MIG devices were moved to them")
                     self._restore_at = None
             # those whose move is still to be made are new again at the next observe
             self._restoring = {t.uuid for t in new} if self._restore_at is not None else set()
+            if not self._restoring:
+                self._restore_error = None
             self._seen = set(self._targets) - self._restoring
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:

@@ -3104,3 +3104,47 @@ def test_a_reboot_ends_the_daemon_started_under_an_old_run_dir_while_its_record_
             os.kill(unrecorded, signal.SIGKILL)
         second.stop()
         store.close()
+
+
+def test_a_change_refused_while_limits_wait_names_the_state_database_and_its_error(
+    root: Path,
+) -> None:
+    """The refusal of a change to a device whose limits wait to be moved names the state
+    database and what refused the move's write, and when it is tried again."""
+    store = _FullDisk(root / "state")
+    mgr, _, _ = _adopted_while_limits_wait(root, store)
+    try:
+        with pytest.raises(FailedPrecondition) as refused:
+            mgr.set_limits("MIG-b", threads_percent=30)
+        said = str(refused.value)
+        assert f"(state database {store.path} cannot be written)" in said
+        assert "MIG-b" in said and "the move is tried again in 30 s" in said
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_change_refused_while_limits_wait_on_a_removed_state_database_says_to_restart(
+    root: Path,
+) -> None:
+    """The state database was removed while gpud ran, before a re-created MIG device's
+    limits were moved: no later try can move them, so the refusal of a change names the
+    database, says it was removed, and that only a restart makes the move, not a wait."""
+    store = StateStore(root / "state")
+    mgr, _, _ = make_manager(root, store=store)
+    try:
+        mgr.observe([_mig("MIG-a")])
+        mgr.set_limits("MIG-a", threads_percent=40)
+        mgr.reconcile()
+        mgr.stop()  # MIG-a destroyed, its daemon with it
+        store.path.unlink()
+        mgr.observe([_mig("MIG-c")])
+        with pytest.raises(FailedPrecondition) as refused:
+            mgr.set_limits("MIG-c", threads_percent=30)
+        said = str(refused.value)
+        assert f"state database {store.path} was removed or replaced while gpud ran" in said
+        assert "restart" in said and "tried again" not in said
+    finally:
+        mgr.stop()
+        store.close()
