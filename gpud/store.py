@@ -519,6 +519,12 @@ class StateStore:
             self._said = True
         return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
 
+    def refuses_until_restart(self) -> bool:
+        """Whether the database file or its WAL was found removed or replaced while gpud
+        ran (SQLite still writes to the unlinked inode): every change is refused from then
+        on, and none is written again before gpud restarts."""
+        return self._gone is not None
+
     def write_problem(self) -> tuple[str, float] | None:
         """Why changes to the database are not written, and since when (on the store's
         clock): what SQLite said of the latest refused one (``database or disk is full``,

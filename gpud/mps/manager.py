@@ -392,6 +392,8 @@ class MpsManager:
         self._seen: set[str] = set()  # device UUIDs of the last observe
         # a failed move of re-created MIG devices' limits: when it is tried again (see observe)
         self._restore_at: float | None = None
+        # ... and why it failed: what the refusal of a change meanwhile names
+        self._restore_error: StateError | None = None
         # the re-created MIG devices whose move waits for that try: no daemon is started
         # for them meanwhile (their limits are not known yet)
         self._restoring: set[str] = set()
@@ -513,11 +515,18 @@ class MpsManager:
         manager's lock, as :meth:`observe` changes what waits."""
         if target.uuid not in self._restoring:
             return
-        at = self._restore_at
-        left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+        err = self._restore_error
+        why = str(err) if err is not None else f"state database {self._store.path} not writable"
+        if self._store.refuses_until_restart():
+            # every later try is refused as well: waiting for one does not help
+            then = "no move is made before gpud restarts: set them after the restart"
+        else:
+            at = self._restore_at
+            left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+            then = f"the move is tried again{left}: set them once it is made"
         raise FailedPrecondition(
-            f"{_label(target)} ({target.uuid}): {_LIMITS_WAIT}, so what it holds is not"
-            f" known yet; the move is tried again{left}: set them once it is made"
+            f"{_label(target)} ({target.uuid}): its MPS limits wait to be moved ({why}), so"
+            f" what it holds is not known yet; {then}"
         )
 
     def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
@@ -838,12 +847,15 @@ class MpsManager:
                             err,
                         )
                     self._restore_at = self._clock() + RESTORE_RETRY_S
+                    self._restore_error = err
                 else:
                     if self._restore_at is not None:
                         log.info("MPS: the limits of re-created MIG devices were moved to them")
                     self._restore_at = None
             # those whose move is still to be made are new again at the next observe
             self._restoring = {t.uuid for t in new} if self._restore_at is not None else set()
+            if not self._restoring:
+                self._restore_error = None
             self._seen = set(self._targets) - self._restoring
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
@@ -1059,7 +1071,10 @@ class MpsManager:
     def _recorded_pid(self, daemon: ControlDaemon, pid: int, ticks: int | None) -> int | None:
         """The running daemon a record names: its PID while that process started when
         recorded, else the one the PID file in its pipe directory names (one started by a
-        gpud killed before it recorded it). Never a process that only reuses the PID."""
+        gpud killed before it recorded it, pid 0, or while the state database could not be
+        written, under its predecessor's record). Never a process that only reuses the PID;
+        but where another gpud now uses that pipe directory (simulated nodes with the same
+        UUIDs), the daemon its PID file names is that gpud's."""
         found = daemon.pid()
         if pid > 0 and ticks is not None:
             if self._alive(pid, self._proc_root) and start_time(pid, self._proc_root) == ticks:
@@ -1296,7 +1311,9 @@ class MpsManager:
                 )
                 return
             if desired is None:
-                if dev.up or dev.failures:
+                # one gpud stopped (a MIG apply, a reboot) is not started since: its stop was
+                # said, and it did not exit unasked
+                if dev.started and (dev.up or dev.failures):
                     # no restart says it meanwhile: said here, once
                     self._events.emit(
                         "mps.exited",
@@ -1690,7 +1707,12 @@ class MpsManager:
         one that outlives SIGKILL."""
         stake = f"{_LOST}; none is started beside it until it has gone"
         pid = dev.daemon.orphan()
-        if pid is None or self._end_orphan(uuid, dev, pid, stake) is not None:
+        if pid is not None and self._end_orphan(uuid, dev, pid, stake) is not None:
+            # gpud ended it, said as mps.stop: it neither exited unasked nor failed a check
+            dev.up = False
+            dev.failures = 0
+            pid = None
+        if pid is None:
             pid = self._end_stuck(uuid, dev, stake)
         if pid is None:
             return True
@@ -1921,7 +1943,8 @@ class MpsManager:
         """The running daemons, ``(PID, device UUID, run dir)``, that the records of daemons
         (``mps_daemons``) name under another ``daemon.run_dir``: each by its recorded PID
         and start time, or the PID file in its pipe directory, as :meth:`_take_over` finds
-        them. Never another daemon under that run dir (another gpud's that uses it now)."""
+        them: never one of a device no record names there, but the PID file's daemon of a
+        recorded device whose own has gone, whoever started it (see :meth:`_recorded_pid`)."""
         try:
             with self._store.read() as conn:
                 rows = conn.execute(

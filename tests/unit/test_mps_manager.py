@@ -2832,11 +2832,13 @@ def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_move
         store.close()
 
 
+@contextlib.contextmanager
 def _adopted_while_limits_wait(
     root: Path, store: _FullDisk, **kwargs: object
-) -> tuple[MpsManager, EventLog, int]:
+) -> Iterator[tuple[MpsManager, EventLog, int]]:
     """gpud restarted on a full disk: MIG-b's running daemon (its PID) adopted while its
-    limits wait to be moved, MIG-a having been re-created as MIG-c."""
+    limits wait to be moved, MIG-a having been re-created as MIG-c. After: the disk freed,
+    the manager stopped (its daemons with it) and ``store`` closed."""
     first, _, _ = make_manager(root, store=store)
     first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
     first.set_limits("MIG-a", threads_percent=40)
@@ -2848,9 +2850,14 @@ def _adopted_while_limits_wait(
     assert pid is not None
     store.full = True
     mgr, _, events = make_manager(root, store=store, **kwargs)
-    mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
-    mgr.reconcile()
-    return mgr, events, pid
+    try:
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        yield mgr, events, pid
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
 
 
 def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
@@ -2863,8 +2870,7 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
     with its limits after the move, and MIG-c gets MIG-a's."""
     now = [0.0]
     store = _FullDisk(root / "state")
-    mgr, events, pid = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
-    try:
+    with _adopted_while_limits_wait(root, store, clock=lambda: now[0]) as (mgr, events, pid):
         status = {s.target.uuid: s for s in mgr.status()}
         assert status["MIG-c"].pid is None
         assert status["MIG-b"].pid == pid and status["MIG-b"].up
@@ -2883,10 +2889,6 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
         status = {s.target.uuid: s for s in mgr.status()}
         assert status["MIG-b"].up and status["MIG-b"].observed_threads_percent == 60
         assert status["MIG-c"].up and status["MIG-c"].observed_threads_percent == 40
-    finally:
-        store.full = False
-        mgr.stop()
-        store.close()
 
 
 def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
@@ -2899,8 +2901,7 @@ def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
     never as drift."""
     now = [0.0]
     store = _FullDisk(root / "state")
-    mgr, events, _ = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
-    try:
+    with _adopted_while_limits_wait(root, store, clock=lambda: now[0]) as (mgr, events, _):
         store.full = False
         with pytest.raises(FailedPrecondition, match=r"MIG-b.*wait to be moved.* 30 s"):
             mgr.set_limits("MIG-b", threads_percent=30)
@@ -2912,10 +2913,6 @@ def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
         assert status.up and status.observed_threads_percent == 30
         mgr.reconcile()
         assert not events.recent(kind_prefix="mps.drift")
-    finally:
-        store.full = False
-        mgr.stop()
-        store.close()
 
 
 def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
@@ -2924,8 +2921,7 @@ def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
     """An adopted daemon whose limits wait to be moved is shown up and waiting; once it
     dies (nothing restarts it meanwhile) an ``mps.exited`` names it, once."""
     store = _FullDisk(root / "state")
-    mgr, events, pid = _adopted_while_limits_wait(root, store)
-    try:
+    with _adopted_while_limits_wait(root, store) as (mgr, events, pid):
         status = {s.target.uuid: s for s in mgr.status()}["MIG-b"]
         assert device_row(device_message(status, None))[3] == (
             "up: its MPS limits wait to be moved (state database not writable)"
@@ -2936,27 +2932,22 @@ def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
         mgr.reconcile()
         (said,) = events.recent(kind_prefix="mps.exited")
         assert said.fields["uuid"] == "MIG-b" and "wait to be moved" in said.message
-    finally:
-        store.full = False
-        mgr.stop()
-        store.close()
 
 
 def test_a_hung_daemon_whose_limits_wait_is_killed_not_said_restarted(root: Path) -> None:
     """Killed for not answering while its limits wait to be moved: the event says that a
     new one waits for them, not that it is restarted."""
     store = _FullDisk(root / "state")
-    mgr, events, pid = _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1)
-    try:
+    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1) as (
+        mgr,
+        events,
+        pid,
+    ):
         os.kill(pid, signal.SIGSTOP)
         mgr.reconcile()
         wait_dead(pid)
         (said,) = events.recent(kind_prefix="mps.unresponsive")
         assert "restart" not in said.message and "wait to be moved" in said.message
-    finally:
-        store.full = False
-        mgr.stop()
-        store.close()
 
 
 def test_a_failed_move_whose_devices_are_gone_hides_no_later_failure(
@@ -3022,6 +3013,118 @@ def test_a_snapshot_whose_observe_failed_is_observed_again(root: Path) -> None:
         mgr.observe_snapshot(snap)
         with pytest.raises(FailedPrecondition, match="is in MIG mode and has no MIG devices"):
             mgr.resolve("1")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_stopped_for_a_mig_apply_while_its_limits_wait_is_not_said_exited(
+    root: Path,
+) -> None:
+    """A daemon whose limits wait to be moved, that once missed a health check, is stopped
+    by gpud for a MIG apply: its stop is said, and no ``mps.exited`` (an alert) follows."""
+    store = _FullDisk(root / "state")
+    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=3) as (
+        mgr,
+        events,
+        pid,
+    ):
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        os.kill(pid, signal.SIGCONT)
+        assert events.recent(kind_prefix="mps.hung")
+        with mgr.released(["MIG-b"]) as kept:
+            assert not kept
+            mgr.reconcile()
+        mgr.reconcile()
+        assert events.recent(kind_prefix="mps.stop")
+        assert not events.recent(kind_prefix="mps.exited")
+
+
+def test_a_daemon_whose_limits_wait_ended_for_losing_its_pipe_dir_is_not_said_exited(
+    root: Path,
+) -> None:
+    """gpud SIGKILLs an adopted daemon whose limits wait to be moved once it lost its pipe
+    directory: said once, as ``mps.stop``; no ``mps.exited`` says it went unasked."""
+    store = _FullDisk(root / "state")
+    with _adopted_while_limits_wait(root, store) as (mgr, events, pid):
+        status = {s.target.uuid: s for s in mgr.status()}["MIG-b"]
+        shutil.rmtree(status.pipe_dir)  # its PID file and control socket go with it
+        mgr.reconcile()
+        wait_dead(pid)
+        mgr.reconcile()
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == pid and "it lost its pipe directory" in stop.message
+        assert not events.recent(kind_prefix="mps.exited")
+
+
+def test_a_reboot_ends_the_daemon_started_under_an_old_run_dir_while_its_record_was_not_kept(
+    root: Path,
+) -> None:
+    """A daemon restarted while the state database could not be written keeps its
+    predecessor's record (PID, start time). daemon.run_dir changed since, and the simulated
+    node reboots: the recorded daemon has gone, so the one the PID file of that device's
+    pipe directory names there is ended, not left holding the GPU beside the next one."""
+    store = _FullDisk(root / "state")
+    first, _, _ = make_manager(root, run="run", store=store)
+    first.reconcile(snapshot(gpu_sample(0)))
+    (recorded,) = [s.pid for s in first.status()]
+    assert recorded is not None
+    store.full = True
+    os.kill(recorded, signal.SIGKILL)
+    wait_dead(recorded)
+    first.reconcile(snapshot(gpu_sample(0)))
+    (unrecorded,) = [s.pid for s in first.status()]
+    assert unrecorded is not None and unrecorded != recorded
+    first.leave()
+    store.full = False
+    assert _record(store, gpu_uuid(0)) == (recorded, str(root / "run/mps" / gpu_uuid(0) / "pipe"))
+    second, _, _ = make_manager(root, run="run2", store=store)
+    try:
+        with second.rebooting() as ended:
+            assert ended == 1
+        wait_dead(unrecorded)
+    finally:
+        if alive(unrecorded):
+            os.kill(unrecorded, signal.SIGKILL)
+        second.stop()
+        store.close()
+
+
+def test_a_change_refused_while_limits_wait_names_the_state_database_and_its_error(
+    root: Path,
+) -> None:
+    """The refusal of a change to a device whose limits wait to be moved names the state
+    database and what refused the move's write, and when it is tried again."""
+    store = _FullDisk(root / "state")
+    with _adopted_while_limits_wait(root, store, clock=lambda: 0.0) as (mgr, _, _):
+        with pytest.raises(FailedPrecondition) as refused:
+            mgr.set_limits("MIG-b", threads_percent=30)
+        said = str(refused.value)
+        assert f"(state database {store.path} cannot be written)" in said
+        assert "MIG-b" in said and "the move is tried again in 30 s" in said
+
+
+def test_a_change_refused_while_limits_wait_on_a_removed_state_database_says_to_restart(
+    root: Path,
+) -> None:
+    """The state database was removed while gpud ran, before a re-created MIG device's
+    limits were moved: no later try can move them, so the refusal of a change names the
+    database, says it was removed, and that only a restart makes the move, not a wait."""
+    store = StateStore(root / "state")
+    mgr, _, _ = make_manager(root, store=store)
+    try:
+        mgr.observe([_mig("MIG-a")])
+        mgr.set_limits("MIG-a", threads_percent=40)
+        mgr.reconcile()
+        mgr.stop()  # MIG-a destroyed, its daemon with it
+        store.path.unlink()
+        mgr.observe([_mig("MIG-c")])
+        with pytest.raises(FailedPrecondition) as refused:
+            mgr.set_limits("MIG-c", threads_percent=30)
+        said = str(refused.value)
+        assert f"state database {store.path} was removed or replaced while gpud ran" in said
+        assert "restart" in said and "tried again" not in said
     finally:
         mgr.stop()
         store.close()
