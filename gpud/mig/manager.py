@@ -781,7 +781,7 @@ class MigManager:
             elif i in busy:
                 waits = "; ".join(self._busy_parts({i: busy[i]}, by_index)[2])
                 details.append(
-                    f"would first wait up to {opts.timeout_s:g} s for processes to leave: {waits}"
+                    f"would first wait up to {opts.timeout_s:g} s for {_leaving(busy[i])}: {waits}"
                 )
             if before_reset is not None and status != "busy":
                 stopped = tuple(s.describe() for s in before_reset)
@@ -870,7 +870,10 @@ class MigManager:
                 raise self._busy_error(busy, by_index, self._monotonic() - started)
             if not wanted():
                 return False
-            log.info("draining MIG instances on GPUs %s", sorted(busy))
+            log.info(
+                "draining MIG instances: waiting for %s",
+                "; ".join(self._busy_parts(busy, by_index)[2]),
+            )
             self._sleep(min(self._drain_poll_s, max(0.0, deadline - self._monotonic())))
 
     def _check_idle(
@@ -1715,6 +1718,19 @@ def _answers(
         else:
             out[gpu.index] = got
     return out
+
+
+def _leaving(held: list[tuple[str, Holder]]) -> str:
+    """What a drain waits for on ``held``: "processes to leave", "reservations to be
+    released", or both."""
+    kinds = {isinstance(h, ReservedBy) for _, h in held}
+    if kinds == {True}:
+        return "reservations to be released"
+    return (
+        "processes to leave"
+        if kinds == {False}
+        else "processes to leave and reservations to be released"
+    )
 
 
 def _where(md: MigDeviceIdentity) -> str:

@@ -452,6 +452,11 @@ def test_an_instance_a_job_reserved_is_not_destroyed_before_its_process_opens_it
     assert instances(d) == before
     dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
     assert dry.result == "busy" and "reserved by job train-b" in dry.gpus[0].detail
+    drain = ApplyOptions(drain=True, timeout_s=30)
+    dry = d.mig.apply(config, "all-3g.40gb", options=drain, dry_run=True)
+    assert dry.gpus[0].detail.startswith(
+        "would first wait up to 30 s for reservations to be released: GPU 0 (H100-SXM5-80GB)"
+    )
     original = d.mig._sleep
 
     def released_after_one(s: float) -> None:
@@ -616,6 +621,20 @@ def test_a_forced_apply_names_the_reservations_whose_devices_it_destroyed(
     assert host.reserved == {victim.uuid: ["train-b"]}
     (event,) = d.events.recent(1, kind_prefix="mig.apply")
     assert note in event.message
+
+
+def test_a_reservation_on_a_faulty_gpu_holds_no_other_gpu_back(
+    host: Host, config: MigConfigFile
+) -> None:
+    """train-f reserved a MIG device of GPU 1, which is then lost: an apply leaves GPU 1
+    alone (its fault stays with it) and changes GPU 0, which no job holds."""
+    d = enable(host, config, "all-1g.10gb")
+    host.reserved[d.backend.mig_devices(1)[0].uuid] = ["train-f"]
+    host.faults[1] = "GPU lost"
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "partial"
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert "train-f" not in result.gpus[0].detail
 
 
 def test_a_job_whose_process_runs_on_the_instance_is_named_once(
