@@ -488,6 +488,7 @@ class Daemon:
             release=self.mps.released,
             release_active=lambda: self.mps.enabled,
             reserved=self._jobs_reserving,
+            hold_placement=self.jobs.placing_none_on,
         )
         self.colo = ColoService(
             config.colocate,

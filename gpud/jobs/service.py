@@ -149,6 +149,9 @@ class JobService:
         self._unlisted: dict[str, int] = {}
         # GPU index -> why, as of the newest snapshot observed (swapped whole)
         self._unhealthy: dict[int, str] = {}
+        # GPU index -> why no job is placed there for now (a MIG apply changes its
+        # instances): see placing_none_on (swapped whole)
+        self._held_off: dict[int, str] = {}
         # the newest snapshot's monotonic whose health was taken; held only to take one
         self._health_lock = threading.Lock()
         self._health_at: float | None = None
@@ -604,8 +607,26 @@ class JobService:
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
         the newest snapshot observed (:meth:`observe_health`; the daemon observes each of
-        the sampler's as it is taken): no job is placed there."""
-        return dict(self._unhealthy)
+        the sampler's as it is taken), or why no job is placed there for now
+        (:meth:`placing_none_on`): no job is placed there, and a queued one waits."""
+        return {**self._held_off, **self._unhealthy}
+
+    @contextmanager
+    def placing_none_on(self, gpus: Mapping[int, str]) -> Iterator[None]:
+        """Place no job on ``gpus`` (index -> why: a MIG apply destroys and creates their
+        instances, and a run given a MIG device UUID the driver then destroys finds it
+        gone) while the context lasts: a run pinned there is refused naming why, one that
+        names none goes elsewhere, a queued one waits. Marked under the placement lock: a
+        reservation being placed as it is entered is committed before it returns, so the
+        caller's check of the reservations that follows sees it. Once it ends, the
+        admission queue is asked for a pass."""
+        with self._lock:
+            self._held_off = {**self._held_off, **gpus}
+        try:
+            yield
+        finally:
+            self._held_off = {i: w for i, w in self._held_off.items() if i not in gpus}
+            self._freed()
 
     def unhealthy_devices(self) -> dict[tuple[int, int | None], tuple[str, str]]:
         """(GPU index, MIG device index or None) -> (UUID, ``"GPU N: reason"``) for each
@@ -674,9 +695,15 @@ class JobService:
         for uuid in spec.devices or ():
             t = targets.get(uuid)
             if t is not None and t.gpu in sick:
+                # a GPU held off (a MIG apply in flight) is not unhealthy: it is placed on
+                # again once the change ends
+                state = (
+                    "where no job is placed now"
+                    if t.gpu in self._held_off and t.gpu not in self._unhealthy
+                    else "which is unhealthy"
+                )
                 raise FailedPrecondition(
-                    f"job {spec.name!r}: {uuid} is on GPU {t.gpu}, which is unhealthy: "
-                    f"{sick[t.gpu]}"
+                    f"job {spec.name!r}: {uuid} is on GPU {t.gpu}, {state}: {sick[t.gpu]}"
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(

@@ -1,7 +1,8 @@
 """The MIG manager: validate, plan and apply layouts safely; reconcile; show; export.
 
 One :class:`MigManager` per daemon. Every mutating driver call goes through it, serialised
-by a lock, in this order for an apply:
+by a lock (an apply made while another runs is refused, naming it), in this order for an
+apply:
 
 1. resolve the named config for each GPU and validate it against the GPU's own tables
    (nothing is touched when any GPU's layout is impossible);
@@ -10,8 +11,10 @@ by a lock, in this order for an apply:
    per MIG device) or is reserved by a job whose process has not opened it yet (the driver
    lists nothing there, and the run would find its device gone); refuse with
    :class:`~gpud.errors.Busy` naming pids and jobs, or wait for
-   them to leave (``drain``), or go ahead (``force``); a GPU whose processes cannot be
-   listed is left alone unless ``force`` (nothing shows that it is idle);
+   them to leave (``drain``), or go ahead (``force``: each GPU's outcome names the
+   reservations whose devices it destroyed); a GPU whose processes cannot be listed is left
+   alone unless ``force`` (nothing shows that it is idle). From before these checks until
+   its steps end, no job is placed on the GPUs it changes (``hold_placement``);
 4. persist the desired layouts and the plan in one transaction, then run the steps, each
    step re-planned from what the driver has, so that a crash at any point is finished by
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
@@ -53,6 +56,7 @@ finished, and logged as finished after its caller had gone if the caller had.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -74,6 +78,7 @@ from gpud.errors import (
     BackendError,
     Busy,
     DriverTimeout,
+    FailedPrecondition,
     GpudError,
     GpuFault,
     GpuLost,
@@ -132,6 +137,12 @@ Holder = ProcessInfo | ReservedBy
 """What holds a device an apply would destroy: a process the driver lists, or a job's
 reservation."""
 
+HoldPlacement = Callable[[Mapping[int, str]], AbstractContextManager[object]]
+"""Place no job on the GPUs (index -> why) while the context lasts. Entered once no
+reservation is being placed (it takes the placement lock to mark them): a reservation
+placed before is committed, and the busy check that follows sees it; none is placed after,
+until the context ends."""
+
 Faults = Callable[[], Mapping[int, str]]
 """GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
 
@@ -180,6 +191,7 @@ class MigManager:
         release: Release | None = None,
         release_active: Callable[[], bool] | None = None,
         reserved: Reserved | None = None,
+        hold_placement: HoldPlacement | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -196,6 +208,10 @@ class MigManager:
         without it, whenever ``release`` is given. ``reserved(uuid)``: the jobs holding a
         reservation on a device; what an apply would destroy counts as busy while one does,
         as with a process on it (the driver sees no process yet, so it would refuse nothing).
+        ``hold_placement``: an apply (not a dry run) marks the GPUs it changes before its
+        busy checks and keeps them marked until its steps end, so that no reservation
+        (``gpuctl run``, a queued job started) lands on an instance between the check and
+        its destroy step.
         """
         self._backend = backend
         self._release = release
@@ -212,11 +228,16 @@ class MigManager:
         self._events = events
         self._jobs = job_resolver
         self._reserved = reserved
+        self._hold_placement = hold_placement
         self._monotonic = monotonic
         self._wall = wall
         self._sleep = sleep
         self._drain_poll_s = drain_poll_s
         self._lock = threading.RLock()
+        # the apply (not a dry run) running now: its config and when it began; guarded by
+        # _applying_lock, which is never held while waiting for _lock
+        self._applying: tuple[str, float] | None = None
+        self._applying_lock = threading.Lock()
         self._last_report: dict[str, str] = {}
         # the config of an apply this process ran that failed: its plan stays in flight and
         # reconcile retries it (not an apply interrupted by a crash, to be resumed)
@@ -323,18 +344,37 @@ class MigManager:
         that job, unless a process of the job already shows there."""
         doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
         found: dict[int, tuple[str, Holder]] = {}
-        places: list[tuple[str, str]] = []
         for md in doomed:
-            where = f"{md.profile_name} GPU instance {md.gpu_instance_id} ({md.uuid})"
-            places.append((where, md.uuid))
             for p in self._backend.processes(gpu.index, md.mig):
-                found.setdefault(p.pid, (where, p))
+                found.setdefault(p.pid, (_where(md), p))
         if mode_change:
-            places.append(("the whole GPU", gpu.uuid))
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
         held = [found[pid] for pid in sorted(found)]
-        return doomed, held + self._reservations(places, held)
+        return doomed, held + self._reservations(_places(gpu, doomed, mode_change), held)
+
+    def _reserved_destroyed(
+        self,
+        plans: dict[int, tuple[GpuActual, GpuPlan]],
+        by_index: dict[int, GpuIdentity],
+        *,
+        reset: bool,
+    ) -> dict[int, list[tuple[str, Holder]]]:
+        """For a forced apply, before its steps: the jobs' reservations on what each plan
+        destroys, by GPU, which the force goes past (read as the busy checks are, and left
+        out for a GPU that does not answer). Their runs were handed devices the driver will
+        not have: each GPU's outcome names them."""
+        if self._reserved is None:
+            return {}
+
+        def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]]:
+            actual, plan = plans[gpu.index]
+            doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
+            return self._reservations(_places(gpu, doomed, mode_change), [])
+
+        todo = [by_index[i] for i in sorted(plans)]
+        answers = self._bounded(todo, listed, self._read_timeout_s, "reserved")
+        return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
     def _reservations(
         self, places: list[tuple[str, str]], held: list[tuple[str, Holder]]
@@ -453,15 +493,28 @@ class MigManager:
     ) -> ApplyResult:
         """Apply config ``name`` of ``config`` to this node's GPUs. See the module docstring;
         ``still_wanted()`` says whether the caller still waits for the result,
-        ``stopping()`` whether gpud is stopping."""
+        ``stopping()`` whether gpud is stopping. One made while another apply (not a dry
+        run) runs is refused with :class:`FailedPrecondition` naming it: it would wait for
+        that one's drain and steps unseen, then undo them."""
         opts = options or ApplyOptions()
         start = self._monotonic()
         wanted = still_wanted or (lambda: True)
         stop = stopping or (lambda: False)
-        with self._lock:
+        with (
+            self._only_apply(name, start, dry_run=dry_run),
+            self._lock,
+            contextlib.ExitStack() as holding,
+        ):
             try:
                 result = self._apply(
-                    config, name, opts, dry_run, start=start, wanted=wanted, stopping=stop
+                    config,
+                    name,
+                    opts,
+                    dry_run,
+                    start=start,
+                    wanted=wanted,
+                    stopping=stop,
+                    holding=holding,
                 )
             except (InvalidArgument, NotFound) as err:
                 # A GPU index the node lacks is a bad request, not a failed apply.
@@ -474,6 +527,30 @@ class MigManager:
                 self._finish(name, "failed", start, str(err))
                 raise
         return result
+
+    @contextlib.contextmanager
+    def _only_apply(self, name: str, start: float, *, dry_run: bool) -> Iterator[None]:
+        """Refuse the apply (or dry run) of ``name`` while another apply runs: it would wait
+        for that one's drain and steps unseen, then plan from what it left (undoing it),
+        and neither caller would be told. A refused apply is logged as not started."""
+        with self._applying_lock:
+            if self._applying is not None:
+                other, since = self._applying
+                refusal = FailedPrecondition(
+                    f"an apply of {other} is in flight (started {max(0.0, start - since):.0f} s"
+                    " ago): wait for it to end (gpuctl mig show) and apply again"
+                )
+                if not dry_run:
+                    self._not_started(name, start, str(refusal), client_gone=False)
+                raise refusal
+            if not dry_run:
+                self._applying = (name, start)
+        try:
+            yield
+        finally:
+            if not dry_run:
+                with self._applying_lock:
+                    self._applying = None
 
     def _finish(self, name: str, result: str, start: float, detail: str, **fields: object) -> float:
         duration = self._monotonic() - start
@@ -499,7 +576,10 @@ class MigManager:
         start: float,
         wanted: Callable[[], bool],
         stopping: Callable[[], bool],
+        holding: contextlib.ExitStack[bool | None],
     ) -> ApplyResult:
+        """:meth:`apply` under its lock; ``holding``: where it holds placement off the GPUs it
+        changes, until :meth:`apply` ends."""
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
         layouts = config.layouts(name, ids, faults=faults)
@@ -531,17 +611,27 @@ class MigManager:
                 name, plans, by_index, busy=busy, held=held, opts=opts, left_alone=left_alone()
             )
 
-        if stopping():  # it waited behind another apply
+        if stopping():  # it waited behind a reconcile
             return self._not_started(
                 name, start, "gpud was stopping before it started", client_gone=not wanted()
             )
-        if not wanted():  # it waited behind another apply, or its planning was slow
+        if not wanted():  # it waited behind a reconcile, or its planning was slow
             return self._not_started(name, start, "the client had gone before it started")
         drain_start = self._monotonic()
 
         def go_on() -> bool:
             return wanted() and not stopping()
 
+        if self._hold_placement is not None:
+            # before the busy checks: a run placed on an instance after them would find it
+            # destroyed under it, and one placed during a drain would keep it from ending
+            changing = {
+                i: f"a MIG apply of {name} is changing its instances"
+                for i, (_, p) in plans.items()
+                if not p.empty
+            }
+            if changing:
+                holding.enter_context(self._hold_placement(changing))
         if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
             waited = self._monotonic() - drain_start
@@ -554,6 +644,8 @@ class MigManager:
                 client_gone=gone,
             )
 
+        # what force goes past: runs handed a device the steps destroy, told in the outcome
+        destroyed = self._reserved_destroyed(plans, by_index, reset=reset) if opts.force else {}
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
         # an apply a crash, a stop or a failure left in flight: this one takes its place
         # (its layouts are no longer wanted, and neither reconcile nor a start resumes it)
@@ -585,7 +677,10 @@ class MigManager:
                     read_timeout_s=self._read_timeout_s,
                 )
             )
-        outcomes.sort(key=lambda o: o.gpu)
+        outcomes = sorted(
+            (self._past_reservations(o, destroyed, by_index) for o in outcomes),
+            key=lambda o: o.gpu,
+        )
         failed = any(o.status == "failed" for o in outcomes)
         self._failed_apply = name if failed else None
         if not failed:
@@ -625,6 +720,26 @@ class MigManager:
             replaced=prior.config_name if prior is not None else None,
         )
         return ApplyResult(name, result, tuple(outcomes), duration)
+
+    def _past_reservations(
+        self,
+        outcome: GpuOutcome,
+        destroyed: dict[int, list[tuple[str, Holder]]],
+        by_index: dict[int, GpuIdentity],
+    ) -> GpuOutcome:
+        """``outcome``, naming the reservations its forced steps destroyed the devices of
+        (``destroyed``: :meth:`_reserved_destroyed`): they stay held, for their runs to
+        release, and those runs find no such device."""
+        held = destroyed.get(outcome.gpu)
+        if not held or not outcome.steps:
+            return outcome
+        parts = "; ".join(self._busy_parts({outcome.gpu: held}, by_index)[2])
+        note = (
+            f"{parts}: destroyed by the forced apply; its run finds no such device (release"
+            " the reservation and run again)"
+        )
+        detail = f"{outcome.detail}; {note}" if outcome.detail else note
+        return dataclasses.replace(outcome, detail=detail)
 
     def _preview(
         self,
@@ -666,7 +781,7 @@ class MigManager:
             elif i in busy:
                 waits = "; ".join(self._busy_parts({i: busy[i]}, by_index)[2])
                 details.append(
-                    f"would first wait up to {opts.timeout_s:g} s for processes to leave: {waits}"
+                    f"would first wait up to {opts.timeout_s:g} s for {_leaving(busy[i])}: {waits}"
                 )
             if before_reset is not None and status != "busy":
                 stopped = tuple(s.describe() for s in before_reset)
@@ -755,7 +870,10 @@ class MigManager:
                 raise self._busy_error(busy, by_index, self._monotonic() - started)
             if not wanted():
                 return False
-            log.info("draining MIG instances on GPUs %s", sorted(busy))
+            log.info(
+                "draining MIG instances: waiting for %s",
+                "; ".join(self._busy_parts(busy, by_index)[2]),
+            )
             self._sleep(min(self._drain_poll_s, max(0.0, deadline - self._monotonic())))
 
     def _check_idle(
@@ -1600,6 +1718,33 @@ def _answers(
         else:
             out[gpu.index] = got
     return out
+
+
+def _leaving(held: list[tuple[str, Holder]]) -> str:
+    """What a drain waits for on ``held``: "processes to leave", "reservations to be
+    released", or both."""
+    kinds = {isinstance(h, ReservedBy) for _, h in held}
+    if kinds == {True}:
+        return "reservations to be released"
+    return (
+        "processes to leave"
+        if kinds == {False}
+        else "processes to leave and reservations to be released"
+    )
+
+
+def _where(md: MigDeviceIdentity) -> str:
+    """A MIG device as a busy check names it: "1g.10gb GPU instance 7 (MIG-...)"."""
+    return f"{md.profile_name} GPU instance {md.gpu_instance_id} ({md.uuid})"
+
+
+def _places(
+    gpu: GpuIdentity, doomed: list[MigDeviceIdentity], whole: bool
+) -> list[tuple[str, str]]:
+    """(where, device UUID) of what a plan destroys: its MIG devices, and the GPU itself
+    where it changes the MIG mode (``whole``: a job may hold the GPU whole)."""
+    places = [(_where(md), md.uuid) for md in doomed]
+    return [*places, ("the whole GPU", gpu.uuid)] if whole else places
 
 
 def _who(pid: int, job: str | None) -> str:

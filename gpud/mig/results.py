@@ -10,8 +10,9 @@ from gpud.histogram import Histogram, HistogramCounts
 
 # Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``. ``partial``: the healthy
 # GPUs were applied, a faulty one (lost, not answering) was left alone. ``not_started``: its
-# client had gone (or gpud was stopping) before it could start: it waited behind another
-# apply, or drained, waiting for processes to leave; nothing was changed.
+# client had gone (or gpud was stopping) before it could start: it waited behind a
+# reconcile, or drained, waiting for processes to leave; or it was refused because another
+# apply was in flight; nothing was changed.
 # ``busy``: refused, processes run on what it would destroy (counted when an apply raises
 # Busy; a dry run that foresees a refusal answers so, and is not counted).
 RESULTS = (

@@ -916,6 +916,26 @@ def test_a_gpu_that_fails_while_another_process_holds_the_state_lock_takes_no_jo
         store.close()
 
 
+def test_no_job_is_placed_on_a_gpu_whose_mig_instances_an_apply_is_changing(
+    service: JobService,
+) -> None:
+    """A MIG apply destroys and creates GPU 0's instances: a run pinned to one of them is
+    refused naming the apply, one that names no device goes elsewhere; once the apply ends
+    GPU 0 is placed on again."""
+    mig = [t.uuid for t in DEVICES if t.gpu == 0 and t.mig is not None]
+    why = "a MIG apply of all-1g.10gb is changing its instances"
+    with service.placing_none_on({0: why}):
+        assert service.unhealthy() == {0: why}
+        with pytest.raises(
+            FailedPrecondition, match=rf"{mig[0]} is on GPU 0, where no job is placed now: {why}"
+        ):
+            service.reserve(RunRequest("pinned", devices=(mig[0],)))
+        launch = service.reserve(RunRequest("any"))
+        assert launch.reservation.devices in ((gpu_uuid(1),), (gpu_uuid(2),))
+    assert service.unhealthy() == {}
+    assert service.reserve(RunRequest("pinned", devices=(mig[0],))).reservation.devices == (mig[0],)
+
+
 def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     tmp_path: Path, store: StateStore
 ) -> None:

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,15 @@ from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
-from gpud.errors import Busy, GpuLost, InUse, InvalidArgument, NotFound, StateInUse
+from gpud.errors import (
+    Busy,
+    FailedPrecondition,
+    GpuLost,
+    InUse,
+    InvalidArgument,
+    NotFound,
+    StateInUse,
+)
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
@@ -68,6 +76,7 @@ class Host:
         self.wrap: Callable[[NvmlBackend], Any] = lambda b: b  # the manager's backend
         self.open_store: Callable[[Path], StateStore] = StateStore  # on gpud's state dir
         self.on_change: Callable[[int], None] | None = None  # a GPU's devices changed
+        self.placement = Placement(self.reserved)  # where runs reserve devices
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -95,6 +104,7 @@ class Host:
             release_active=self.release_active,
             on_change=self.on_change,
             reserved=lambda uuid: self.reserved.get(uuid, []),
+            hold_placement=self.placement.hold,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
@@ -103,6 +113,34 @@ class Host:
     def close(self) -> None:
         for d in self.daemons:
             d.store.close()
+
+
+class Placement:
+    """Where runs reserve devices, as the jobs service does: under its lock, and on no GPU
+    an apply holds off (index -> why)."""
+
+    def __init__(self, reserved: dict[str, list[str]]) -> None:
+        self.reserved = reserved
+        self.lock = threading.Lock()
+        self.off: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def hold(self, gpus: Mapping[int, str]) -> Iterator[None]:
+        with self.lock:
+            self.off.update(gpus)
+        try:
+            yield
+        finally:
+            for i in gpus:
+                self.off.pop(i, None)
+
+    def reserve(self, job: str, gpu: int, uuid: str) -> str | None:
+        """None once ``job`` holds ``uuid``; else why it was refused."""
+        with self.lock:
+            if gpu in self.off:
+                return self.off[gpu]
+            self.reserved.setdefault(uuid, []).append(job)
+            return None
 
 
 @pytest.fixture
@@ -297,13 +335,15 @@ def test_unknown_gpu_index_is_an_invalid_request(host: Host, config: MigConfigFi
     assert [e.fields["result"] for e in d.events.recent() if e.kind == "mig.apply"] == ["invalid"]
 
 
+def _slice0(d: Daemon) -> Any:
+    """GPU 0's MIG device at slice 0: it goes in the move to all-3g.40gb."""
+    devices = d.backend.mig_devices(0)
+    return next(m for m in devices if m.gpu_instance_id == min(x.gpu_instance_id for x in devices))
+
+
 def _busy_setup(host: Host, config: MigConfigFile) -> tuple[Daemon, int]:
     d = enable(host, config, "all-1g.10gb")
-    devices = d.backend.mig_devices(0)
-    # GPU instance at slice 0 goes in the move to all-3g.40gb
-    victim = next(
-        m for m in devices if m.gpu_instance_id == min(x.gpu_instance_id for x in devices)
-    )
+    victim = _slice0(d)
     d.node.workloads.start(0, 4242, 2 * GIB, 0.5, mig=victim.mig)
     host.jobs[4242] = "train-a"
     return d, 4242
@@ -400,10 +440,7 @@ def test_an_instance_a_job_reserved_is_not_destroyed_before_its_process_opens_it
     driver lists no process there, but destroying it would leave the run a device that is
     gone. The apply is refused naming the job, a drain waits for the reservation to go."""
     d = enable(host, config, "all-1g.10gb")
-    devices = d.backend.mig_devices(0)
-    victim = next(
-        m for m in devices if m.gpu_instance_id == min(x.gpu_instance_id for x in devices)
-    )
+    victim = _slice0(d)
     host.reserved[victim.uuid] = ["train-b"]
     before = instances(d)
     with pytest.raises(Busy) as err:
@@ -415,6 +452,11 @@ def test_an_instance_a_job_reserved_is_not_destroyed_before_its_process_opens_it
     assert instances(d) == before
     dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
     assert dry.result == "busy" and "reserved by job train-b" in dry.gpus[0].detail
+    drain = ApplyOptions(drain=True, timeout_s=30)
+    dry = d.mig.apply(config, "all-3g.40gb", options=drain, dry_run=True)
+    assert dry.gpus[0].detail.startswith(
+        "would first wait up to 30 s for reservations to be released: GPU 0 (H100-SXM5-80GB)"
+    )
     original = d.mig._sleep
 
     def released_after_one(s: float) -> None:
@@ -425,6 +467,174 @@ def test_an_instance_a_job_reserved_is_not_destroyed_before_its_process_opens_it
     result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
     assert result.result == "success" and len(d.sleeps) == 1
     assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+class _ReservesBeforeTheFirstDestroy:
+    """A backend where, as the apply's first destroy step reaches the driver, a queued job
+    is started on every MIG device of the GPU (an admission pass between the apply's busy
+    check and its steps)."""
+
+    def __init__(self, backend: NvmlBackend, placement: Placement) -> None:
+        self._backend = backend
+        self._placement = placement
+        self.refused: list[str] = []
+        self._done = False
+
+    def _start_queued(self, gpu: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        for m in self._backend.mig_devices(gpu):
+            why = self._placement.reserve("train-c", gpu, m.uuid)
+            if why is not None:
+                self.refused.append(why)
+
+    def destroy_compute_instance(self, gpu: int, gi: int, ci: int) -> Any:
+        self._start_queued(gpu)
+        return self._backend.destroy_compute_instance(gpu, gi, ci)
+
+    def destroy_gpu_instance(self, gpu: int, gi: int) -> Any:
+        self._start_queued(gpu)
+        return self._backend.destroy_gpu_instance(gpu, gi)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it_destroys(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A queued job is started while an apply of GPU 0 runs, after its busy check found
+    nothing there: placement holds the GPU off until the apply ends, so the job is not
+    given an instance the next step destroys; once the apply ends GPU 0 is placed on."""
+    enable(host, config, "all-1g.10gb")
+    wrapped: list[_ReservesBeforeTheFirstDestroy] = []
+
+    def wrap(backend: NvmlBackend) -> _ReservesBeforeTheFirstDestroy:
+        wrapped.append(_ReservesBeforeTheFirstDestroy(backend, host.placement))
+        return wrapped[-1]
+
+    host.wrap = wrap
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "success"
+    assert wrapped[0].refused == ["a MIG apply of all-3g.40gb is changing its instances"] * 7
+    assert host.reserved == {} and host.placement.off == {}
+    new = d.backend.mig_devices(0)[0]
+    assert host.placement.reserve("train-c", 0, new.uuid) is None
+
+
+class _AppliesDuringTheFirstDestroy:
+    """A backend where, as an apply's first destroy step reaches the driver, ``during()``
+    runs (another ``gpuctl mig apply`` arriving meanwhile)."""
+
+    def __init__(self, backend: NvmlBackend, during: Callable[[], None]) -> None:
+        self._backend = backend
+        self._during: Callable[[], None] | None = during
+
+    def destroy_compute_instance(self, gpu: int, gi: int, ci: int) -> Any:
+        during, self._during = self._during, None
+        if during is not None:
+            during()
+        return self._backend.destroy_compute_instance(gpu, gi, ci)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_an_apply_made_while_another_runs_is_refused_naming_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An operator applies all-balanced while the apply of all-3g.40gb runs: it is refused
+    at once, naming the apply in flight, rather than waiting for it unseen and then undoing
+    it; a dry run is refused so too. The first apply ends as asked, and the refused one is
+    logged as not started."""
+    enable(host, config, "all-1g.10gb")
+    daemons: list[Daemon] = []
+    refused: list[Exception] = []
+
+    def second() -> None:
+        for dry_run in (False, True):
+            try:
+                daemons[0].mig.apply(config, "all-balanced", dry_run=dry_run)
+            except FailedPrecondition as err:
+                refused.append(err)
+
+    host.wrap = lambda backend: _AppliesDuringTheFirstDestroy(backend, second)
+    daemons.append(host.start())
+    d = daemons[0]
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert [str(e) for e in refused] == [
+        "an apply of all-3g.40gb is in flight (started 0 s ago): wait for it to end"
+        " (gpuctl mig show) and apply again"
+    ] * 2
+    assert not any(isinstance(e, Busy) for e in refused)
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+    first, last = d.events.recent(kind_prefix="mig.apply")
+    assert (first.fields["config"], first.fields["result"]) == ("all-balanced", "not_started")
+    assert "an apply of all-3g.40gb is in flight" in first.message
+    assert (last.fields["config"], last.fields["result"]) == ("all-3g.40gb", "success")
+    assert d.mig.apply(config, "all-balanced").result == "success"
+
+
+def test_a_whole_gpu_a_job_reserved_keeps_mig_off_until_the_reservation_goes(
+    host: Host, config: MigConfigFile
+) -> None:
+    """train-w reserved GPU 0 whole (MIG off) and its process has not opened it yet: an
+    apply turning MIG on there would take the GPU from under it. It is refused naming the
+    job and the whole GPU; GPU 1, which no job holds, is not what it names."""
+    d = host.start()
+    gpu0 = d.backend.identity(0).uuid
+    host.reserved[gpu0] = ["train-w"]
+    with pytest.raises(Busy) as err:
+        d.mig.apply(config, "all-1g.10gb")
+    assert err.value.jobs == ("train-w",) and err.value.pids == ()
+    assert (
+        "GPU 0 (H100-SXM5-80GB) the whole GPU: reserved by job train-w (no process of it there yet)"
+    ) in str(err.value)
+    assert "GPU 1" not in str(err.value)
+    assert not d.backend.mig_mode(0).current
+    host.reserved.clear()
+    assert d.mig.apply(config, "all-1g.10gb").result == "success"
+
+
+def test_a_forced_apply_names_the_reservations_whose_devices_it_destroyed(
+    host: Host, config: MigConfigFile
+) -> None:
+    """train-b reserved a MIG device its process has not opened yet; the operator forces
+    an apply that destroys it. The reservation stays (its run releases it), and GPU 0's
+    outcome and the mig.apply event say that its run finds no such device."""
+    d = enable(host, config, "all-1g.10gb")
+    victim = _slice0(d)
+    host.reserved[victim.uuid] = ["train-b"]
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
+    assert result.result == "success"
+    gpu0, gpu1 = result.gpus
+    note = (
+        f"GPU 0 (H100-SXM5-80GB) 1g.10gb GPU instance {victim.gpu_instance_id}"
+        f" ({victim.uuid}): reserved by job train-b (no process of it there yet): destroyed"
+        " by the forced apply; its run finds no such device (release the reservation and"
+        " run again)"
+    )
+    assert gpu0.detail == note and "train-b" not in gpu1.detail
+    assert victim.uuid not in {m.uuid for m in d.backend.mig_devices(0)}
+    assert host.reserved == {victim.uuid: ["train-b"]}
+    (event,) = d.events.recent(1, kind_prefix="mig.apply")
+    assert note in event.message
+
+
+def test_a_reservation_on_a_faulty_gpu_holds_no_other_gpu_back(
+    host: Host, config: MigConfigFile
+) -> None:
+    """train-f reserved a MIG device of GPU 1, which is then lost: an apply leaves GPU 1
+    alone (its fault stays with it) and changes GPU 0, which no job holds."""
+    d = enable(host, config, "all-1g.10gb")
+    host.reserved[d.backend.mig_devices(1)[0].uuid] = ["train-f"]
+    host.faults[1] = "GPU lost"
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "partial"
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert "train-f" not in result.gpus[0].detail
 
 
 def test_a_job_whose_process_runs_on_the_instance_is_named_once(

@@ -284,16 +284,17 @@ def test_metric_source(node: Node) -> None:
 
 
 def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: Node) -> None:
-    """The client's deadline passes while the driver is slow: an apply is either not started
+    """The client's deadline passes while the driver is slow: the apply is either not started
     or finished and logged as finished after its client had gone (which one depends on how
-    far it got; tests/unit/test_mig_apply.py has each case exactly)."""
+    far it got; tests/unit/test_mig_apply.py has each case exactly). The same apply made
+    again meanwhile is refused at once, naming the one still in flight."""
     node.sim.faults.slow(1, 0.2)  # every driver call on GPU 1 takes 0.2 s
     # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
     apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
     code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
     assert code == 3 and "did not answer within 1 s" in err
     code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
-    assert code == 3
+    assert code == 6 and "an apply of all-balanced is in flight (started " in err
     node.sim.faults.clear(1)
 
     def results() -> list[tuple[object, object]]:
@@ -303,11 +304,13 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: 
     while len(results()) < 2:
         assert time.monotonic() < deadline, results()
         time.sleep(0.05)
-    for event in node.events.recent():
-        assert event.fields["client_gone"] is True
-        if event.fields["result"] != "not_started":
-            assert event.fields["result"] == "success"  # H100: no reset to wait for
-            assert "finished after the client had gone" in event.message
+    refused, first = node.events.recent()  # the refusal is logged at once
+    assert (refused.fields["result"], refused.fields["client_gone"]) == ("not_started", False)
+    assert "an apply of all-balanced is in flight" in refused.message
+    assert first.fields["client_gone"] is True
+    if first.fields["result"] != "not_started":
+        assert first.fields["result"] == "success"  # H100: no reset to wait for
+        assert "finished after the client had gone" in first.message
 
 
 def test_export_leaves_a_lost_gpu_out_and_says_so(
