@@ -7,7 +7,8 @@ Life of a daemon (``Daemon.run``)::
     start-up reconcile (MIG layouts, MPS daemons)
     READY=1
     every tick_s: each step runs isolated (a failing step logs, rate-limited, and the loop
-        continues); WATCHDOG=1 after each pass; SIGHUP -> reload config
+        continues); WATCHDOG=1 after each pass, and between the steps of a long
+        one; SIGHUP -> reload config
     SIGTERM/SIGINT: STOPPING=1, stop gRPC, MPS, metrics, sampler; exit 0
 
 The backend (the real NVML adapter, or the same adapter over the simulated node) and the
@@ -165,6 +166,14 @@ TRAFFIC_WAIT_S = 2.0
 # daemons answer; hung ones take one query timeout, 10 s, however many: they are checked at
 # once)
 MPS_WAIT_S = 2.0
+# With a watchdog (WatchdogSec=30s in systemd/gpud.service), a pass feeds it between its
+# steps once this share of WatchdogSec has passed since the last feed: a pass held up by
+# hung helpers (nft, dcb, MPS control daemons, another process's lock on the state
+# database) is still a loop that moves, and systemd must not kill it; a step that never
+# returns feeds it no more, and systemd kills gpud at WatchdogSec. The traffic and MPS
+# steps wait for their task at most this share too, so that one step and the interval
+# before it fit in WatchdogSec (Daemon.worst_watchdog_gap_s)
+WATCHDOG_FEED_SHARE = 0.25
 
 
 class Overrun:
@@ -584,6 +593,7 @@ class Daemon:
         self.mig_stop_wait_s = MIG_STOP_WAIT_S
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
+        self._fed = clock()  # the last WATCHDOG=1 (or READY=1)
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
         self.add_step("state", self._state_step)
         self.add_step("socket", self._socket_step)
@@ -657,13 +667,12 @@ class Daemon:
             await asyncio.to_thread(self.seen.remember, changes, time.time())
 
     async def _mps_step(self) -> None:
-        """The MPS reconcile, waited for ``MPS_WAIT_S`` at most: control daemons that hang
-        (a hung GPU hangs its daemon's queries too) make it last their 10 s query timeout
+        """The MPS reconcile, waited for :meth:`overrun_wait_s` at most: control daemons that
+        hang (a hung GPU hangs its daemon's queries too) make it last their 10 s query timeout
         (they are checked at once, not one after another), which would hold back the other
         steps and, past ``WatchdogSec``, the watchdog: see :class:`Overrun`."""
         await self._mps.run(
-            lambda: self.mps.reconcile(self.sampler.latest()),
-            max(MPS_WAIT_S, self.loop_interval_s()),
+            lambda: self.mps.reconcile(self.sampler.latest()), self.overrun_wait_s(MPS_WAIT_S)
         )
 
     async def _jobs_step(self) -> None:
@@ -831,9 +840,9 @@ class Daemon:
             )
 
     async def _traffic_step(self) -> None:
-        """The traffic tick, waited for ``TRAFFIC_WAIT_S`` at most (a hung ``nft`` is
+        """The traffic tick, waited for :meth:`overrun_wait_s` at most (a hung ``nft`` is
         bounded only by its own 10 s timeout): see :class:`Overrun`."""
-        await self._traffic.run(self.traffic.tick, max(TRAFFIC_WAIT_S, self.loop_interval_s()))
+        await self._traffic.run(self.traffic.tick, self.overrun_wait_s(TRAFFIC_WAIT_S))
 
     async def _traffic_stop(self) -> None:
         """Let a running traffic tick end before the interfaces are left or restored."""
@@ -1324,7 +1333,55 @@ class Daemon:
             interval = min(interval, self._notifier.watchdog_interval_s)
         return interval
 
+    def overrun_wait_s(self, floor_s: float) -> float:
+        """Seconds a pass waits for the traffic tick or the MPS reconcile it started (see
+        :class:`Overrun`): ``floor_s``, or the loop's interval if longer (the result is taken
+        in the pass that started it), but no more than ``WATCHDOG_FEED_SHARE`` of
+        ``WatchdogSec`` when systemd watches gpud."""
+        wait = max(floor_s, self.loop_interval_s())
+        watchdog_s = self._watchdog_s()
+        if watchdog_s is not None:
+            wait = min(wait, max(floor_s, watchdog_s * WATCHDOG_FEED_SHARE))
+        return wait
+
+    def _watchdog_s(self) -> float | None:
+        """systemd's ``WatchdogSec`` for gpud (``WATCHDOG_USEC``); None when not watched."""
+        half = self._notifier.watchdog_interval_s
+        return 2 * half if half else None
+
+    def worst_watchdog_gap_s(self) -> float | None:
+        """Seconds the longest wait between two ``WATCHDOG=1`` can be while the loop moves
+        (None when systemd does not watch gpud): the loop's interval (or, within a pass, the
+        share of ``WatchdogSec`` after which a step's end feeds it), then the longest step
+        that returns: the traffic or MPS step's wait for its task, or a step that samples
+        the GPUs out of turn (behind a tick under way) and meets every refusal the state
+        database can make in a pass while another process holds its lock (the first after
+        ``write_wait_s``, the others after ``in_use_wait_s``, one per step). With the
+        default telemetry waits, below the shipped unit's ``WatchdogSec`` by 2 s or more; a
+        step that never returns feeds it no more, and systemd kills gpud."""
+        watchdog_s = self._watchdog_s()
+        if watchdog_s is None:
+            return None
+        longest_step = max(
+            self.overrun_wait_s(TRAFFIC_WAIT_S),
+            self.overrun_wait_s(MPS_WAIT_S),
+            2 * self.sampler.tick_bound_s() + self.store.worst_refusals_s(len(self.steps)),
+        )
+        return max(self.loop_interval_s(), watchdog_s * WATCHDOG_FEED_SHARE) + longest_step
+
+    def _feed_watchdog(self) -> None:
+        self._notifier.watchdog()
+        self._fed = self._clock()
+
+    def _feed_long_pass(self) -> None:
+        """After a step that returned: feed the watchdog if the last feed is
+        ``WATCHDOG_FEED_SHARE`` of ``WatchdogSec`` ago (a pass held up by hung helpers)."""
+        watchdog_s = self._watchdog_s()
+        if watchdog_s is not None and self._clock() - self._fed >= watchdog_s * WATCHDOG_FEED_SHARE:
+            self._feed_watchdog()
+
     async def _loop(self) -> None:
+        self._fed = self._clock()  # READY=1 just went: systemd counts from it
         while not self._stop.is_set():
             if self._reload.is_set():
                 self._reload.clear()
@@ -1341,7 +1398,7 @@ class Daemon:
                 self._pass = steps
                 return
             steps.result()
-            self._notifier.watchdog()
+            self._feed_watchdog()
             await wait_first(self._stop, self._reload, timeout=self.loop_interval_s())
 
     async def run_steps(self) -> None:
@@ -1360,6 +1417,7 @@ class Daemon:
             else:
                 step.failing.worked(step_started)
             took.append((step.name, self._clock() - step_started))
+            self._feed_long_pass()
         self.loop_stats.record(self._clock() - started, self.loop_interval_s(), took)
 
     def _offer_mig_config(self, path: Path | None) -> None:

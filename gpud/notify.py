@@ -2,7 +2,7 @@
 
 ``Type=notify`` units get ``NOTIFY_SOCKET`` in their environment; the daemon sends
 ``READY=1`` once it serves, ``WATCHDOG=1`` after each healthy loop pass (at least twice per
-``WatchdogSec``), ``RELOADING=1``/``READY=1`` around a config reload and ``STOPPING=1`` on
+``WatchdogSec``) and between the steps of a long one, ``RELOADING=1``/``READY=1`` around a config reload and ``STOPPING=1`` on
 shutdown. ``systemctl status gpud`` shows the ``STATUS=`` line. Start-up work that is still
 moving when ``TimeoutStartSec=`` nears (an interrupted MIG apply, resumed before gpud serves)
 asks for more time with ``EXTEND_TIMEOUT_USEC``.

@@ -258,6 +258,16 @@ class StateStore:
         process and start gpud again."""
         self._starting = None
 
+    def worst_refusals_s(self, writes: int) -> float:
+        """Seconds ``writes`` writes in a row wait for another process's lock on the file,
+        once the start is done, when each is refused (SQLITE_BUSY): the first
+        ``write_wait_s``, each later one ``in_use_wait_s`` (see :meth:`transaction`; the
+        wait behind this process's own writers is not counted: a commit hung in a disk's
+        fsync holds them without bound)."""
+        if writes <= 0:
+            return 0.0
+        return self._write_wait_s + (writes - 1) * min(self._in_use_wait_s, self._write_wait_s)
+
     def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
         """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings."""
         for statement in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):

@@ -187,6 +187,12 @@ class Sampler:
         that do answer keep samples at most two intervals old (a tick waits at most twice)."""
         return min(self.call_timeout_s, self.interval_s / 2)
 
+    def tick_bound_s(self) -> float:
+        """Seconds one :meth:`tick` waits for the driver at most, however many GPUs hang:
+        the wait for the GPU that stopped answering, then one more for the GPUs not read yet,
+        each on a thread of its own (:mod:`gpud.telemetry.dispatch`)."""
+        return 2 * self._wait_s()
+
     # -- reading ------------------------------------------------------------------------
 
     def latest(self) -> Snapshot | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -23,7 +24,14 @@ from prometheus_client import CollectorRegistry
 from gpud.build import current as current_build
 from gpud.cluster.model import NodeReport
 from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
-from gpud.daemon import STOP_CLOSE_WAIT_S, STOP_HOOK_FLOOR_S, Daemon, Step
+from gpud.daemon import (
+    MPS_WAIT_S,
+    STOP_CLOSE_WAIT_S,
+    STOP_HOOK_FLOOR_S,
+    TRAFFIC_WAIT_S,
+    Daemon,
+    Step,
+)
 from gpud.dirlock import DirLocks
 from gpud.errors import (
     ConfigError,
@@ -86,10 +94,12 @@ def build(
     reload_config: Callable[[], Layers] | None = None,
     config_path: Path | None = None,
     file_config: Config | None = None,
+    notifier: Notifier | None = None,
 ) -> Daemon:
     """``reload_config``: the file's config as a reload reads it (default: each of
     ``reload_to`` in turn); ``config_path``: the file, stamped now as read at start;
-    ``file_config``: the file's own values at start (flags not applied)."""
+    ``file_config``: the file's own values at start (flags not applied); ``notifier``:
+    systemd's (default: none, not watched)."""
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
 
@@ -104,7 +114,7 @@ def build(
         backend=backend,
         sim=sim,
         mps_control_command=mps_control_command(config),
-        notifier=Notifier(None),
+        notifier=notifier or Notifier(None),
         reload_config=reload_config or next_config,
         clock=clock,
         build=code_build,
@@ -599,6 +609,7 @@ def test_a_loop_pass_while_another_process_holds_the_state_lock_stays_within_the
         assert waits[0] == 5000 and waits[1:] == [500] * (len(waits) - 1), waits
         assert len(waits) >= len(writers) - 1  # mps's: refused after its step's wait
         assert sum(waits) / 1000 + watchdog_s / 2 < watchdog_s, waits
+        assert sum(waits) / 1000 <= d.store.worst_refusals_s(len(d.steps)), waits
         await d.run_steps()  # let go; the MPS reconcile's refusal is its step's now
         refused = {s.name for s in d.steps if s.failing.failures}
         assert refused <= writers and {"jobs", "admission", "cluster"} <= refused
@@ -1782,5 +1793,136 @@ def test_a_failing_part_of_the_health_listener_skips_neither_the_other_nor_a_tic
             )
             for r in caplog.records
         )
+    finally:
+        _close(d)
+
+
+def _unit_watchdog_s() -> float:
+    unit = Path(__file__).parents[2] / "systemd" / "gpud.service"
+    (line,) = [s for s in unit.read_text().splitlines() if s.startswith("WatchdogSec=")]
+    return float(line.removeprefix("WatchdogSec=").removesuffix("s"))
+
+
+class Feeds(Notifier):
+    """systemd's watchdog as gpud sees it (``WATCHDOG_USEC``), each ``WATCHDOG=1`` noted
+    with the daemon's clock."""
+
+    def __init__(self, watchdog_s: float, clock: Callable[[], float]) -> None:
+        super().__init__(None, round(watchdog_s * 1_000_000))
+        self.fed: list[float] = []
+        self._now = clock
+
+    def watchdog(self) -> bool:
+        self.fed.append(self._now())
+        return True
+
+
+def test_the_worst_watchdog_gap_ends_before_the_units_watchdog_sec(root: Path) -> None:
+    """With a tick past half WatchdogSec (the interval is half WatchdogSec then), hung
+    ``nft``/``dcb`` and MPS control daemons, a GPU that stopped answering and a state
+    database another process holds: the interval, then the longest step that returns (the
+    traffic or MPS step's wait for its task, a sample out of turn behind a tick and every
+    refused write of a pass) stay below the shipped unit's WatchdogSec, with a margin for
+    the loop's turns and the datagram's way to systemd. The waits for the traffic tick and
+    the MPS reconcile no longer grow with the interval past a quarter of it."""
+    watchdog_s = _unit_watchdog_s()
+    now = [0.0]
+    feeds = Feeds(watchdog_s, lambda: now[0])
+    d = build(make_config(root, **{"daemon.tick_s": 60.0}), notifier=feeds)
+    try:
+        assert d.loop_interval_s() == watchdog_s / 2
+        assert d.overrun_wait_s(TRAFFIC_WAIT_S) == d.overrun_wait_s(MPS_WAIT_S) == watchdog_s / 4
+        gap = d.worst_watchdog_gap_s()
+        assert gap == watchdog_s / 2 + max(
+            watchdog_s / 4,
+            2 * d.sampler.tick_bound_s() + d.store.worst_refusals_s(len(d.steps)),
+        )
+        assert gap is not None and gap <= watchdog_s - 2, (gap, watchdog_s)
+    finally:
+        _close(d)
+    unwatched = build(make_config(root, **{"daemon.tick_s": 60.0}))
+    try:
+        assert unwatched.worst_watchdog_gap_s() is None
+        assert unwatched.overrun_wait_s(TRAFFIC_WAIT_S) == 60.0  # the pass takes its result
+    finally:
+        _close(unwatched)
+
+
+def test_a_pass_held_up_by_hung_helpers_feeds_the_watchdog_between_its_steps(
+    root: Path,
+) -> None:
+    """A pass an interval after the last WATCHDOG=1 whose MPS step waits for hung control
+    daemons, whose writing steps meet another process's lock on the state database and
+    whose traffic step waits for a hung ``nft``: each step that returns is the loop moving,
+    and once a quarter of WatchdogSec passed since the last feed, its end feeds the
+    watchdog; no two feeds are further apart than the worst gap, below WatchdogSec."""
+    watchdog_s = _unit_watchdog_s()
+    now = [0.0]
+    feeds = Feeds(watchdog_s, lambda: now[0])
+    d = build(make_config(root, **{"daemon.tick_s": 60.0}), notifier=feeds, clock=lambda: now[0])
+
+    def taking(seconds: float) -> Callable[[], Awaitable[None]]:
+        async def step() -> None:
+            now[0] += seconds
+
+        return step
+
+    # the hung helpers' own timeouts: an MPS control daemon's query, nft's
+    mps_s, traffic_s = 10.0, 10.0
+    first_refusal_s, later_refusal_s = 5.0, 0.5  # the store's write_wait_s, in_use_wait_s
+    try:
+        d.steps = []
+        d.add_step("mps", taking(mps_s))
+        d.add_step("jobs", taking(first_refusal_s))
+        d.add_step("admission", taking(later_refusal_s))
+        d.add_step("traffic", taking(traffic_s))
+        interval = watchdog_s / 2
+        now[0] = interval  # the last feed (at 0: the daemon's start) an interval ago
+        asyncio.run(d.run_steps())
+        assert feeds.fed == [
+            interval + mps_s,
+            interval + mps_s + first_refusal_s + later_refusal_s + traffic_s,
+        ]
+        gaps = [b - a for a, b in zip([0.0, *feeds.fed], feeds.fed, strict=False)]
+        assert max(gaps) <= watchdog_s - 2, gaps
+    finally:
+        _close(d)
+
+
+def test_a_step_that_never_returns_feeds_the_watchdog_no_more(root: Path) -> None:
+    """A step hung for good (a driver call that never comes back) is no loop that moves:
+    the steps before it fed the watchdog, and nothing does while it hangs, so that systemd
+    kills gpud at WatchdogSec and starts it again."""
+    watchdog_s = _unit_watchdog_s()
+    now = [0.0]
+    feeds = Feeds(watchdog_s, lambda: now[0])
+    d = build(make_config(root, **{"daemon.tick_s": 60.0}), notifier=feeds, clock=lambda: now[0])
+    entered = asyncio.Event()
+
+    async def slow() -> None:
+        now[0] += watchdog_s / 4
+
+    async def hung() -> None:
+        entered.set()
+        now[0] += watchdog_s
+        await asyncio.Future()  # never done
+
+    async def scenario() -> None:
+        steps = asyncio.ensure_future(d.run_steps())
+        await entered.wait()
+        for _ in range(20):  # the loop's turns: a feed, if any, would be sent meanwhile
+            await asyncio.sleep(0)
+        assert not steps.done()
+        steps.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await steps
+
+    try:
+        d.steps = []
+        d.add_step("mig", slow)
+        d.add_step("hung", hung)
+        d.add_step("traffic", slow)
+        asyncio.run(scenario())
+        assert feeds.fed == [watchdog_s / 4]
     finally:
         _close(d)
