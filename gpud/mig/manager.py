@@ -39,8 +39,10 @@ is reported ``faulty`` with the reason, while every other GPU is shown, applied 
 reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. Every
 read of a GPU (an apply's plans, its busy checks and the re-read before each GPU's steps;
 ``show``, ``assert``, ``export`` and reconcile) is waited for until telemetry finds the GPU
-hung, or its deadline if that comes first (see :meth:`MigManager._bounded`); the steps that
-change MIG are waited for however long the driver takes.
+hung, or its deadline if that comes first (see :meth:`MigManager._bounded`): for an apply's
+reads, one driver call left unanswered that long, not the read's many calls together (a
+slow host is not a hung GPU); the steps that change MIG are waited for however long the
+driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False), or that gpud's stop finds
 (``stopping`` answers True), is not started if it had not started, nor if it was still
@@ -56,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from gpud.backend.port import (
     GpuBackend,
@@ -167,16 +169,19 @@ class MigManager:
         :data:`Faults`); a GPU reset runs inside ``quiesce()`` (no other driver calls
         meanwhile: the backend lets go of the driver for it) and is followed by
         ``on_reset(gpu)``. An apply waits for each of a GPU's reads (its plan, its process
-        lists, the re-read before its steps) no longer than ``read_timeout_s`` (the daemon
-        passes ``telemetry.call_timeout_s``: a GPU slower than that is hung by telemetry's
-        own measure) and leaves one that has not answered alone. ``release``: the MPS
+        lists, the re-read before its steps) while the driver answers each of their calls
+        within ``read_timeout_s`` (the daemon passes ``telemetry.call_timeout_s``: a GPU
+        slower than that is hung by telemetry's own measure) and leaves one that has not
+        answered alone. ``release``: the MPS
         control daemons of the MIG devices a GPU's steps destroy, and the GPU's own where
         they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
         ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
         without it, whenever ``release`` is given.
         """
-        self._backend = backend
+        # each of a bounded read's driver calls notes its answer (see _bounded)
+        self._reading = threading.local()
+        self._backend = cast(GpuBackend, _Answering(backend, self._reading))
         self._release = release
         self._release_active = release_active
         self._on_change = on_change
@@ -520,6 +525,7 @@ class MigManager:
                     force=True,
                     reset=reset,
                     read_timeout_s=self._read_timeout_s,
+                    each_call=True,
                 )
             )
         outcomes.sort(key=lambda o: o.gpu)
@@ -652,7 +658,7 @@ class MigManager:
         def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]]:
             return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
 
-        answers = self._bounded(todo, listed, self._read_timeout_s, "busy")
+        answers = self._bounded(todo, listed, self._read_timeout_s, "busy", each_call=True)
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
     def _not_started(
@@ -710,7 +716,11 @@ class MigManager:
             return found if isinstance(found, str) else found[1]
 
         answers = self._bounded(
-            [by_index[i] for i in sorted(todo)], listed, self._read_timeout_s, "busy"
+            [by_index[i] for i in sorted(todo)],
+            listed,
+            self._read_timeout_s,
+            "busy",
+            each_call=True,
         )
         for i, b in sorted(answers.items()):
             if isinstance(b, GPU_FAULTS):  # lost, hung, or found so meanwhile: not waited for
@@ -736,6 +746,7 @@ class MigManager:
         reset: bool,
         read_timeout_s: float,
         retry: bool = False,
+        each_call: bool = False,
     ) -> GpuOutcome:
         """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
         ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
@@ -762,7 +773,11 @@ class MigManager:
             try:
                 # the driver is read again each round: the GPU may have been lost meanwhile
                 actual, plan = self._read(
-                    gpu, lambda g: self._plan(g, layout, self._table(g)), read_timeout_s, "plan"
+                    gpu,
+                    lambda g: self._plan(g, layout, self._table(g)),
+                    read_timeout_s,
+                    "plan",
+                    each_call=each_call,
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -774,7 +789,14 @@ class MigManager:
                 )
             try:
                 found = self._busy_read(
-                    gpu, actual, plan, reset, read_timeout_s, force=force, retry=retry
+                    gpu,
+                    actual,
+                    plan,
+                    reset,
+                    read_timeout_s,
+                    force=force,
+                    retry=retry,
+                    each_call=each_call,
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -842,6 +864,7 @@ class MigManager:
         *,
         force: bool,
         retry: bool = False,
+        each_call: bool = False,
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
@@ -863,13 +886,18 @@ class MigManager:
                 lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
                 timeout_s,
                 "busy",
+                each_call=each_call,
             )
             if not force or not isinstance(found, str):
                 return found
         if not releasing:
             return [], []
         doomed, _ = self._read(
-            gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "doomed"
+            gpu,
+            lambda g: self._doomed(g, actual, plan, reset=reset),
+            timeout_s,
+            "doomed",
+            each_call=each_call,
         )
         return doomed, []
 
@@ -1395,7 +1423,7 @@ class MigManager:
         def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
             return self._plan(gpu, layouts[gpu.index], self._table(gpu))
 
-        return self._bounded(gpus, plan, self._read_timeout_s, "plan")
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan", each_call=True)
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
@@ -1411,11 +1439,17 @@ class MigManager:
         return self._bounded([gpu for gpu, _ in layouts], plan, self.VIEW_TIMEOUT_S, "check")
 
     def _read(
-        self, gpu: GpuIdentity, call: Callable[[GpuIdentity], T], timeout_s: float, what: str
+        self,
+        gpu: GpuIdentity,
+        call: Callable[[GpuIdentity], T],
+        timeout_s: float,
+        what: str,
+        *,
+        each_call: bool = False,
     ) -> T:
         """:meth:`_bounded` for one GPU: what ``call(gpu)`` returned, or what it raised, or
         :class:`_GivenUp` when it was not waited for (or not made)."""
-        got = self._bounded([gpu], call, timeout_s, what)[gpu.index]
+        got = self._bounded([gpu], call, timeout_s, what, each_call=each_call)[gpu.index]
         if isinstance(got, Exception):
             raise got
         return got
@@ -1426,10 +1460,17 @@ class MigManager:
         call: Callable[[GpuIdentity], T],
         timeout_s: float,
         what: str,
+        *,
+        each_call: bool = False,
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
-        was not waited for. A GPU is waited for ``timeout_s`` in all, and no longer once
+        was not waited for. A GPU is waited for ``timeout_s`` in all; with ``each_call`` (an
+        apply's reads), as long as the backend answers each of the read's calls on it (one
+        ``nvidia-smi mig -lgi``, ``-lci``, process list...) within ``timeout_s`` of the one
+        before, telemetry's measure of a hung GPU: a read of many calls, each answered, on
+        a host whose gpud gets little CPU is slow, not hung, and given up on mid-apply would
+        leave the GPU's layout half made. Either way it is waited for no longer once
         telemetry finds it faulty (looked at every ``FAULT_POLL_S``, its reason given); a GPU
         not to be called now (:meth:`_faulty_now`) is not called at all. A call not waited
         for stays on its own thread, and later calls leave its GPU alone until it returns.
@@ -1442,9 +1483,13 @@ class MigManager:
         results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
+        started = time.monotonic()
+        # GPU index -> when the driver last answered a call of its read
+        answer_at: dict[int, float] = {}
 
         def run(gpu: GpuIdentity) -> None:
             result: T | Exception
+            self._reading.answered = lambda: answer_at.__setitem__(gpu.index, time.monotonic())
             try:
                 result = call(gpu)
             except Exception as err:
@@ -1466,20 +1511,31 @@ class MigManager:
             threading.Thread(
                 target=run, args=(gpu,), name=f"gpud-mig-{what}-{gpu.index}", daemon=True
             ).start()
-        deadline = time.monotonic() + timeout_s
+        given_up: dict[int, str] = {}  # GPU index -> why it is no longer waited for
         while True:
             telemetry = dict(self._faults()) if self._faults is not None else {}
             with done:
-                waiting = [g for g in called if g.index not in results and g.index not in telemetry]
-                left = deadline - time.monotonic()
-                if not waiting or left <= 0:
+                now = time.monotonic()
+                deadlines = []
+                for gpu in called:
+                    if gpu.index in results or gpu.index in given_up:
+                        continue
+                    since = answer_at.get(gpu.index, started) if each_call else started
+                    deadline = since + timeout_s
+                    if gpu.index in telemetry:
+                        given_up[gpu.index] = telemetry[gpu.index]
+                    elif deadline <= now:
+                        given_up[gpu.index] = _no_answer(timeout_s)
+                    else:
+                        deadlines.append(deadline)
+                if not deadlines:
                     answered.update(results)
                     break
+                left = min(deadlines) - now
                 done.wait(left if self._faults is None else min(left, self.FAULT_POLL_S))
         for gpu in called:
             if gpu.index not in answered:
-                why = telemetry.get(gpu.index) or _no_answer(timeout_s)
-                answered[gpu.index] = _GivenUp(why, gpu=gpu.index)
+                answered[gpu.index] = _GivenUp(given_up[gpu.index], gpu=gpu.index)
         with self._stuck_lock:
             self._stuck.update(g.index for g in called if g.index not in finished)
         return answered
@@ -1500,6 +1556,30 @@ class MigManager:
                 log.error("reading GPU %d for mig show failed", gpu.index, exc_info=view)
                 view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {view}")
             yield gpu.index, view
+
+
+class _Answering:
+    """The backend, each call of which, once the driver answers it (or refuses it), tells
+    the bounded read on the calling thread, if any (see :meth:`MigManager._bounded`)."""
+
+    def __init__(self, backend: GpuBackend, reading: threading.local) -> None:
+        self._backend = backend
+        self._reading = reading
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                answered = getattr(self._reading, "answered", None)
+                if answered is not None:
+                    answered()
+
+        return call
 
 
 class _GivenUp(DriverTimeout):
