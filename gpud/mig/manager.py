@@ -41,7 +41,8 @@ read of a GPU (an apply's plans, its busy checks and the re-read before each GPU
 ``show``, ``assert``, ``export`` and reconcile) is waited for until telemetry finds the GPU
 hung, or its deadline if that comes first (see :meth:`MigManager._bounded`): for an apply's
 reads, one driver call left unanswered that long, not the read's many calls together (a
-slow host is not a hung GPU); the steps that change MIG are waited for however long the
+slow host is not a hung GPU), and on a GPU the apply has begun to change, that alone
+(:data:`ReadWait`); the steps that change MIG are waited for however long the
 driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False), or that gpud's stop finds
@@ -110,6 +111,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ReconcileMode = Literal["reconcile", "report"]
+
+ReadWait = Literal["in_all", "each_call", "changing"]
+"""How :meth:`MigManager._bounded` waits for a GPU's read: ``in_all``, ``timeout_s`` for
+the whole read; ``each_call`` (an apply's), ``timeout_s`` for each of its driver calls; both
+until telemetry finds the GPU faulty if that comes first. ``changing``: as ``each_call``,
+for a GPU the apply has begun to change, whatever telemetry finds meanwhile: its sample of
+the GPU waits behind the apply's own driver changes, and a read given up on would leave the
+layout half made; a GPU that hangs is still given up on after ``timeout_s``, and one lost
+fails its calls."""
 
 Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 """Stop the MPS control daemons of the MIG devices (UUIDs) about to be destroyed, and start
@@ -243,10 +253,12 @@ class MigManager:
         """The GPUs not to call now: found faulty by telemetry, or with a read of ours still
         stuck in the driver (:data:`NOT_ANSWERING`)."""
         faults = dict(self._faults()) if self._faults is not None else {}
+        return {**self._stuck_now(), **faults}
+
+    def _stuck_now(self) -> dict[int, str]:
+        """The GPUs with a read of ours still stuck in the driver (:data:`NOT_ANSWERING`)."""
         with self._stuck_lock:
-            for i in self._stuck:
-                faults.setdefault(i, NOT_ANSWERING)
-        return faults
+            return dict.fromkeys(self._stuck, NOT_ANSWERING)
 
     def _identities(self) -> list[GpuIdentity]:
         """The GPUs that are not faulty."""
@@ -525,7 +537,7 @@ class MigManager:
                     force=True,
                     reset=reset,
                     read_timeout_s=self._read_timeout_s,
-                    each_call=True,
+                    wait="each_call",
                 )
             )
         outcomes.sort(key=lambda o: o.gpu)
@@ -658,7 +670,7 @@ class MigManager:
         def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]]:
             return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
 
-        answers = self._bounded(todo, listed, self._read_timeout_s, "busy", each_call=True)
+        answers = self._bounded(todo, listed, self._read_timeout_s, "busy", wait="each_call")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
     def _not_started(
@@ -720,7 +732,7 @@ class MigManager:
             listed,
             self._read_timeout_s,
             "busy",
-            each_call=True,
+            wait="each_call",
         )
         for i, b in sorted(answers.items()):
             if isinstance(b, GPU_FAULTS):  # lost, hung, or found so meanwhile: not waited for
@@ -746,7 +758,7 @@ class MigManager:
         reset: bool,
         read_timeout_s: float,
         retry: bool = False,
-        each_call: bool = False,
+        wait: ReadWait = "in_all",
     ) -> GpuOutcome:
         """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
         ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
@@ -777,7 +789,7 @@ class MigManager:
                     lambda g: self._plan(g, layout, self._table(g)),
                     read_timeout_s,
                     "plan",
-                    each_call=each_call,
+                    wait=_begun(wait, done),
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -796,7 +808,7 @@ class MigManager:
                     read_timeout_s,
                     force=force,
                     retry=retry,
-                    each_call=each_call,
+                    wait=_begun(wait, done),
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -864,7 +876,7 @@ class MigManager:
         *,
         force: bool,
         retry: bool = False,
-        each_call: bool = False,
+        wait: ReadWait = "in_all",
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
@@ -886,7 +898,7 @@ class MigManager:
                 lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
                 timeout_s,
                 "busy",
-                each_call=each_call,
+                wait=wait,
             )
             if not force or not isinstance(found, str):
                 return found
@@ -897,7 +909,7 @@ class MigManager:
             lambda g: self._doomed(g, actual, plan, reset=reset),
             timeout_s,
             "doomed",
-            each_call=each_call,
+            wait=wait,
         )
         return doomed, []
 
@@ -1423,7 +1435,7 @@ class MigManager:
         def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
             return self._plan(gpu, layouts[gpu.index], self._table(gpu))
 
-        return self._bounded(gpus, plan, self._read_timeout_s, "plan", each_call=True)
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan", wait="each_call")
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
@@ -1445,11 +1457,11 @@ class MigManager:
         timeout_s: float,
         what: str,
         *,
-        each_call: bool = False,
+        wait: ReadWait = "in_all",
     ) -> T:
         """:meth:`_bounded` for one GPU: what ``call(gpu)`` returned, or what it raised, or
         :class:`_GivenUp` when it was not waited for (or not made)."""
-        got = self._bounded([gpu], call, timeout_s, what, each_call=each_call)[gpu.index]
+        got = self._bounded([gpu], call, timeout_s, what, wait=wait)[gpu.index]
         if isinstance(got, Exception):
             raise got
         return got
@@ -1461,19 +1473,21 @@ class MigManager:
         timeout_s: float,
         what: str,
         *,
-        each_call: bool = False,
+        wait: ReadWait = "in_all",
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
-        was not waited for. A GPU is waited for ``timeout_s`` in all; with ``each_call`` (an
-        apply's reads), as long as the backend answers each of the read's calls on it (one
-        ``nvidia-smi mig -lgi``, ``-lci``, process list...) within ``timeout_s`` of the one
-        before, telemetry's measure of a hung GPU: a read of many calls, each answered, on
-        a host whose gpud gets little CPU is slow, not hung, and given up on mid-apply would
-        leave the GPU's layout half made. Either way it is waited for no longer once
-        telemetry finds it faulty (looked at every ``FAULT_POLL_S``, its reason given); a GPU
-        not to be called now (:meth:`_faulty_now`) is not called at all. A call not waited
-        for stays on its own thread, and later calls leave its GPU alone until it returns.
+        was not waited for, as ``wait`` says (:data:`ReadWait`). A GPU is waited for
+        ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
+        answers each of the read's calls on it (one ``nvidia-smi mig -lgi``, ``-lci``,
+        process list...) within ``timeout_s`` of the one before, telemetry's measure of a
+        hung GPU: a read of many calls, each answered, on a host whose gpud gets little CPU
+        is slow, not hung, and given up on mid-apply would leave the GPU's layout half made.
+        It is waited for no longer once telemetry finds it faulty (looked at every
+        ``FAULT_POLL_S``, its reason given), except ``changing``; a GPU not to be called now
+        (:meth:`_faulty_now`; with ``changing``, only one with a read of ours still stuck) is
+        not called at all. A call not waited for stays on its own thread, and later calls
+        leave its GPU alone until it returns.
 
         Only for reads (``nvidia-smi mig -lgi``, ``-lci``, the process lists), which change
         nothing in the driver: one that returns late is only a late answer. A change left
@@ -1501,7 +1515,8 @@ class MigManager:
                 finished.add(gpu.index)
                 self._stuck.discard(gpu.index)
 
-        not_now = self._faulty_now()
+        heeded = self._faults is not None and wait != "changing"
+        not_now = self._faulty_now() if heeded else self._stuck_now()
         called = [g for g in gpus if g.index not in not_now]
         for gpu in gpus:
             if gpu.index in not_now:
@@ -1513,14 +1528,14 @@ class MigManager:
             ).start()
         given_up: dict[int, str] = {}  # GPU index -> why it is no longer waited for
         while True:
-            telemetry = dict(self._faults()) if self._faults is not None else {}
+            telemetry = dict(self._faults()) if self._faults is not None and heeded else {}
             with done:
                 now = time.monotonic()
                 deadlines = []
                 for gpu in called:
                     if gpu.index in results or gpu.index in given_up:
                         continue
-                    since = answer_at.get(gpu.index, started) if each_call else started
+                    since = answer_at.get(gpu.index, started) if wait != "in_all" else started
                     deadline = since + timeout_s
                     if gpu.index in telemetry:
                         given_up[gpu.index] = telemetry[gpu.index]
@@ -1532,7 +1547,7 @@ class MigManager:
                     answered.update(results)
                     break
                 left = min(deadlines) - now
-                done.wait(left if self._faults is None else min(left, self.FAULT_POLL_S))
+                done.wait(min(left, self.FAULT_POLL_S) if heeded else left)
         for gpu in called:
             if gpu.index not in answered:
                 answered[gpu.index] = _GivenUp(given_up[gpu.index], gpu=gpu.index)
@@ -1610,6 +1625,11 @@ def _answers(
         else:
             out[gpu.index] = got
     return out
+
+
+def _begun(wait: ReadWait, done: list[str]) -> ReadWait:
+    """How an apply waits for a GPU's reads once ``done`` steps were made on it."""
+    return "changing" if wait == "each_call" and done else wait
 
 
 def _who(pid: int, job: str | None) -> str:
