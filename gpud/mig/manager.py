@@ -44,8 +44,11 @@ is reported ``faulty`` with the reason, while every other GPU is shown, applied 
 reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. Every
 read of a GPU (an apply's plans, its busy checks and the re-read before each GPU's steps;
 ``show``, ``assert``, ``export`` and reconcile) is waited for until telemetry finds the GPU
-hung, or its deadline if that comes first (see :meth:`MigManager._bounded`); the steps that
-change MIG are waited for however long the driver takes.
+hung, or its deadline if that comes first (see :meth:`MigManager._bounded`): for an apply's
+reads, one driver call left unanswered that long, not the read's many calls together (a
+slow host is not a hung GPU), and on a GPU the apply has begun to change, that alone
+(:data:`ReadWait`); the steps that change MIG are waited for however long the
+driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False), or that gpud's stop finds
 (``stopping`` answers True), is not started if it had not started, nor if it was still
@@ -62,7 +65,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 from gpud.backend.port import (
     GpuBackend,
@@ -115,6 +118,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ReconcileMode = Literal["reconcile", "report"]
+
+ReadWait = Literal["in_all", "each_call", "changing"]
+"""How :meth:`MigManager._bounded` waits for a GPU's read: ``in_all``, ``timeout_s`` for
+the whole read; ``each_call`` (an apply's), ``timeout_s`` for each of its driver calls; both
+until telemetry finds the GPU faulty if that comes first. ``changing``: as ``each_call``,
+for a GPU the apply has begun to change, whatever telemetry finds meanwhile: its sample of
+the GPU waits behind the apply's own driver changes, and a read given up on would leave the
+layout half made; a GPU that hangs is still given up on after ``timeout_s``, and one lost
+fails its calls."""
 
 Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 """Stop the MPS control daemons of the MIG devices (UUIDs) about to be destroyed, and start
@@ -198,9 +210,10 @@ class MigManager:
         :data:`Faults`); a GPU reset runs inside ``quiesce()`` (no other driver calls
         meanwhile: the backend lets go of the driver for it) and is followed by
         ``on_reset(gpu)``. An apply waits for each of a GPU's reads (its plan, its process
-        lists, the re-read before its steps) no longer than ``read_timeout_s`` (the daemon
-        passes ``telemetry.call_timeout_s``: a GPU slower than that is hung by telemetry's
-        own measure) and leaves one that has not answered alone. ``release``: the MPS
+        lists, the re-read before its steps) while the driver answers each of their calls
+        within ``read_timeout_s`` (the daemon passes ``telemetry.call_timeout_s``: a GPU
+        slower than that is hung by telemetry's own measure) and leaves one that has not
+        answered alone. ``release``: the MPS
         control daemons of the MIG devices a GPU's steps destroy, and the GPU's own where
         they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
@@ -213,7 +226,9 @@ class MigManager:
         (``gpuctl run``, a queued job started) lands on an instance between the check and
         its destroy step.
         """
-        self._backend = backend
+        # each of a bounded read's driver calls notes its answer (see _bounded)
+        self._reading = threading.local()
+        self._backend = cast(GpuBackend, _Answering(backend, self._reading))
         self._release = release
         self._release_active = release_active
         self._on_change = on_change
@@ -281,10 +296,12 @@ class MigManager:
         """The GPUs not to call now: found faulty by telemetry, or with a read of ours still
         stuck in the driver (:data:`NOT_ANSWERING`)."""
         faults = dict(self._faults()) if self._faults is not None else {}
+        return {**self._stuck_now(), **faults}
+
+    def _stuck_now(self) -> dict[int, str]:
+        """The GPUs with a read of ours still stuck in the driver (:data:`NOT_ANSWERING`)."""
         with self._stuck_lock:
-            for i in self._stuck:
-                faults.setdefault(i, NOT_ANSWERING)
-        return faults
+            return dict.fromkeys(self._stuck, NOT_ANSWERING)
 
     def _identities(self) -> list[GpuIdentity]:
         """The GPUs that are not faulty."""
@@ -675,6 +692,7 @@ class MigManager:
                     force=True,
                     reset=reset,
                     read_timeout_s=self._read_timeout_s,
+                    wait="each_call",
                 )
             )
         outcomes = sorted(
@@ -837,7 +855,7 @@ class MigManager:
         def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]]:
             return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
 
-        answers = self._bounded(todo, listed, self._read_timeout_s, "busy")
+        answers = self._bounded(todo, listed, self._read_timeout_s, "busy", wait="each_call")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
     def _not_started(
@@ -898,7 +916,11 @@ class MigManager:
             return found if isinstance(found, str) else found[1]
 
         answers = self._bounded(
-            [by_index[i] for i in sorted(todo)], listed, self._read_timeout_s, "busy"
+            [by_index[i] for i in sorted(todo)],
+            listed,
+            self._read_timeout_s,
+            "busy",
+            wait="each_call",
         )
         for i, b in sorted(answers.items()):
             if isinstance(b, GPU_FAULTS):  # lost, hung, or found so meanwhile: not waited for
@@ -924,6 +946,7 @@ class MigManager:
         reset: bool,
         read_timeout_s: float,
         retry: bool = False,
+        wait: ReadWait = "in_all",
     ) -> GpuOutcome:
         """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
         ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
@@ -950,7 +973,11 @@ class MigManager:
             try:
                 # the driver is read again each round: the GPU may have been lost meanwhile
                 actual, plan = self._read(
-                    gpu, lambda g: self._plan(g, layout, self._table(g)), read_timeout_s, "plan"
+                    gpu,
+                    lambda g: self._plan(g, layout, self._table(g)),
+                    read_timeout_s,
+                    "plan",
+                    wait=_begun(wait, done),
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -962,7 +989,14 @@ class MigManager:
                 )
             try:
                 found = self._busy_read(
-                    gpu, actual, plan, reset, read_timeout_s, force=force, retry=retry
+                    gpu,
+                    actual,
+                    plan,
+                    reset,
+                    read_timeout_s,
+                    force=force,
+                    retry=retry,
+                    wait=_begun(wait, done),
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
@@ -1030,6 +1064,7 @@ class MigManager:
         *,
         force: bool,
         retry: bool = False,
+        wait: ReadWait = "in_all",
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
@@ -1051,13 +1086,18 @@ class MigManager:
                 lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
                 timeout_s,
                 "busy",
+                wait=wait,
             )
             if not force or not isinstance(found, str):
                 return found
         if not releasing:
             return [], []
         doomed, _ = self._read(
-            gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "doomed"
+            gpu,
+            lambda g: self._doomed(g, actual, plan, reset=reset),
+            timeout_s,
+            "doomed",
+            wait=wait,
         )
         return doomed, []
 
@@ -1583,7 +1623,7 @@ class MigManager:
         def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
             return self._plan(gpu, layouts[gpu.index], self._table(gpu))
 
-        return self._bounded(gpus, plan, self._read_timeout_s, "plan")
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan", wait="each_call")
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
@@ -1599,11 +1639,17 @@ class MigManager:
         return self._bounded([gpu for gpu, _ in layouts], plan, self.VIEW_TIMEOUT_S, "check")
 
     def _read(
-        self, gpu: GpuIdentity, call: Callable[[GpuIdentity], T], timeout_s: float, what: str
+        self,
+        gpu: GpuIdentity,
+        call: Callable[[GpuIdentity], T],
+        timeout_s: float,
+        what: str,
+        *,
+        wait: ReadWait = "in_all",
     ) -> T:
         """:meth:`_bounded` for one GPU: what ``call(gpu)`` returned, or what it raised, or
         :class:`_GivenUp` when it was not waited for (or not made)."""
-        got = self._bounded([gpu], call, timeout_s, what)[gpu.index]
+        got = self._bounded([gpu], call, timeout_s, what, wait=wait)[gpu.index]
         if isinstance(got, Exception):
             raise got
         return got
@@ -1614,13 +1660,22 @@ class MigManager:
         call: Callable[[GpuIdentity], T],
         timeout_s: float,
         what: str,
+        *,
+        wait: ReadWait = "in_all",
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
-        was not waited for. A GPU is waited for ``timeout_s`` in all, and no longer once
-        telemetry finds it faulty (looked at every ``FAULT_POLL_S``, its reason given); a GPU
-        not to be called now (:meth:`_faulty_now`) is not called at all. A call not waited
-        for stays on its own thread, and later calls leave its GPU alone until it returns.
+        was not waited for, as ``wait`` says (:data:`ReadWait`). A GPU is waited for
+        ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
+        answers each of the read's calls on it (one ``nvidia-smi mig -lgi``, ``-lci``,
+        process list...) within ``timeout_s`` of the one before, telemetry's measure of a
+        hung GPU: a read of many calls, each answered, on a host whose gpud gets little CPU
+        is slow, not hung, and given up on mid-apply would leave the GPU's layout half made.
+        It is waited for no longer once telemetry finds it faulty (looked at every
+        ``FAULT_POLL_S``, its reason given), except ``changing``; a GPU not to be called now
+        (:meth:`_faulty_now`; with ``changing``, only one with a read of ours still stuck) is
+        not called at all. A call not waited for stays on its own thread, and later calls
+        leave its GPU alone until it returns.
 
         Only for reads (``nvidia-smi mig -lgi``, ``-lci``, the process lists), which change
         nothing in the driver: one that returns late is only a late answer. A change left
@@ -1630,9 +1685,13 @@ class MigManager:
         results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
+        started = time.monotonic()
+        # GPU index -> when the driver last answered a call of its read
+        answer_at: dict[int, float] = {}
 
         def run(gpu: GpuIdentity) -> None:
             result: T | Exception
+            self._reading.answered = lambda: answer_at.__setitem__(gpu.index, time.monotonic())
             try:
                 result = call(gpu)
             except Exception as err:
@@ -1644,7 +1703,8 @@ class MigManager:
                 finished.add(gpu.index)
                 self._stuck.discard(gpu.index)
 
-        not_now = self._faulty_now()
+        heeded = self._faults is not None and wait != "changing"
+        not_now = self._faulty_now() if heeded else self._stuck_now()
         called = [g for g in gpus if g.index not in not_now]
         for gpu in gpus:
             if gpu.index in not_now:
@@ -1654,20 +1714,31 @@ class MigManager:
             threading.Thread(
                 target=run, args=(gpu,), name=f"gpud-mig-{what}-{gpu.index}", daemon=True
             ).start()
-        deadline = time.monotonic() + timeout_s
+        given_up: dict[int, str] = {}  # GPU index -> why it is no longer waited for
         while True:
-            telemetry = dict(self._faults()) if self._faults is not None else {}
+            telemetry = dict(self._faults()) if self._faults is not None and heeded else {}
             with done:
-                waiting = [g for g in called if g.index not in results and g.index not in telemetry]
-                left = deadline - time.monotonic()
-                if not waiting or left <= 0:
+                now = time.monotonic()
+                deadlines = []
+                for gpu in called:
+                    if gpu.index in results or gpu.index in given_up:
+                        continue
+                    since = answer_at.get(gpu.index, started) if wait != "in_all" else started
+                    deadline = since + timeout_s
+                    if gpu.index in telemetry:
+                        given_up[gpu.index] = telemetry[gpu.index]
+                    elif deadline <= now:
+                        given_up[gpu.index] = _no_answer(timeout_s)
+                    else:
+                        deadlines.append(deadline)
+                if not deadlines:
                     answered.update(results)
                     break
-                done.wait(left if self._faults is None else min(left, self.FAULT_POLL_S))
+                left = min(deadlines) - now
+                done.wait(min(left, self.FAULT_POLL_S) if heeded else left)
         for gpu in called:
             if gpu.index not in answered:
-                why = telemetry.get(gpu.index) or _no_answer(timeout_s)
-                answered[gpu.index] = _GivenUp(why, gpu=gpu.index)
+                answered[gpu.index] = _GivenUp(given_up[gpu.index], gpu=gpu.index)
         with self._stuck_lock:
             self._stuck.update(g.index for g in called if g.index not in finished)
         return answered
@@ -1688,6 +1759,30 @@ class MigManager:
                 log.error("reading GPU %d for mig show failed", gpu.index, exc_info=view)
                 view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {view}")
             yield gpu.index, view
+
+
+class _Answering:
+    """The backend, each call of which, once the driver answers it (or refuses it), tells
+    the bounded read on the calling thread, if any (see :meth:`MigManager._bounded`)."""
+
+    def __init__(self, backend: GpuBackend, reading: threading.local) -> None:
+        self._backend = backend
+        self._reading = reading
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                answered = getattr(self._reading, "answered", None)
+                if answered is not None:
+                    answered()
+
+        return call
 
 
 class _GivenUp(DriverTimeout):
@@ -1745,6 +1840,11 @@ def _places(
     where it changes the MIG mode (``whole``: a job may hold the GPU whole)."""
     places = [(_where(md), md.uuid) for md in doomed]
     return [*places, ("the whole GPU", gpu.uuid)] if whole else places
+
+
+def _begun(wait: ReadWait, done: list[str]) -> ReadWait:
+    """How an apply waits for a GPU's reads once ``done`` steps were made on it."""
+    return "changing" if wait == "each_call" and done else wait
 
 
 def _who(pid: int, job: str | None) -> str:

@@ -260,7 +260,7 @@ def test_a_gpu_lost_before_start_does_not_stop_the_daemon(
         assert "GPU 0 A100-SXM4-40GB" in out and "GPU 1: faulty: GPU lost" in out
         code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
         assert code == 11, out + err
-        assert "GPU 0: changed" in out and "GPU 1: faulty" in out
+        assert "GPU 0: changed" in out and "GPU 1: faulty" in out, out + err
         assert "custom-balanced: partial" in out and "gpuctl: faulty, left alone: GPU 1" in err
         assert "GPU lost" in err.split("left alone: GPU 1", 1)[1], err
         code, out, _ = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")

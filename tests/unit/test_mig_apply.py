@@ -1572,6 +1572,58 @@ def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(
     assert instances(d)[1] == before[1]
 
 
+def test_a_gpu_slow_to_answer_on_a_loaded_host_is_changed_not_given_up_on_half_made(
+    host: Host, config: MigConfigFile
+) -> None:
+    """gpud starved of CPU: once the apply has changed GPU 0, the driver answers each of its
+    calls, slowly, and the re-read after its steps takes longer in all than the read
+    deadline. No call goes unanswered for that long: the GPU is changed, not called faulty
+    with its layout half made."""
+    host.read_timeout_s = 0.5
+    reads = _SlowReads(0, 0.1)
+    host.wrap = reads.wrap
+    d = enable(host, config, "all-1g.10gb")
+
+    def changed(gpu: int) -> None:
+        reads.slow = reads.slow or gpu == 0
+
+    d.mig._on_change = changed
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert max(reads.calls.values()) * 0.1 > host.read_timeout_s  # one read, slower in all
+    assert result.result == "success", result
+    assert [(o.gpu, o.status) for o in result.gpus] == [(0, "changed"), (1, "changed")]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+class _SlowReads:
+    """The backend, where once ``slow`` each call on GPU ``gpu`` from a bounded read (a
+    thread of the manager's own) takes ``seconds`` more, counted by read."""
+
+    def __init__(self, gpu: int, seconds: float) -> None:
+        self.gpu, self.seconds = gpu, seconds
+        self.slow = False
+        self.calls: dict[threading.Thread, int] = {}
+
+    def wrap(self, backend: NvmlBackend) -> object:
+        reads = self
+
+        class Slow:
+            def __getattr__(self, name: str) -> object:
+                real = getattr(backend, name)
+
+                def call(*args: object, **kwargs: object) -> object:
+                    reader = threading.current_thread()
+                    bounded = reader.name.startswith("gpud-mig-")
+                    if reads.slow and bounded and args and args[0] == reads.gpu:
+                        reads.calls[reader] = reads.calls.get(reader, 0) + 1
+                        time.sleep(reads.seconds)  # answered, late: no CPU for gpud
+                    return real(*args, **kwargs)
+
+                return call if callable(real) else real
+
+        return Slow()
+
+
 def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     host: Host, config: MigConfigFile
 ) -> None:
@@ -1726,6 +1778,48 @@ def _let_go(mig: MigManager, hang: _Hangs) -> None:
     while mig._stuck and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not mig._stuck
+
+
+def test_a_gpu_found_not_answering_while_its_own_change_runs_is_changed_not_half_made(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Telemetry's sample of GPU 0 waits behind the apply's own driver changes and finds it
+    "not answering"; the driver answers the apply's reads of it all the same: the apply
+    finishes its layout rather than calling it faulty half made."""
+    d = enable(host, config, "all-1g.10gb")
+    d.mig._on_change = lambda gpu: host.faults.update({gpu: "not answering: ..."})
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "success", result
+    assert [(o.gpu, o.status) for o in result.gpus] == [(0, "changed"), (1, "changed")]
+    host.faults.clear()
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_gpu_that_hangs_once_its_change_has_begun_is_given_up_on_at_the_read_deadline(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 hangs after its first step and telemetry finds it so: the re-read after its
+    steps is given up on at ``read_timeout_s`` (not at telemetry's verdict, which its own
+    change may have caused), and it is faulty with the steps it took."""
+    host.read_timeout_s = 0.3
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(
+        d.backend,
+        1,
+        "mig_mode",
+        arm_on="destroy_compute_instance",
+        on_hang=lambda: host.faults.update({1: "not answering: ..."}),
+    )
+    mig = _hanging(host, d, hang)
+    result = mig.apply(config, "all-3g.40gb")
+    assert hang.hanging.is_set() and not hang.returned.is_set()  # still in the driver
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and outcomes[1].steps
+    assert "not answering: no answer from the driver within 0.3 s" in outcomes[1].detail
+    host.faults.clear()
+    _let_go(mig, hang)
 
 
 def test_an_apply_stops_waiting_on_a_process_list_once_telemetry_finds_the_gpu_hung(
