@@ -1356,7 +1356,8 @@ class Daemon:
         that returns: the traffic or MPS step's wait for its task, or a step that samples
         the GPUs out of turn (behind a tick under way) and meets every refusal the state
         database can make in a pass while another process holds its lock (the first after
-        ``write_wait_s``, the others after ``in_use_wait_s``, one per step). With the
+        ``write_wait_s``, the others after ``in_use_wait_s``, one per step); a SIGHUP
+        reload before a pass feeds it at its end as a step does. With the
         default telemetry waits, below the shipped unit's ``WatchdogSec`` by 2 s or more; a
         step that never returns feeds it no more, and systemd kills gpud."""
         watchdog_s = self._watchdog_s()
@@ -1386,6 +1387,9 @@ class Daemon:
             if self._reload.is_set():
                 self._reload.clear()
                 await self._reload_off_loop()
+                # the reload came between the interval and the first step, out of
+                # worst_watchdog_gap_s: its end feeds the watchdog as a step's does
+                self._feed_long_pass()
             # a stop does not wait here for the pass (an admission pass blocked behind the
             # placement lock): the stop waits for it a while (_end_pass), within its budget
             steps = asyncio.ensure_future(self.run_steps())

@@ -1926,3 +1926,37 @@ def test_a_step_that_never_returns_feeds_the_watchdog_no_more(root: Path) -> Non
         assert feeds.fed == [watchdog_s / 4]
     finally:
         _close(d)
+
+
+def test_a_slow_reload_before_a_pass_feeds_the_watchdog_before_the_steps(root: Path) -> None:
+    """A SIGHUP reload whose read of the file takes a while (a slow disk, a cluster file on
+    a hung mount) runs between the interval and the pass's first step: its end feeds the
+    watchdog once a quarter of WatchdogSec passed, so that the reload's time does not add to
+    the pass's and no two feeds are further apart than the worst gap."""
+    watchdog_s = _unit_watchdog_s()
+    now = [0.0]
+    feeds = Feeds(watchdog_s, lambda: now[0])
+    config = make_config(root, **{"daemon.tick_s": 60.0})
+    reload_s, mps_s = watchdog_s / 3, watchdog_s / 3
+
+    def slow_read() -> Layers:
+        now[0] += reload_s
+        return Layers(config, config)
+
+    d = build(config, notifier=feeds, clock=lambda: now[0], reload_config=slow_read)
+
+    async def hung_mps() -> None:  # hung control daemons, waited for their query timeout
+        now[0] += mps_s
+        d._stop.set()
+
+    try:
+        d.steps = []
+        d.add_step("mps", hung_mps)
+        d.request_reload()
+        asyncio.run(d._loop())
+        # the reload's end, the MPS step's end, the pass's end
+        assert feeds.fed == [reload_s, reload_s + mps_s, reload_s + mps_s]
+        gap = d.worst_watchdog_gap_s()
+        assert gap is not None and max(reload_s, mps_s) <= gap <= watchdog_s - 2
+    finally:
+        _close(d)
