@@ -7,6 +7,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import math
 import shutil
 import socket
 import sqlite3
@@ -31,6 +32,7 @@ from gpud.daemon import (
     TRAFFIC_WAIT_S,
     Daemon,
     Step,
+    config_watchdog_warning,
 )
 from gpud.dirlock import DirLocks
 from gpud.errors import (
@@ -1960,3 +1962,58 @@ def test_a_slow_reload_before_a_pass_feeds_the_watchdog_before_the_steps(root: P
         assert gap is not None and max(reload_s, mps_s) <= gap <= watchdog_s - 2
     finally:
         _close(d)
+
+
+def test_a_telemetry_wait_that_pushes_the_watchdog_gap_past_watchdog_sec_is_said_once_at_start(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slower sample (telemetry.interval_s 2 s: a hung GPU is waited for 1 s, four times
+    in a pass at worst) behind a tick past half WatchdogSec leaves less than 2 s of the
+    shipped unit's WatchdogSec: taken (a node may run well with it), but said once at start,
+    naming the keys, the gap, WatchdogSec and the WatchdogSec that fits; as --check-config,
+    run by systemd, says it."""
+    watchdog_s = _unit_watchdog_s()
+    config = make_config(root, **{"daemon.tick_s": 60.0, "telemetry.interval_s": 2.0})
+    d = build(config, notifier=Feeds(watchdog_s, time.monotonic))
+
+    async def start_and_stop() -> None:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    try:
+        gap = d.worst_watchdog_gap_s()
+        assert gap is not None and gap > watchdog_s - 2
+        warning = d.watchdog_warning()
+        assert warning is not None
+        for said in (
+            f"{gap:.1f} s",
+            f"WatchdogSec={watchdog_s:g}s",
+            f"WatchdogSec={math.ceil(gap + 2)}s",
+            "telemetry.interval_s (2 s)",
+            "telemetry.call_timeout_s (5 s)",
+            "daemon.tick_s (60 s)",
+        ):
+            assert said in warning, (said, warning)
+        assert config_watchdog_warning(config, watchdog_s) == warning
+        assert config_watchdog_warning(config, None) is None
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            asyncio.run(start_and_stop())
+        assert [r.getMessage() for r in caplog.records].count(warning) == 1
+    finally:
+        _close(d)
+    fits = build(
+        make_config(root, **{"daemon.tick_s": 60.0}), notifier=Feeds(watchdog_s, time.monotonic)
+    )
+    try:
+        assert fits.watchdog_warning() is None
+        assert config_watchdog_warning(fits.config, watchdog_s) is None
+    finally:
+        _close(fits)
+    unwatched = build(config)
+    try:
+        assert unwatched.watchdog_warning() is None
+    finally:
+        _close(unwatched)
