@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import math
 import signal
 import time
 from collections import Counter
@@ -84,8 +85,8 @@ from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
 from gpud.reach import reach_warnings
-from gpud.store import DB_NAME, StateStore
-from gpud.telemetry.sampler import Sampler
+from gpud.store import DB_NAME, StateStore, worst_refusals_s
+from gpud.telemetry.sampler import Sampler, tick_bound_s
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
 from gpud.threads import EXIT_GRACE_S, on_daemon_thread, wait_first
@@ -174,6 +175,100 @@ MPS_WAIT_S = 2.0
 # steps wait for their task at most this share too, so that one step and the interval
 # before it fit in WatchdogSec (Daemon.worst_watchdog_gap_s)
 WATCHDOG_FEED_SHARE = 0.25
+
+
+# what the worst gap between two WATCHDOG=1 leaves of WatchdogSec, at least: the loop's turns
+# and the datagram's way to systemd
+WATCHDOG_MARGIN_S = 2.0
+
+
+def loop_steps(*, simulated: bool) -> tuple[str, ...]:
+    """The loop's steps, in order: MIG first (it changes the devices), then MPS per device,
+    then jobs; the simulated node's jobs (``--simulate``) end before the cluster's order,
+    which comes before the traffic step that enforces it in the same pass."""
+    return (
+        "state",
+        "socket",
+        "seen",
+        "mig",
+        "mps",
+        "jobs",
+        "admission",
+        "colo",
+        *(("sim-jobs",) if simulated else ()),
+        "cluster",
+        "traffic",
+    )
+
+
+def loop_interval_s(tick_s: float, watchdog_s: float | None) -> float:
+    """Seconds between loop passes: ``daemon.tick_s``, but half ``WatchdogSec`` at most when
+    systemd watches gpud (``watchdog_s``; None when it does not)."""
+    return tick_s if watchdog_s is None else min(tick_s, watchdog_s / 2)
+
+
+def overrun_wait_s(floor_s: float, tick_s: float, watchdog_s: float | None) -> float:
+    """Seconds a pass waits for the traffic tick or the MPS reconcile it started: ``floor_s``,
+    or the loop's interval if longer (the result is taken in the pass that started it), but
+    no more than ``WATCHDOG_FEED_SHARE`` of ``WatchdogSec`` when systemd watches gpud."""
+    wait = max(floor_s, loop_interval_s(tick_s, watchdog_s))
+    if watchdog_s is not None:
+        wait = min(wait, max(floor_s, watchdog_s * WATCHDOG_FEED_SHARE))
+    return wait
+
+
+def worst_watchdog_gap_s(
+    watchdog_s: float, *, tick_s: float, sample_s: float, refusals_s: float
+) -> float:
+    """Seconds between two ``WATCHDOG=1`` at worst (see :meth:`Daemon.worst_watchdog_gap_s`):
+    the interval or the feed share of ``watchdog_s``, then the longest step that returns
+    (``sample_s``: one tick's wait for hung GPUs; ``refusals_s``: the state database's
+    refused writes of a pass)."""
+    longest_step = max(
+        overrun_wait_s(TRAFFIC_WAIT_S, tick_s, watchdog_s),
+        overrun_wait_s(MPS_WAIT_S, tick_s, watchdog_s),
+        2 * sample_s + refusals_s,
+    )
+    return max(loop_interval_s(tick_s, watchdog_s), watchdog_s * WATCHDOG_FEED_SHARE) + longest_step
+
+
+def watchdog_gap_warning(config: Config, watchdog_s: float, gap_s: float) -> str | None:
+    """Why systemd may kill a gpud whose loop still moves, when ``gap_s`` (the worst wait
+    between two ``WATCHDOG=1``) leaves less than ``WATCHDOG_MARGIN_S`` of ``watchdog_s``
+    (the unit's ``WatchdogSec=``, as ``WATCHDOG_USEC`` gives it): the keys that make the gap,
+    and the ``WatchdogSec=`` that fits it. None when it fits."""
+    if gap_s <= watchdog_s - WATCHDOG_MARGIN_S:
+        return None
+    t = config.telemetry
+    least = math.ceil(gap_s + WATCHDOG_MARGIN_S)
+    return (
+        f"a loop pass held up by a GPU that stopped answering, hung helpers and another"
+        f" process's lock on the state database can go {gap_s:.1f} s without feeding the"
+        f" systemd watchdog (WatchdogSec={watchdog_s:g}s, less a {WATCHDOG_MARGIN_S:g} s"
+        f" margin): systemd may kill gpud while it still works. The gap grows with"
+        f" telemetry.interval_s ({t.interval_s:g} s) and telemetry.call_timeout_s"
+        f" ({t.call_timeout_s:g} s): a pass may wait min(call_timeout_s, interval_s / 2) for"
+        f" the GPUs four times; and with daemon.tick_s ({config.daemon.tick_s:g} s) up to half"
+        f" WatchdogSec. Give the unit WatchdogSec={least}s or more (systemctl edit gpud:"
+        f" [Service] WatchdogSec={least}s), or lower telemetry.call_timeout_s or"
+        f" telemetry.interval_s"
+    )
+
+
+def config_watchdog_warning(config: Config, watchdog_s: float | None) -> str | None:
+    """:func:`watchdog_gap_warning` for ``config`` before a daemon runs (``gpud
+    --check-config``): the state database's default waits, the loop's steps for the
+    configured backend. None when systemd does not watch gpud (``watchdog_s`` None)."""
+    if watchdog_s is None:
+        return None
+    steps = loop_steps(simulated=config.backend.kind == "sim")
+    gap_s = worst_watchdog_gap_s(
+        watchdog_s,
+        tick_s=config.daemon.tick_s,
+        sample_s=tick_bound_s(config.telemetry.interval_s, config.telemetry.call_timeout_s),
+        refusals_s=worst_refusals_s(len(steps)),
+    )
+    return watchdog_gap_warning(config, watchdog_s, gap_s)
 
 
 class Overrun:
@@ -594,20 +689,21 @@ class Daemon:
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         self._fed = clock()  # the last WATCHDOG=1 (or READY=1)
-        # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
-        self.add_step("state", self._state_step)
-        self.add_step("socket", self._socket_step)
-        self.add_step("seen", self._seen_step)
-        self.add_step("mig", self._mig_step)
-        self.add_step("mps", self._mps_step)
-        self.add_step("jobs", self._jobs_step)
-        self.add_step("admission", self._admission_step)
-        self.add_step("colo", self._colo_step)
-        if sim is not None:
-            self.add_step("sim-jobs", self._sim_jobs_step)
-        # the cluster's order first: the traffic step enforces it in the same pass
-        self.add_step("cluster", self.cluster.tick)
-        self.add_step("traffic", self._traffic_step)
+        runs: dict[str, Callable[[], Awaitable[None]]] = {
+            "state": self._state_step,
+            "socket": self._socket_step,
+            "seen": self._seen_step,
+            "mig": self._mig_step,
+            "mps": self._mps_step,
+            "jobs": self._jobs_step,
+            "admission": self._admission_step,
+            "colo": self._colo_step,
+            "sim-jobs": self._sim_jobs_step,
+            "cluster": self.cluster.tick,
+            "traffic": self._traffic_step,
+        }
+        for name in loop_steps(simulated=sim is not None):
+            self.add_step(name, runs[name])
         # the MPS control daemons are left running for the jobs using them: see MpsManager
         self.on_shutdown(self._mps_stop)
         self._traffic = Overrun("traffic", self._clock)
@@ -1081,6 +1177,9 @@ class Daemon:
                 build=self.build,
             )
             self._notifier.ready(f"serving {self._gpu_count()} GPUs")
+            watchdog_warning = self.watchdog_warning()
+            if watchdog_warning:  # said once: a node may run well with it
+                log.warning("%s", watchdog_warning)
             await self._loop()
         finally:
             self._notifier.stopping()
@@ -1328,26 +1427,16 @@ class Daemon:
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to
         feed the systemd watchdog."""
-        interval = self.config.daemon.tick_s
-        if self._notifier.watchdog_interval_s:
-            interval = min(interval, self._notifier.watchdog_interval_s)
-        return interval
+        return loop_interval_s(self.config.daemon.tick_s, self._watchdog_s())
 
     def overrun_wait_s(self, floor_s: float) -> float:
         """Seconds a pass waits for the traffic tick or the MPS reconcile it started (see
-        :class:`Overrun`): ``floor_s``, or the loop's interval if longer (the result is taken
-        in the pass that started it), but no more than ``WATCHDOG_FEED_SHARE`` of
-        ``WatchdogSec`` when systemd watches gpud."""
-        wait = max(floor_s, self.loop_interval_s())
-        watchdog_s = self._watchdog_s()
-        if watchdog_s is not None:
-            wait = min(wait, max(floor_s, watchdog_s * WATCHDOG_FEED_SHARE))
-        return wait
+        :class:`Overrun` and :func:`overrun_wait_s`)."""
+        return overrun_wait_s(floor_s, self.config.daemon.tick_s, self._watchdog_s())
 
     def _watchdog_s(self) -> float | None:
         """systemd's ``WatchdogSec`` for gpud (``WATCHDOG_USEC``); None when not watched."""
-        half = self._notifier.watchdog_interval_s
-        return 2 * half if half else None
+        return self._notifier.watchdog_s
 
     def worst_watchdog_gap_s(self) -> float | None:
         """Seconds the longest wait between two ``WATCHDOG=1`` can be while the loop moves
@@ -1356,18 +1445,27 @@ class Daemon:
         that returns: the traffic or MPS step's wait for its task, or a step that samples
         the GPUs out of turn (behind a tick under way) and meets every refusal the state
         database can make in a pass while another process holds its lock (the first after
-        ``write_wait_s``, the others after ``in_use_wait_s``, one per step). With the
+        ``write_wait_s``, the others after ``in_use_wait_s``, one per step); a SIGHUP
+        reload before a pass feeds it at its end as a step does. With the
         default telemetry waits, below the shipped unit's ``WatchdogSec`` by 2 s or more; a
         step that never returns feeds it no more, and systemd kills gpud."""
         watchdog_s = self._watchdog_s()
         if watchdog_s is None:
             return None
-        longest_step = max(
-            self.overrun_wait_s(TRAFFIC_WAIT_S),
-            self.overrun_wait_s(MPS_WAIT_S),
-            2 * self.sampler.tick_bound_s() + self.store.worst_refusals_s(len(self.steps)),
+        return worst_watchdog_gap_s(
+            watchdog_s,
+            tick_s=self.config.daemon.tick_s,
+            sample_s=self.sampler.tick_bound_s(),
+            refusals_s=self.store.worst_refusals_s(len(self.steps)),
         )
-        return max(self.loop_interval_s(), watchdog_s * WATCHDOG_FEED_SHARE) + longest_step
+
+    def watchdog_warning(self) -> str | None:
+        """What :func:`watchdog_gap_warning` says of this daemon's worst gap between two
+        ``WATCHDOG=1`` (None when systemd does not watch gpud, or the gap fits)."""
+        watchdog_s, gap_s = self._watchdog_s(), self.worst_watchdog_gap_s()
+        if watchdog_s is None or gap_s is None:
+            return None
+        return watchdog_gap_warning(self.config, watchdog_s, gap_s)
 
     def _feed_watchdog(self) -> None:
         self._notifier.watchdog()
@@ -1386,6 +1484,9 @@ class Daemon:
             if self._reload.is_set():
                 self._reload.clear()
                 await self._reload_off_loop()
+                # the reload came between the interval and the first step, out of
+                # worst_watchdog_gap_s: its end feeds the watchdog as a step's does
+                self._feed_long_pass()
             # a stop does not wait here for the pass (an admission pass blocked behind the
             # placement lock): the stop waits for it a while (_end_pass), within its budget
             steps = asyncio.ensure_future(self.run_steps())

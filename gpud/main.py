@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2
         from gpud.api.access import tcp_warning
+        from gpud.daemon import config_watchdog_warning
         from gpud.net.wiring import config_warnings
 
         warnings = [
@@ -458,6 +459,8 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             *readable_secrets(cfg),
             mps_binary_warning(cfg, path=path, keys=layers.keys),
             backend_warning(cfg, nvml=nvml),
+            # run by systemd (ExecStartPre=), it knows the unit's WatchdogSec
+            config_watchdog_warning(cfg, Notifier.from_environ(os.environ).watchdog_s),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
             print(f"gpud: warning: {warning}", file=sys.stderr)

@@ -74,6 +74,13 @@ class Notifier:
         return cls(environ.get("NOTIFY_SOCKET"), watchdog)
 
     @property
+    def watchdog_s(self) -> float | None:
+        """The unit's ``WatchdogSec=`` in seconds (``WATCHDOG_USEC``); None when systemd does
+        not watch this process."""
+        half = self.watchdog_interval_s
+        return 2 * half if half else None
+
+    @property
     def enabled(self) -> bool:
         return self._address is not None
 

@@ -46,6 +46,20 @@ _HOLDER = "a sqlite3 shell, a backup tool?"
 # the least a transaction waits for another process's lock, however long it queued behind
 # gpud's own writers: a lock taken for a moment does not refuse it at once
 _LOCK_WAIT_FLOOR_S = 0.5
+# how long a transaction waits for another process's lock before it is refused (below
+# gpuctl's default --timeout, so that the API answers why)
+WRITE_WAIT_S = 5.0
+
+
+def worst_refusals_s(
+    writes: int, write_wait_s: float = WRITE_WAIT_S, in_use_wait_s: float = _LOCK_WAIT_FLOOR_S
+) -> float:
+    """Seconds ``writes`` writes in a row wait for another process's lock on the file when
+    each is refused (SQLITE_BUSY): the first ``write_wait_s``, each later one
+    ``in_use_wait_s`` (see :meth:`StateStore.worst_refusals_s`)."""
+    if writes <= 0:
+        return 0.0
+    return write_wait_s + (writes - 1) * min(in_use_wait_s, write_wait_s)
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -146,7 +160,7 @@ class StateStore:
         *,
         busy_timeout_s: float = 30.0,
         warn_after_s: float = 3.0,
-        write_wait_s: float = 5.0,
+        write_wait_s: float = WRITE_WAIT_S,
         in_use_wait_s: float = _LOCK_WAIT_FLOOR_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -264,9 +278,7 @@ class StateStore:
         ``write_wait_s``, each later one ``in_use_wait_s`` (see :meth:`transaction`; the
         wait behind this process's own writers is not counted: a commit hung in a disk's
         fsync holds them without bound)."""
-        if writes <= 0:
-            return 0.0
-        return self._write_wait_s + (writes - 1) * min(self._in_use_wait_s, self._write_wait_s)
+        return worst_refusals_s(writes, self._write_wait_s, self._in_use_wait_s)
 
     def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
         """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings."""

@@ -108,6 +108,13 @@ class _Slot:
         self.xid_last: int | None = None
 
 
+def tick_bound_s(interval_s: float, call_timeout_s: float) -> float:
+    """Seconds one tick waits for the driver at most, however many GPUs hang: the wait for
+    the GPU that stopped answering, ``min(call_timeout_s, interval_s / 2)``, then one more
+    for the GPUs not read yet (``telemetry.interval_s``, ``telemetry.call_timeout_s``)."""
+    return 2 * min(call_timeout_s, interval_s / 2)
+
+
 class Sampler:
     """Samples a :class:`GpuBackend` into immutable snapshots; keeps the last ``history``."""
 
@@ -185,13 +192,13 @@ class Sampler:
     def _wait_s(self) -> float:
         """How long a tick waits for a GPU that does not answer: short enough that the GPUs
         that do answer keep samples at most two intervals old (a tick waits at most twice)."""
-        return min(self.call_timeout_s, self.interval_s / 2)
+        return tick_bound_s(self.interval_s, self.call_timeout_s) / 2
 
     def tick_bound_s(self) -> float:
         """Seconds one :meth:`tick` waits for the driver at most, however many GPUs hang:
         the wait for the GPU that stopped answering, then one more for the GPUs not read yet,
         each on a thread of its own (:mod:`gpud.telemetry.dispatch`)."""
-        return 2 * self._wait_s()
+        return tick_bound_s(self.interval_s, self.call_timeout_s)
 
     # -- reading ------------------------------------------------------------------------
 

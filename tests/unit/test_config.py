@@ -382,6 +382,25 @@ def test_check_config_warns_of_an_mps_control_binary_that_is_not_there(
     assert "mps.control_binary" not in capsys.readouterr().err
 
 
+def test_check_config_run_by_systemd_warns_of_a_watchdog_gap_past_watchdog_sec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken (exit 0: a node may run well with it), but said when systemd gives the unit's
+    WatchdogSec (WATCHDOG_USEC): the keys that make the gap and the WatchdogSec that fits;
+    nothing without a watchdog."""
+    flags = ["--simulate", "--state-dir", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r")]
+    cfg = write(tmp_path, "[daemon]\ntick_s = 60.0\n[telemetry]\ninterval_s = 2.0\n")
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    assert "WatchdogSec" not in capsys.readouterr().err
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    (said,) = [line for line in capsys.readouterr().err.splitlines() if "WatchdogSec" in line]
+    assert said.startswith("gpud: warning: "), said
+    for part in ("telemetry.interval_s (2 s)", "29.0 s", "WatchdogSec=30s", "WatchdogSec=31s"):
+        assert part in said, (part, said)
+
+
 def test_a_key_left_at_its_default_is_named_alone_not_by_a_file_that_does_not_set_it(
     tmp_path: Path,
 ) -> None:

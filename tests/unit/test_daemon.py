@@ -7,6 +7,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import math
 import shutil
 import socket
 import sqlite3
@@ -31,6 +32,7 @@ from gpud.daemon import (
     TRAFFIC_WAIT_S,
     Daemon,
     Step,
+    config_watchdog_warning,
 )
 from gpud.dirlock import DirLocks
 from gpud.errors import (
@@ -1926,3 +1928,92 @@ def test_a_step_that_never_returns_feeds_the_watchdog_no_more(root: Path) -> Non
         assert feeds.fed == [watchdog_s / 4]
     finally:
         _close(d)
+
+
+def test_a_slow_reload_before_a_pass_feeds_the_watchdog_before_the_steps(root: Path) -> None:
+    """A SIGHUP reload whose read of the file takes a while (a slow disk, a cluster file on
+    a hung mount) runs between the interval and the pass's first step: its end feeds the
+    watchdog once a quarter of WatchdogSec passed, so that the reload's time does not add to
+    the pass's and no two feeds are further apart than the worst gap."""
+    watchdog_s = _unit_watchdog_s()
+    now = [0.0]
+    feeds = Feeds(watchdog_s, lambda: now[0])
+    config = make_config(root, **{"daemon.tick_s": 60.0})
+    reload_s, mps_s = watchdog_s / 3, watchdog_s / 3
+
+    def slow_read() -> Layers:
+        now[0] += reload_s
+        return Layers(config, config)
+
+    d = build(config, notifier=feeds, clock=lambda: now[0], reload_config=slow_read)
+
+    async def hung_mps() -> None:  # hung control daemons, waited for their query timeout
+        now[0] += mps_s
+        d._stop.set()
+
+    try:
+        d.steps = []
+        d.add_step("mps", hung_mps)
+        d.request_reload()
+        asyncio.run(d._loop())
+        # the reload's end, the MPS step's end, the pass's end
+        assert feeds.fed == [reload_s, reload_s + mps_s, reload_s + mps_s]
+        gap = d.worst_watchdog_gap_s()
+        assert gap is not None and max(reload_s, mps_s) <= gap <= watchdog_s - 2
+    finally:
+        _close(d)
+
+
+def test_a_telemetry_wait_that_pushes_the_watchdog_gap_past_watchdog_sec_is_said_once_at_start(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slower sample (telemetry.interval_s 2 s: a hung GPU is waited for 1 s, four times
+    in a pass at worst) behind a tick past half WatchdogSec leaves less than 2 s of the
+    shipped unit's WatchdogSec: taken (a node may run well with it), but said once at start,
+    naming the keys, the gap, WatchdogSec and the WatchdogSec that fits; as --check-config,
+    run by systemd, says it."""
+    watchdog_s = _unit_watchdog_s()
+    config = make_config(root, **{"daemon.tick_s": 60.0, "telemetry.interval_s": 2.0})
+    d = build(config, notifier=Feeds(watchdog_s, time.monotonic))
+
+    async def start_and_stop() -> None:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    try:
+        gap = d.worst_watchdog_gap_s()
+        assert gap is not None and gap > watchdog_s - 2
+        warning = d.watchdog_warning()
+        assert warning is not None
+        for said in (
+            f"{gap:.1f} s",
+            f"WatchdogSec={watchdog_s:g}s",
+            f"WatchdogSec={math.ceil(gap + 2)}s",
+            "telemetry.interval_s (2 s)",
+            "telemetry.call_timeout_s (5 s)",
+            "daemon.tick_s (60 s)",
+        ):
+            assert said in warning, (said, warning)
+        assert config_watchdog_warning(config, watchdog_s) == warning
+        assert config_watchdog_warning(config, None) is None
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            asyncio.run(start_and_stop())
+        assert [r.getMessage() for r in caplog.records].count(warning) == 1
+    finally:
+        _close(d)
+    fits = build(
+        make_config(root, **{"daemon.tick_s": 60.0}), notifier=Feeds(watchdog_s, time.monotonic)
+    )
+    try:
+        assert fits.watchdog_warning() is None
+        assert config_watchdog_warning(fits.config, watchdog_s) is None
+    finally:
+        _close(fits)
+    unwatched = build(config)
+    try:
+        assert unwatched.watchdog_warning() is None
+    finally:
+        _close(unwatched)

@@ -64,6 +64,16 @@ def test_garbage_watchdog_settings_are_ignored() -> None:
     )
 
 
+def test_the_units_watchdog_sec_is_read_from_watchdog_usec() -> None:
+    """``WatchdogSec=30s`` reaches gpud as ``WATCHDOG_USEC=30000000``; none, or another
+    process's, is no watchdog."""
+    assert Notifier.from_environ({"WATCHDOG_USEC": "30000000"}).watchdog_s == 30.0
+    assert Notifier.from_environ({}).watchdog_s is None
+    assert (
+        Notifier.from_environ({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}).watchdog_s is None
+    )
+
+
 def test_watchdog_for_another_pid_is_ignored() -> None:
     n = Notifier.from_environ({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
     assert n.watchdog_interval_s is None
