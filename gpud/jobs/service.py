@@ -665,7 +665,9 @@ class JobService:
     ) -> tuple[MpsTarget, ...]:
         """:func:`choose_devices` among the healthy devices, with what is reserved now
         (``now``: those devices and loads, read once by a caller that asks for many); a
-        refusal names the unhealthy GPUs it left out, and why. ``uid``: the run's user, from
+        refusal names the unhealthy GPUs it left out, and why, and a ``--mig`` profile whose
+        every device is on such a GPU is refused as a wait for it (``ResourceExhausted``),
+        not as one the node lacks. ``uid``: the run's user, from
         :meth:`placement_uid`. ``sick``: :meth:`unhealthy`, read once by the caller (that
         ``now`` was read with)."""
         sick = self.unhealthy() if sick is None else sick
@@ -684,6 +686,43 @@ class JobService:
             if not sick:
                 raise
             raise ResourceExhausted(f"{err} ({unhealthy_text(sick)})") from err
+        except NotFound as err:
+            refusal = self._profile_left_out(spec, sick)
+            if refusal is None:
+                raise
+            raise refusal from err
+
+    def _profile_left_out(self, spec: JobSpec, sick: Mapping[int, str]) -> ResourceExhausted | None:
+        """Why a ``--mig`` request finds no device of its profile among those a job may be
+        placed on, where the node has some, each on a GPU left out (``sick``:
+        :meth:`unhealthy`): they exist, and the job waits for their GPU to be placed on again
+        (None: the node has none of the profile)."""
+        if spec.mig_profile is None or not sick:
+            return None
+        gpus = sorted(
+            {
+                t.gpu
+                for t in self._mps.targets()
+                if t.mig is not None and t.profile == spec.mig_profile and t.gpu in sick
+            }
+        )
+        if not gpus:
+            return None
+        return ResourceExhausted(
+            f"job {spec.name!r}: the MIG devices of profile {spec.mig_profile} are on "
+            + "; ".join(self._left_out(gpu, sick) for gpu in gpus)
+        )
+
+    def _left_out(self, gpu: int, sick: Mapping[int, str]) -> str:
+        """``GPU N, which is unhealthy: why``, or for a GPU held off (a MIG apply in flight:
+        it is not unhealthy, and is placed on again once the change ends) ``GPU N, where no
+        job is placed now: why``."""
+        state = (
+            "where no job is placed now"
+            if gpu in self._held_off and gpu not in self._unhealthy
+            else "which is unhealthy"
+        )
+        return f"GPU {gpu}, {state}: {sick[gpu]}"
 
     def _refuse_unhealthy(self, spec: JobSpec, sick: Mapping[int, str]) -> None:
         """A job pinned to an unhealthy GPU's device (``sick``: :meth:`unhealthy`) is
@@ -695,15 +734,8 @@ class JobService:
         for uuid in spec.devices or ():
             t = targets.get(uuid)
             if t is not None and t.gpu in sick:
-                # a GPU held off (a MIG apply in flight) is not unhealthy: it is placed on
-                # again once the change ends
-                state = (
-                    "where no job is placed now"
-                    if t.gpu in self._held_off and t.gpu not in self._unhealthy
-                    else "which is unhealthy"
-                )
                 raise FailedPrecondition(
-                    f"job {spec.name!r}: {uuid} is on GPU {t.gpu}, {state}: {sick[t.gpu]}"
+                    f"job {spec.name!r}: {uuid} is on {self._left_out(t.gpu, sick)}"
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(

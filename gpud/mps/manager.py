@@ -1630,6 +1630,9 @@ class MpsManager:
             dev.up = False
             dev.killing = ""
             dev.started = False
+            # a stop that went as planned ends the daemon's run of failed checks: the next
+            # start is a first start, said if it fails and backed off from the shortest delay
+            dev.failures = 0
             self._forget(uuid)
             self._remove_cgroup(uuid)
             if remove:

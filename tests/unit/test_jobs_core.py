@@ -936,6 +936,35 @@ def test_no_job_is_placed_on_a_gpu_whose_mig_instances_an_apply_is_changing(
     assert service.reserve(RunRequest("pinned", devices=(mig[0],))).reservation.devices == (mig[0],)
 
 
+def test_a_mig_profile_only_on_a_gpu_left_out_is_refused_naming_that_gpu_and_why(
+    service: JobService,
+) -> None:
+    """Every 3g.40gb device is on GPU 0: while a MIG apply changes its instances, or while
+    it is unhealthy, a run asking that profile waits (ResourceExhausted) told where they are
+    and why none is placed there, not that the node has no such profile; a profile the
+    node lacks is still not found."""
+    why = "a MIG apply of all-1g.10gb is changing its instances"
+    with service.placing_none_on({0: why}):
+        with pytest.raises(ResourceExhausted) as held:
+            service.reserve(RunRequest("held", mig_profile="3g.40gb"))
+        assert str(held.value) == (
+            "job 'held': the MIG devices of profile 3g.40gb are on GPU 0, where no job is"
+            f" placed now: {why}"
+        )
+        with pytest.raises(NotFound, match=r"no MIG device of profile 1g.10gb on this node"):
+            service.reserve(RunRequest("other", mig_profile="1g.10gb"))
+    lost = NODE.gpus[0]._replace(healthy=False, reason="GPU lost (memory)")
+    service.tick(snapshot(lost, NODE.gpus[1], NODE.gpus[2]))
+    with pytest.raises(ResourceExhausted) as sick:
+        service.reserve(RunRequest("sick", mig_profile="3g.40gb"))
+    assert str(sick.value) == (
+        "job 'sick': the MIG devices of profile 3g.40gb are on GPU 0, which is unhealthy:"
+        " GPU lost (memory)"
+    )
+    service.tick(NODE)
+    assert service.reserve(RunRequest("sick", mig_profile="3g.40gb")).reservation.devices
+
+
 def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     tmp_path: Path, store: StateStore
 ) -> None:

@@ -128,6 +128,16 @@ def checked_since(mgr: MpsManager, uuid: str, since: float) -> bool:
     return mgr._devices[uuid].next_check_at >= since and not held_elsewhere(mgr, uuid)
 
 
+def control_wrapper(root: Path, line: str) -> Path:
+    """``root/control.sh``: the fake control daemon's command, run after the shell ``line``
+    (which may wait, or exit in its stead)."""
+    wrapper = root / "control.sh"
+    fake = " ".join(shlex.quote(part) for part in FAKE_CONTROL)
+    wrapper.write_text(f'#!/bin/sh\n{line}\nexec {fake} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def wait_dead(pid: int) -> None:
     deadline = time.monotonic() + 5
     while alive(pid) and time.monotonic() < deadline:
@@ -419,15 +429,10 @@ def test_a_daemon_being_restarted_is_not_shown_up_before_its_limits_are_back(
     applied: `gpuctl mps show` must not show it up (with the old limits and restart count)
     in between."""
     slow = root / "slow"
-    wrapper = root / "control.sh"
-    fake = " ".join(shlex.quote(part) for part in FAKE_CONTROL)
     # the client commands (limits) wait while ``slow`` exists; the daemon (-d) starts at once
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f'[ "$1" = -d ] || while [ -e {shlex.quote(str(slow))} ]; do sleep 0.01; done\n'
-        f'exec {fake} "$@"\n'
+    wrapper = control_wrapper(
+        root, f'[ "$1" = -d ] || while [ -e {shlex.quote(str(slow))} ]; do sleep 0.01; done'
     )
-    wrapper.chmod(0o755)
     mgr, store, _ = make_manager(root, [str(wrapper)])
     try:
         mgr.reconcile(NODE)
@@ -1995,6 +2000,38 @@ def test_mig_devices_about_to_be_destroyed_lose_their_daemons_first(root: Path) 
         assert {s.target.uuid: s.up for s in mgr.status()}[mig_uuid(0, 0)]
     finally:
         stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_start_failing_after_a_mig_apply_stopped_a_daemon_that_had_failed_a_check_is_said(
+    root: Path,
+) -> None:
+    """A daemon that failed a health check, answered nothing since, and was then stopped
+    as planned (a MIG apply released its GPU) leaves no failed checks behind: its device's
+    next start that fails is said (mps.start_failed) and backed off from 1 s, as a first."""
+    failing = root / "failing"
+    # the daemon (-d) does not start while ``failing`` exists; client commands still run
+    wrapper = control_wrapper(
+        root, f'[ "$1" = -d ] && [ -e {shlex.quote(str(failing))} ] && exit 1'
+    )
+    mgr, store, events = make_manager(root, [str(wrapper)], timeout_s=0.5, max_failures=3)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()  # one failed check, under max_failures: it is kept
+        assert events.recent(kind_prefix="mps.hung")
+        os.kill(pid, signal.SIGCONT)
+        with mgr.released([gpu_uuid(0)]) as left:
+            assert left == {}
+        failing.touch()
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        assert mgr.status()[0].pid is None
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert failed.fields["uuid"] == gpu_uuid(0) and failed.fields["retry_in_s"] == 1.0
+    finally:
         mgr.stop()
         store.close()
 
