@@ -628,10 +628,19 @@ class Daemon:
         snap = self.sampler.latest()
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
 
-    def _jobs_reserving(self, uuid: str) -> list[str]:
-        """The jobs holding a reservation on device ``uuid`` (a GPU or a MIG device): a MIG
-        apply does not destroy it under them."""
-        return sorted({r.job for r in self.jobs.reservations.held() if uuid in r.devices})
+    def _jobs_reserving(self) -> dict[str, list[str]]:
+        """The jobs holding a reservation, by device UUID (a GPU or a MIG device): a MIG
+        apply does not destroy one under them. Read from a snapshot of what is committed
+        (:meth:`StateStore.read`, WAL): another process holding the database's write lock
+        (a sqlite3 shell's ``BEGIN IMMEDIATE``, a backup) does not hold the apply's busy
+        check up; a failed read raises naming ``state.db``."""
+        with self.store.read():
+            held = self.jobs.reservations.held()
+        jobs: dict[str, set[str]] = {}
+        for r in held:
+            for uuid in r.devices:
+                jobs.setdefault(uuid, set()).add(r.job)
+        return {uuid: sorted(names) for uuid, names in jobs.items()}
 
     async def _state_step(self) -> None:
         """The state database's files checked (``rm state.db-wal`` while gpud runs): the

@@ -133,8 +133,11 @@ Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
 would not stop)."""
 
-Reserved = Callable[[str], Sequence[str]]
-"""Device UUID (a GPU or a MIG device) -> the jobs that hold a reservation on it."""
+Reserved = Callable[[], Mapping[str, Sequence[str]]]
+"""The jobs that hold a reservation, by device UUID (a GPU or a MIG device). Called once per
+round of an apply's busy checks, on the apply's own thread, never on a GPU's read: a state
+database slow to answer is never taken for a GPU that does not answer. A store error raises
+:class:`StateError` naming the database."""
 
 
 class ReservedBy(NamedTuple):
@@ -218,8 +221,8 @@ class MigManager:
         they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
         ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
-        without it, whenever ``release`` is given. ``reserved(uuid)``: the jobs holding a
-        reservation on a device; what an apply would destroy counts as busy while one does,
+        without it, whenever ``release`` is given. ``reserved()``: the jobs holding a
+        reservation, by device; what an apply would destroy counts as busy while one does,
         as with a process on it (the driver sees no process yet, so it would refuse nothing).
         ``hold_placement``: an apply (not a dry run) marks the GPUs it changes before its
         busy checks and keeps them marked until its steps end, so that no reservation
@@ -350,7 +353,13 @@ class MigManager:
     # ---------------------------------------------------------------- busy checks
 
     def _busy(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
+        self,
+        gpu: GpuIdentity,
+        actual: GpuActual,
+        plan: GpuPlan,
+        *,
+        reset: bool,
+        reserved: Mapping[str, Sequence[str]],
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]]:
         """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
         "Processes" per MIG device), each with what it runs on. A MIG mode change made at
@@ -368,7 +377,8 @@ class MigManager:
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
         held = [found[pid] for pid in sorted(found)]
-        return doomed, held + self._reservations(_places(gpu, doomed, mode_change), held)
+        places = _places(gpu, doomed, mode_change)
+        return doomed, held + self._reservations(places, held, reserved)
 
     def _reserved_destroyed(
         self,
@@ -383,27 +393,35 @@ class MigManager:
         not have: each GPU's outcome names them."""
         if self._reserved is None:
             return {}
+        reserved = self._reserved_now()
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]]:
             actual, plan = plans[gpu.index]
             doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
-            return self._reservations(_places(gpu, doomed, mode_change), [])
+            return self._reservations(_places(gpu, doomed, mode_change), [], reserved)
 
         todo = [by_index[i] for i in sorted(plans)]
         answers = self._bounded(todo, listed, self._read_timeout_s, "reserved")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
+    def _reserved_now(self) -> Mapping[str, Sequence[str]]:
+        """The jobs' reservations by device UUID, read now on the calling thread (the
+        apply's): once per round, for the per-GPU reads to look up."""
+        return {} if self._reserved is None else self._reserved()
+
     def _reservations(
-        self, places: list[tuple[str, str]], held: list[tuple[str, Holder]]
+        self,
+        places: list[tuple[str, str]],
+        held: list[tuple[str, Holder]],
+        reserved: Mapping[str, Sequence[str]],
     ) -> list[tuple[str, Holder]]:
-        """The jobs' reservations on ``places`` ((where, device UUID)) whose job runs no
-        process listed in ``held``: a run reserved but not yet on the device."""
-        if self._reserved is None:
-            return []
+        """The jobs' reservations (``reserved``, by UUID) on ``places`` ((where, device
+        UUID)) whose job runs no process listed in ``held``: a run reserved but not yet on
+        the device."""
         running = {self._job_of(p) for _, p in held}
         out: list[tuple[str, Holder]] = []
         for where, uuid in places:
-            for job in self._reserved(uuid):
+            for job in reserved.get(uuid, ()):
                 if job not in running:
                     running.add(job)
                     out.append((where, ReservedBy(job)))
@@ -433,13 +451,19 @@ class MigManager:
         ], mode_change
 
     def _busy_or_unlisted(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
+        self,
+        gpu: GpuIdentity,
+        actual: GpuActual,
+        plan: GpuPlan,
+        *,
+        reset: bool,
+        reserved: Mapping[str, Sequence[str]],
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
         support the query, say): gpud cannot tell that what the plan destroys is idle, so
         the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
         try:
-            return self._busy(gpu, actual, plan, reset=reset)
+            return self._busy(gpu, actual, plan, reset=reset, reserved=reserved)
         except GPU_FAULTS:
             raise
         except BackendError as err:
@@ -909,10 +933,11 @@ class MigManager:
         that hangs after its plan was read holds neither the apply nor the other GPUs."""
         busy = {}
         todo = dict(plans)  # what the reads use, while ``plans`` loses the faulty GPUs
+        reserved = self._reserved_now()
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]] | str:
             actual, plan = todo[gpu.index]
-            found = self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            found = self._busy_or_unlisted(gpu, actual, plan, reset=reset, reserved=reserved)
             return found if isinstance(found, str) else found[1]
 
         answers = self._bounded(
@@ -1000,6 +1025,10 @@ class MigManager:
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
+            except StateError as err:  # the jobs' reservations: the database, not the GPU
+                return GpuOutcome(
+                    gpu.index, gpu.uuid, tuple(done), False, "failed", f"{where}: {err}"
+                )
             if isinstance(found, str):
                 detail = f"{where} is faulty, left alone: {found}"
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
@@ -1081,9 +1110,10 @@ class MigManager:
         would disturb each of them)."""
         releasing = self._releasing()
         if not force or (retry and releasing):
+            reserved = self._reserved_now()
             found = self._read(
                 gpu,
-                lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
+                lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset, reserved=reserved),
                 timeout_s,
                 "busy",
                 wait=wait,

@@ -1926,3 +1926,30 @@ def test_a_step_that_never_returns_feeds_the_watchdog_no_more(root: Path) -> Non
         assert feeds.fed == [watchdog_s / 4]
     finally:
         _close(d)
+
+
+def test_a_mig_apply_s_busy_check_while_another_process_holds_the_state_lock_reads_the_gpus(
+    root: Path,
+) -> None:
+    """A sqlite3 shell holds the state database's write lock: the apply's busy check still
+    finds the job's reservation on an instance it would destroy (a snapshot read of what is
+    committed), and the GPU is not taken for one that does not answer while the check
+    waits on the database."""
+    config = make_config(
+        root,
+        **{"backend.simulate": "H100-SXM5-80GB:1", "telemetry.call_timeout_s": 0.5},
+    )
+    d = build(config)
+    layouts = load_config(MIG_LAYOUTS)
+    try:
+        assert d.mig.apply(layouts, "all-1g.10gb").result == "success"
+        d._devices_changed()
+        (device,) = d.jobs.reserve(RunRequest("train", mig_profile="1g.10gb")).reservation.devices
+        with held_write_lock(d.store.path):
+            preview = d.mig.apply(layouts, "all-3g.40gb", dry_run=True)
+        (gpu,) = preview.gpus
+        assert gpu.status == "busy", gpu
+        assert "reserved by job train" in gpu.detail and "not answering" not in gpu.detail
+        assert device in {m.uuid for m in d.backend.mig_devices(0)}
+    finally:
+        _close(d)

@@ -103,7 +103,7 @@ class Host:
             release=self.release,
             release_active=self.release_active,
             on_change=self.on_change,
-            reserved=lambda uuid: self.reserved.get(uuid, []),
+            reserved=lambda: {u: list(jobs) for u, jobs in self.reserved.items()},
             hold_placement=self.placement.hold,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
