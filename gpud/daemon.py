@@ -498,6 +498,7 @@ class Daemon:
             release_active=lambda: self.mps.enabled,
             reserved=self._jobs_reserving,
             hold_placement=self.jobs.placing_none_on,
+            after_change=self._devices_changed,
         )
         self.colo = ColoService(
             config.colocate,
@@ -562,7 +563,6 @@ class Daemon:
                     self.mig,
                     default_drain_timeout_s=config.mig.drain_timeout_s,
                     read_timeout_s=config.telemetry.call_timeout_s,
-                    after_change=self._devices_changed,
                     last_seen=self._last_seen,
                     stopping=self.calls.closed,
                 ).register,

@@ -207,6 +207,7 @@ class MigManager:
         release_active: Callable[[], bool] | None = None,
         reserved: Reserved | None = None,
         hold_placement: HoldPlacement | None = None,
+        after_change: Callable[[], None] | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -227,7 +228,11 @@ class MigManager:
         ``hold_placement``: an apply (not a dry run) marks the GPUs it changes before its
         busy checks and keeps them marked until its steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
-        its destroy step.
+        its destroy step. ``after_change()``: after an apply's steps changed a GPU, still
+        within that hold, the GPUs are read again (the daemon samples and takes the devices
+        jobs are placed on from that sample): placement reopens on the instances the driver
+        has now, never on one the steps destroyed. One that raises is logged: the apply was
+        made.
         """
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
@@ -247,6 +252,7 @@ class MigManager:
         self._jobs = job_resolver
         self._reserved = reserved
         self._hold_placement = hold_placement
+        self._after_change = after_change
         self._monotonic = monotonic
         self._wall = wall
         self._sleep = sleep
@@ -719,6 +725,13 @@ class MigManager:
                     wait="each_call",
                 )
             )
+        if self._after_change is not None and any(o.steps for o in outcomes):
+            # inside the hold: the devices jobs are placed on are those of a read taken
+            # after the steps, before a run can be placed again
+            try:
+                self._after_change()
+            except Exception:
+                log.exception("reading the GPUs again after the apply of %s failed", name)
         outcomes = sorted(
             (self._past_reservations(o, destroyed, by_index) for o in outcomes),
             key=lambda o: o.gpu,

@@ -36,6 +36,7 @@ from gpud.dirlock import DirLocks
 from gpud.errors import (
     ConfigError,
     FailedPrecondition,
+    GpudError,
     InUse,
     ResourceExhausted,
     StateInUse,
@@ -1952,4 +1953,27 @@ def test_a_mig_apply_s_busy_check_while_another_process_holds_the_state_lock_rea
         assert "reserved by job train" in gpu.detail and "not answering" not in gpu.detail
         assert device in {m.uuid for m in d.backend.mig_devices(0)}
     finally:
+        _close(d)
+
+
+def test_placement_reopens_after_a_mig_apply_on_the_instances_the_driver_has_now(
+    root: Path,
+) -> None:
+    """An apply replaces 1g.10gb instances with 3g.40gb ones: the first run reserved once it
+    returns is placed on an instance the driver has (not on one just destroyed), and one
+    asking for the destroyed profile is refused rather than handed a device gone."""
+    d = build(make_config(root, **{"backend.simulate": "H100-SXM5-80GB:1"}))
+    layouts = load_config(MIG_LAYOUTS)
+    try:
+        assert d.mig.apply(layouts, "all-1g.10gb").result == "success"
+        d._devices_changed()
+        assert d.mig.apply(layouts, "all-3g.40gb").result == "success"
+        there = {m.uuid for m in d.backend.mig_devices(0)}
+        with pytest.raises(GpudError) as refused:
+            d.jobs.reserve(RunRequest("late", mig_profile="1g.10gb"))
+        placed = d.jobs.reserve(RunRequest("next", mig_profile="3g.40gb")).reservation
+        assert set(placed.devices) <= there, (placed.devices, there)
+        assert "1g.10gb" in str(refused.value)
+    finally:
+        d.admission.passes.close(10.0)  # the pass the hold's end asked for
         _close(d)
