@@ -1499,14 +1499,18 @@ class MigManager:
                 if diff:
                     return GpuOutcome(gpu.index, gpu.uuid, (), False, "differs", diff[0])
                 return GpuOutcome(gpu.index, gpu.uuid, (), False, "ok")
-            return self._converge(
-                gpu,
-                record.layout,
-                force=force,
-                reset=reset,
-                read_timeout_s=self.VIEW_TIMEOUT_S,
-                retry=True,
-            )
+            # held as an apply holds it: a run placed between the busy check and a destroy
+            # step would be given an instance the driver no longer has
+            why = f"a MIG reconcile to {record.config_name} is changing its instances"
+            with self._holding({gpu.index: why}):
+                return self._converge(
+                    gpu,
+                    record.layout,
+                    force=force,
+                    reset=reset,
+                    read_timeout_s=self.VIEW_TIMEOUT_S,
+                    retry=True,
+                )
         except GPU_FAULTS as err:
             return GpuOutcome(
                 gpu.index,
@@ -1520,6 +1524,13 @@ class MigManager:
             return GpuOutcome(
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
             )
+
+    def _holding(self, gpus: Mapping[int, str]) -> AbstractContextManager[object]:
+        """Placement held off ``gpus`` (index -> why) while the context lasts, where
+        ``hold_placement`` was given."""
+        if self._hold_placement is None:
+            return contextlib.nullcontext()
+        return self._hold_placement(gpus)
 
     def _report(self, o: GpuOutcome) -> None:
         """One event per change of a GPU's reconcile status (not one per tick)."""

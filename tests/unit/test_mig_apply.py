@@ -524,6 +524,32 @@ def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it
     assert host.placement.reserve("train-c", 0, new.uuid) is None
 
 
+def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_it_destroys(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A forced apply left GPU 0 unchanged (a process held it) and gpud restarted: the
+    reconcile that resumes the apply holds GPU 0 off placement as the apply did, so a queued
+    job started between its busy check and its steps is not given an instance the next step
+    destroys; once the GPU converged it is placed on again."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    wrapped: list[_ReservesBeforeTheFirstDestroy] = []
+
+    def wrap(backend: NvmlBackend) -> _ReservesBeforeTheFirstDestroy:
+        wrapped.append(_ReservesBeforeTheFirstDestroy(backend, host.placement))
+        return wrapped[-1]
+
+    host.wrap = wrap
+    again = host.start()
+    assert "changed" in {o.status for o in again.mig.reconcile()}
+    assert len(wrapped[0].refused) == 7 and host.reserved == {}, (wrapped, host.reserved)
+    assert all("changing its instances" in why for why in wrapped[0].refused)
+    assert host.placement.off == {}
+    new = again.backend.mig_devices(0)[0]
+    assert host.placement.reserve("train-c", 0, new.uuid) is None
+
+
 class _AppliesDuringTheFirstDestroy:
     """A backend where, as an apply's first destroy step reaches the driver, ``during()``
     runs (another ``gpuctl mig apply`` arriving meanwhile)."""
