@@ -133,7 +133,10 @@ Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
 would not stop)."""
 
-Reserved = Callable[[], Mapping[str, Sequence[str]]]
+ByDevice = Mapping[str, Sequence[str]]
+"""Device UUID (a GPU or a MIG device) -> the jobs that hold a reservation on it."""
+
+Reserved = Callable[[], ByDevice]
 """The jobs that hold a reservation, by device UUID (a GPU or a MIG device). Called once per
 round of an apply's busy checks, on the apply's own thread, never on a GPU's read: a state
 database slow to answer is never taken for a GPU that does not answer. A store error raises
@@ -359,13 +362,7 @@ class MigManager:
     # ---------------------------------------------------------------- busy checks
 
     def _busy(
-        self,
-        gpu: GpuIdentity,
-        actual: GpuActual,
-        plan: GpuPlan,
-        *,
-        reset: bool,
-        reserved: Mapping[str, Sequence[str]],
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool, reserved: ByDevice
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]]:
         """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
         "Processes" per MIG device), each with what it runs on. A MIG mode change made at
@@ -410,7 +407,7 @@ class MigManager:
         answers = self._bounded(todo, listed, self._read_timeout_s, "reserved")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
-    def _reserved_now(self) -> Mapping[str, Sequence[str]]:
+    def _reserved_now(self) -> ByDevice:
         """The jobs' reservations by device UUID, read now on the calling thread (the
         apply's): once per round, for the per-GPU reads to look up."""
         return {} if self._reserved is None else self._reserved()
@@ -419,7 +416,7 @@ class MigManager:
         self,
         places: list[tuple[str, str]],
         held: list[tuple[str, Holder]],
-        reserved: Mapping[str, Sequence[str]],
+        reserved: ByDevice,
     ) -> list[tuple[str, Holder]]:
         """The jobs' reservations (``reserved``, by UUID) on ``places`` ((where, device
         UUID)) whose job runs no process listed in ``held``: a run reserved but not yet on
@@ -457,13 +454,7 @@ class MigManager:
         ], mode_change
 
     def _busy_or_unlisted(
-        self,
-        gpu: GpuIdentity,
-        actual: GpuActual,
-        plan: GpuPlan,
-        *,
-        reset: bool,
-        reserved: Mapping[str, Sequence[str]],
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool, reserved: ByDevice
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
         support the query, say): gpud cannot tell that what the plan destroys is idle, so

@@ -501,13 +501,9 @@ class _ReservesBeforeTheFirstDestroy:
         return getattr(self._backend, name)
 
 
-def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it_destroys(
-    host: Host, config: MigConfigFile
-) -> None:
-    """A queued job is started while an apply of GPU 0 runs, after its busy check found
-    nothing there: placement holds the GPU off until the apply ends, so the job is not
-    given an instance the next step destroys; once the apply ends GPU 0 is placed on."""
-    enable(host, config, "all-1g.10gb")
+def _reserving_before_the_first_destroy(host: Host) -> list[_ReservesBeforeTheFirstDestroy]:
+    """The backends of the daemons ``host`` starts from now on, each starting a queued job
+    as the first destroy step reaches the driver."""
     wrapped: list[_ReservesBeforeTheFirstDestroy] = []
 
     def wrap(backend: NvmlBackend) -> _ReservesBeforeTheFirstDestroy:
@@ -515,6 +511,17 @@ def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it
         return wrapped[-1]
 
     host.wrap = wrap
+    return wrapped
+
+
+def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it_destroys(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A queued job is started while an apply of GPU 0 runs, after its busy check found
+    nothing there: placement holds the GPU off until the apply ends, so the job is not
+    given an instance the next step destroys; once the apply ends GPU 0 is placed on."""
+    enable(host, config, "all-1g.10gb")
+    wrapped = _reserving_before_the_first_destroy(host)
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb")
     assert result.result == "success"
@@ -534,13 +541,7 @@ def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_
     d, pid = _busy_setup(host, config)
     assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
     d.node.workloads.stop(pid)
-    wrapped: list[_ReservesBeforeTheFirstDestroy] = []
-
-    def wrap(backend: NvmlBackend) -> _ReservesBeforeTheFirstDestroy:
-        wrapped.append(_ReservesBeforeTheFirstDestroy(backend, host.placement))
-        return wrapped[-1]
-
-    host.wrap = wrap
+    wrapped = _reserving_before_the_first_destroy(host)
     again = host.start()
     assert "changed" in {o.status for o in again.mig.reconcile()}
     assert len(wrapped[0].refused) == 7 and host.reserved == {}, (wrapped, host.reserved)
