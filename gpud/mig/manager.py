@@ -229,10 +229,11 @@ class MigManager:
         reservation, by device; what an apply would destroy counts as busy while one does,
         as with a process on it (the driver sees no process yet, so it would refuse nothing).
         ``hold_placement``: an apply (not a dry run) marks the GPUs it changes before its
-        busy checks and keeps them marked until its steps end, so that no reservation
+        busy checks and keeps each marked until its own steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
-        its destroy step. ``after_change()``: after an apply's steps changed a GPU, still
-        within that hold, the GPUs are read again (the daemon samples and takes the devices
+        its destroy step (the reconcile step that resumes or retries an apply holds each GPU
+        it changes so too). ``after_change()``: after an apply's steps changed a GPU, still
+        within its hold, the GPUs are read again (the daemon samples and takes the devices
         jobs are placed on from that sample): placement reopens on the instances the driver
         has now, never on one the steps destroyed. One that raises is logged: the apply was
         made.
@@ -617,7 +618,8 @@ class MigManager:
         holding: contextlib.ExitStack[bool | None],
     ) -> ApplyResult:
         """:meth:`apply` under its lock; ``holding``: where it holds placement off the GPUs it
-        changes, until :meth:`apply` ends."""
+        changes, each until it converged, the rest (a GPU found faulty) until :meth:`apply`
+        ends."""
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
         layouts = config.layouts(name, ids, faults=faults)
@@ -660,16 +662,17 @@ class MigManager:
         def go_on() -> bool:
             return wanted() and not stopping()
 
-        if self._hold_placement is not None:
-            # before the busy checks: a run placed on an instance after them would find it
-            # destroyed under it, and one placed during a drain would keep it from ending
-            changing = {
-                i: f"a MIG apply of {name} is changing its instances"
-                for i, (_, p) in plans.items()
-                if not p.empty
-            }
-            if changing:
-                holding.enter_context(self._hold_placement(changing))
+        # before the busy checks: a run placed on an instance after them would find it
+        # destroyed under it, and one placed during a drain would keep it from ending. One
+        # hold per GPU, let go once that GPU converged (and was read again): a GPU slow to
+        # change (an A100's reset, a hung call) keeps no other off placement
+        holds: dict[int, contextlib.ExitStack[bool | None]] = {}
+        for i, (_, p) in sorted(plans.items()):
+            if not p.empty and self._hold_placement is not None:
+                holds[i] = holding.enter_context(contextlib.ExitStack())
+                holds[i].enter_context(
+                    self._hold_placement({i: f"a MIG apply of {name} is changing its instances"})
+                )
         if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
             waited = self._monotonic() - drain_start
@@ -716,13 +719,10 @@ class MigManager:
                     wait="each_call",
                 )
             )
-        if self._after_change is not None and any(o.steps for o in outcomes):
-            # inside the hold: the devices jobs are placed on are those of a read taken
-            # after the steps, before a run can be placed again
-            try:
-                self._after_change()
-            except Exception:
-                log.exception("reading the GPUs again after the apply of %s failed", name)
+            if outcomes[-1].steps:
+                self._read_again(name)
+            if i in holds:
+                holds.pop(i).close()
         outcomes = sorted(
             (self._past_reservations(o, destroyed, by_index) for o in outcomes),
             key=lambda o: o.gpu,
@@ -1515,6 +1515,16 @@ class MigManager:
             return GpuOutcome(
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
             )
+
+    def _read_again(self, name: str) -> None:
+        """After a GPU's steps, inside its hold: the devices jobs are placed on are those of
+        a read taken after them, before a run can be placed there again."""
+        if self._after_change is None:
+            return
+        try:
+            self._after_change()
+        except Exception:
+            log.exception("reading the GPUs again after the apply of %s failed", name)
 
     def _holding(self, gpus: Mapping[int, str]) -> AbstractContextManager[object]:
         """Placement held off ``gpus`` (index -> why) while the context lasts, where

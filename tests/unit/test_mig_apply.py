@@ -551,6 +551,43 @@ def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_
     assert host.placement.reserve("train-c", 0, new.uuid) is None
 
 
+class _SeesPlacementAtGpu1:
+    """A backend noting which GPUs placement holds off as the apply's first destroy step on
+    GPU 1 reaches the driver (GPU 0 converged by then)."""
+
+    def __init__(self, backend: NvmlBackend, placement: Placement) -> None:
+        self._backend = backend
+        self._placement = placement
+        self.off: dict[int, str] | None = None
+
+    def destroy_compute_instance(self, gpu: int, gi: int, ci: int) -> Any:
+        if gpu == 1 and self.off is None:
+            self.off = dict(self._placement.off)
+        return self._backend.destroy_compute_instance(gpu, gi, ci)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_gpu_an_apply_converged_takes_jobs_while_it_changes_the_next(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply changes GPU 0, then GPU 1: once GPU 0 has its new instances it is placed on
+    again, while GPU 1 is still held off (a slow or hung GPU keeps no other from jobs)."""
+    enable(host, config, "all-1g.10gb")
+    seen: list[_SeesPlacementAtGpu1] = []
+
+    def wrap(backend: NvmlBackend) -> _SeesPlacementAtGpu1:
+        seen.append(_SeesPlacementAtGpu1(backend, host.placement))
+        return seen[-1]
+
+    host.wrap = wrap
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert seen[0].off == {1: "a MIG apply of all-3g.40gb is changing its instances"}
+    assert host.placement.off == {}
+
+
 class _AppliesDuringTheFirstDestroy:
     """A backend where, as an apply's first destroy step reaches the driver, ``during()``
     runs (another ``gpuctl mig apply`` arriving meanwhile)."""
