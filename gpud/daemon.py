@@ -593,6 +593,7 @@ class Daemon:
             release_active=lambda: self.mps.enabled,
             reserved=self._jobs_reserving,
             hold_placement=self.jobs.placing_none_on,
+            after_change=self._devices_changed,
         )
         self.colo = ColoService(
             config.colocate,
@@ -657,7 +658,6 @@ class Daemon:
                     self.mig,
                     default_drain_timeout_s=config.mig.drain_timeout_s,
                     read_timeout_s=config.telemetry.call_timeout_s,
-                    after_change=self._devices_changed,
                     last_seen=self._last_seen,
                     stopping=self.calls.closed,
                 ).register,
@@ -724,10 +724,19 @@ class Daemon:
         snap = self.sampler.latest()
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
 
-    def _jobs_reserving(self, uuid: str) -> list[str]:
-        """The jobs holding a reservation on device ``uuid`` (a GPU or a MIG device): a MIG
-        apply does not destroy it under them."""
-        return sorted({r.job for r in self.jobs.reservations.held() if uuid in r.devices})
+    def _jobs_reserving(self) -> dict[str, list[str]]:
+        """The jobs holding a reservation, by device UUID (a GPU or a MIG device): a MIG
+        apply does not destroy one under them. Read from a snapshot of what is committed
+        (:meth:`StateStore.read`, WAL): another process holding the database's write lock
+        (a sqlite3 shell's ``BEGIN IMMEDIATE``, a backup) does not hold the apply's busy
+        check up; a failed read raises naming ``state.db``."""
+        with self.store.read():
+            held = self.jobs.reservations.held()
+        jobs: dict[str, set[str]] = {}
+        for r in held:
+            for uuid in r.devices:
+                jobs.setdefault(uuid, set()).add(r.job)
+        return {uuid: sorted(names) for uuid, names in jobs.items()}
 
     async def _state_step(self) -> None:
         """The state database's files checked (``rm state.db-wal`` while gpud runs): the

@@ -28,7 +28,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -633,7 +633,7 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=_unhealthy_in(verdict, sick, targets)
+                    waiting_on=_unhealthy_in(verdict, sick, targets, self._jobs.held_off())
                     or self._start_failures.get(e.id, "")
                     or held.why(e, head),
                     overdue=late,
@@ -1281,7 +1281,9 @@ def mig_file_layouts(
     return layouts
 
 
-def _unhealthy_in(demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget]) -> str:
+def _unhealthy_in(
+    demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget], held: Collection[int]
+) -> str:
     """The unhealthy GPUs (``sick``: index -> why) of ``demand``'s pool, when too few healthy
     devices are left in it: the job waits for them to answer again, not only for other jobs.
     ``targets``: the node's devices. Every GPU whose UUID was never read (lost or hung since
@@ -1299,4 +1301,4 @@ def _unhealthy_in(demand: Demand, sick: Mapping[int, str], targets: Sequence[Mps
             healthy += 1
     if not down or healthy >= demand.count:
         return ""
-    return unhealthy_text({i: sick[i] for i in down})
+    return unhealthy_text({i: sick[i] for i in down}, held)

@@ -66,7 +66,8 @@ from gpud.v1 import mig_pb2_grpc as pb_grpc
 EXIT_DIFFERS = 1
 CONFIG = given("the config's name")
 EXIT_FAILED = 1
-# 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed
+# 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed or a
+# job reserved it; a FailedPrecondition too: another apply is in flight
 EXIT_BUSY = ERROR_TABLE[FailedPrecondition][1]
 # How long an apply that may reset GPUs is waited for: a reset takes seconds to tens of
 # seconds per GPU (nvidia-mig-parted apply blocks as long).

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -611,6 +611,11 @@ class JobService:
         (:meth:`placing_none_on`): no job is placed there, and a queued one waits."""
         return {**self._held_off, **self._unhealthy}
 
+    def held_off(self) -> set[int]:
+        """The GPUs of :meth:`unhealthy` that are only held off (:meth:`placing_none_on`):
+        they answer, and are placed on again once the change ends."""
+        return self._held_off.keys() - self._unhealthy.keys()
+
     @contextmanager
     def placing_none_on(self, gpus: Mapping[int, str]) -> Iterator[None]:
         """Place no job on ``gpus`` (index -> why: a MIG apply destroys and creates their
@@ -685,7 +690,7 @@ class JobService:
         except ResourceExhausted as err:
             if not sick:
                 raise
-            raise ResourceExhausted(f"{err} ({unhealthy_text(sick)})") from err
+            raise ResourceExhausted(f"{err} ({unhealthy_text(sick, self.held_off())})") from err
         except NotFound as err:
             refusal = self._profile_left_out(spec, sick)
             if refusal is None:
@@ -739,7 +744,8 @@ class JobService:
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(
-                f"job {spec.name!r}: no healthy GPU on this node now ({unhealthy_text(sick)})"
+                f"job {spec.name!r}: no healthy GPU on this node now"
+                f" ({unhealthy_text(sick, self.held_off())})"
             )
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
@@ -958,8 +964,16 @@ def _sick(snapshot: Snapshot) -> dict[int, str]:
     return {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
 
 
-def unhealthy_text(sick: Mapping[int, str]) -> str:
+def unhealthy_text(sick: Mapping[int, str], held: Collection[int] = ()) -> str:
     """``GPU 1 unhealthy: why; …`` for the first four of ``sick`` (index -> why): how a
-    refused run and a queued entry's WHY NOT name the unhealthy GPUs."""
+    refused run and a queued entry's WHY NOT name the GPUs no job is placed on. One in
+    ``held`` (a MIG apply changing its instances) is ``GPU 0 held: why``: it answers, and
+    takes jobs again once the apply ends."""
     more = f"; {len(sick) - 4} more" if len(sick) > 4 else ""
-    return "; ".join(f"GPU {i} unhealthy: {r}" for i, r in sorted(sick.items())[:4]) + more
+    return (
+        "; ".join(
+            f"GPU {i} {'held' if i in held else 'unhealthy'}: {r}"
+            for i, r in sorted(sick.items())[:4]
+        )
+        + more
+    )

@@ -144,7 +144,6 @@ class MigServicer(pb_grpc.MigServicer):
         *,
         default_drain_timeout_s: float = 300.0,
         read_timeout_s: float = _DEFAULT_READ_S,
-        after_change: Callable[[], None] | None = None,
         last_seen: LastSeenSource = dict,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -152,16 +151,12 @@ class MigServicer(pb_grpc.MigServicer):
         before they report the GPU as not answering (the daemon passes
         ``telemetry.call_timeout_s``: a GPU that takes longer is hung by telemetry's own
         measure, which marks it a moment later).
-        ``after_change()`` runs, on a worker thread, after an apply that changed a GPU and
-        before it is answered (the daemon samples the devices again: a job started next is
-        placed on the new layout).
         ``last_seen()``: how an earlier run last saw each GPU never read in this one.
         ``stopping()``: whether gpud is stopping (an apply still draining or not begun ends
         as not started, and is answered so)."""
         self._manager = manager
         self._stopping = stopping
         self._last_seen = last_seen
-        self._after_change = after_change
         self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
         self._read_s = read_timeout_s
 
@@ -217,12 +212,6 @@ class MigServicer(pb_grpc.MigServicer):
                 stopping=self._stopping,
             ),
         )
-        if (
-            self._after_change is not None
-            and not result.dry_run
-            and any(g.steps for g in result.gpus)
-        ):
-            await asyncio.to_thread(self._after_change)
         return apply_message(result)
 
     async def AssertMig(  # noqa: N802

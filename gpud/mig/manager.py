@@ -133,8 +133,14 @@ Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
 would not stop)."""
 
-Reserved = Callable[[str], Sequence[str]]
+ByDevice = Mapping[str, Sequence[str]]
 """Device UUID (a GPU or a MIG device) -> the jobs that hold a reservation on it."""
+
+Reserved = Callable[[], ByDevice]
+"""The jobs that hold a reservation, by device UUID (a GPU or a MIG device). Called once per
+round of an apply's busy checks, on the apply's own thread, never on a GPU's read: a state
+database slow to answer is never taken for a GPU that does not answer. A store error raises
+:class:`StateError` naming the database."""
 
 
 class ReservedBy(NamedTuple):
@@ -204,6 +210,7 @@ class MigManager:
         release_active: Callable[[], bool] | None = None,
         reserved: Reserved | None = None,
         hold_placement: HoldPlacement | None = None,
+        after_change: Callable[[], None] | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -218,13 +225,18 @@ class MigManager:
         they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
         ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
-        without it, whenever ``release`` is given. ``reserved(uuid)``: the jobs holding a
-        reservation on a device; what an apply would destroy counts as busy while one does,
+        without it, whenever ``release`` is given. ``reserved()``: the jobs holding a
+        reservation, by device; what an apply would destroy counts as busy while one does,
         as with a process on it (the driver sees no process yet, so it would refuse nothing).
         ``hold_placement``: an apply (not a dry run) marks the GPUs it changes before its
-        busy checks and keeps them marked until its steps end, so that no reservation
+        busy checks and keeps each marked until its own steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
-        its destroy step.
+        its destroy step (the reconcile step that resumes or retries an apply holds each GPU
+        it changes so too). ``after_change()``: after an apply's steps changed a GPU, still
+        within its hold, the GPUs are read again (the daemon samples and takes the devices
+        jobs are placed on from that sample): placement reopens on the instances the driver
+        has now, never on one the steps destroyed. One that raises is logged: the apply was
+        made.
         """
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
@@ -244,6 +256,7 @@ class MigManager:
         self._jobs = job_resolver
         self._reserved = reserved
         self._hold_placement = hold_placement
+        self._after_change = after_change
         self._monotonic = monotonic
         self._wall = wall
         self._sleep = sleep
@@ -350,7 +363,7 @@ class MigManager:
     # ---------------------------------------------------------------- busy checks
 
     def _busy(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool, reserved: ByDevice
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]]:
         """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
         "Processes" per MIG device), each with what it runs on. A MIG mode change made at
@@ -368,7 +381,8 @@ class MigManager:
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
         held = [found[pid] for pid in sorted(found)]
-        return doomed, held + self._reservations(_places(gpu, doomed, mode_change), held)
+        places = _places(gpu, doomed, mode_change)
+        return doomed, held + self._reservations(places, held, reserved)
 
     def _reserved_destroyed(
         self,
@@ -383,27 +397,35 @@ class MigManager:
         not have: each GPU's outcome names them."""
         if self._reserved is None:
             return {}
+        reserved = self._reserved_now()
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]]:
             actual, plan = plans[gpu.index]
             doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
-            return self._reservations(_places(gpu, doomed, mode_change), [])
+            return self._reservations(_places(gpu, doomed, mode_change), [], reserved)
 
         todo = [by_index[i] for i in sorted(plans)]
         answers = self._bounded(todo, listed, self._read_timeout_s, "reserved")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
+    def _reserved_now(self) -> ByDevice:
+        """The jobs' reservations by device UUID, read now on the calling thread (the
+        apply's): once per round, for the per-GPU reads to look up."""
+        return {} if self._reserved is None else self._reserved()
+
     def _reservations(
-        self, places: list[tuple[str, str]], held: list[tuple[str, Holder]]
+        self,
+        places: list[tuple[str, str]],
+        held: list[tuple[str, Holder]],
+        reserved: ByDevice,
     ) -> list[tuple[str, Holder]]:
-        """The jobs' reservations on ``places`` ((where, device UUID)) whose job runs no
-        process listed in ``held``: a run reserved but not yet on the device."""
-        if self._reserved is None:
-            return []
+        """The jobs' reservations (``reserved``, by UUID) on ``places`` ((where, device
+        UUID)) whose job runs no process listed in ``held``: a run reserved but not yet on
+        the device."""
         running = {self._job_of(p) for _, p in held}
         out: list[tuple[str, Holder]] = []
         for where, uuid in places:
-            for job in self._reserved(uuid):
+            for job in reserved.get(uuid, ()):
                 if job not in running:
                     running.add(job)
                     out.append((where, ReservedBy(job)))
@@ -433,13 +455,13 @@ class MigManager:
         ], mode_change
 
     def _busy_or_unlisted(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool, reserved: ByDevice
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, Holder]]] | str:
         """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
         support the query, say): gpud cannot tell that what the plan destroys is idle, so
         the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
         try:
-            return self._busy(gpu, actual, plan, reset=reset)
+            return self._busy(gpu, actual, plan, reset=reset, reserved=reserved)
         except GPU_FAULTS:
             raise
         except BackendError as err:
@@ -596,7 +618,8 @@ class MigManager:
         holding: contextlib.ExitStack[bool | None],
     ) -> ApplyResult:
         """:meth:`apply` under its lock; ``holding``: where it holds placement off the GPUs it
-        changes, until :meth:`apply` ends."""
+        changes, each until it converged, the rest (a GPU found faulty) until :meth:`apply`
+        ends."""
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
         layouts = config.layouts(name, ids, faults=faults)
@@ -639,16 +662,17 @@ class MigManager:
         def go_on() -> bool:
             return wanted() and not stopping()
 
-        if self._hold_placement is not None:
-            # before the busy checks: a run placed on an instance after them would find it
-            # destroyed under it, and one placed during a drain would keep it from ending
-            changing = {
-                i: f"a MIG apply of {name} is changing its instances"
-                for i, (_, p) in plans.items()
-                if not p.empty
-            }
-            if changing:
-                holding.enter_context(self._hold_placement(changing))
+        # before the busy checks: a run placed on an instance after them would find it
+        # destroyed under it, and one placed during a drain would keep it from ending. One
+        # hold per GPU, let go once that GPU converged (and was read again): a GPU slow to
+        # change (an A100's reset, a hung call) keeps no other off placement
+        holds: dict[int, contextlib.ExitStack[bool | None]] = {}
+        for i, (_, p) in sorted(plans.items()):
+            if not p.empty and self._hold_placement is not None:
+                holds[i] = holding.enter_context(contextlib.ExitStack())
+                holds[i].enter_context(
+                    self._hold_placement({i: f"a MIG apply of {name} is changing its instances"})
+                )
         if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
             waited = self._monotonic() - drain_start
@@ -695,6 +719,10 @@ class MigManager:
                     wait="each_call",
                 )
             )
+            if outcomes[-1].steps:
+                self._read_again(name)
+            if i in holds:
+                holds.pop(i).close()
         outcomes = sorted(
             (self._past_reservations(o, destroyed, by_index) for o in outcomes),
             key=lambda o: o.gpu,
@@ -909,10 +937,11 @@ class MigManager:
         that hangs after its plan was read holds neither the apply nor the other GPUs."""
         busy = {}
         todo = dict(plans)  # what the reads use, while ``plans`` loses the faulty GPUs
+        reserved = self._reserved_now()
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, Holder]] | str:
             actual, plan = todo[gpu.index]
-            found = self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            found = self._busy_or_unlisted(gpu, actual, plan, reset=reset, reserved=reserved)
             return found if isinstance(found, str) else found[1]
 
         answers = self._bounded(
@@ -1000,6 +1029,10 @@ class MigManager:
                 )
             except GPU_FAULTS as err:
                 return faulty(err)
+            except StateError as err:  # the jobs' reservations: the database, not the GPU
+                return GpuOutcome(
+                    gpu.index, gpu.uuid, tuple(done), False, "failed", f"{where}: {err}"
+                )
             if isinstance(found, str):
                 detail = f"{where} is faulty, left alone: {found}"
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
@@ -1081,9 +1114,10 @@ class MigManager:
         would disturb each of them)."""
         releasing = self._releasing()
         if not force or (retry and releasing):
+            reserved = self._reserved_now()
             found = self._read(
                 gpu,
-                lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
+                lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset, reserved=reserved),
                 timeout_s,
                 "busy",
                 wait=wait,
@@ -1456,14 +1490,18 @@ class MigManager:
                 if diff:
                     return GpuOutcome(gpu.index, gpu.uuid, (), False, "differs", diff[0])
                 return GpuOutcome(gpu.index, gpu.uuid, (), False, "ok")
-            return self._converge(
-                gpu,
-                record.layout,
-                force=force,
-                reset=reset,
-                read_timeout_s=self.VIEW_TIMEOUT_S,
-                retry=True,
-            )
+            # held as an apply holds it: a run placed between the busy check and a destroy
+            # step would be given an instance the driver no longer has
+            why = f"a MIG reconcile to {record.config_name} is changing its instances"
+            with self._holding({gpu.index: why}):
+                return self._converge(
+                    gpu,
+                    record.layout,
+                    force=force,
+                    reset=reset,
+                    read_timeout_s=self.VIEW_TIMEOUT_S,
+                    retry=True,
+                )
         except GPU_FAULTS as err:
             return GpuOutcome(
                 gpu.index,
@@ -1477,6 +1515,23 @@ class MigManager:
             return GpuOutcome(
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
             )
+
+    def _read_again(self, name: str) -> None:
+        """After a GPU's steps, inside its hold: the devices jobs are placed on are those of
+        a read taken after them, before a run can be placed there again."""
+        if self._after_change is None:
+            return
+        try:
+            self._after_change()
+        except Exception:
+            log.exception("reading the GPUs again after the apply of %s failed", name)
+
+    def _holding(self, gpus: Mapping[int, str]) -> AbstractContextManager[object]:
+        """Placement held off ``gpus`` (index -> why) while the context lasts, where
+        ``hold_placement`` was given."""
+        if self._hold_placement is None:
+            return contextlib.nullcontext()
+        return self._hold_placement(gpus)
 
     def _report(self, o: GpuOutcome) -> None:
         """One event per change of a GPU's reconcile status (not one per tick)."""

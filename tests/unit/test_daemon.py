@@ -38,6 +38,7 @@ from gpud.dirlock import DirLocks
 from gpud.errors import (
     ConfigError,
     FailedPrecondition,
+    GpudError,
     InUse,
     ResourceExhausted,
     StateInUse,
@@ -2017,3 +2018,53 @@ def test_a_telemetry_wait_that_pushes_the_watchdog_gap_past_watchdog_sec_is_said
         assert unwatched.watchdog_warning() is None
     finally:
         _close(unwatched)
+
+
+def test_a_mig_apply_s_busy_check_while_another_process_holds_the_state_lock_reads_the_gpus(
+    root: Path,
+) -> None:
+    """A sqlite3 shell holds the state database's write lock: the apply's busy check still
+    finds the job's reservation on an instance it would destroy (a snapshot read of what is
+    committed), and the GPU is not taken for one that does not answer while the check
+    waits on the database."""
+    config = make_config(
+        root,
+        **{"backend.simulate": "H100-SXM5-80GB:1", "telemetry.call_timeout_s": 0.5},
+    )
+    d = build(config)
+    layouts = load_config(MIG_LAYOUTS)
+    try:
+        assert d.mig.apply(layouts, "all-1g.10gb").result == "success"
+        d._devices_changed()
+        (device,) = d.jobs.reserve(RunRequest("train", mig_profile="1g.10gb")).reservation.devices
+        with held_write_lock(d.store.path):
+            preview = d.mig.apply(layouts, "all-3g.40gb", dry_run=True)
+        (gpu,) = preview.gpus
+        assert gpu.status == "busy", gpu
+        assert "reserved by job train" in gpu.detail and "not answering" not in gpu.detail
+        assert device in {m.uuid for m in d.backend.mig_devices(0)}
+    finally:
+        _close(d)
+
+
+def test_placement_reopens_after_a_mig_apply_on_the_instances_the_driver_has_now(
+    root: Path,
+) -> None:
+    """An apply replaces 1g.10gb instances with 3g.40gb ones: the first run reserved once it
+    returns is placed on an instance the driver has (not on one just destroyed), and one
+    asking for the destroyed profile is refused rather than handed a device gone."""
+    d = build(make_config(root, **{"backend.simulate": "H100-SXM5-80GB:1"}))
+    layouts = load_config(MIG_LAYOUTS)
+    try:
+        assert d.mig.apply(layouts, "all-1g.10gb").result == "success"
+        d._devices_changed()
+        assert d.mig.apply(layouts, "all-3g.40gb").result == "success"
+        there = {m.uuid for m in d.backend.mig_devices(0)}
+        with pytest.raises(GpudError) as refused:
+            d.jobs.reserve(RunRequest("late", mig_profile="1g.10gb"))
+        placed = d.jobs.reserve(RunRequest("next", mig_profile="3g.40gb")).reservation
+        assert set(placed.devices) <= there, (placed.devices, there)
+        assert "1g.10gb" in str(refused.value)
+    finally:
+        d.admission.passes.close(10.0)  # the pass the hold's end asked for
+        _close(d)

@@ -965,6 +965,24 @@ def test_a_mig_profile_only_on_a_gpu_left_out_is_refused_naming_that_gpu_and_why
     assert service.reserve(RunRequest("sick", mig_profile="3g.40gb")).reservation.devices
 
 
+def test_a_run_refused_while_an_apply_holds_every_gpu_calls_them_held_not_unhealthy(
+    service: JobService,
+) -> None:
+    """A MIG apply changes every GPU's instances: a run that names no device is refused
+    naming each GPU as held by the apply, not as unhealthy (each answers, and takes jobs
+    again once the apply ends)."""
+    why = "a MIG apply of all-1g.10gb is changing its instances"
+    gpus = {t.gpu for t in DEVICES}
+    with (
+        service.placing_none_on(dict.fromkeys(gpus, why)),
+        pytest.raises(ResourceExhausted) as refused,
+    ):
+        service.reserve(RunRequest("any"))
+    said = str(refused.value)
+    assert all(f"GPU {i} held: {why}" in said for i in gpus), said
+    assert "unhealthy" not in said, said
+
+
 def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     tmp_path: Path, store: StateStore
 ) -> None:

@@ -103,7 +103,7 @@ class Host:
             release=self.release,
             release_active=self.release_active,
             on_change=self.on_change,
-            reserved=lambda uuid: self.reserved.get(uuid, []),
+            reserved=lambda: {u: list(jobs) for u, jobs in self.reserved.items()},
             hold_placement=self.placement.hold,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
@@ -501,13 +501,9 @@ class _ReservesBeforeTheFirstDestroy:
         return getattr(self._backend, name)
 
 
-def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it_destroys(
-    host: Host, config: MigConfigFile
-) -> None:
-    """A queued job is started while an apply of GPU 0 runs, after its busy check found
-    nothing there: placement holds the GPU off until the apply ends, so the job is not
-    given an instance the next step destroys; once the apply ends GPU 0 is placed on."""
-    enable(host, config, "all-1g.10gb")
+def _reserving_before_the_first_destroy(host: Host) -> list[_ReservesBeforeTheFirstDestroy]:
+    """The backends of the daemons ``host`` starts from now on, each starting a queued job
+    as the first destroy step reaches the driver."""
     wrapped: list[_ReservesBeforeTheFirstDestroy] = []
 
     def wrap(backend: NvmlBackend) -> _ReservesBeforeTheFirstDestroy:
@@ -515,6 +511,17 @@ def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it
         return wrapped[-1]
 
     host.wrap = wrap
+    return wrapped
+
+
+def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it_destroys(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A queued job is started while an apply of GPU 0 runs, after its busy check found
+    nothing there: placement holds the GPU off until the apply ends, so the job is not
+    given an instance the next step destroys; once the apply ends GPU 0 is placed on."""
+    enable(host, config, "all-1g.10gb")
+    wrapped = _reserving_before_the_first_destroy(host)
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb")
     assert result.result == "success"
@@ -522,6 +529,63 @@ def test_a_run_placed_while_an_apply_changes_the_gpu_is_not_given_an_instance_it
     assert host.reserved == {} and host.placement.off == {}
     new = d.backend.mig_devices(0)[0]
     assert host.placement.reserve("train-c", 0, new.uuid) is None
+
+
+def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_it_destroys(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A forced apply left GPU 0 unchanged (a process held it) and gpud restarted: the
+    reconcile that resumes the apply holds GPU 0 off placement as the apply did, so a queued
+    job started between its busy check and its steps is not given an instance the next step
+    destroys; once the GPU converged it is placed on again."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    wrapped = _reserving_before_the_first_destroy(host)
+    again = host.start()
+    assert "changed" in {o.status for o in again.mig.reconcile()}
+    assert len(wrapped[0].refused) == 7 and host.reserved == {}, (wrapped, host.reserved)
+    assert all("changing its instances" in why for why in wrapped[0].refused)
+    assert host.placement.off == {}
+    new = again.backend.mig_devices(0)[0]
+    assert host.placement.reserve("train-c", 0, new.uuid) is None
+
+
+class _SeesPlacementAtGpu1:
+    """A backend noting which GPUs placement holds off as the apply's first destroy step on
+    GPU 1 reaches the driver (GPU 0 converged by then)."""
+
+    def __init__(self, backend: NvmlBackend, placement: Placement) -> None:
+        self._backend = backend
+        self._placement = placement
+        self.off: dict[int, str] | None = None
+
+    def destroy_compute_instance(self, gpu: int, gi: int, ci: int) -> Any:
+        if gpu == 1 and self.off is None:
+            self.off = dict(self._placement.off)
+        return self._backend.destroy_compute_instance(gpu, gi, ci)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_gpu_an_apply_converged_takes_jobs_while_it_changes_the_next(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply changes GPU 0, then GPU 1: once GPU 0 has its new instances it is placed on
+    again, while GPU 1 is still held off (a slow or hung GPU keeps no other from jobs)."""
+    enable(host, config, "all-1g.10gb")
+    seen: list[_SeesPlacementAtGpu1] = []
+
+    def wrap(backend: NvmlBackend) -> _SeesPlacementAtGpu1:
+        seen.append(_SeesPlacementAtGpu1(backend, host.placement))
+        return seen[-1]
+
+    host.wrap = wrap
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert seen[0].off == {1: "a MIG apply of all-3g.40gb is changing its instances"}
+    assert host.placement.off == {}
 
 
 class _AppliesDuringTheFirstDestroy:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -44,13 +46,18 @@ class Node:
 
 @contextmanager
 def serve(
-    tmp_path: Path, spec: list[tuple[str, int]], *, read_timeout_s: float = 10.0
+    tmp_path: Path,
+    spec: list[tuple[str, int]],
+    *,
+    read_timeout_s: float = 10.0,
+    wrap: Callable[[Any], Any] = lambda backend: backend,
 ) -> Iterator[Node]:
+    """``wrap``: the backend the manager calls, made from the simulated node's."""
     sim = SimNode(spec, state_file=tmp_path / "driver.json")
     store = StateStore(tmp_path / "state")
     jobs: dict[int, str] = {}
     events = EventLog(None)
-    mig = MigManager(NvmlBackend(sim.nvml), store, events, job_resolver=jobs.get)
+    mig = MigManager(wrap(NvmlBackend(sim.nvml)), store, events, job_resolver=jobs.get)
     try:
         with short_dir() as d:
             path = d / "gpud.sock"
@@ -283,19 +290,53 @@ def test_metric_source(node: Node) -> None:
     )
 
 
-def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: Node) -> None:
-    """The client's deadline passes while the driver is slow: the apply is either not started
-    or finished and logged as finished after its client had gone (which one depends on how
-    far it got; tests/unit/test_mig_apply.py has each case exactly). The same apply made
-    again meanwhile is refused at once, naming the one still in flight."""
-    node.sim.faults.slow(1, 0.2)  # every driver call on GPU 1 takes 0.2 s
-    # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
-    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
-    code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
-    assert code == 3 and "did not answer within 1 s" in err
-    code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
-    assert code == 6 and "an apply of all-balanced is in flight (started " in err
-    node.sim.faults.clear(1)
+class _HeldAtItsFirstRead:
+    """The backend, with the next apply's first driver call (the GPU count) held until the
+    test lets it go: that apply stays in flight, its client gone, for as long as needed."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.armed = threading.Event()
+        self.reached = threading.Event()
+        self.let_go = threading.Event()
+
+    def gpu_count(self) -> int:
+        if self.armed.is_set():
+            self.armed.clear()
+            self.reached.set()
+            self.let_go.wait(60)
+        return int(self._backend.gpu_count())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The client's deadline passes while the apply has not started its changes: the same
+    apply made again meanwhile is refused at once, naming the one still in flight; once
+    that one goes on, it finds its client gone and is logged as not started (an apply
+    whose client left during its steps is finished: tests/unit/test_mig_apply.py)."""
+    held: list[_HeldAtItsFirstRead] = []
+
+    def gated(backend: Any) -> _HeldAtItsFirstRead:
+        held.append(_HeldAtItsFirstRead(backend))
+        return held[-1]
+
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)], wrap=gated) as node:
+        (gate,) = held
+        gate.armed.set()
+        # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
+        apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
+        code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
+        assert code == 3 and "did not answer within 1 s" in err
+        assert gate.reached.wait(30)  # the apply is in flight, whatever the client's timing
+        code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
+        assert code == 6 and "an apply of all-balanced is in flight (started " in err
+        gate.let_go.set()
+        _assert_refused_then_not_started(node)
+
+
+def _assert_refused_then_not_started(node: Node) -> None:
 
     def results() -> list[tuple[object, object]]:
         return [(e.fields["result"], e.fields.get("client_gone")) for e in node.events.recent()]
@@ -307,10 +348,8 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: 
     refused, first = node.events.recent()  # the refusal is logged at once
     assert (refused.fields["result"], refused.fields["client_gone"]) == ("not_started", False)
     assert "an apply of all-balanced is in flight" in refused.message
-    assert first.fields["client_gone"] is True
-    if first.fields["result"] != "not_started":
-        assert first.fields["result"] == "success"  # H100: no reset to wait for
-        assert "finished after the client had gone" in first.message
+    assert (first.fields["result"], first.fields["client_gone"]) == ("not_started", True)
+    assert "the client had gone before it started" in first.message
 
 
 def test_export_leaves_a_lost_gpu_out_and_says_so(
