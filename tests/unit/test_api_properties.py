@@ -13,6 +13,7 @@ unknown GPU, an infeasible layout) keep the refusals honest too.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -495,8 +496,15 @@ def traffic_client() -> Iterator[Client]:
                 jobs_pb2.AddJobRequest(job=jobs_pb2.Job(name=job, owner="prop")),
             )
         yield c
-        ranked = net_pb2_grpc.NetStub(channel).ShowNet(net_pb2.ShowNetRequest(), timeout=30)
-        assert {j.job for j in ranked.jobs} >= set(JOBS)
+        # the jobs show once a traffic tick has read them (a loaded host ticks late)
+        net = net_pb2_grpc.NetStub(channel)
+        shown: set[str] = set()
+        for _ in range(300):
+            shown = {j.job for j in net.ShowNet(net_pb2.ShowNetRequest(), timeout=30).jobs}
+            if shown >= set(JOBS):
+                break
+            time.sleep(0.1)
+        assert shown >= set(JOBS)
 
 
 @settings(AGAINST_THE_DAEMON, max_examples=80)

@@ -1221,9 +1221,12 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
     with short_dir() as root:
         gpud = Restarting(root)
 
+        started_mark = root / "started"
+
         def stop_gpud_then_ctrl_c() -> None:
-            for _ in range(200):
-                if gpud.jobs.reservations.held("j"):
+            # the command runs: gpuctl's calls before it have all been answered
+            for _ in range(600):
+                if started_mark.exists():
                     break
                 time.sleep(0.05)
             gpud.stop()
@@ -1235,7 +1238,8 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
         try:
             started = time.monotonic()
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
-            code = gpuctl([*argv, "sh", "-c", "sleep 0.5; exit 7"], env={})
+            command = f"touch {started_mark}; sleep 1; exit 7"
+            code = gpuctl([*argv, "sh", "-c", command], env={})
             took = time.monotonic() - started
         finally:
             helper.join(30)
