@@ -226,9 +226,9 @@ class _Device:
 def targets_from_snapshot(
     snapshot: Snapshot, previous: Iterable[MpsTarget] = ()
 ) -> list[MpsTarget]:
-    """One target per GPU, or per MIG device of a GPU whose MIG mode is on. A GPU that
-    could not be read (lost, hung, or in MIG mode with its MIG devices unread: one that needs
-    a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
+    """One target per GPU, or per MIG device of a GPU whose MIG mode is on. An unhealthy
+    GPU that could not be read (lost, hung, or with its MIG devices unread:
+    ``mig_devices_read`` False, one that needs a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
     taking it for a GPU without them would stop their daemons and start one on the faulty
     GPU."""
     before: dict[int, list[MpsTarget]] = {}
@@ -243,9 +243,9 @@ def targets_from_snapshot(
             for t in before.get(ident.index, ())
             if not ident.uuid or ident.uuid in (t.uuid, t.gpu_uuid)
         ]
-        # an unhealthy GPU in MIG mode listing no MIG devices had them left unread (one that
-        # needs a reset still says its MIG mode)
-        unread = gpu.mig_mode is None or (gpu.mig_mode.current and not gpu.mig_devices)
+        # one that needs a reset still says its MIG mode, but its MIG devices were not read;
+        # an empty list read is a layout (all destroyed), not a reason to keep the old one
+        unread = gpu.mig_mode is None or not gpu.mig_devices_read
         if not gpu.healthy and unread and kept:
             targets += kept
         elif gpu.mig_mode is not None and gpu.mig_mode.current:

@@ -30,8 +30,11 @@ Error policy, per reading:
 - a MIG device read that fails with a fault of the GPU itself (``READING_FAULTS``: a MIG
   device answering "reset required", say) is the GPU's, as above: the sample is unhealthy
   with that reason, with no MIG devices (a GPU lost has no MIG mode either). It says
-  nothing of them: an unhealthy GPU in MIG mode listing none had them left unread, and
-  the last known ones stay where they are kept (the MPS targets), not taken for gone.
+  nothing of them: its ``mig_devices_read`` is False, as whenever the MIG devices were not
+  read (the GPU lost, hung or faulty, their list or readings failing), and the last known
+  ones stay where they are kept (the MPS targets), not taken for gone. A GPU unhealthy for
+  another reading whose MIG devices were read lists those there are: none when all were
+  destroyed.
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ class GpuReader:
 
         mig_mode = r.mig_mode
         mig_samples: tuple[MigSample, ...] = ()
+        mig_read = True
         if mig_mode is not None:
             if mig_mode.current != self._mig_current:
                 # Entering or leaving MIG mode changes what the GPU supports (utilization).
@@ -212,6 +216,7 @@ class GpuReader:
                     return self._faulted(identity, "mig_devices", err, r, processes_read)
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)
+                    mig_read = False
 
         done = self._clock()
         self._last_good_at = done
@@ -233,6 +238,7 @@ class GpuReader:
             nvlink_bytes=r.nvlink_bytes,
             processes_read=processes_read,
             processes_error=processes_error,
+            mig_devices_read=mig_read,
         )
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
@@ -283,7 +289,11 @@ class GpuReader:
         # Re-read the MIG list once the GPU answers again: it may have been reset.
         self._mig = None
         return GpuSample(
-            identity=identity, healthy=False, reason=reason, sampled_at=self._last_good_at
+            identity=identity,
+            healthy=False,
+            reason=reason,
+            sampled_at=self._last_good_at,
+            mig_devices_read=False,
         )
 
     @property

@@ -311,6 +311,7 @@ class Sampler:
                 healthy=False,
                 reason=f"internal error: {type(result).__name__} (gpud's log has the details)",
                 sampled_at=reader.last_good_at,
+                mig_devices_read=False,
             )
         else:  # hung: stuck since an earlier tick, or given up on in this one
             sample = GpuSample(
@@ -318,6 +319,7 @@ class Sampler:
                 healthy=False,
                 reason=NOT_ANSWERING,
                 sampled_at=reader.last_good_at,
+                mig_devices_read=False,
             )
         seen = self._last_seen.get(reader.index)
         if seen and seen.description and not sample.identity.uuid:  # never read in this run

@@ -112,6 +112,10 @@ class GpuSample(NamedTuple):
     # False when the driver gives gpud no XID events for the GPU: xid_events_total is then
     # no count of its XIDs
     xids_watched: bool = True
+    # False when the GPU's MIG devices were not read this tick (the GPU lost, hung or faulty,
+    # or their list or readings failed): ``mig_devices`` is then empty without meaning that
+    # none exist; True also of a GPU not in MIG mode
+    mig_devices_read: bool = True
 
     def known(self) -> SeenIdentity:
         """The UUID, name, PCI address and product that name the GPU to an operator (metrics
