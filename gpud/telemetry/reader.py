@@ -178,6 +178,8 @@ class GpuReader:
         processes_read = "processes" not in unsupported.skip
         # while skipped, the NotSupported that marked it is still why they are not listed
         processes_error = "" if processes_read else self._processes_error
+        fault: tuple[str, BackendError] | None = None  # the first reading the GPU faulted
+        lost = False
         if r.errors:
             for name, error in r.errors:
                 if name == "processes":
@@ -195,9 +197,14 @@ class GpuReader:
                     # tick are no reading to trust (the driver may hand back what it last
                     # had), and the sample keeps the time of the last good one, as when
                     # lost. What it holds (processes, MIG mode) is what its reset needs.
-                    return self._faulted(identity, name, error, r, processes_read)
+                    fault = fault or (name, error)
+                    lost = lost or isinstance(error, GpuLost)
                 else:
                     reason = reason or _reason(name, error)
+        if fault is not None:
+            return self._faulted(
+                identity, *fault, r, listed=processes_read, unlisted=processes_error, lost=lost
+            )
 
         mig_mode = r.mig_mode
         mig_samples: tuple[MigSample, ...] = ()
@@ -213,7 +220,16 @@ class GpuReader:
                 try:
                     mig_samples = self._read_mig(gpu, now)
                 except READING_FAULTS as err:
-                    return self._faulted(identity, "mig_devices", err, r, processes_read)
+                    lost = isinstance(err, GpuLost)
+                    return self._faulted(
+                        identity,
+                        "mig_devices",
+                        err,
+                        r,
+                        listed=processes_read,
+                        unlisted=processes_error,
+                        lost=lost,
+                    )
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)
                     mig_read = False
@@ -268,20 +284,22 @@ class GpuReader:
         name: str,
         error: BackendError,
         r: GpuReadings,
-        processes_read: bool,
+        *,
+        listed: bool,
+        unlisted: str,
+        lost: bool,
     ) -> GpuSample:
         """:meth:`_failed` for a GPU whose reading ``name`` answered a fault of the GPU: a
-        lost GPU answered nothing; one that needs an operator keeps its process list and
-        MIG mode as ``r`` read them."""
+        lost GPU (``lost``: that or another reading answered GpuLost) answered nothing; one
+        that needs an operator keeps its MIG mode as ``r`` read it, and its process list
+        when the driver ``listed`` it (else ``unlisted`` says why not)."""
         failed = self._failed(identity, _reason(name, error))
-        if isinstance(error, GpuLost) or any(isinstance(e, GpuLost) for _, e in r.errors):
+        if lost:
             return failed
-        listed = next((str(e) for n, e in r.errors if n == "processes"), None)
-        read = processes_read and listed is None
         return failed._replace(
-            processes=r.processes if read else (),
-            processes_read=read,
-            processes_error="" if read else listed or self._processes_error,
+            processes=r.processes if listed else (),
+            processes_read=listed,
+            processes_error=unlisted,
             mig_mode=r.mig_mode,
         )
 
