@@ -78,8 +78,11 @@ LastSeenSource = Callable[[], Mapping[int, SeenIdentity]]
 
 class GpuSample(NamedTuple):
     """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed: of a
-    GPU lost, hung or faulty (``GPU_FAULTS``: reset required, ...), the time of its last good
-    read, and the sample then has none of the tick's readings."""
+    GPU lost, hung or faulty (``READING_FAULTS``: a reading answered "GPU lost", "reset
+    required", ...), the time of its last good read, and the sample then has none of the
+    tick's numeric readings. A faulty GPU that is not lost keeps its process list and MIG
+    mode, which the driver still answers and its reset needs; its MIG devices are not read
+    (``mig_devices_read``)."""
 
     identity: GpuIdentity
     healthy: bool
