@@ -259,9 +259,10 @@ class GpuReader:
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
         devices = self._mig
-        listed = devices is None or now - self._mig_read_at >= self._identity_refresh_s
-        if devices is None or listed:
-            devices = self._list_mig(gpu, now)
+        if devices is None or now - self._mig_read_at >= self._identity_refresh_s:
+            devices, listed = self._list_mig(gpu, now), True
+        else:
+            listed = False
         readings = self._backend.mig_readings(gpu, devices)
         if readings.errors and not listed:
             # Most likely destroyed or moved since the list was read (a device created or
