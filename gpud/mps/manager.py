@@ -226,9 +226,9 @@ class _Device:
 def targets_from_snapshot(
     snapshot: Snapshot, previous: Iterable[MpsTarget] = ()
 ) -> list[MpsTarget]:
-    """One target per GPU, or per MIG device of a GPU whose MIG mode is on. A GPU that
-    could not be read (lost, hung, or in MIG mode with its MIG devices unread: one that needs
-    a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
+    """One target per GPU, or per MIG device of a GPU whose MIG mode is on. An unhealthy
+    GPU that could not be read (lost, hung, or with its MIG devices unread:
+    ``mig_devices_read`` False, one that needs a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
     taking it for a GPU without them would stop their daemons and start one on the faulty
     GPU."""
     before: dict[int, list[MpsTarget]] = {}
@@ -243,9 +243,9 @@ def targets_from_snapshot(
             for t in before.get(ident.index, ())
             if not ident.uuid or ident.uuid in (t.uuid, t.gpu_uuid)
         ]
-        # an unhealthy GPU in MIG mode listing no MIG devices had them left unread (one that
-        # needs a reset still says its MIG mode)
-        unread = gpu.mig_mode is None or (gpu.mig_mode.current and not gpu.mig_devices)
+        # one that needs a reset still says its MIG mode, but its MIG devices were not read;
+        # an empty list read is a layout (all destroyed), not a reason to keep the old one
+        unread = gpu.mig_mode is None or not gpu.mig_devices_read
         if not gpu.healthy and unread and kept:
             targets += kept
         elif gpu.mig_mode is not None and gpu.mig_mode.current:
@@ -390,10 +390,9 @@ class MpsManager:
         # GPUs in MIG mode, index -> UUID: one with no MIG devices has no target, yet exists
         self._mig_gpus: dict[int, str] = {}
         self._seen: set[str] = set()  # device UUIDs of the last observe
-        # a failed move of re-created MIG devices' limits: when it is tried again (see observe)
-        self._restore_at: float | None = None
-        # ... and why it failed: what the refusal of a change meanwhile names
-        self._restore_error: StateError | None = None
+        # a failed move of re-created MIG devices' limits: when it is tried again (see
+        # observe), and why it failed (what the refusal of a change meanwhile names)
+        self._restore: tuple[float, StateError] | None = None
         # the re-created MIG devices whose move waits for that try: no daemon is started
         # for them meanwhile (their limits are not known yet)
         self._restoring: set[str] = set()
@@ -513,19 +512,18 @@ class MpsManager:
         what it holds is not known yet, so a change (fields left out keep their value)
         could neither be made on it nor told from drift once they are moved. Under the
         manager's lock, as :meth:`observe` changes what waits."""
-        if target.uuid not in self._restoring:
+        restore = self._restore
+        if target.uuid not in self._restoring or restore is None:
             return
-        err = self._restore_error
-        why = str(err) if err is not None else f"state database {self._store.path} not writable"
+        at, err = restore
         if self._store.refuses_until_restart():
             # every later try is refused as well: waiting for one does not help
             then = "no move is made before gpud restarts: set them after the restart"
         else:
-            at = self._restore_at
-            left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
-            then = f"the move is tried again{left}: set them once it is made"
+            left = max(0.0, at - self._clock())
+            then = f"the move is tried again in {left:.0f} s: set them once it is made"
         raise FailedPrecondition(
-            f"{_label(target)} ({target.uuid}): its MPS limits wait to be moved ({why}), so"
+            f"{_label(target)} ({target.uuid}): {_limits_wait(str(err))}, so"
             f" what it holds is not known yet; {then}"
         )
 
@@ -834,28 +832,25 @@ class MpsManager:
                 t for t in self._targets.values() if t.slot is not None and t.uuid not in self._seen
             ]
             if not new:
-                self._restore_at = None  # none waits: those that did are gone
-            elif self._restore_at is None or self._clock() >= self._restore_at:
+                self._restore = None  # none waits: those that did are gone
+            elif self._restore is None or self._clock() >= self._restore[0]:
                 try:
                     self._restore_mig_limits(new)
                 except StateError as err:
-                    if self._restore_at is None:
+                    if self._restore is None:
                         log.warning(
                             "MPS: the limits of re-created MIG devices were not moved to them"
                             " (tried again every %.0f s): %s",
                             RESTORE_RETRY_S,
                             err,
                         )
-                    self._restore_at = self._clock() + RESTORE_RETRY_S
-                    self._restore_error = err
+                    self._restore = (self._clock() + RESTORE_RETRY_S, err)
                 else:
-                    if self._restore_at is not None:
+                    if self._restore is not None:
                         log.info("MPS: the limits of re-created MIG devices were moved to them")
-                    self._restore_at = None
+                    self._restore = None
             # those whose move is still to be made are new again at the next observe
-            self._restoring = {t.uuid for t in new} if self._restore_at is not None else set()
-            if not self._restoring:
-                self._restore_error = None
+            self._restoring = {t.uuid for t in new} if self._restore is not None else set()
             self._seen = set(self._targets) - self._restoring
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
@@ -1866,24 +1861,21 @@ class MpsManager:
         and every device's lock till the context ends: the node is rebooted and sampled
         again in it, and nothing (a pass, ``gpuctl mps set``, a server started) starts a
         daemon meanwhile that would outlive the reboot. A pass waiting with a snapshot
-        sampled before passes over it (:meth:`observe_snapshot`), and the MIG devices the
-        reboot destroys count as released (:meth:`released`), those created meanwhile (by a
-        MIG apply) that it did not know of too: no MIG device's daemon is started from such
-        a snapshot, whether or not the reboot's own sample was taken.
+        sampled before passes over it (:meth:`observe_snapshot`), and every MIG device is
+        held as the reboot destroyed it, those created meanwhile (by a MIG apply) that it
+        did not know of too: no MIG device's daemon is started from such a snapshot,
+        whether or not the reboot's own sample was taken.
 
         One that outlives SIGKILL (stuck in the driver) is not counted: its device keeps
         it as one that outlived a kill (:meth:`_kill`, or :meth:`_kill_orphan` where no PID
         file names it), so the next pass says ``mps.stop_failed`` and tries again, and no
         daemon is adopted or started beside it meanwhile."""
         with self._pass, contextlib.ExitStack() as held:  # no pass checks or starts one
-            with self._lock:
-                migs = [u for u, t in self._targets.items() if t.mig is not None]
             try:
                 yield self._end_all(held)
             finally:
                 ended = self._snapshot_clock()
                 with self._lock:
-                    self._released_at.update(dict.fromkeys(migs, ended))
                     self._rebooted_at = ended
 
     def _end_all(self, held: contextlib.ExitStack) -> int:
@@ -2056,8 +2048,15 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
 # Why a daemon that no PID file names any more is stopped: see :meth:`MpsManager._end_orphan`.
 _LOST = "it lost its pipe directory"
 
-# Why a device's daemon is neither started nor given limits: see MpsManager.observe.
-_LIMITS_WAIT = "its MPS limits wait to be moved (state database not writable)"
+
+def _limits_wait(why: str) -> str:
+    """Why a re-created MIG device's daemon is neither started nor given limits (see
+    MpsManager.observe), with what refused the move's write."""
+    return f"its MPS limits wait to be moved ({why})"
+
+
+# ... as a device's status says it: one line, the same on every pass
+_LIMITS_WAIT = _limits_wait("state database not writable")
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

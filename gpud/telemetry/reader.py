@@ -30,8 +30,11 @@ Error policy, per reading:
 - a MIG device read that fails with a fault of the GPU itself (``READING_FAULTS``: a MIG
   device answering "reset required", say) is the GPU's, as above: the sample is unhealthy
   with that reason, with no MIG devices (a GPU lost has no MIG mode either). It says
-  nothing of them: an unhealthy GPU in MIG mode listing none had them left unread, and
-  the last known ones stay where they are kept (the MPS targets), not taken for gone.
+  nothing of them: its ``mig_devices_read`` is False, as whenever the MIG devices were not
+  read (the GPU lost, hung or faulty, their list or readings failing), and the last known
+  ones stay where they are kept (the MPS targets), not taken for gone. A GPU unhealthy for
+  another reading whose MIG devices were read lists those there are: none when all were
+  destroyed.
 """
 
 from __future__ import annotations
@@ -175,6 +178,8 @@ class GpuReader:
         processes_read = "processes" not in unsupported.skip
         # while skipped, the NotSupported that marked it is still why they are not listed
         processes_error = "" if processes_read else self._processes_error
+        fault: tuple[str, BackendError] | None = None  # the first reading the GPU faulted
+        lost = False
         if r.errors:
             for name, error in r.errors:
                 if name == "processes":
@@ -192,12 +197,18 @@ class GpuReader:
                     # tick are no reading to trust (the driver may hand back what it last
                     # had), and the sample keeps the time of the last good one, as when
                     # lost. What it holds (processes, MIG mode) is what its reset needs.
-                    return self._faulted(identity, name, error, r, processes_read)
+                    fault = fault or (name, error)
+                    lost = lost or isinstance(error, GpuLost)
                 else:
                     reason = reason or _reason(name, error)
+        if fault is not None:
+            return self._faulted(
+                identity, *fault, r, listed=processes_read, unlisted=processes_error, lost=lost
+            )
 
         mig_mode = r.mig_mode
         mig_samples: tuple[MigSample, ...] = ()
+        mig_read = True
         if mig_mode is not None:
             if mig_mode.current != self._mig_current:
                 # Entering or leaving MIG mode changes what the GPU supports (utilization).
@@ -209,9 +220,19 @@ class GpuReader:
                 try:
                     mig_samples = self._read_mig(gpu, now)
                 except READING_FAULTS as err:
-                    return self._faulted(identity, "mig_devices", err, r, processes_read)
+                    lost = isinstance(err, GpuLost)
+                    return self._faulted(
+                        identity,
+                        "mig_devices",
+                        err,
+                        r,
+                        listed=processes_read,
+                        unlisted=processes_error,
+                        lost=lost,
+                    )
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)
+                    mig_read = False
 
         done = self._clock()
         self._last_good_at = done
@@ -233,13 +254,15 @@ class GpuReader:
             nvlink_bytes=r.nvlink_bytes,
             processes_read=processes_read,
             processes_error=processes_error,
+            mig_devices_read=mig_read,
         )
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
         devices = self._mig
-        listed = devices is None or now - self._mig_read_at >= self._identity_refresh_s
-        if devices is None or listed:
-            devices = self._list_mig(gpu, now)
+        if devices is None or now - self._mig_read_at >= self._identity_refresh_s:
+            devices, listed = self._list_mig(gpu, now), True
+        else:
+            listed = False
         readings = self._backend.mig_readings(gpu, devices)
         if readings.errors and not listed:
             # Most likely destroyed or moved since the list was read (a device created or
@@ -262,20 +285,22 @@ class GpuReader:
         name: str,
         error: BackendError,
         r: GpuReadings,
-        processes_read: bool,
+        *,
+        listed: bool,
+        unlisted: str,
+        lost: bool,
     ) -> GpuSample:
         """:meth:`_failed` for a GPU whose reading ``name`` answered a fault of the GPU: a
-        lost GPU answered nothing; one that needs an operator keeps its process list and
-        MIG mode as ``r`` read them."""
+        lost GPU (``lost``: that or another reading answered GpuLost) answered nothing; one
+        that needs an operator keeps its MIG mode as ``r`` read it, and its process list
+        when the driver ``listed`` it (else ``unlisted`` says why not)."""
         failed = self._failed(identity, _reason(name, error))
-        if isinstance(error, GpuLost) or any(isinstance(e, GpuLost) for _, e in r.errors):
+        if lost:
             return failed
-        listed = next((str(e) for n, e in r.errors if n == "processes"), None)
-        read = processes_read and listed is None
         return failed._replace(
-            processes=r.processes if read else (),
-            processes_read=read,
-            processes_error="" if read else listed or self._processes_error,
+            processes=r.processes if listed else (),
+            processes_read=listed,
+            processes_error=unlisted,
             mig_mode=r.mig_mode,
         )
 
@@ -283,7 +308,11 @@ class GpuReader:
         # Re-read the MIG list once the GPU answers again: it may have been reset.
         self._mig = None
         return GpuSample(
-            identity=identity, healthy=False, reason=reason, sampled_at=self._last_good_at
+            identity=identity,
+            healthy=False,
+            reason=reason,
+            sampled_at=self._last_good_at,
+            mig_devices_read=False,
         )
 
     @property

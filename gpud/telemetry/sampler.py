@@ -161,7 +161,8 @@ class Sampler:
         self._count_failures = 0  # ticks in a row that could not count the GPUs
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
-        self._dispatcher = Dispatcher(self._wait_s())
+        # a tick waits at most twice (see tick_bound_s): each wait is half its bound
+        self._dispatcher = Dispatcher(self.tick_bound_s() / 2)
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._events_handled = 0  # GPU events taken in, of any kind
         self._handled = threading.Condition()
@@ -188,11 +189,6 @@ class Sampler:
         self._interval_s = value
         if changed and self._rescheduled is not None:
             self._rescheduled.set()
-
-    def _wait_s(self) -> float:
-        """How long a tick waits for a GPU that does not answer: short enough that the GPUs
-        that do answer keep samples at most two intervals old (a tick waits at most twice)."""
-        return tick_bound_s(self.interval_s, self.call_timeout_s) / 2
 
     def tick_bound_s(self) -> float:
         """Seconds one :meth:`tick` waits for the driver at most, however many GPUs hang:
@@ -237,7 +233,7 @@ class Sampler:
             start = self._clock()
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()
-            self._dispatcher.wait_s = self._wait_s()  # the interval may have been reloaded
+            self._dispatcher.wait_s = self.tick_bound_s() / 2  # the interval may have changed
             results = self._dispatcher.read([slot.target for slot in slots])
             samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
             snapshot = Snapshot(
@@ -311,6 +307,7 @@ class Sampler:
                 healthy=False,
                 reason=f"internal error: {type(result).__name__} (gpud's log has the details)",
                 sampled_at=reader.last_good_at,
+                mig_devices_read=False,
             )
         else:  # hung: stuck since an earlier tick, or given up on in this one
             sample = GpuSample(
@@ -318,6 +315,7 @@ class Sampler:
                 healthy=False,
                 reason=NOT_ANSWERING,
                 sampled_at=reader.last_good_at,
+                mig_devices_read=False,
             )
         seen = self._last_seen.get(reader.index)
         if seen and seen.description and not sample.identity.uuid:  # never read in this run

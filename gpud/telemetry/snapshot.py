@@ -78,8 +78,11 @@ LastSeenSource = Callable[[], Mapping[int, SeenIdentity]]
 
 class GpuSample(NamedTuple):
     """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed: of a
-    GPU lost, hung or faulty (``GPU_FAULTS``: reset required, ...), the time of its last good
-    read, and the sample then has none of the tick's readings."""
+    GPU lost, hung or faulty (``READING_FAULTS``: a reading answered "GPU lost", "reset
+    required", ...), the time of its last good read, and the sample then has none of the
+    tick's numeric readings. A faulty GPU that is not lost keeps its process list and MIG
+    mode, which the driver still answers and its reset needs; its MIG devices are not read
+    (``mig_devices_read``)."""
 
     identity: GpuIdentity
     healthy: bool
@@ -112,6 +115,10 @@ class GpuSample(NamedTuple):
     # False when the driver gives gpud no XID events for the GPU: xid_events_total is then
     # no count of its XIDs
     xids_watched: bool = True
+    # False when the GPU's MIG devices were not read this tick (the GPU lost, hung or faulty,
+    # or their list or readings failed): ``mig_devices`` is then empty without meaning that
+    # none exist; True also of a GPU not in MIG mode
+    mig_devices_read: bool = True
 
     def known(self) -> SeenIdentity:
         """The UUID, name, PCI address and product that name the GPU to an operator (metrics

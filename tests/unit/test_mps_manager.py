@@ -159,7 +159,9 @@ def test_a_gpu_that_needs_a_reset_keeps_its_mig_devices_it_says_its_mig_mode_bes
     """A GPU that needs a reset still says its MIG mode, but its MIG devices are not read:
     they stay the devices known, not all taken for gone (which would stop their daemons)."""
     before = targets_from_snapshot(MIG_NODE)
-    unread = MIG_NODE.gpus[0]._replace(healthy=False, reason="reset required", mig_devices=())
+    unread = MIG_NODE.gpus[0]._replace(
+        healthy=False, reason="reset required", mig_devices=(), mig_devices_read=False
+    )
     targets = targets_from_snapshot(snapshot(unread, MIG_NODE.gpus[1]), before)
     assert [(t.uuid, t.gpu_unhealthy) for t in targets] == [
         (mig_uuid(0, 0), "reset required"),
@@ -167,6 +169,15 @@ def test_a_gpu_that_needs_a_reset_keeps_its_mig_devices_it_says_its_mig_mode_bes
         (mig_uuid(0, 2), "reset required"),
         (gpu_uuid(1), ""),
     ]
+
+
+def test_mig_devices_destroyed_on_a_gpu_unhealthy_for_another_reading_are_no_targets() -> None:
+    """A GPU whose ECC reading fails had its MIG devices read all the same: an empty list is
+    the layout (all destroyed), so their targets go and their daemons are stopped."""
+    before = targets_from_snapshot(MIG_NODE)
+    emptied = MIG_NODE.gpus[0]._replace(healthy=False, reason="ecc: Unknown Error", mig_devices=())
+    targets = targets_from_snapshot(snapshot(emptied, MIG_NODE.gpus[1]), before)
+    assert [t.uuid for t in targets] == [gpu_uuid(1)]
 
 
 def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:

@@ -594,3 +594,36 @@ def test_mig_devices_that_require_a_reset_make_their_gpu_unhealthy() -> None:
     finally:
         node.sampler.close()
         node.backend.close()
+
+
+def test_a_gpu_unhealthy_for_one_reading_says_its_mig_devices_were_read_a_faulty_one_not() -> None:
+    """An empty MIG device list read on a GPU whose ECC reading fails is the layout (all
+    destroyed); one left unread because the GPU needs a reset says so."""
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        refusing.append(Refusing(nv, 0, ["nvmlDeviceGetTotalEccErrors"], [1]))
+        return refusing[0]
+
+    node = Node(wrap)
+    try:
+        enable_mig(node, 1, 2)
+        node.sampler.refresh_identity()
+        assert len(node.sampler.tick().gpus[1].mig_devices) == 2
+        for gi in node.backend.gpu_instances(1):
+            for ci in gi.compute_instances:
+                node.backend.destroy_compute_instance(1, gi.id, ci.id)
+            node.backend.destroy_gpu_instance(1, gi.id)
+        node.sampler.refresh_identity()
+        refusing[0].code = fakenvml.NVML_ERROR_UNKNOWN
+        g1 = node.sampler.tick().gpus[1]
+        assert not g1.healthy and g1.reason.startswith("ecc failed: ")
+        assert (g1.mig_devices, g1.mig_devices_read) == ((), True)
+        refusing[0].code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        g1 = node.sampler.tick().gpus[1]
+        assert g1.reason.startswith("reset required (ecc): ")
+        assert g1.mig_mode is not None and g1.mig_mode.current
+        assert (g1.mig_devices, g1.mig_devices_read) == ((), False)
+    finally:
+        node.sampler.close()
+        node.backend.close()
