@@ -813,10 +813,10 @@ class ColoService:
         self._plan_at = 0.0
         self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
-        # the jobs colo.json wrote as running (less those a tick finds ended while the loop
-        # stands still), until the first tick that plans reads who runs now: a removal
-        # before it writes their directives and guards as the file held them
-        self._restored: tuple[str, ...] | None = None
+        # the jobs running as the loop last read them, at every tick (one standing still
+        # too) and, until the first, as colo.json wrote them: a removal writes what these
+        # show (directives, guards) and every other job as ended
+        self._running_names: tuple[str, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
         # inference services all of whose GPUs were faulty at the last tick (or when the
@@ -1058,11 +1058,7 @@ class ColoService:
             with self._lock:
                 # a job added again is one no more removed
                 running = self._present(running, removals)
-                if self._restored is not None:
-                    # a job colo.json held as running that has ended since is written as
-                    # ended by a removal, not as running for as long as the loop stands still
-                    now_running = {r.name for r in running}
-                    self._restored = tuple(n for n in self._restored if n in now_running)
+                self._running_names = tuple(r.name for r in running)
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -1107,7 +1103,7 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
-            self._restored = None
+            self._running_names = tuple(r.name for r in running)
             # a reservation that went while ``running`` was read may be in it
             self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
@@ -1238,7 +1234,7 @@ class ColoService:
             if registered is not None:
                 self._drop_unregistered(path, registered())
             # those it wrote as running (a job that had ended, with how long ago it ran)
-            self._restored = tuple(
+            self._running_names = tuple(
                 n for n, saved in data["jobs"].items() if n in self._jobs and "idle_s" not in saved
             )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1380,18 +1376,7 @@ class ColoService:
         self._guarding.discard(name)
         self._directives.pop(name, None)
         self._paused_services.discard(name)
-        if self._restored is not None:
-            self._restored = tuple(n for n in self._restored if n != name)
-
-    def _running_names(self) -> tuple[str, ...]:
-        """The jobs running as the loop last saw them: at its last tick, or, until its
-        first, as colo.json wrote them (a removal then would otherwise write every job as
-        not running, its eviction, duty and guard lost to the next restart), less those a
-        tick found ended while the loop stood still (off, or no snapshot). Under the
-        lock."""
-        if self._restored is not None:
-            return self._restored
-        return tuple(r.name for r in self._last_running)
+        self._running_names = tuple(n for n in self._running_names if n != name)
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -2464,7 +2449,7 @@ class ColoService:
                     self._removed.pop(job, None)  # kept in the order removed
                     self._removed[job] = _Removed(at, force, self._wall())
                 # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(n for n in self._running_names() if n != job)
+                state = self._state(self._running_names)
             self._save(state)
             if not mine:
                 return
@@ -2502,7 +2487,7 @@ class ColoService:
                     _forget_old(self._left, now, self._remember)
                     # written at once: a restart before the next tick does not let the run,
                     # continued, wait again
-                    state = self._state(self._running_names())
+                    state = self._state(self._running_names)
                 else:
                     # its process has exited: only a question already on its way comes
                     self._stopped.pop(waiter_id, None)

@@ -944,6 +944,26 @@ def test_a_removal_while_the_loop_stands_still_writes_a_job_that_ended_as_ended(
     assert "idle_s" not in written["c"]
 
 
+def test_a_removal_after_a_planning_tick_and_a_still_one_writes_a_job_that_ended_as_ended(
+    tmp_path: Path,
+) -> None:
+    """`a`, `b` and `c` run and the loop plans; `b` ends and the next tick stands still (no
+    snapshot); then `gpuctl jobs rm --force a`: colo.json writes `b` as ended (how long ago
+    it ran), not as running from the planning tick before."""
+    clock = Clock()
+    jobs = [*two_jobs_alone(), RunningJob("c", "training", 1, memory_bytes=8 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.tick(snapshot(used_gib=10))
+    jobs[:] = [r for r in jobs if r.name != "b"]  # it ends
+    clock.t += 5.0
+    svc.tick(None)
+    svc.job_removed("a", force=True)()
+    written = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert "a" not in written
+    assert written["b"]["idle_s"] == 5.0
+    assert "idle_s" not in written["c"]
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)
