@@ -466,19 +466,6 @@ def _saved_entries(
     return read_
 
 
-def _saved_clocks(path: Path, data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    """The state file's object ``key``: an entry's loop-clock time by its name, each read
-    as its entry is. One that is not an object is logged, naming the file and its key, and
-    its entries are read by their Unix times."""
-    saved = data.get(key) or {}
-    if not isinstance(saved, dict):
-        log.error(
-            "co-location state %s: %s is not an object (%r): read by Unix time", path, key, saved
-        )
-        return {}
-    return saved
-
-
 def _write_state(path: Path, text: str) -> None:
     """The state file's default writer: atomically, readable by its owner alone."""
     write_atomically(path, text, mode=STATE_FILE_MODE)
@@ -1265,8 +1252,8 @@ class ColoService:
         :meth:`_state` wrote them (absent from files written before they were kept).
         Written on this boot, each is as old on the loop's clock as it was written; on
         another, none is kept: no gpuctl run waits across a reboot. A file that names no
-        boot (written before it was kept, or with the boot's id unknown) is read by its
-        Unix times, none later than now: a wall clock stepped back since does not make one
+        boot (its id unknown when written), or an entry with no clock, is read by its Unix
+        times, none later than now: a wall clock stepped back since does not make one
         recent again. An entry not read is logged, naming the file and its key, and
         skipped: the rest of the file is kept."""
         now, wall = self._clock(), self._wall()
@@ -1291,12 +1278,9 @@ class ColoService:
             return
         same = saved_boot is not None and saved_boot == boot
 
-        left_clock = _saved_clocks(path, data, "left_clock") if same else {}
-        removed_clock = _saved_clocks(path, data, "removed_clock") if same else {}
-
         def at(where: str, unix: Any, kept: Any) -> float | None:
             """When an entry came, on the loop's clock, from its Unix time and the loop's
-            clock ``kept`` (None: not kept); None: not to be kept."""
+            clock ``kept`` (null: not known when written); None: not to be kept."""
             t = _saved_number(unix, f"{where}.wall", 0.0)
             if same and kept is not None:
                 # the loop's clock counts from boot: one ahead of now is not of this boot
@@ -1306,12 +1290,11 @@ class ColoService:
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
-            if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
-                raise ValueError(f"[job, Unix time, anonymous] expected, not {saved!r}")
+            if not (isinstance(saved, list) and len(saved) == 4 and isinstance(saved[0], str)):
+                raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
                 raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
-            # the clock beside the entry, or last in it (as gpud wrote it for a day)
-            came = at(where, saved[1], saved[3] if len(saved) > 3 else left_clock.get(wid))
+            came = at(where, saved[1], saved[3])
             return (
                 None
                 if came is None
@@ -1319,12 +1302,9 @@ class ColoService:
             )
 
         def one_removed(job: str, saved: Any) -> tuple[float, str, _Removed] | None:
-            if not (
-                isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
-            ):
-                raise ValueError(f"[Unix time, forced] expected, not {saved!r}")
-            kept = saved[2] if len(saved) > 2 else removed_clock.get(job)
-            came = at(f"removed.{job}", saved[0], kept)
+            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[1], bool)):
+                raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
+            came = at(f"removed.{job}", saved[0], saved[2])
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
         left = _saved_entries(path, data, "left", one_left)
@@ -1529,17 +1509,18 @@ class ColoService:
         # where the boot is not known)
         if (self._left or self._removed) and self._boot is not None:
             state["boot_id"] = self._boot
-        # The entries keep the shapes a gpud of before the clocks read ([job, Unix time,
-        # anonymous], [Unix time, forced]): it refuses any other, and with it the whole
-        # file, after a downgrade. The clocks go beside them, in keys it does not read.
+        # the loop's clock is null where the boot is not known: it counts from a boot
+        # that no reader could tell is its own
+        clocked = self._boot is not None
         if self._left:
-            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
-            if self._boot is not None:
-                state["left_clock"] = {i: o.at for i, o in self._left.items()}
+            state["left"] = {
+                i: [o.job, o.wall, o.anonymous, o.at if clocked else None]
+                for i, o in self._left.items()
+            }
         if self._removed:
-            state["removed"] = {j: [r.wall, r.forced] for j, r in self._removed.items()}
-            if self._boot is not None:
-                state["removed_clock"] = {j: r.at for j, r in self._removed.items()}
+            state["removed"] = {
+                j: [r.wall, r.forced, r.at if clocked else None] for j, r in self._removed.items()
+            }
         return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
