@@ -411,6 +411,22 @@ def _forget_old(kept: dict[str, _Kept], now: float, most: int, keep_s: float | N
         del kept[key]
 
 
+def _keep_newest(
+    kept: dict[str, _Kept],
+    key: str,
+    entry: _Kept,
+    now: float,
+    most: int,
+    *,
+    keep_s: float | None = None,
+) -> None:
+    """Keep ``entry`` under ``key`` as the newest of ``kept`` (last: kept in the order
+    they came, which :func:`_forget_old` relies on), the oldest past its limits dropped."""
+    kept.pop(key, None)
+    kept[key] = entry
+    _forget_old(kept, now, most, keep_s)
+
+
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
@@ -850,7 +866,6 @@ class ColoService:
         # waits for another's write: the newest state not yet written waits in _pending,
         # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
-        self._saved_state = 0  # (under _save_lock) the newest state written or unchanged
         self._pending_lock = threading.Lock()
         self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
         self._saved: dict[str, Any] | None = None
@@ -859,7 +874,8 @@ class ColoService:
         # Told each time a write is done (or failed): an operator's leave waits, up to
         # leave_write_s, until the state it built, or a newer one, is on disk.
         self._written = threading.Condition()
-        self._tried_state = 0  # (under _written) the newest state whose write is done
+        # (set under _save_lock and _written) the newest state whose write is done
+        self._tried_state = 0
         self._on_disk_state = 0  # (under _written) the newest state the file holds
         self._leave_write_s = leave_write_s
         self.configure(config)
@@ -1550,8 +1566,7 @@ class ColoService:
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
-                if pending is not None and pending[0] > self._saved_state:
-                    self._saved_state = pending[0]
+                if pending is not None and pending[0] > self._tried_state:
                     written = self._write_newest(self._state_file, pending[1])
                     with self._written:
                         self._tried_state = pending[0]
@@ -2427,8 +2442,9 @@ class ColoService:
                     o.job == job for o in self._dropped.values()
                 )
                 if mine or silent:
-                    self._removed.pop(job, None)  # kept in the order removed
-                    self._removed[job] = _Removed(at, force, self._wall())
+                    _keep_newest(
+                        self._removed, job, _Removed(at, force, self._wall()), at, self._remember
+                    )
                 # written at once: a kill -9 before the next tick does not bring it back
                 state = self._state(self._running_names)
             self._save(state)
@@ -2463,17 +2479,20 @@ class ColoService:
             if off is not None:
                 taken = _Left(now, off.job, off.anonymous, self._wall())
                 if stopped_by is None:
-                    self._left.pop(waiter_id, None)
-                    self._left[waiter_id] = taken
-                    _forget_old(self._left, now, self._remember)
+                    _keep_newest(self._left, waiter_id, taken, now, self._remember)
                     # written at once: a restart before the next tick does not let the run,
                     # continued, wait again
                     state = self._state(self._running_names)
                 else:
                     # its process has exited: only a question already on its way comes
-                    self._stopped.pop(waiter_id, None)
-                    self._stopped[waiter_id] = taken
-                    _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
+                    _keep_newest(
+                        self._stopped,
+                        waiter_id,
+                        taken,
+                        now,
+                        self._remember,
+                        keep_s=STOPPED_LEFT_KEEP_S,
+                    )
         self._save(state)
         if off is not None and state is not None and self._state_file is not None:
             # the RPC answers once it is on disk: a kill -9 of gpud after does not lose it
@@ -2529,8 +2548,7 @@ class ColoService:
         gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S and w.id != keep]
         for w in gone:
             del self._waiting[w.id]
-            self._dropped.pop(w.id, None)  # kept in the order dropped
-            self._dropped[w.id] = _off(now, w)
+            _keep_newest(self._dropped, w.id, _off(now, w), now, self._remember)
         _forget_old(self._dropped, now, self._remember)
         return gone
 

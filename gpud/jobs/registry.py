@@ -42,7 +42,8 @@ SCHEMA = (
 
 # Names go into environment variables, cgroup names and Prometheus labels. Matched whole
 # (fullmatch): "$" alone would take a name ending in a newline.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+MAX_NAME = 63  # characters of a job name
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
 _MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
 
@@ -128,9 +129,6 @@ def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
                 field="devices",
             )
     return tuple(devices)
-
-
-MAX_NAME = 63  # characters of a job name (_NAME)
 
 
 def check_name(name: str, *, field: str = "name") -> str:
