@@ -19,7 +19,7 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_owner, check_slo_ms
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_owner, check_slo_ms, shown
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,9 @@ def check_name(name: str, *, field: str = "name") -> str:
     A refused name is echoed back, its first :data:`MAX_NAME` characters and its length
     when it is longer (a name of 100000 characters is not said whole)."""
     if not _NAME.fullmatch(name):
-        shown = (
-            repr(name)
-            if len(name) <= MAX_NAME
-            else f"{name[:MAX_NAME]!r}... ({len(name)} characters)"
-        )
         raise InvalidArgument(
-            f"{shown}: letters, digits, '_', '.', '-' (up to {MAX_NAME}, starting alphanumeric)",
+            f"{shown(name, MAX_NAME)}: letters, digits, '_', '.', '-' (up to {MAX_NAME},"
+            " starting alphanumeric)",
             field=field,
         )
     return name
