@@ -2233,9 +2233,11 @@ class ColoService:
                     # or of its job since, still holds; else, stopped (Ctrl-Z), it waits
                     # again from now, its place gone with its listing (its waited_s counts
                     # the time it was stopped); only slow to ask, it keeps its place
+                    # (checked from when it first began to wait: a later start is no
+                    # stricter, and with an id of its own it is not anonymous)
                     self._check_not_removed(job, wid, back.since, now)
                     since = back.since if now - back.last <= WAITER_STOPPED_S else now
-                if waiting:
+                elif waiting:
                     self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
         finally:
             self._say_gone(gone, now)
