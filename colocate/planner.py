@@ -857,8 +857,13 @@ class Planner:
         shares = (i for i, (gpu, _, mig) in enumerate(tries) if mig is None and state[gpu].busy())
         cut = next(shares, len(tries))
         yield from tries[:cut]
-        yield from repicks
-        yield from tries[cut:]
+        # a re-pick may be an instance the job ranked too: tried once, at the first place
+        # it comes (the pass's state does not change between tries, nor its answer)
+        before = {(gpu, mig) for gpu, _, mig in tries[:cut]}
+        picked = [r for r in repicks if (r[0], r[2]) not in before]
+        yield from picked
+        again = {(gpu, mig) for gpu, _, mig in picked}
+        yield from (t for t in tries[cut:] if (t[0], t[2]) not in again)
 
     def _hold_for_head(
         self,

@@ -18,7 +18,7 @@ daemon's internals), so the few things both sides must read the same way live he
 - the initial metadata that says a WatchEvents stream is live (``events --follow``);
 - the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
 - a number a range check refuses, written with every digit it has;
-- the first few of a long list of names, as a message shows them.
+- the first few of a long list of names, as a message shows them, and a long text cut.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -305,6 +305,14 @@ def first_few(items: Iterable[object], shown: int) -> str:
     there are more: a message naming hundreds of jobs or PIDs would bury what it says."""
     listed = list(items)
     return ", ".join(map(str, listed[:shown])) + (", ..." if len(listed) > shown else "")
+
+
+def shown(text: str, most: int) -> str:
+    """``text`` quoted as a message repeats it: its first ``most`` characters and its
+    length when it is longer (a value of 100000 characters would bury the reason)."""
+    if len(text) <= most:
+        return repr(text)
+    return f"{text[:most]!r}... ({len(text)} characters)"
 
 
 def user_name(uid: int) -> str:

@@ -411,6 +411,22 @@ def _forget_old(kept: dict[str, _Kept], now: float, most: int, keep_s: float | N
         del kept[key]
 
 
+def _keep_newest(
+    kept: dict[str, _Kept],
+    key: str,
+    entry: _Kept,
+    now: float,
+    most: int,
+    *,
+    keep_s: float | None = None,
+) -> None:
+    """Keep ``entry`` under ``key`` as the newest of ``kept`` (last: kept in the order
+    they came, which :func:`_forget_old` relies on), the oldest past its limits dropped."""
+    kept.pop(key, None)
+    kept[key] = entry
+    _forget_old(kept, now, most, keep_s)
+
+
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
@@ -464,19 +480,6 @@ def _saved_entries(
         if one is not None:
             read_.append(one)
     return read_
-
-
-def _saved_clocks(path: Path, data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    """The state file's object ``key``: an entry's loop-clock time by its name, each read
-    as its entry is. One that is not an object is logged, naming the file and its key, and
-    its entries are read by their Unix times."""
-    saved = data.get(key) or {}
-    if not isinstance(saved, dict):
-        log.error(
-            "co-location state %s: %s is not an object (%r): read by Unix time", path, key, saved
-        )
-        return {}
-    return saved
 
 
 def _write_state(path: Path, text: str) -> None:
@@ -813,10 +816,10 @@ class ColoService:
         self._plan_at = 0.0
         self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
-        # the jobs colo.json wrote as running (less those a tick finds ended while the loop
-        # stands still), until the first tick that plans reads who runs now: a removal
-        # before it writes their directives and guards as the file held them
-        self._restored: tuple[str, ...] | None = None
+        # the jobs running as the loop last read them, at every tick (one standing still
+        # too) and, until the first, as colo.json wrote them: a removal writes what these
+        # show (directives, guards) and every other job as ended
+        self._running_names: tuple[str, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
         # inference services all of whose GPUs were faulty at the last tick (or when the
@@ -863,7 +866,6 @@ class ColoService:
         # waits for another's write: the newest state not yet written waits in _pending,
         # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
-        self._saved_state = 0  # (under _save_lock) the newest state written or unchanged
         self._pending_lock = threading.Lock()
         self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
         self._saved: dict[str, Any] | None = None
@@ -872,7 +874,8 @@ class ColoService:
         # Told each time a write is done (or failed): an operator's leave waits, up to
         # leave_write_s, until the state it built, or a newer one, is on disk.
         self._written = threading.Condition()
-        self._tried_state = 0  # (under _written) the newest state whose write is done
+        # (set under _save_lock and _written) the newest state whose write is done
+        self._tried_state = 0
         self._on_disk_state = 0  # (under _written) the newest state the file holds
         self._leave_write_s = leave_write_s
         self.configure(config)
@@ -1058,11 +1061,7 @@ class ColoService:
             with self._lock:
                 # a job added again is one no more removed
                 running = self._present(running, removals)
-                if self._restored is not None:
-                    # a job colo.json held as running that has ended since is written as
-                    # ended by a removal, not as running for as long as the loop stands still
-                    now_running = {r.name for r in running}
-                    self._restored = tuple(n for n in self._restored if n in now_running)
+                self._running_names = tuple(r.name for r in running)
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -1107,7 +1106,7 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
-            self._restored = None
+            self._running_names = tuple(r.name for r in running)
             # a reservation that went while ``running`` was read may be in it
             self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
@@ -1238,7 +1237,7 @@ class ColoService:
             if registered is not None:
                 self._drop_unregistered(path, registered())
             # those it wrote as running (a job that had ended, with how long ago it ran)
-            self._restored = tuple(
+            self._running_names = tuple(
                 n for n, saved in data["jobs"].items() if n in self._jobs and "idle_s" not in saved
             )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1269,8 +1268,8 @@ class ColoService:
         :meth:`_state` wrote them (absent from files written before they were kept).
         Written on this boot, each is as old on the loop's clock as it was written; on
         another, none is kept: no gpuctl run waits across a reboot. A file that names no
-        boot (written before it was kept, or with the boot's id unknown) is read by its
-        Unix times, none later than now: a wall clock stepped back since does not make one
+        boot (its id unknown when written), or an entry with no clock, is read by its Unix
+        times, none later than now: a wall clock stepped back since does not make one
         recent again. An entry not read is logged, naming the file and its key, and
         skipped: the rest of the file is kept."""
         now, wall = self._clock(), self._wall()
@@ -1295,12 +1294,9 @@ class ColoService:
             return
         same = saved_boot is not None and saved_boot == boot
 
-        left_clock = _saved_clocks(path, data, "left_clock") if same else {}
-        removed_clock = _saved_clocks(path, data, "removed_clock") if same else {}
-
         def at(where: str, unix: Any, kept: Any) -> float | None:
             """When an entry came, on the loop's clock, from its Unix time and the loop's
-            clock ``kept`` (None: not kept); None: not to be kept."""
+            clock ``kept`` (null: not known when written); None: not to be kept."""
             t = _saved_number(unix, f"{where}.wall", 0.0)
             if same and kept is not None:
                 # the loop's clock counts from boot: one ahead of now is not of this boot
@@ -1310,12 +1306,11 @@ class ColoService:
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
-            if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
-                raise ValueError(f"[job, Unix time, anonymous] expected, not {saved!r}")
+            if not (isinstance(saved, list) and len(saved) == 4 and isinstance(saved[0], str)):
+                raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
                 raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
-            # the clock beside the entry, or last in it (as gpud wrote it for a day)
-            came = at(where, saved[1], saved[3] if len(saved) > 3 else left_clock.get(wid))
+            came = at(where, saved[1], saved[3])
             return (
                 None
                 if came is None
@@ -1323,12 +1318,9 @@ class ColoService:
             )
 
         def one_removed(job: str, saved: Any) -> tuple[float, str, _Removed] | None:
-            if not (
-                isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
-            ):
-                raise ValueError(f"[Unix time, forced] expected, not {saved!r}")
-            kept = saved[2] if len(saved) > 2 else removed_clock.get(job)
-            came = at(f"removed.{job}", saved[0], kept)
+            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[1], bool)):
+                raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
+            came = at(f"removed.{job}", saved[0], saved[2])
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
         left = _saved_entries(path, data, "left", one_left)
@@ -1380,18 +1372,7 @@ class ColoService:
         self._guarding.discard(name)
         self._directives.pop(name, None)
         self._paused_services.discard(name)
-        if self._restored is not None:
-            self._restored = tuple(n for n in self._restored if n != name)
-
-    def _running_names(self) -> tuple[str, ...]:
-        """The jobs running as the loop last saw them: at its last tick, or, until its
-        first, as colo.json wrote them (a removal then would otherwise write every job as
-        not running, its eviction, duty and guard lost to the next restart), less those a
-        tick found ended while the loop stood still (off, or no snapshot). Under the
-        lock."""
-        if self._restored is not None:
-            return self._restored
-        return tuple(r.name for r in self._last_running)
+        self._running_names = tuple(n for n in self._running_names if n != name)
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -1544,17 +1525,18 @@ class ColoService:
         # where the boot is not known)
         if (self._left or self._removed) and self._boot is not None:
             state["boot_id"] = self._boot
-        # The entries keep the shapes a gpud of before the clocks read ([job, Unix time,
-        # anonymous], [Unix time, forced]): it refuses any other, and with it the whole
-        # file, after a downgrade. The clocks go beside them, in keys it does not read.
+        # the loop's clock is null where the boot is not known: it counts from a boot
+        # that no reader could tell is its own
+        clocked = self._boot is not None
         if self._left:
-            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
-            if self._boot is not None:
-                state["left_clock"] = {i: o.at for i, o in self._left.items()}
+            state["left"] = {
+                i: [o.job, o.wall, o.anonymous, o.at if clocked else None]
+                for i, o in self._left.items()
+            }
         if self._removed:
-            state["removed"] = {j: [r.wall, r.forced] for j, r in self._removed.items()}
-            if self._boot is not None:
-                state["removed_clock"] = {j: r.at for j, r in self._removed.items()}
+            state["removed"] = {
+                j: [r.wall, r.forced, r.at if clocked else None] for j, r in self._removed.items()
+            }
         return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
@@ -1584,8 +1566,7 @@ class ColoService:
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
-                if pending is not None and pending[0] > self._saved_state:
-                    self._saved_state = pending[0]
+                if pending is not None and pending[0] > self._tried_state:
                     written = self._write_newest(self._state_file, pending[1])
                     with self._written:
                         self._tried_state = pending[0]
@@ -2252,9 +2233,11 @@ class ColoService:
                     # or of its job since, still holds; else, stopped (Ctrl-Z), it waits
                     # again from now, its place gone with its listing (its waited_s counts
                     # the time it was stopped); only slow to ask, it keeps its place
+                    # (checked from when it first began to wait: a later start is no
+                    # stricter, and with an id of its own it is not anonymous)
                     self._check_not_removed(job, wid, back.since, now)
                     since = back.since if now - back.last <= WAITER_STOPPED_S else now
-                if waiting:
+                elif waiting:
                     self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
         finally:
             self._say_gone(gone, now)
@@ -2461,10 +2444,11 @@ class ColoService:
                     o.job == job for o in self._dropped.values()
                 )
                 if mine or silent:
-                    self._removed.pop(job, None)  # kept in the order removed
-                    self._removed[job] = _Removed(at, force, self._wall())
+                    _keep_newest(
+                        self._removed, job, _Removed(at, force, self._wall()), at, self._remember
+                    )
                 # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(n for n in self._running_names() if n != job)
+                state = self._state(self._running_names)
             self._save(state)
             if not mine:
                 return
@@ -2497,17 +2481,20 @@ class ColoService:
             if off is not None:
                 taken = _Left(now, off.job, off.anonymous, self._wall())
                 if stopped_by is None:
-                    self._left.pop(waiter_id, None)
-                    self._left[waiter_id] = taken
-                    _forget_old(self._left, now, self._remember)
+                    _keep_newest(self._left, waiter_id, taken, now, self._remember)
                     # written at once: a restart before the next tick does not let the run,
                     # continued, wait again
-                    state = self._state(self._running_names())
+                    state = self._state(self._running_names)
                 else:
                     # its process has exited: only a question already on its way comes
-                    self._stopped.pop(waiter_id, None)
-                    self._stopped[waiter_id] = taken
-                    _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
+                    _keep_newest(
+                        self._stopped,
+                        waiter_id,
+                        taken,
+                        now,
+                        self._remember,
+                        keep_s=STOPPED_LEFT_KEEP_S,
+                    )
         self._save(state)
         if off is not None and state is not None and self._state_file is not None:
             # the RPC answers once it is on disk: a kill -9 of gpud after does not lose it
@@ -2563,8 +2550,7 @@ class ColoService:
         gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S and w.id != keep]
         for w in gone:
             del self._waiting[w.id]
-            self._dropped.pop(w.id, None)  # kept in the order dropped
-            self._dropped[w.id] = _off(now, w)
+            _keep_newest(self._dropped, w.id, _off(now, w), now, self._remember)
         _forget_old(self._dropped, now, self._remember)
         return gone
 

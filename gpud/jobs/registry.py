@@ -19,7 +19,7 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_owner, check_slo_ms
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_owner, check_slo_ms, shown
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ SCHEMA = (
 
 # Names go into environment variables, cgroup names and Prometheus labels. Matched whole
 # (fullmatch): "$" alone would take a name ending in a newline.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+MAX_NAME = 63  # characters of a job name
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
 _MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
 
@@ -130,21 +131,14 @@ def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
     return tuple(devices)
 
 
-MAX_NAME = 63  # characters of a job name (_NAME)
-
-
 def check_name(name: str, *, field: str = "name") -> str:
     """A job name as the registry takes it; ``field`` names the request field it came in.
     A refused name is echoed back, its first :data:`MAX_NAME` characters and its length
     when it is longer (a name of 100000 characters is not said whole)."""
     if not _NAME.fullmatch(name):
-        shown = (
-            repr(name)
-            if len(name) <= MAX_NAME
-            else f"{name[:MAX_NAME]!r}... ({len(name)} characters)"
-        )
         raise InvalidArgument(
-            f"{shown}: letters, digits, '_', '.', '-' (up to {MAX_NAME}, starting alphanumeric)",
+            f"{shown(name, MAX_NAME)}: letters, digits, '_', '.', '-' (up to {MAX_NAME},"
+            " starting alphanumeric)",
             field=field,
         )
     return name

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from gpud.errors import DscpPoolExhausted, FailedPrecondition, InvalidArgument
+from gpud.shared import shown
 from gpud.store import StateStore
 from netshaper.tags import DSCP_MAX, TagAllocator, TagsExhausted
 
@@ -52,9 +53,7 @@ SHOWN_POOL_CHARS = 80  # of a spec repeated in a message: a huge one would bury 
 
 def shown_pool(spec: str) -> str:
     """``spec`` quoted as a message repeats it, cut past :data:`SHOWN_POOL_CHARS`."""
-    if len(spec) <= SHOWN_POOL_CHARS:
-        return repr(spec)
-    return f"{spec[:SHOWN_POOL_CHARS]!r}... ({len(spec)} characters)"
+    return shown(spec, SHOWN_POOL_CHARS)
 
 
 # one item of a pool: a DSCP or a range of them, in ASCII digits; spaces around an item or

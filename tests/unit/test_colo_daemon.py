@@ -944,6 +944,26 @@ def test_a_removal_while_the_loop_stands_still_writes_a_job_that_ended_as_ended(
     assert "idle_s" not in written["c"]
 
 
+def test_a_removal_after_a_planning_tick_and_a_still_one_writes_a_job_that_ended_as_ended(
+    tmp_path: Path,
+) -> None:
+    """`a`, `b` and `c` run and the loop plans; `b` ends and the next tick stands still (no
+    snapshot); then `gpuctl jobs rm --force a`: colo.json writes `b` as ended (how long ago
+    it ran), not as running from the planning tick before."""
+    clock = Clock()
+    jobs = [*two_jobs_alone(), RunningJob("c", "training", 1, memory_bytes=8 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.tick(snapshot(used_gib=10))
+    jobs[:] = [r for r in jobs if r.name != "b"]  # it ends
+    clock.t += 5.0
+    svc.tick(None)
+    svc.job_removed("a", force=True)()
+    written = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert "a" not in written
+    assert written["b"]["idle_s"] == 5.0
+    assert "idle_s" not in written["c"]
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)
@@ -1994,30 +2014,17 @@ def test_a_removal_outlives_a_restart_as_old_as_it_is_whatever_the_wall_clock_di
     with pytest.raises(NotFound, match="job x was removed"):
         svc.advise("x", snapshot=snap, waiting=True, waited_s=50.0, waiter_id=before)
     svc.tick(snap)
-    (saved,) = json.loads(host.file.read_text())["removed_clock"].values()
-    assert saved == removed_at
+    (saved,) = json.loads(host.file.read_text())["removed"].values()
+    assert saved[2] == removed_at
 
 
-def _read_by_the_gpud_of_before_the_clocks(data: Mapping[str, Any]) -> None:
-    """The shape rule a gpud of before the loop's clocks were kept applies to colo.json's
-    leaves and removals: any other shape makes it set the whole file aside."""
-    for wid, saved in (data.get("left") or {}).items():
-        if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[0], str)):
-            raise ValueError(f"left.{wid}: [job, Unix time, anonymous] expected, not {saved!r}")
-        if not isinstance(saved[2], bool):
-            raise ValueError(f"left.{wid}: anonymous is true or false, not {saved[2]!r}")
-    for job, saved in (data.get("removed") or {}).items():
-        if not (isinstance(saved, list) and len(saved) == 2 and isinstance(saved[1], bool)):
-            raise ValueError(f"removed.{job}: [Unix time, forced] expected, not {saved!r}")
-
-
-def test_colo_json_with_leaves_and_removals_is_read_by_the_gpud_before_after_a_downgrade(
+def test_leaves_and_removals_colo_json_holds_are_read_back_as_written_on_the_same_boot(
     tmp_path: Path,
 ) -> None:
-    """A leave and a removal colo.json holds keep the entry shapes the gpud of before
-    read, the loop's clocks beside them: a downgrade keeps the file, and this gpud reads
-    the clocks again. The entries held the clock last, and the gpud before set the whole
-    file aside (jobs, evictions, guards, predictor)."""
+    """A leave and a removal under a waiting run, written to colo.json, then gpud restarted
+    on the same boot with the wall clock stepped back an hour: each is read back as it was
+    written (its job, Unix time, how it came and the loop's clock), and the next write
+    holds them unchanged."""
     host = Restarts(tmp_path)
     svc, snap = host.start()
     left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
@@ -2026,38 +2033,16 @@ def test_colo_json_with_leaves_and_removals_is_read_by_the_gpud_before_after_a_d
     assert svc.leave(left) is not None
     svc.job_removed("x", True)()
     svc.tick(snap)
-    data = json.loads(host.file.read_text())
-    _read_by_the_gpud_of_before_the_clocks(data)
-    assert data["left_clock"] == {left: host.clock.t}
-    assert data["removed_clock"] == {"x": host.clock.t}
-
-
-def test_leaves_and_removals_with_the_clock_last_in_the_entry_are_read_on_it(
-    tmp_path: Path,
-) -> None:
-    """colo.json written with each entry's loop clock last in it (as gpud wrote it for a
-    day): read on that clock on the same boot, whatever the wall clock did since."""
-    from gpud.errors import LeftQueue
-
-    host = Restarts(tmp_path)
-    host.clock.t = 1000.0
-    ahead = host.wall.t + 3600.0  # the wall clock stepped back an hour since
-    host.file.write_text(
-        json.dumps(
-            {
-                "version": STATE_FILE_VERSION,
-                "jobs": {},
-                "boot_id": host.boot,
-                "left": {"0123456789ab": ["w", ahead, False, 990.0]},
-                "removed": {"x": [ahead, True, 990.0]},
-            }
-        )
-    )
+    written = json.loads(host.file.read_text())
+    assert written["boot_id"] == host.boot
+    assert written["left"] == {left: ["w", host.wall.t, True, host.clock.t]}  # asked without an ID
+    assert written["removed"] == {"x": [host.wall.t, True, host.clock.t]}
+    host.clock.t += 10.0
+    host.wall.t -= 3600.0
     svc, snap = host.start()
-    with pytest.raises(LeftQueue, match="0123456789ab"):
-        svc.advise("w", snapshot=snap, waiting=True, waited_s=30.0, waiter_id="0123456789ab")
-    with pytest.raises(NotFound, match="job x was removed"):
-        svc.advise("x", snapshot=snap, waiting=True, waited_s=30.0)
+    svc.tick(snap)
+    again = json.loads(host.file.read_text())
+    assert (again["left"], again["removed"]) == (written["left"], written["removed"])
 
 
 def test_an_operators_leave_answers_once_colo_json_holds_it_while_the_tick_was_writing(
@@ -2182,7 +2167,7 @@ def test_a_boot_id_in_colo_json_that_is_not_a_string_is_named_and_read_by_unix_t
                 "version": STATE_FILE_VERSION,
                 "jobs": {},
                 "boot_id": 7,
-                "left": {"0123456789ab": ["w", host.wall.t - 60.0, False]},
+                "left": {"0123456789ab": ["w", host.wall.t - 60.0, False, 1.0]},
             }
         )
     )
@@ -2222,8 +2207,11 @@ def test_leaves_and_removals_saved_by_unix_time_alone_are_read_none_from_the_fut
             {
                 "version": STATE_FILE_VERSION,
                 "jobs": {},
-                "left": {"0123456789ab": ["w", then, False], "0123456789cd": ["v", ahead, False]},
-                "removed": {"x": [then, True], "y": [ahead, True]},
+                "left": {
+                    "0123456789ab": ["w", then, False, None],
+                    "0123456789cd": ["v", ahead, False, None],
+                },
+                "removed": {"x": [then, True, None], "y": [ahead, True, None]},
             }
         )
     )
@@ -2271,7 +2259,10 @@ def test_a_bad_leave_or_removal_in_colo_json_is_skipped_and_the_rest_is_read(
             {
                 "version": STATE_FILE_VERSION,
                 "jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}},
-                "left": {"0123456789ab": ["w", then, False], "0123456789cd": ["v", "then", False]},
+                "left": {
+                    "0123456789ab": ["w", then, False, None],
+                    "0123456789cd": ["v", "then", False, None],
+                },
                 "removed": {"x": [1.0]},
             }
         )
