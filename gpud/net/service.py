@@ -495,6 +495,7 @@ class TrafficService:
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
             interval, usual, arrived = _intervals(prev, heard, self._arrival_max_s)
+            said = self._say_slow_reports(r.job, usual, said=prev is not None and prev.slow_said)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
@@ -504,9 +505,8 @@ class TrafficService:
                 interval,
                 usual,
                 arrived,
-                prev.slow_said if prev else False,
+                said,
             )
-            self._say_slow_reports(r.job, self._reports[r.job])
             self.accepted_reports += 1
 
     def _quiet_s(self, reports: _JobReports) -> float:
@@ -526,15 +526,14 @@ class TrafficService:
             return idle
         return max(idle, min(QUIET_INTERVALS * interval, QUIET_CAP_IDLES * idle))
 
-    def _say_slow_reports(self, job: str, reports: _JobReports) -> None:
-        """Event ``net.slow_reports``, once while gpud knows the job (``reports``, its
-        entry), when its usual interval between reports is known to exceed
-        ``traffic.idle_after_s`` (call under the lock)."""
+    def _say_slow_reports(self, job: str, usual: float | None, *, said: bool) -> bool:
+        """Event ``net.slow_reports``, once while gpud knows the job (``said``: it was
+        told of since), when its usual interval between reports is known to exceed
+        ``traffic.idle_after_s`` (call under the lock). Whether it was told of now or
+        before."""
         idle = self.config.idle_after_s
-        usual = reports.usual_interval_s
-        if usual is None or usual <= idle or reports.slow_said:
-            return
-        reports.slow_said = True
+        if said or usual is None or usual <= idle:
+            return said
         quiet = self._quiet_for(usual)
         capped = (
             f" (at most {QUIET_CAP_IDLES:g} times traffic.idle_after_s)"
@@ -553,6 +552,7 @@ class TrafficService:
             interval_s=round(usual, 3),
             quiet_s=round(quiet, 3),
         )
+        return True
 
     def report_batch(self, reports: Sequence[Report]) -> tuple[int, list[Rejected]]:
         rejected = []
