@@ -342,7 +342,7 @@ def advise(
             notes.append(f"no co-location advice ({err}); default placement")
         return True
     if stop.is_set():  # a signal while it asked: nothing waits in gpud yet
-        _stopped(args.job, stop)
+        _stopped(args.job, stop.signum)
         return False
     if resp.gpu < 0 or not resp.device:
         if resp.reason.startswith(NEVER_FITS):
@@ -484,7 +484,7 @@ def _wait_for_advice(
     if ask.waiter_id and not _leave_wait(ctx, ask.waiter_id, stop):
         kept = f": gpuctl queue lists {ask.waiter_id} up to 10 s more"
     print(
-        f"gpuctl: job {ask.job} stopped waiting for co-location{_by(stop)}, nothing started{kept}",
+        f"gpuctl: job {ask.job} stopped waiting for co-location{_by(stop.signum)}, nothing started{kept}",
         file=sys.stderr,
         flush=True,
     )
@@ -524,18 +524,17 @@ def _say_away(ctx: Context, err: CliError, still: str) -> None:
     )
 
 
-def _by(stop: _Stop | int) -> str:
-    """`` (SIGTERM)``: the signal that stopped the run (``stop``'s, or that number), as
-    its last line says it."""
-    signum = stop if isinstance(stop, int) else stop.signum
+def _by(signum: int | None) -> str:
+    """`` (SIGTERM)``: the signal that stopped the run, as its last line says it; nothing
+    where none is known (a Ctrl-C raised as KeyboardInterrupt)."""
     return f" ({_signame(signum)})" if signum is not None else ""
 
 
-def _stopped(job: str, stop: _Stop | int) -> int:
-    """Say that a signal (``stop``'s, or that number) stopped the run before its command
+def _stopped(job: str, signum: int | None) -> int:
+    """Say that a signal (``signum``, where known) stopped the run before its command
     started; its exit status."""
     print(
-        f"gpuctl: job {job} stopped{_by(stop)} before its command started: nothing was started",
+        f"gpuctl: job {job} stopped{_by(signum)} before its command started: nothing was started",
         file=sys.stderr,
         flush=True,
     )
@@ -691,7 +690,7 @@ def _run(
         if err.exit_code != EXIT_TAKEN or args.no_wait:
             raise
         if stop.is_set():  # a signal while it asked: it joins no queue
-            return _stopped(args.job, stop)
+            return _stopped(args.job, stop.signum)
         try:
             entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err), notes=notes)
         except CliError as queue_err:
@@ -747,7 +746,7 @@ def _run(
 
     if stop.is_set():  # a signal since it asked: the reservation goes back, nothing ran
         _give_back(ctx, reservation)
-        return _stopped(args.job, stop)
+        return _stopped(args.job, stop.signum)
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     told: list[int] = []  # the signals gpuctl was sent while the command ran
     never: NotStarted | None = None  # set when the command never started
@@ -808,10 +807,8 @@ def _not_started(job: str, never: NotStarted, stop: _Stop, told: int | None = No
             "nothing was started",
             EXIT_NOT_FOUND,
         )
-    if stop.is_set():
-        return _stopped(job, stop)
-    if told is not None:
-        return _stopped(job, told)
+    if stop.is_set() or told is not None:
+        return _stopped(job, stop.signum if stop.is_set() else told)
     code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
     how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
     raise CliError(
@@ -1114,7 +1111,8 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
                 timeout=LEAVE_TIMEOUT_S,
             )
         print(
-            f"gpuctl: job {entry.job} left the queue{_by(stop)}, nothing started", file=sys.stderr
+            f"gpuctl: job {entry.job} left the queue{_by(stop.signum)}, nothing started",
+            file=sys.stderr,
         )
     except CliError as err:
         why = (

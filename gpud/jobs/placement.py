@@ -345,6 +345,13 @@ class Reservations:
         return _reservation(row)
 
     def held(self, job: str | None = None) -> list[Reservation]:
+        """The reservations held (of ``job``, where given), oldest first, read through
+        ``store.transaction()``: the writer's connection and lock, so a read takes its turn
+        with every write and sees each reservation and release made before it began,
+        including one in this thread's open transaction not yet committed, and none rolled
+        back. The traffic tick's count of run starts and ends (``gpud.net.wiring``) is
+        correct only so: never read them through ``store.reading()``, whose snapshot holds
+        only what was committed (within it, this reads that snapshot)."""
         with self._store.transaction() as conn:
             if job is None:
                 rows = conn.execute("SELECT * FROM job_reservations ORDER BY created_at").fetchall()

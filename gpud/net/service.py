@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpud.config import TrafficConfig, parse_rate
 from gpud.errors import (
@@ -111,8 +112,9 @@ QUIET_CAP_IDLES = 10.0
 # reports that arrive within this of the one before them are one arrival (a batch: a job's
 # processes reporting a moment apart): their interval is none of the job's cadence
 _ONE_ARRIVAL_S = 0.5
-# ... for at most this long from the batch's first (and half traffic.idle_after_s): reports
-# that never pause are an arrival each, whose short interval is the job's cadence
+# ... for at most this long from the batch's first (and traffic.idle_after_s over
+# QUIET_INTERVALS, see TrafficService.__init__): reports that never pause are an arrival
+# each, whose short interval is the job's cadence
 _ARRIVAL_MAX_S = 5.0
 
 
@@ -173,6 +175,14 @@ class _JobReports:
     usual_interval_s: float | None = None
     # when the first report of the last arrival (a batch) arrived; intervals run from it
     arrived_at: float = 0.0
+    # told of as net.slow_reports: said once while gpud knows the job
+    slow_said: bool = False
+
+    @property
+    def cadence_s(self) -> float | None:
+        """The interval its quiet time is judged by: the usual one, or the one interval
+        known while only one is."""
+        return self.interval_s if self.usual_interval_s is None else self.usual_interval_s
 
 
 def _intervals(
@@ -202,6 +212,18 @@ def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -
         and now.last_report_at > end
         and (then is None or now.iterations > then.iterations or now.session != then.session)
     )
+
+
+class _Quiet(NamedTuple):
+    """A job not in use (:meth:`TrafficService._quiet_left`)."""
+
+    since: float  # when it was last used (the monotonic clock)
+    left_s: float  # until it counts as idle; below 0: idle now
+
+
+def _idle_since(quiet: Mapping[str, _Quiet | None]) -> dict[str, float]:
+    """The jobs of ``quiet`` idle now, and since when."""
+    return {job: q.since for job, q in quiet.items() if q is not None and q.left_s < 0}
 
 
 @dataclass
@@ -328,6 +350,10 @@ class TrafficService:
             )
         )
         self._reports: dict[str, _JobReports] = {}
+        # the longest arrival (a batch, see _intervals): reports that never pause are an
+        # arrival this often, a cadence whose QUIET_INTERVALS fit in traffic.idle_after_s,
+        # so that their quiet time is traffic.idle_after_s itself and never lengthened
+        self._arrival_max_s = min(_ARRIVAL_MAX_S, config.idle_after_s / QUIET_INTERVALS)
         self._levels: dict[str, int] = {}
         self._level_changes = 0
         self._order: dict[str, int] | None = None
@@ -373,18 +399,15 @@ class TrafficService:
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
         self._held: frozenset[str] = frozenset()
-        # job -> the count of runs said (self._runs_said) when a run of it reserved its
-        # devices (see run_started): held now, though the last tick's read did not see it.
-        # Kept until a tick whose read began after it (a reservation rolled back is not in
-        # that read) or that sees it held; under self._ends_lock
-        self._started: dict[str, int] = {}
-        # job -> the count of runs said at its last run end (no other run of the job
-        # holding), until a run of it starts or a tick whose read of the reservations began
-        # after it; under self._ends_lock. The tick leaves out of its read those ended while
-        # it read
-        self._ended_runs: dict[str, int] = {}
+        # job -> the count of runs said (self._runs_said) at the last run start or end said
+        # of it, and whether it was a start; under self._ends_lock. A start (run_started:
+        # its devices reserved) is held now, though the last tick's read did not see it,
+        # until a tick whose read began after it (a reservation rolled back is not in that
+        # read) or that sees it held. An end (run_ended, no other run of the job holding)
+        # is kept until a tick whose read of the reservations began after it: the tick
+        # leaves out of its read those ended while it read
+        self._runs: dict[str, tuple[int, bool]] = {}
         self._runs_said = 0  # run starts and ends said (run_started, run_ended)
-        self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -471,8 +494,8 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
-            longest = min(_ARRIVAL_MAX_S, self.config.idle_after_s / QUIET_INTERVALS)
-            interval, usual, arrived = _intervals(prev, heard, longest)
+            interval, usual, arrived = _intervals(prev, heard, self._arrival_max_s)
+            said = self._say_slow_reports(r.job, usual, said=prev is not None and prev.slow_said)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
@@ -482,8 +505,8 @@ class TrafficService:
                 interval,
                 usual,
                 arrived,
+                said,
             )
-            self._say_slow_reports(r.job, usual)
             self.accepted_reports += 1
 
     def _quiet_s(self, reports: _JobReports) -> float:
@@ -494,8 +517,7 @@ class TrafficService:
         so that a job reporting less often than ``traffic.idle_after_s`` does not end and
         run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``,
         so one reporting less often than that does."""
-        usual = reports.usual_interval_s
-        return self._quiet_for(reports.interval_s if usual is None else usual)
+        return self._quiet_for(reports.cadence_s)
 
     def _quiet_for(self, interval: float | None) -> float:
         """:meth:`_quiet_s` of a job whose usual interval between reports is ``interval``."""
@@ -504,13 +526,14 @@ class TrafficService:
             return idle
         return max(idle, min(QUIET_INTERVALS * interval, QUIET_CAP_IDLES * idle))
 
-    def _say_slow_reports(self, job: str, usual: float | None) -> None:
-        """Event ``net.slow_reports``, once per job, when its usual interval between
-        reports is known to exceed ``traffic.idle_after_s`` (call under the lock)."""
+    def _say_slow_reports(self, job: str, usual: float | None, *, said: bool) -> bool:
+        """Event ``net.slow_reports``, once while gpud knows the job (``said``: it was
+        told of since), when its usual interval between reports is known to exceed
+        ``traffic.idle_after_s`` (call under the lock). Whether it was told of now or
+        before."""
         idle = self.config.idle_after_s
-        if usual is None or usual <= idle or job in self._slow_said:
-            return
-        self._slow_said.add(job)
+        if said or usual is None or usual <= idle:
+            return said
         quiet = self._quiet_for(usual)
         capped = (
             f" (at most {QUIET_CAP_IDLES:g} times traffic.idle_after_s)"
@@ -529,6 +552,7 @@ class TrafficService:
             interval_s=round(usual, 3),
             quiet_s=round(quiet, 3),
         )
+        return True
 
     def report_batch(self, reports: Sequence[Report]) -> tuple[int, list[Rejected]]:
         rejected = []
@@ -558,12 +582,11 @@ class TrafficService:
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
-            self._started.pop(job, None)
             # the last tick's read of the reservations still has it: read by the views, it
             # would say the job runs, at its level, until the next tick
             self._held = self._held - {job}
             self._runs_said += 1
-            self._ended_runs[job] = self._runs_said
+            self._runs[job] = (self._runs_said, False)
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
@@ -574,15 +597,14 @@ class TrafficService:
             # the tick drops the end once its read sees the job held. Its count goes: a
             # tick whose read began before the end and sees the job held may be seeing
             # this run, which the tick after reads again either way
-            self._ended_runs.pop(job, None)
             self._runs_said += 1
-            self._started[job] = self._runs_said
+            self._runs[job] = (self._runs_said, True)
 
     def _held_now(self) -> frozenset[str]:
         """The jobs holding a reservation: those the last tick saw, and those whose run
         started since (:meth:`run_started`), without reading the store."""
         with self._ends_lock:
-            return self._held | self._started.keys()
+            return self._held | {job for job, (_, started) in self._runs.items() if started}
 
     def _ended_at(self, job: str, active: Set[str]) -> float | None:
         """When ``job``'s last run ended (the monotonic clock), where it holds no
@@ -1000,7 +1022,6 @@ class TrafficService:
         self._forget_class(job)
         self._tracker.forget(job)
         self._reports.pop(job, None)
-        self._slow_said.discard(job)
         with self._ends_lock:
             self._ends.pop(job, None)
 
@@ -1066,9 +1087,11 @@ class TrafficService:
             return self.tags.tag(job)
         except DscpPoolExhausted as err:
             held = self.tags.allocations()
-            idle = self._idle_since([j for j in held if j != job])
+            now = self._monotonic()
+            quiet = self._quiet_left([j for j in held if j != job], now)
+            idle = _idle_since(quiet)
             if not idle:
-                why = self._why_none_idle([j for j in held if j != job])
+                why = self._why_none_idle(quiet, now)
                 raise DscpPoolExhausted(f"{err.reason}{why}", job=job) from err
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
@@ -1083,11 +1106,11 @@ class TrafficService:
             )
             return self.tags.tag(job)
 
-    def _why_none_idle(self, holders: Sequence[str]) -> str:
+    def _why_none_idle(self, holders: Mapping[str, _Quiet | None], now: float) -> str:
         """Why no held tag can be handed over, for DscpPoolExhausted: ``holders``, the jobs
-        holding them, none idle."""
+        holding them, none idle at ``now`` (:meth:`_quiet_left`)."""
         wait = self.config.idle_after_s
-        up = self._monotonic() - self._started_at
+        up = now - self._started_at
         if up <= wait:
             # nothing counts as idle yet: gpud does not know what ran before it started
             return (
@@ -1096,24 +1119,18 @@ class TrafficService:
                 f" are handed over in {max(1.0, wait - up):.0f} s (or widen"
                 " traffic.dscp_pool, or remove jobs: gpuctl jobs rm)"
             )
-        now = self._monotonic()
-        active = self._active()
-        pins = self.tags.pins()
         quiet = []  # held past traffic.idle_after_s by a longer quiet time
-        for job in sorted(holders):
+        for job, left in sorted(holders.items()):
             reports = self._reports.get(job)
-            if reports is None or job in active or job in pins:
-                continue  # one that runs or is pinned is not idle in any time
-            silent, quiet_s = now - reports.heard_at, self._quiet_s(reports)
-            if not wait < silent <= quiet_s:  # its interval is known: it made quiet_s longer
+            if left is None or reports is None:
+                continue  # one in use is not idle in any time
+            silent = now - reports.heard_at
+            if not wait < silent <= self._quiet_s(reports):
                 continue
-            if self._cgroups is not None and self._cgroups.busy(job):
-                continue
-            every = reports.usual_interval_s or reports.interval_s or 0.0
-            # a tag handed out lately holds it for traffic.idle_after_s from then, too
-            by_tag = self._tagged_at.get(job, 0.0) + wait - now
-            left = max(quiet_s - silent, by_tag)
-            quiet.append(f"job {job} (a report every {every:.0f} s: idle in {left:.0f} s)")
+            quiet.append(
+                f"job {job} (a report every {reports.cadence_s or 0.0:.0f} s:"
+                f" idle in {left.left_s:.0f} s)"
+            )
         named = f": {first_few(quiet, _QUIET_SHOWN)}" if quiet else ""
         return (
             f", each by a job that runs, is pinned, or was given its tag or reported in the"
@@ -1130,30 +1147,34 @@ class TrafficService:
         return {job: min(level, lowest) for job, level in self.tags.pins().items()}
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
-        """Those of ``jobs`` not in use, and since when (the monotonic clock): no
-        reservation, no pin, no process in their cgroup, no progress report or tag handed
-        out for ``traffic.idle_after_s`` (nor since gpud started), nor a report for the
-        job's :meth:`_quiet_s`. A job whose run ended is no exception: a run of it may have
-        been given its tag again before the end was said (``gpuctl run`` tags before it
-        reserves) and would start without it, and a user running it again at once would
-        find its tag gone."""
-        now = self._monotonic()
+        """Those of ``jobs`` not in use, and since when (the monotonic clock): see
+        :meth:`_quiet_left`."""
+        return _idle_since(self._quiet_left(jobs, self._monotonic()))
+
+    def _quiet_left(self, jobs: Sequence[str], now: float) -> dict[str, _Quiet | None]:
+        """Each of ``jobs``, None where it is in use (a reservation, a pin, a process in
+        its cgroup), else when it was last used and how long until it counts as idle: no
+        progress report or tag handed out for ``traffic.idle_after_s`` (nor since gpud
+        started), nor a report for the job's :meth:`_quiet_s`. A job whose run ended is no
+        exception: a run of it may have been given its tag again before the end was said
+        (``gpuctl run`` tags before it reserves) and would start without it, and a user
+        running it again at once would find its tag gone."""
         active = self._active()
         pins = self.tags.pins()
-        out: dict[str, float] = {}
+        out: dict[str, _Quiet | None] = {}
         for job in jobs:
             if job in active or job in pins:
+                out[job] = None
                 continue
             reports = self._reports.get(job)
             since = max(self._started_at, self._tagged_at.get(job, 0.0))
-            if now - since <= self.config.idle_after_s or (
-                reports is not None and now - reports.heard_at <= self._quiet_s(reports)
-            ):
-                continue
-            since = max(since, reports.heard_at if reports else 0.0)
-            if self._cgroups is not None and self._cgroups.busy(job):
-                continue
-            out[job] = since
+            left = self.config.idle_after_s - (now - since)
+            if reports is not None:
+                left = max(left, self._quiet_s(reports) - (now - reports.heard_at))
+                since = max(since, reports.heard_at)
+            # the cgroup is read last: a job counted in use already costs no read
+            busy = self._cgroups is not None and self._cgroups.busy(job)
+            out[job] = None if busy else _Quiet(since, left)
         return out
 
     def _watch_clocks(self) -> None:
@@ -1184,8 +1205,7 @@ class TrafficService:
             # a run that ended while the store was read, its release after the read: the
             # read still holds it. Those ended before are in the read (the store's writes
             # and reads take turns)
-            late = {j for j, n in self._ended_runs.items() if n > read_from}
-            self._ended_runs = {j: self._ended_runs[j] for j in late}
+            late = {j for j, (n, started) in self._runs.items() if n > read_from and not started}
             active_res = active_res - late
             self._held = frozenset(active_res)
             # a job this read sees held runs: its last end is over (not before, as the
@@ -1194,8 +1214,10 @@ class TrafficService:
                 del self._ends[job]
             # a run started before this read began is in it, or was rolled back; one this
             # read saw is in it: neither is kept apart any longer
-            self._started = {
-                j: n for j, n in self._started.items() if n > read_from and j not in active_res
+            self._runs = {
+                j: (n, started)
+                for j, (n, started) in self._runs.items()
+                if n > read_from and not (started and j in active_res)
             }
         active = []
         heard = self._monotonic()

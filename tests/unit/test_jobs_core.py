@@ -574,6 +574,28 @@ def test_run_registers_reserves_and_refuses_oversubscription(service: JobService
     assert service.reservations.held() == []
 
 
+def test_held_reservations_are_read_as_the_writer_sees_them_not_as_last_committed(
+    service: JobService, store: StateStore
+) -> None:
+    """A release made in an open transaction, not committed yet, is gone from what
+    ``held()`` reads (the traffic tick counts run ends on it), while a read of what was
+    committed still has it."""
+    launch = service.reserve(RunRequest("train-a"))
+    with store.transaction():
+        service.reservations.release(launch.reservation.id)
+        assert service.reservations.held() == []
+        committed: list[str] = []
+
+        def read_committed() -> None:
+            with store.read() as conn:
+                committed.extend(r[0] for r in conn.execute("SELECT job FROM job_reservations"))
+
+        reader = threading.Thread(target=read_committed)
+        reader.start()
+        reader.join()
+        assert committed == ["train-a"]
+
+
 def test_a_runs_reserve_and_release_events_are_found_by_gpu_index(service: JobService) -> None:
     """``gpuctl events --gpu 1`` finds a run's job.reserve and job.release, which name
     their devices by UUID: they carry the indexes of the devices' GPUs too."""

@@ -2233,6 +2233,24 @@ def _ends(rows: list[JobTraffic]) -> int:
     return sum(not was and now for was, now in itertools.pairwise(flags))
 
 
+def test_a_slow_reporting_job_removed_and_added_again_is_told_of_again(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """``net.slow_reports`` is said once while gpud knows the job: after ``gpuctl jobs rm``
+    (forgotten at the next tick) and the job added again under its name, its first two
+    long intervals say it again."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"b", "c"}
+    _every(rig, 450, 90)
+    assert rig.kinds().count("net.slow_reports") == 1
+    rig.jobs.remove("a")
+    rig.clock.t += 1
+    rig.service.tick()
+    rig.jobs.append("a")
+    _every(rig, 450, 90)
+    assert rig.kinds().count("net.slow_reports") == 2
+
+
 def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
     tmp_path: Path, sysfs: Path
 ) -> None:
@@ -2546,6 +2564,29 @@ def test_a_spent_pool_names_the_jobs_whose_quiet_time_keeps_their_tags(
     assert "reported in the last 60 s (traffic.idle_after_s)" in message
     assert "at most 10 times traffic.idle_after_s" in message
     assert "job a (a report every 90 s: idle in 110 s)" in message
+
+
+def test_a_spent_pools_refusal_reads_the_reservations_once(tmp_path: Path, sysfs: Path) -> None:
+    """A tag refused for a spent pool reads the jobs holding a reservation (a store read
+    under the writer's lock) once, for both the handover it finds none for and the jobs
+    it names."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    reads: list[set[str]] = []
+
+    def active() -> set[str]:
+        reads.append(set(rig.active))
+        return set(rig.active)
+
+    rig.service = rig.make(active=active)
+    rig.active = {"b", "c"}
+    _every(rig, 270, 90)
+    rig.jobs.append("d")
+    rig.clock.t += 70
+    reads.clear()
+    with pytest.raises(DscpPoolExhausted) as refused:
+        rig.service.tag("d")
+    assert "job a (a report every 90 s: idle in 110 s)" in str(refused.value)
+    assert len(reads) == 1
 
 
 @pytest.mark.parametrize("in_use", ["reserved", "pinned", "process in its cgroup"])
