@@ -232,8 +232,8 @@ class MigManager:
         busy checks and keeps each marked until its own steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
         its destroy step (the reconcile step that resumes or retries an apply holds each GPU
-        it changes so too). ``after_change()``: after an apply's steps changed a GPU, still
-        within its hold, the GPUs are read again (the daemon samples and takes the devices
+        it changes so too). ``after_change()``: after an apply's steps (or a reconcile step's) changed a GPU,
+        still within its hold, the GPUs are read again (the daemon samples and takes the devices
         jobs are placed on from that sample): placement reopens on the instances the driver
         has now, never on one the steps destroyed. One that raises is logged: the apply was
         made.
@@ -286,6 +286,8 @@ class MigManager:
         # driver changes made by this process (read from other threads: start-up tells
         # systemd a long reconcile is still moving)
         self.steps_taken = 0
+        # GPU index -> driver changes made to it by this process (see _holding)
+        self._changes: dict[int, int] = {}
 
     # ---------------------------------------------------------------- reading the driver
 
@@ -664,14 +666,15 @@ class MigManager:
 
         # before the busy checks: a run placed on an instance after them would find it
         # destroyed under it, and one placed during a drain would keep it from ending. One
-        # hold per GPU, let go once that GPU converged (and was read again): a GPU slow to
-        # change (an A100's reset, a hung call) keeps no other off placement
+        # hold per GPU, let go once that GPU converged (and was read again): a GPU that
+        # converged takes jobs while the ones after it change, though a GPU slow to change
+        # (an A100's reset, a hung call) keeps those after it held until its turn ends
         holds: dict[int, contextlib.ExitStack[bool | None]] = {}
         for i, (_, p) in sorted(plans.items()):
-            if not p.empty and self._hold_placement is not None:
+            if not p.empty:
                 holds[i] = holding.enter_context(contextlib.ExitStack())
                 holds[i].enter_context(
-                    self._hold_placement({i: f"a MIG apply of {name} is changing its instances"})
+                    self._holding({i: f"a MIG apply of {name} is changing its instances"})
                 )
         if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
@@ -719,8 +722,6 @@ class MigManager:
                     wait="each_call",
                 )
             )
-            if outcomes[-1].steps:
-                self._read_again(name)
             if i in holds:
                 holds.pop(i).close()
         outcomes = sorted(
@@ -1182,6 +1183,7 @@ class MigManager:
         return False
 
     def _changed(self, gpu: int) -> None:
+        self._changes[gpu] = self._changes.get(gpu, 0) + 1
         # an instance of a profile that had none may now list its compute instance profiles
         for uuid, (table, _) in list(self._partial.items()):
             if table.identity.index == gpu:
@@ -1516,22 +1518,29 @@ class MigManager:
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
             )
 
-    def _read_again(self, name: str) -> None:
-        """After a GPU's steps, inside its hold: the devices jobs are placed on are those of
-        a read taken after them, before a run can be placed there again."""
-        if self._after_change is None:
-            return
-        try:
-            self._after_change()
-        except Exception:
-            log.exception("reading the GPUs again after the apply of %s failed", name)
-
-    def _holding(self, gpus: Mapping[int, str]) -> AbstractContextManager[object]:
+    @contextlib.contextmanager
+    def _holding(self, gpus: Mapping[int, str]) -> Iterator[None]:
         """Placement held off ``gpus`` (index -> why) while the context lasts, where
-        ``hold_placement`` was given."""
-        if self._hold_placement is None:
-            return contextlib.nullcontext()
-        return self._hold_placement(gpus)
+        ``hold_placement`` was given. Where the driver changed one of them meanwhile, the
+        GPUs are read again (``after_change``) before the hold ends: placement reopens on
+        the instances the driver has now, never on one just destroyed (the sampler would
+        read them only at its next tick). One that raises is logged: the change was made."""
+        before = {i: self._changes.get(i, 0) for i in gpus}
+        hold = self._hold_placement(gpus) if self._hold_placement is not None else None
+        with hold if hold is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                changed = [i for i, n in before.items() if self._changes.get(i, 0) != n]
+                if changed and self._after_change is not None:
+                    try:
+                        self._after_change()
+                    except Exception:
+                        log.exception(
+                            "reading the GPUs again after GPU %s changed failed (%s)",
+                            ", ".join(map(str, changed)),
+                            "; ".join(gpus[i] for i in changed),
+                        )
 
     def _report(self, o: GpuOutcome) -> None:
         """One event per change of a GPU's reconcile status (not one per tick)."""

@@ -77,6 +77,7 @@ class Host:
         self.open_store: Callable[[Path], StateStore] = StateStore  # on gpud's state dir
         self.on_change: Callable[[int], None] | None = None  # a GPU's devices changed
         self.placement = Placement(self.reserved)  # where runs reserve devices
+        self.after_change: Callable[[], None] | None = None  # the GPUs read again
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -105,6 +106,7 @@ class Host:
             on_change=self.on_change,
             reserved=lambda: {u: list(jobs) for u, jobs in self.reserved.items()},
             hold_placement=self.placement.hold,
+            after_change=self.after_change,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
@@ -549,6 +551,37 @@ def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_
     assert host.placement.off == {}
     new = again.backend.mig_devices(0)[0]
     assert host.placement.reserve("train-c", 0, new.uuid) is None
+
+
+def test_a_gpu_reconcile_changed_is_read_again_before_placement_reopens_on_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The reconcile that resumes an apply changes GPU 0: the GPUs are read again while it
+    is still held off placement, so a queued job is never placed on an instance the steps
+    destroyed that the sampler has not yet seen gone."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    held_when_read: list[dict[int, str]] = []
+    host.after_change = lambda: held_when_read.append(dict(host.placement.off))
+    again = host.start()
+    assert "changed" in {o.status for o in again.mig.reconcile()}
+    assert held_when_read == [{0: "a MIG reconcile to all-3g.40gb is changing its instances"}]
+    assert host.placement.off == {}
+
+
+def test_each_gpu_an_apply_changed_is_read_again_before_placement_reopens_on_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply changes GPU 0, then GPU 1: after each GPU's steps the GPUs are read again
+    while that GPU is still held off placement."""
+    enable(host, config, "all-1g.10gb")
+    held_when_read: list[set[int]] = []
+    host.after_change = lambda: held_when_read.append(set(host.placement.off))
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert held_when_read == [{0, 1}, {1}]
+    assert host.placement.off == {}
 
 
 class _SeesPlacementAtGpu1:
