@@ -277,9 +277,8 @@ class MigManager:
         self._partial: dict[str, tuple[ProfileTable, float]] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
-        # GPUs whose view entry is the fault telemetry found, and when each answering again
-        # was last read on its own (see _refresh_view)
-        self._view_faulty: set[int] = set()
+        # when each GPU shown faulty but answering again was last read on its own (see
+        # _refresh_view)
         self._reread_at: dict[int, float] = {}
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
@@ -1645,7 +1644,6 @@ class MigManager:
         flaps would have every GPU read, dozens of driver calls each, at every reconcile)."""
         faulty = self._faulty_now()
         if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
-            self._view_faulty = set(faulty)
             try:
                 self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
                 self._view_at = now
@@ -1656,13 +1654,15 @@ class MigManager:
         views = {v.identity.index: v for v in self._view}
         for i, reason in faulty.items():
             v = views.get(i)
-            if v is not None and (i not in self._view_faulty or v.fault != reason):
+            if v is not None and v.fault != reason:
                 views[i] = faulty_view(v.identity, v.desired, reason)
-                self._view_faulty.add(i)
+        # shown faulty (as telemetry found it, or as its read failed) but answering now
         due = [
-            views[i].identity
-            for i in sorted(self._view_faulty - set(faulty))
-            if i in views and now - self._reread_at.get(i, float("-inf")) >= self.VIEW_REREAD_S
+            v.identity
+            for i, v in sorted(views.items())
+            if v.fault
+            and i not in faulty
+            and now - self._reread_at.get(i, float("-inf")) >= self.VIEW_REREAD_S
         ]
         if due:
             for gpu in due:
@@ -1671,8 +1671,6 @@ class MigManager:
                 desired = self._store.desired()
                 for i, view in self._read_views(due, desired, self.VIEW_TIMEOUT_S):
                     views[i] = view
-                    if not view.fault:
-                        self._view_faulty.discard(i)
             except GpudError as err:
                 log.warning("cannot read MIG instances: %s", err)
         self._view = [views[i] for i in sorted(views)]

@@ -20,6 +20,7 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
 from gpud.errors import (
+    BackendError,
     Busy,
     FailedPrecondition,
     GpuLost,
@@ -953,6 +954,51 @@ def test_a_gpu_whose_health_flaps_has_only_itself_read_again_and_not_at_every_re
     assert reads[1] == 2 * one_gpu
     assert [v.fault for v in d.mig.latest_view()] == ["", ""]
     assert len(d.mig.latest_view()[1].instances) > 0
+
+
+class _FailsACount:
+    """A backend whose GPU count fails at the ``fail_at``-th call from now (a driver that
+    errors for a moment), and answers before and after."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self._backend = backend
+        self.fail_at = 0
+
+    def gpu_count(self) -> int:
+        self.fail_at -= 1
+        if self.fail_at == 0:
+            raise BackendError("nvmlDeviceGetCount failed: Unknown Error")
+        return self._backend.gpu_count()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_gpu_answering_again_when_a_view_refresh_fails_is_read_again_alone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 was found faulty and answers again as the view's full read fails: its fault
+    stays shown only until it is read again on its own (VIEW_REREAD_S), not until the
+    next full read."""
+    failing: list[_FailsACount] = []
+
+    def wrap(backend: NvmlBackend) -> _FailsACount:
+        failing.append(_FailsACount(backend))
+        return failing[-1]
+
+    host.wrap = wrap
+    d = enable(host, config, "all-balanced")
+    d.mig.reconcile()
+    host.faults[1] = "power_watts failed: Unknown Error"
+    d.mig.reconcile()
+    host.faults.clear()
+    d.sleep(MigManager.VIEW_REFRESH_S)
+    failing[0].fail_at = 2  # the reconcile's count answers, its view's full read's fails
+    d.mig.reconcile()
+    assert [v.fault for v in d.mig.latest_view()] == ["", "power_watts failed: Unknown Error"]
+    d.sleep(MigManager.VIEW_REREAD_S)
+    d.mig.reconcile()
+    assert [v.fault for v in d.mig.latest_view()] == ["", ""]
 
 
 def _mutations(
