@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -901,6 +901,21 @@ def test_a_gpu_found_faulty_drops_its_mig_series_at_the_next_reconcile(
     assert gpus_of("gpud_mig_instance_info") == gpus_of("gpud_mig_reset_pending") == {"0", "1"}
 
 
+W = TypeVar("W")
+
+
+def _wrapping(host: Host, make: Callable[[NvmlBackend], W]) -> list[W]:
+    """The backends of the daemons ``host`` starts from now on, each ``make`` of its own."""
+    made: list[W] = []
+
+    def wrap(backend: NvmlBackend) -> W:
+        made.append(make(backend))
+        return made[-1]
+
+    host.wrap = wrap
+    return made
+
+
 class _CountsViewReads:
     """A backend that counts, per GPU, the MIG devices' process lists read (``mig show``'s
     reads: a reconcile's plans read none)."""
@@ -923,13 +938,7 @@ def test_a_gpu_whose_health_flaps_has_only_itself_read_again_and_not_at_every_re
     """A GPU turning faulty takes its fault in the MIG view with no driver call; one
     answering again is read alone, and at most every VIEW_REREAD_S: a flapping GPU does not
     have every GPU read at every reconcile."""
-    counting: list[_CountsViewReads] = []
-
-    def wrap(backend: NvmlBackend) -> _CountsViewReads:
-        counting.append(_CountsViewReads(backend))
-        return counting[-1]
-
-    host.wrap = wrap
+    counting = _wrapping(host, _CountsViewReads)
     d = enable(host, config, "all-balanced")
     reads = counting[0].reads
     d.mig.reconcile()
@@ -980,13 +989,7 @@ def test_a_gpu_answering_again_when_a_view_refresh_fails_is_read_again_alone(
     """GPU 1 was found faulty and answers again as the view's full read fails: its fault
     stays shown only until it is read again on its own (VIEW_REREAD_S), not until the
     next full read."""
-    failing: list[_FailsACount] = []
-
-    def wrap(backend: NvmlBackend) -> _FailsACount:
-        failing.append(_FailsACount(backend))
-        return failing[-1]
-
-    host.wrap = wrap
+    failing = _wrapping(host, _FailsACount)
     d = enable(host, config, "all-balanced")
     d.mig.reconcile()
     host.faults[1] = "power_watts failed: Unknown Error"
