@@ -1269,8 +1269,9 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
-    # How often a GPU that answers again after telemetry found it faulty is read again on its
-    # own between refreshes: a GPU whose health flaps costs no more than this.
+    # How often a GPU shown faulty in the view (telemetry found it so, or its read failed)
+    # that answers now is read again on its own between refreshes: a GPU whose health flaps
+    # costs no more than this.
     VIEW_REREAD_S = 5.0
     # How often a read waiting for a GPU (_bounded) looks whether telemetry found it hung: a
     # small part of a telemetry tick (1 s by default), the snapshot read costs microseconds.
@@ -1639,9 +1640,10 @@ class MigManager:
         """Keep :meth:`latest_view` the driver's state without a full :meth:`show` per
         reconcile: every ``VIEW_REFRESH_S`` every GPU is read again. Between, a GPU
         telemetry finds faulty gets its fault in place of what was read (no driver call: its
-        instances and reset state, read before, are no state of it now), and one answering
-        again is read again, alone, at most every ``VIEW_REREAD_S`` (a GPU whose health
-        flaps would have every GPU read, dozens of driver calls each, at every reconcile)."""
+        instances and reset state, read before, are no state of it now), and one shown faulty
+        (so found, or its read failed) that answers now is read again, alone, at most every
+        ``VIEW_REREAD_S`` (a GPU whose health flaps would have every GPU read, dozens of
+        driver calls each, at every reconcile)."""
         faulty = self._faulty_now()
         if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
             try:
