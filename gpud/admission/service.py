@@ -28,7 +28,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -58,7 +58,7 @@ from gpud.histogram import Histogram
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
-from gpud.jobs.service import JobService, RunRequest, unhealthy_text
+from gpud.jobs.service import JobService, NotPlacedOn, RunRequest, unhealthy_text
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
@@ -633,7 +633,7 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=_unhealthy_in(verdict, sick, targets, self._jobs.held_off())
+                    waiting_on=_unhealthy_in(verdict, sick, targets)
                     or self._start_failures.get(e.id, "")
                     or held.why(e, head),
                     overdue=late,
@@ -1129,7 +1129,7 @@ class _Held:
 
     STAND_IN = "\0job"
 
-    def __init__(self, jobs: JobService, sick: Mapping[int, str]) -> None:
+    def __init__(self, jobs: JobService, sick: NotPlacedOn) -> None:
         """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry."""
         self._jobs = jobs
         self._sick = sick
@@ -1281,9 +1281,7 @@ def mig_file_layouts(
     return layouts
 
 
-def _unhealthy_in(
-    demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget], held: Collection[int]
-) -> str:
+def _unhealthy_in(demand: Demand, sick: NotPlacedOn, targets: Sequence[MpsTarget]) -> str:
     """The unhealthy GPUs (``sick``: index -> why) of ``demand``'s pool, when too few healthy
     devices are left in it: the job waits for them to answer again, not only for other jobs.
     ``targets``: the node's devices. Every GPU whose UUID was never read (lost or hung since
@@ -1301,4 +1299,4 @@ def _unhealthy_in(
             healthy += 1
     if not down or healthy >= demand.count:
         return ""
-    return unhealthy_text({i: sick[i] for i in down}, held)
+    return unhealthy_text(sick.only(down))

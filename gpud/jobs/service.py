@@ -150,8 +150,9 @@ class JobService:
         # GPU index -> why, as of the newest snapshot observed (swapped whole)
         self._unhealthy: dict[int, str] = {}
         # GPU index -> why no job is placed there for now (a MIG apply changes its
-        # instances): see placing_none_on (swapped whole)
-        self._held_off: dict[int, str] = {}
+        # instances), one why per hold, the newest last: see placing_none_on (swapped
+        # whole, under _lock)
+        self._held_off: dict[int, tuple[str, ...]] = {}
         # the newest snapshot's monotonic whose health was taken; held only to take one
         self._health_lock = threading.Lock()
         self._health_at: float | None = None
@@ -604,17 +605,14 @@ class JobService:
         last listed, for events (``gpuctl events --gpu 0``); a device not listed is left out."""
         return sorted({t.gpu for u in devices if (t := self._mps.target(u)) is not None})
 
-    def unhealthy(self) -> dict[int, str]:
+    def unhealthy(self) -> NotPlacedOn:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
         the newest snapshot observed (:meth:`observe_health`; the daemon observes each of
         the sampler's as it is taken), or why no job is placed there for now
-        (:meth:`placing_none_on`): no job is placed there, and a queued one waits."""
-        return {**self._held_off, **self._unhealthy}
-
-    def held_off(self) -> set[int]:
-        """The GPUs of :meth:`unhealthy` that are only held off (:meth:`placing_none_on`):
-        they answer, and are placed on again once the change ends."""
-        return self._held_off.keys() - self._unhealthy.keys()
+        (:meth:`placing_none_on`, told apart by :attr:`NotPlacedOn.held`): no job is placed
+        there, and a queued one waits."""
+        held = self._held_off
+        return NotPlacedOn(self._unhealthy, {i: whys[-1] for i, whys in held.items()})
 
     @contextmanager
     def placing_none_on(self, gpus: Mapping[int, str]) -> Iterator[None]:
@@ -626,11 +624,15 @@ class JobService:
         caller's check of the reservations that follows sees it. Once it ends, the
         admission queue is asked for a pass."""
         with self._lock:
-            self._held_off = {**self._held_off, **gpus}
+            held = self._held_off
+            self._held_off = {**held, **{i: (*held.get(i, ()), w) for i, w in gpus.items()}}
         try:
             yield
         finally:
-            self._held_off = {i: w for i, w in self._held_off.items() if i not in gpus}
+            with self._lock:
+                # a GPU another hold still keeps (nested holds) stays held, saying that one's why
+                left = {i: _without(whys, gpus.get(i)) for i, whys in self._held_off.items()}
+                self._held_off = {i: whys for i, whys in left.items() if whys}
             self._freed()
 
     def unhealthy_devices(self) -> dict[tuple[int, int | None], tuple[str, str]]:
@@ -666,7 +668,7 @@ class JobService:
         now: tuple[Sequence[MpsTarget], Mapping[str, DeviceLoad]] | None = None,
         *,
         uid: int | None = None,
-        sick: Mapping[int, str] | None = None,
+        sick: NotPlacedOn | None = None,
     ) -> tuple[MpsTarget, ...]:
         """:func:`choose_devices` among the healthy devices, with what is reserved now
         (``now``: those devices and loads, read once by a caller that asks for many); a
@@ -690,14 +692,14 @@ class JobService:
         except ResourceExhausted as err:
             if not sick:
                 raise
-            raise ResourceExhausted(f"{err} ({unhealthy_text(sick, self.held_off())})") from err
+            raise ResourceExhausted(f"{err} ({unhealthy_text(sick)})") from err
         except NotFound as err:
             refusal = self._profile_left_out(spec, sick)
             if refusal is None:
                 raise
             raise refusal from err
 
-    def _profile_left_out(self, spec: JobSpec, sick: Mapping[int, str]) -> ResourceExhausted | None:
+    def _profile_left_out(self, spec: JobSpec, sick: NotPlacedOn) -> ResourceExhausted | None:
         """Why a ``--mig`` request finds no device of its profile among those a job may be
         placed on, where the node has some, each on a GPU left out (``sick``:
         :meth:`unhealthy`): they exist, and the job waits for their GPU to be placed on again
@@ -715,21 +717,10 @@ class JobService:
             return None
         return ResourceExhausted(
             f"job {spec.name!r}: the MIG devices of profile {spec.mig_profile} are on "
-            + "; ".join(self._left_out(gpu, sick) for gpu in gpus)
+            + "; ".join(_left_out(gpu, sick) for gpu in gpus)
         )
 
-    def _left_out(self, gpu: int, sick: Mapping[int, str]) -> str:
-        """``GPU N, which is unhealthy: why``, or for a GPU held off (a MIG apply in flight:
-        it is not unhealthy, and is placed on again once the change ends) ``GPU N, where no
-        job is placed now: why``."""
-        state = (
-            "where no job is placed now"
-            if gpu in self._held_off and gpu not in self._unhealthy
-            else "which is unhealthy"
-        )
-        return f"GPU {gpu}, {state}: {sick[gpu]}"
-
-    def _refuse_unhealthy(self, spec: JobSpec, sick: Mapping[int, str]) -> None:
+    def _refuse_unhealthy(self, spec: JobSpec, sick: NotPlacedOn) -> None:
         """A job pinned to an unhealthy GPU's device (``sick``: :meth:`unhealthy`) is
         refused at once; one that names no device waits (``ResourceExhausted``) while no
         healthy GPU is left."""
@@ -740,12 +731,11 @@ class JobService:
             t = targets.get(uuid)
             if t is not None and t.gpu in sick:
                 raise FailedPrecondition(
-                    f"job {spec.name!r}: {uuid} is on {self._left_out(t.gpu, sick)}"
+                    f"job {spec.name!r}: {uuid} is on {_left_out(t.gpu, sick)}"
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(
-                f"job {spec.name!r}: no healthy GPU on this node now"
-                f" ({unhealthy_text(sick, self.held_off())})"
+                f"job {spec.name!r}: no healthy GPU on this node now ({unhealthy_text(sick)})"
             )
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
@@ -964,15 +954,49 @@ def _sick(snapshot: Snapshot) -> dict[int, str]:
     return {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
 
 
-def unhealthy_text(sick: Mapping[int, str], held: Collection[int] = ()) -> str:
-    """``GPU 1 unhealthy: why; …`` for the first four of ``sick`` (index -> why): how a
-    refused run and a queued entry's WHY NOT name the GPUs no job is placed on. One in
-    ``held`` (a MIG apply changing its instances) is ``GPU 0 held: why``: it answers, and
-    takes jobs again once the apply ends."""
+class NotPlacedOn(dict[int, str]):
+    """GPU index -> why no job is placed there now: it is unhealthy, or it is only held off
+    (:attr:`held`: a MIG apply is changing its instances; the GPU answers, and takes jobs
+    again once the change ends). One read (:meth:`JobService.unhealthy`) carries both, so a
+    refusal's wording agrees with the check it follows."""
+
+    def __init__(self, unhealthy: Mapping[int, str], held_off: Mapping[int, str]) -> None:
+        super().__init__({**held_off, **unhealthy})
+        self.held = frozenset(held_off.keys() - unhealthy.keys())
+
+    def only(self, gpus: Collection[int]) -> NotPlacedOn:
+        """Those of ``gpus`` it names, each as it names it."""
+        return NotPlacedOn(
+            {i: w for i, w in self.items() if i in gpus and i not in self.held},
+            {i: w for i, w in self.items() if i in gpus and i in self.held},
+        )
+
+
+def _without(whys: tuple[str, ...], why: str | None) -> tuple[str, ...]:
+    """``whys`` less its newest ``why`` (unchanged where it has none)."""
+    if why is None or why not in whys:
+        return whys
+    at = len(whys) - 1 - whys[::-1].index(why)
+    return whys[:at] + whys[at + 1 :]
+
+
+def _left_out(gpu: int, sick: NotPlacedOn) -> str:
+    """``GPU N, which is unhealthy: why``, or for a GPU held off (a MIG apply in flight: it
+    is not unhealthy, and is placed on again once the change ends) ``GPU N, where no job is
+    placed now: why``."""
+    state = "where no job is placed now" if gpu in sick.held else "which is unhealthy"
+    return f"GPU {gpu}, {state}: {sick[gpu]}"
+
+
+def unhealthy_text(sick: NotPlacedOn) -> str:
+    """``GPU 1 unhealthy: why; …`` for the first four of ``sick``: how a refused run and a
+    queued entry's WHY NOT name the GPUs no job is placed on. One only held off (a MIG apply
+    changing its instances) is ``GPU 0 held: why``: it answers, and takes jobs again once
+    the apply ends."""
     more = f"; {len(sick) - 4} more" if len(sick) > 4 else ""
     return (
         "; ".join(
-            f"GPU {i} {'held' if i in held else 'unhealthy'}: {r}"
+            f"GPU {i} {'held' if i in sick.held else 'unhealthy'}: {r}"
             for i, r in sorted(sick.items())[:4]
         )
         + more

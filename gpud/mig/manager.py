@@ -232,8 +232,8 @@ class MigManager:
         busy checks and keeps each marked until its own steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
         its destroy step (the reconcile step that resumes or retries an apply holds each GPU
-        it changes so too). ``after_change()``: after an apply's steps changed a GPU, still
-        within its hold, the GPUs are read again (the daemon samples and takes the devices
+        it changes so too). ``after_change()``: after an apply's steps (or a reconcile step's) changed a GPU,
+        still within its hold, the GPUs are read again (the daemon samples and takes the devices
         jobs are placed on from that sample): placement reopens on the instances the driver
         has now, never on one the steps destroyed. One that raises is logged: the apply was
         made.
@@ -277,15 +277,16 @@ class MigManager:
         self._partial: dict[str, tuple[ProfileTable, float]] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
-        # GPUs whose view entry is the fault telemetry found, and when each answering again
-        # was last read on its own (see _refresh_view)
-        self._view_faulty: set[int] = set()
+        # when each GPU shown faulty but answering again was last read on its own (see
+        # _refresh_view)
         self._reread_at: dict[int, float] = {}
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
         # driver changes made by this process (read from other threads: start-up tells
         # systemd a long reconcile is still moving)
         self.steps_taken = 0
+        # GPU index -> driver changes made to it by this process (see _holding)
+        self._changes: dict[int, int] = {}
 
     # ---------------------------------------------------------------- reading the driver
 
@@ -664,14 +665,15 @@ class MigManager:
 
         # before the busy checks: a run placed on an instance after them would find it
         # destroyed under it, and one placed during a drain would keep it from ending. One
-        # hold per GPU, let go once that GPU converged (and was read again): a GPU slow to
-        # change (an A100's reset, a hung call) keeps no other off placement
+        # hold per GPU, let go once that GPU converged (and was read again): a GPU that
+        # converged takes jobs while the ones after it change, though a GPU slow to change
+        # (an A100's reset, a hung call) keeps those after it held until its turn ends
         holds: dict[int, contextlib.ExitStack[bool | None]] = {}
         for i, (_, p) in sorted(plans.items()):
-            if not p.empty and self._hold_placement is not None:
+            if not p.empty:
                 holds[i] = holding.enter_context(contextlib.ExitStack())
                 holds[i].enter_context(
-                    self._hold_placement({i: f"a MIG apply of {name} is changing its instances"})
+                    self._holding({i: f"a MIG apply of {name} is changing its instances"})
                 )
         if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
@@ -719,8 +721,6 @@ class MigManager:
                     wait="each_call",
                 )
             )
-            if outcomes[-1].steps:
-                self._read_again(name)
             if i in holds:
                 holds.pop(i).close()
         outcomes = sorted(
@@ -1182,6 +1182,7 @@ class MigManager:
         return False
 
     def _changed(self, gpu: int) -> None:
+        self._changes[gpu] = self._changes.get(gpu, 0) + 1
         # an instance of a profile that had none may now list its compute instance profiles
         for uuid, (table, _) in list(self._partial.items()):
             if table.identity.index == gpu:
@@ -1268,8 +1269,9 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
-    # How often a GPU that answers again after telemetry found it faulty is read again on its
-    # own between refreshes: a GPU whose health flaps costs no more than this.
+    # How often a GPU shown faulty in the view (telemetry found it so, or its read failed)
+    # that answers now is read again on its own between refreshes: a GPU whose health flaps
+    # costs no more than this.
     VIEW_REREAD_S = 5.0
     # How often a read waiting for a GPU (_bounded) looks whether telemetry found it hung: a
     # small part of a telemetry tick (1 s by default), the snapshot read costs microseconds.
@@ -1516,22 +1518,29 @@ class MigManager:
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
             )
 
-    def _read_again(self, name: str) -> None:
-        """After a GPU's steps, inside its hold: the devices jobs are placed on are those of
-        a read taken after them, before a run can be placed there again."""
-        if self._after_change is None:
-            return
-        try:
-            self._after_change()
-        except Exception:
-            log.exception("reading the GPUs again after the apply of %s failed", name)
-
-    def _holding(self, gpus: Mapping[int, str]) -> AbstractContextManager[object]:
+    @contextlib.contextmanager
+    def _holding(self, gpus: Mapping[int, str]) -> Iterator[None]:
         """Placement held off ``gpus`` (index -> why) while the context lasts, where
-        ``hold_placement`` was given."""
-        if self._hold_placement is None:
-            return contextlib.nullcontext()
-        return self._hold_placement(gpus)
+        ``hold_placement`` was given. Where the driver changed one of them meanwhile, the
+        GPUs are read again (``after_change``) before the hold ends: placement reopens on
+        the instances the driver has now, never on one just destroyed (the sampler would
+        read them only at its next tick). One that raises is logged: the change was made."""
+        before = {i: self._changes.get(i, 0) for i in gpus}
+        hold = self._hold_placement(gpus) if self._hold_placement is not None else None
+        with hold if hold is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                changed = [i for i, n in before.items() if self._changes.get(i, 0) != n]
+                if changed and self._after_change is not None:
+                    try:
+                        self._after_change()
+                    except Exception:
+                        log.exception(
+                            "reading the GPUs again after GPU %s changed failed (%s)",
+                            ", ".join(map(str, changed)),
+                            "; ".join(gpus[i] for i in changed),
+                        )
 
     def _report(self, o: GpuOutcome) -> None:
         """One event per change of a GPU's reconcile status (not one per tick)."""
@@ -1631,12 +1640,12 @@ class MigManager:
         """Keep :meth:`latest_view` the driver's state without a full :meth:`show` per
         reconcile: every ``VIEW_REFRESH_S`` every GPU is read again. Between, a GPU
         telemetry finds faulty gets its fault in place of what was read (no driver call: its
-        instances and reset state, read before, are no state of it now), and one answering
-        again is read again, alone, at most every ``VIEW_REREAD_S`` (a GPU whose health
-        flaps would have every GPU read, dozens of driver calls each, at every reconcile)."""
+        instances and reset state, read before, are no state of it now), and one shown faulty
+        (so found, or its read failed) that answers now is read again, alone, at most every
+        ``VIEW_REREAD_S`` (a GPU whose health flaps would have every GPU read, dozens of
+        driver calls each, at every reconcile)."""
         faulty = self._faulty_now()
         if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
-            self._view_faulty = set(faulty)
             try:
                 self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
                 self._view_at = now
@@ -1647,13 +1656,15 @@ class MigManager:
         views = {v.identity.index: v for v in self._view}
         for i, reason in faulty.items():
             v = views.get(i)
-            if v is not None and (i not in self._view_faulty or v.fault != reason):
+            if v is not None and v.fault != reason:
                 views[i] = faulty_view(v.identity, v.desired, reason)
-                self._view_faulty.add(i)
+        # shown faulty (as telemetry found it, or as its read failed) but answering now
         due = [
-            views[i].identity
-            for i in sorted(self._view_faulty - set(faulty))
-            if i in views and now - self._reread_at.get(i, float("-inf")) >= self.VIEW_REREAD_S
+            v.identity
+            for i, v in sorted(views.items())
+            if v.fault
+            and i not in faulty
+            and now - self._reread_at.get(i, float("-inf")) >= self.VIEW_REREAD_S
         ]
         if due:
             for gpu in due:
@@ -1662,8 +1673,6 @@ class MigManager:
                 desired = self._store.desired()
                 for i, view in self._read_views(due, desired, self.VIEW_TIMEOUT_S):
                     views[i] = view
-                    if not view.fault:
-                        self._view_faulty.discard(i)
             except GpudError as err:
                 log.warning("cannot read MIG instances: %s", err)
         self._view = [views[i] for i in sorted(views)]

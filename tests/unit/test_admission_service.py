@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -34,7 +35,7 @@ from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.placement import user_name
 from gpud.jobs.registry import JobKind, JobSpec
-from gpud.jobs.service import JobService, RunRequest
+from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.shared import is_about
@@ -341,6 +342,41 @@ def test_with_admission_off_reservations_work_as_before(node: Node) -> None:
         node.admission.enqueue(whole("b"))
     with pytest.raises(ResourceExhausted, match="reserved by a"):
         node.jobs.reserve(whole("c"))  # the reservation's own refusal, with the numbers
+
+
+class _HoldEndsAfterARead(JobService):
+    """A jobs service where a MIG apply's hold of the GPUs ends just after ``after_read``
+    is set and the GPUs left out are next read (the apply's last step ending meanwhile)."""
+
+    after_read: Callable[[], None] | None = None
+
+    def unhealthy(self) -> NotPlacedOn:
+        sick = super().unhealthy()
+        end, self.after_read = self.after_read, None
+        if end is not None:
+            end()
+        return sick
+
+
+def test_a_queued_job_waiting_on_gpus_an_apply_holds_calls_them_held_as_read(
+    tmp_path: Path,
+) -> None:
+    """A MIG apply holds both GPUs and its hold ends while the queue is listed: the
+    queued job's WHY NOT calls them held, as they were when read, never unhealthy."""
+    node = make_node(tmp_path, Clock(), jobs_type=_HoldEndsAfterARead)
+    jobs = node.jobs
+    assert isinstance(jobs, _HoldEndsAfterARead)
+    why = "a MIG apply of all-1g.10gb is changing its instances"
+    try:
+        with contextlib.ExitStack() as hold:
+            hold.enter_context(jobs.placing_none_on({0: why, 1: why}))
+            entry = node.admission.enqueue(whole("b"))
+            jobs.after_read = hold.close
+            (view,) = node.admission.queue_views()
+        assert view.entry.id == entry.entry.id
+        assert view.waiting_on == f"GPU 0 held: {why}; GPU 1 held: {why}"
+    finally:
+        node.store.close()
 
 
 def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(

@@ -958,6 +958,26 @@ def test_no_job_is_placed_on_a_gpu_whose_mig_instances_an_apply_is_changing(
     assert service.reserve(RunRequest("pinned", devices=(mig[0],))).reservation.devices == (mig[0],)
 
 
+def test_a_gpu_held_twice_is_placed_on_again_only_once_both_holds_end(
+    service: JobService,
+) -> None:
+    """An apply holds GPU 0 and a step inside it holds it again: when the inner hold ends
+    GPU 0 is still held, naming the apply, and is placed on once the apply's hold ends."""
+    mig = [t.uuid for t in DEVICES if t.gpu == 0 and t.mig is not None]
+    outer = "a MIG apply of all-1g.10gb is changing its instances"
+    inner = "a MIG reconcile to all-1g.10gb is changing its instances"
+    with service.placing_none_on({0: outer}):
+        with service.placing_none_on({0: inner}):
+            assert service.unhealthy() == {0: inner}
+        assert service.unhealthy() == {0: outer}
+        with pytest.raises(
+            FailedPrecondition, match=rf"GPU 0, where no job is placed now: {outer}"
+        ):
+            service.reserve(RunRequest("pinned", devices=(mig[0],)))
+    assert service.unhealthy() == {}
+    assert service.reserve(RunRequest("pinned", devices=(mig[0],))).reservation.devices == (mig[0],)
+
+
 def test_a_mig_profile_only_on_a_gpu_left_out_is_refused_naming_that_gpu_and_why(
     service: JobService,
 ) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -20,6 +20,7 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
 from gpud.errors import (
+    BackendError,
     Busy,
     FailedPrecondition,
     GpuLost,
@@ -77,6 +78,7 @@ class Host:
         self.open_store: Callable[[Path], StateStore] = StateStore  # on gpud's state dir
         self.on_change: Callable[[int], None] | None = None  # a GPU's devices changed
         self.placement = Placement(self.reserved)  # where runs reserve devices
+        self.after_change: Callable[[], None] | None = None  # the GPUs read again
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -105,6 +107,7 @@ class Host:
             on_change=self.on_change,
             reserved=lambda: {u: list(jobs) for u, jobs in self.reserved.items()},
             hold_placement=self.placement.hold,
+            after_change=self.after_change,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
@@ -551,6 +554,37 @@ def test_a_run_placed_while_reconcile_resumes_an_apply_is_not_given_an_instance_
     assert host.placement.reserve("train-c", 0, new.uuid) is None
 
 
+def test_a_gpu_reconcile_changed_is_read_again_before_placement_reopens_on_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The reconcile that resumes an apply changes GPU 0: the GPUs are read again while it
+    is still held off placement, so a queued job is never placed on an instance the steps
+    destroyed that the sampler has not yet seen gone."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    held_when_read: list[dict[int, str]] = []
+    host.after_change = lambda: held_when_read.append(dict(host.placement.off))
+    again = host.start()
+    assert "changed" in {o.status for o in again.mig.reconcile()}
+    assert held_when_read == [{0: "a MIG reconcile to all-3g.40gb is changing its instances"}]
+    assert host.placement.off == {}
+
+
+def test_each_gpu_an_apply_changed_is_read_again_before_placement_reopens_on_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply changes GPU 0, then GPU 1: after each GPU's steps the GPUs are read again
+    while that GPU is still held off placement."""
+    enable(host, config, "all-1g.10gb")
+    held_when_read: list[set[int]] = []
+    host.after_change = lambda: held_when_read.append(set(host.placement.off))
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert held_when_read == [{0, 1}, {1}]
+    assert host.placement.off == {}
+
+
 class _SeesPlacementAtGpu1:
     """A backend noting which GPUs placement holds off as the apply's first destroy step on
     GPU 1 reaches the driver (GPU 0 converged by then)."""
@@ -867,6 +901,21 @@ def test_a_gpu_found_faulty_drops_its_mig_series_at_the_next_reconcile(
     assert gpus_of("gpud_mig_instance_info") == gpus_of("gpud_mig_reset_pending") == {"0", "1"}
 
 
+W = TypeVar("W")
+
+
+def _wrapping(host: Host, make: Callable[[NvmlBackend], W]) -> list[W]:
+    """The backends of the daemons ``host`` starts from now on, each ``make`` of its own."""
+    made: list[W] = []
+
+    def wrap(backend: NvmlBackend) -> W:
+        made.append(make(backend))
+        return made[-1]
+
+    host.wrap = wrap
+    return made
+
+
 class _CountsViewReads:
     """A backend that counts, per GPU, the MIG devices' process lists read (``mig show``'s
     reads: a reconcile's plans read none)."""
@@ -889,13 +938,7 @@ def test_a_gpu_whose_health_flaps_has_only_itself_read_again_and_not_at_every_re
     """A GPU turning faulty takes its fault in the MIG view with no driver call; one
     answering again is read alone, and at most every VIEW_REREAD_S: a flapping GPU does not
     have every GPU read at every reconcile."""
-    counting: list[_CountsViewReads] = []
-
-    def wrap(backend: NvmlBackend) -> _CountsViewReads:
-        counting.append(_CountsViewReads(backend))
-        return counting[-1]
-
-    host.wrap = wrap
+    counting = _wrapping(host, _CountsViewReads)
     d = enable(host, config, "all-balanced")
     reads = counting[0].reads
     d.mig.reconcile()
@@ -920,6 +963,45 @@ def test_a_gpu_whose_health_flaps_has_only_itself_read_again_and_not_at_every_re
     assert reads[1] == 2 * one_gpu
     assert [v.fault for v in d.mig.latest_view()] == ["", ""]
     assert len(d.mig.latest_view()[1].instances) > 0
+
+
+class _FailsACount:
+    """A backend whose GPU count fails at the ``fail_at``-th call from now (a driver that
+    errors for a moment), and answers before and after."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self._backend = backend
+        self.fail_at = 0
+
+    def gpu_count(self) -> int:
+        self.fail_at -= 1
+        if self.fail_at == 0:
+            raise BackendError("nvmlDeviceGetCount failed: Unknown Error")
+        return self._backend.gpu_count()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_gpu_answering_again_when_a_view_refresh_fails_is_read_again_alone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 was found faulty and answers again as the view's full read fails: its fault
+    stays shown only until it is read again on its own (VIEW_REREAD_S), not until the
+    next full read."""
+    failing = _wrapping(host, _FailsACount)
+    d = enable(host, config, "all-balanced")
+    d.mig.reconcile()
+    host.faults[1] = "power_watts failed: Unknown Error"
+    d.mig.reconcile()
+    host.faults.clear()
+    d.sleep(MigManager.VIEW_REFRESH_S)
+    failing[0].fail_at = 2  # the reconcile's count answers, its view's full read's fails
+    d.mig.reconcile()
+    assert [v.fault for v in d.mig.latest_view()] == ["", "power_watts failed: Unknown Error"]
+    d.sleep(MigManager.VIEW_REREAD_S)
+    d.mig.reconcile()
+    assert [v.fault for v in d.mig.latest_view()] == ["", ""]
 
 
 def _mutations(
