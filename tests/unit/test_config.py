@@ -612,6 +612,26 @@ def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there
     assert victim.read_text() == "root's file\n"
 
 
+def test_check_config_refuses_a_state_dir_every_user_may_write_to_as_the_start_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check-config, run before a start (ExecStartPre=), says what the start would
+    refuse, in the start's words, rather than "config OK" for a gpud restarted forever."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cfg = write(tmp_path, f'[daemon]\nstate_dir = "{shared}"\n[metrics]\nenabled = false\n')
+    flags = ["--config", str(cfg), "--simulate", "--run-dir", str(tmp_path / "run")]
+    said = (
+        f"{cfg}:daemon.state_dir: {shared} is writable by every user (mode 777): gpud keeps"
+        " its lock, socket and state files in a directory of its own"
+    )
+    assert main([*flags, "--check-config"]) == 2
+    assert f"gpud: config error: {said}" in capsys.readouterr().err
+    assert main(flags) == 1
+    assert f"gpud: {said}" in capsys.readouterr().err
+
+
 def test_a_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
     st = os.stat_result((0o40755, 0, 0, 2, 1000, 1000, 0, 0, 0, 0))
     with pytest.raises(ConfigError, match="belongs to uid 1000, not to gpud's user"):
