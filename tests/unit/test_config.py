@@ -477,6 +477,24 @@ def test_the_control_binary_warning_says_the_uid_it_was_checked_as_when_not_root
     assert as_user == f"{said} (checked as uid 1000)"
 
 
+def test_the_control_binary_warning_says_a_script_whose_interpreter_is_missing_as_the_start_will(
+    tmp_path: Path,
+) -> None:
+    """``ls`` shows it executable, and execve refuses it with ENOENT: warned of before the
+    start in the words the start's ``mps.start_failed`` uses, not taken as one that runs."""
+    orphan = tmp_path / "orphan-mps-control"
+    orphan.write_text("#!/nonexistent/interpreter\n")
+    orphan.chmod(0o755)
+    path = write(tmp_path, f'[mps]\nenabled = true\ncontrol_binary = "{orphan}"\n')
+    cfg, keys = config.read(path)
+    assert mps_binary_warning(cfg, path=str(path), keys=keys, uid=0) == (
+        f"{path}:mps.control_binary: {orphan}: exists but cannot be run (its interpreter or"
+        " loader missing?)"
+    )
+    orphan.write_text("#!/bin/sh\n")
+    assert mps_binary_warning(cfg, path=str(path), keys=keys, uid=0) == ""
+
+
 def test_a_state_or_run_dir_that_is_or_sits_under_a_link_to_a_directory_is_taken(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
