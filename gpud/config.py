@@ -296,7 +296,7 @@ def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
     ]
 
 
-def source(key: str, *, path: str, flags: Collection[str], keys: Collection[str] = ()) -> str:
+def source(key: str, *, path: str, flags: Collection[str], keys: Collection[str]) -> str:
     """Where ``key``'s value came from, for an error about it: the command line when a flag
     set it (``flags``: the dotted keys flags set), the file ``path`` when it sets it
     (``keys``: the dotted keys the file sets), else "": a built-in default, said by the key
@@ -312,7 +312,7 @@ def where(path: str, key: str) -> str:
 
 
 def check_socket(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The API socket's path must fit a unix socket address: checked on the final config
     (flags over the file), not when the API binds at the end of start-up."""
@@ -328,7 +328,7 @@ def check_socket(
 
 
 def check_socket_file(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The API socket's path must not hold anything but a socket: gpud replaces only a
     socket nothing listens on (a stale one of its own) and refuses to start over anything
@@ -351,7 +351,7 @@ def check_socket_file(
 
 
 def check_dirs(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The state directory, the run directory and the socket's must be directories, or be
     makeable as ``mkdir -p`` makes them: a regular file (or other non-directory) at one of

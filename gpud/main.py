@@ -380,7 +380,7 @@ def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
 
 
 def check_listen_hosts(
-    cfg: config.Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    cfg: config.Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """That the hosts of ``metrics.address``, ``api.tcp_address`` and (with etcd)
     ``cluster.listen`` resolve to addresses of this host, as the start will need: a socket bound to each on port 0 (any free port),
