@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from gpud import files
 from gpud.errors import ConfigError
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_XID, read_regular
 
@@ -295,7 +296,7 @@ def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
     ]
 
 
-def source(key: str, *, path: str, flags: Collection[str], keys: Collection[str] = ()) -> str:
+def source(key: str, *, path: str, flags: Collection[str], keys: Collection[str]) -> str:
     """Where ``key``'s value came from, for an error about it: the command line when a flag
     set it (``flags``: the dotted keys flags set), the file ``path`` when it sets it
     (``keys``: the dotted keys the file sets), else "": a built-in default, said by the key
@@ -311,7 +312,7 @@ def where(path: str, key: str) -> str:
 
 
 def check_socket(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The API socket's path must fit a unix socket address: checked on the final config
     (flags over the file), not when the API binds at the end of start-up."""
@@ -327,7 +328,7 @@ def check_socket(
 
 
 def check_socket_file(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The API socket's path must not hold anything but a socket: gpud replaces only a
     socket nothing listens on (a stale one of its own) and refuses to start over anything
@@ -350,12 +351,13 @@ def check_socket_file(
 
 
 def check_dirs(
-    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    config: Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """The state directory, the run directory and the socket's must be directories, or be
     makeable as ``mkdir -p`` makes them: a regular file (or other non-directory) at one of
-    them, or above one, is a ConfigError naming its key. For ``--check-config``: the start
-    finds the same when it makes them (:func:`gpud.files.make_dir`)."""
+    them, or above one, is a ConfigError naming its key, as is one that exists but that
+    another user may plant files in (:func:`gpud.files.check_dir`). For ``--check-config``:
+    the start finds the same when it makes them (:func:`gpud.files.make_dir`)."""
     for key, directory in (
         ("daemon.state_dir", config.daemon.state_dir),
         ("daemon.run_dir", config.daemon.run_dir),
@@ -363,14 +365,21 @@ def check_dirs(
     ):
         if key == "api.socket" and config.api.socket is None:
             continue  # the run directory's own socket: checked with it
+        where = source(key, path=path, flags=flags, keys=keys)
         for there in (directory, *directory.parents):
             try:
-                mode = there.stat().st_mode  # a link to a directory is one, as for mkdir
+                st = there.stat()  # a link to a directory is one, as for mkdir
             except (FileNotFoundError, NotADirectoryError):
                 continue  # made at start, as are those below it, or a file above it
             except OSError:
                 break  # not reachable from here (no permission): the start makes or reports it
+            mode = st.st_mode
             if stat.S_ISDIR(mode):
+                if there == directory:  # the start takes it as it is: asked what it asks
+                    try:
+                        files.check_dir(there, st, key)
+                    except ConfigError as err:
+                        raise err.in_file(where) from None
                 break
             above = "" if there == directory else f"cannot make {directory}: "
             kind = _file_kind(mode)
@@ -379,7 +388,7 @@ def check_dirs(
                     kind = f"a symbolic link to {kind}"
             raise ConfigError(
                 f"{above}{there} is {kind}, not a directory: remove it or choose another path",
-                path=source(key, path=path, flags=flags, keys=keys),
+                path=where,
                 key=key,
             )
 

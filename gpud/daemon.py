@@ -182,23 +182,34 @@ WATCHDOG_FEED_SHARE = 0.25
 WATCHDOG_MARGIN_S = 2.0
 
 
+# The loop's steps, in order: MIG first (it changes the devices), then MPS per device, then
+# jobs; the simulated node's jobs (``--simulate``, the last field: only there) end before the
+# cluster's order, which comes before the traffic step that enforces it in the same pass.
+# Each with the daemon's coroutine that runs it.
+_STEPS: tuple[tuple[str, Callable[[Daemon], Callable[[], Awaitable[None]]], bool], ...] = (
+    ("state", lambda d: d._state_step, False),
+    ("socket", lambda d: d._socket_step, False),
+    ("seen", lambda d: d._seen_step, False),
+    ("mig", lambda d: d._mig_step, False),
+    ("mps", lambda d: d._mps_step, False),
+    ("jobs", lambda d: d._jobs_step, False),
+    ("admission", lambda d: d._admission_step, False),
+    ("colo", lambda d: d._colo_step, False),
+    ("sim-jobs", lambda d: d._sim_jobs_step, True),
+    ("cluster", lambda d: d.cluster.tick, False),
+    ("traffic", lambda d: d._traffic_step, False),
+)
+
+
+def _loop_steps(
+    simulated: bool,
+) -> list[tuple[str, Callable[[Daemon], Callable[[], Awaitable[None]]]]]:
+    return [(name, run) for name, run, sim_only in _STEPS if simulated or not sim_only]
+
+
 def loop_steps(*, simulated: bool) -> tuple[str, ...]:
-    """The loop's steps, in order: MIG first (it changes the devices), then MPS per device,
-    then jobs; the simulated node's jobs (``--simulate``) end before the cluster's order,
-    which comes before the traffic step that enforces it in the same pass."""
-    return (
-        "state",
-        "socket",
-        "seen",
-        "mig",
-        "mps",
-        "jobs",
-        "admission",
-        "colo",
-        *(("sim-jobs",) if simulated else ()),
-        "cluster",
-        "traffic",
-    )
+    """The loop's steps' names, in order, on a simulated node (``--simulate``) or not."""
+    return tuple(name for name, _ in _loop_steps(simulated))
 
 
 def loop_interval_s(tick_s: float, watchdog_s: float | None) -> float:
@@ -232,11 +243,27 @@ def worst_watchdog_gap_s(
     return max(loop_interval_s(tick_s, watchdog_s), watchdog_s * WATCHDOG_FEED_SHARE) + longest_step
 
 
-def watchdog_gap_warning(config: Config, watchdog_s: float, gap_s: float) -> str | None:
-    """Why systemd may kill a gpud whose loop still moves, when ``gap_s`` (the worst wait
-    between two ``WATCHDOG=1``) leaves less than ``WATCHDOG_MARGIN_S`` of ``watchdog_s``
-    (the unit's ``WatchdogSec=``, as ``WATCHDOG_USEC`` gives it): the keys that make the gap,
-    and the ``WatchdogSec=`` that fits it. None when it fits."""
+def config_watchdog_warning(
+    config: Config, watchdog_s: float | None, gap_s: float | None = None
+) -> str | None:
+    """Why systemd may kill a gpud whose loop still moves, when the worst wait between two
+    ``WATCHDOG=1`` leaves less than ``WATCHDOG_MARGIN_S`` of ``watchdog_s`` (the unit's
+    ``WatchdogSec=``, as ``WATCHDOG_USEC`` gives it): the keys that make the gap, and the
+    ``WatchdogSec=`` that fits it. ``gap_s``: a running daemon's worst gap
+    (:meth:`Daemon.worst_watchdog_gap_s`); None before a daemon runs (``gpud
+    --check-config``): ``config``'s, with the state database's default waits and the loop's
+    steps for the configured backend. None when it fits, or when systemd does not watch
+    gpud (``watchdog_s`` None)."""
+    if watchdog_s is None:
+        return None
+    if gap_s is None:
+        steps = loop_steps(simulated=config.backend.kind == "sim")
+        gap_s = worst_watchdog_gap_s(
+            watchdog_s,
+            tick_s=config.daemon.tick_s,
+            sample_s=tick_bound_s(config.telemetry.interval_s, config.telemetry.call_timeout_s),
+            refusals_s=worst_refusals_s(len(steps)),
+        )
     if gap_s <= watchdog_s - WATCHDOG_MARGIN_S:
         return None
     t = config.telemetry
@@ -253,22 +280,6 @@ def watchdog_gap_warning(config: Config, watchdog_s: float, gap_s: float) -> str
         f" [Service] WatchdogSec={least}s), or lower telemetry.call_timeout_s or"
         f" telemetry.interval_s"
     )
-
-
-def config_watchdog_warning(config: Config, watchdog_s: float | None) -> str | None:
-    """:func:`watchdog_gap_warning` for ``config`` before a daemon runs (``gpud
-    --check-config``): the state database's default waits, the loop's steps for the
-    configured backend. None when systemd does not watch gpud (``watchdog_s`` None)."""
-    if watchdog_s is None:
-        return None
-    steps = loop_steps(simulated=config.backend.kind == "sim")
-    gap_s = worst_watchdog_gap_s(
-        watchdog_s,
-        tick_s=config.daemon.tick_s,
-        sample_s=tick_bound_s(config.telemetry.interval_s, config.telemetry.call_timeout_s),
-        refusals_s=worst_refusals_s(len(steps)),
-    )
-    return watchdog_gap_warning(config, watchdog_s, gap_s)
 
 
 class Overrun:
@@ -629,7 +640,7 @@ class Daemon:
         if config.traffic.enabled:
             self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get, self.traffic.starting)
         self.collector.add_source(TrafficMetrics(self.traffic))
-        self.cluster = ClusterRuntime(
+        self.cluster: ClusterRuntime = ClusterRuntime(
             config.cluster,
             traffic=self.traffic,
             view=DaemonNodeView(
@@ -689,21 +700,8 @@ class Daemon:
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         self._fed = clock()  # the last WATCHDOG=1 (or READY=1)
-        runs: dict[str, Callable[[], Awaitable[None]]] = {
-            "state": self._state_step,
-            "socket": self._socket_step,
-            "seen": self._seen_step,
-            "mig": self._mig_step,
-            "mps": self._mps_step,
-            "jobs": self._jobs_step,
-            "admission": self._admission_step,
-            "colo": self._colo_step,
-            "sim-jobs": self._sim_jobs_step,
-            "cluster": self.cluster.tick,
-            "traffic": self._traffic_step,
-        }
-        for name in loop_steps(simulated=sim is not None):
-            self.add_step(name, runs[name])
+        for name, run in _loop_steps(simulated=sim is not None):
+            self.add_step(name, run(self))
         # the MPS control daemons are left running for the jobs using them: see MpsManager
         self.on_shutdown(self._mps_stop)
         self._traffic = Overrun("traffic", self._clock)
@@ -1436,16 +1434,12 @@ class Daemon:
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to
         feed the systemd watchdog."""
-        return loop_interval_s(self.config.daemon.tick_s, self._watchdog_s())
+        return loop_interval_s(self.config.daemon.tick_s, self._notifier.watchdog_s)
 
     def overrun_wait_s(self, floor_s: float) -> float:
         """Seconds a pass waits for the traffic tick or the MPS reconcile it started (see
         :class:`Overrun` and :func:`overrun_wait_s`)."""
-        return overrun_wait_s(floor_s, self.config.daemon.tick_s, self._watchdog_s())
-
-    def _watchdog_s(self) -> float | None:
-        """systemd's ``WatchdogSec`` for gpud (``WATCHDOG_USEC``); None when not watched."""
-        return self._notifier.watchdog_s
+        return overrun_wait_s(floor_s, self.config.daemon.tick_s, self._notifier.watchdog_s)
 
     def worst_watchdog_gap_s(self) -> float | None:
         """Seconds the longest wait between two ``WATCHDOG=1`` can be while the loop moves
@@ -1458,7 +1452,7 @@ class Daemon:
         reload before a pass feeds it at its end as a step does. With the
         default telemetry waits, below the shipped unit's ``WatchdogSec`` by 2 s or more; a
         step that never returns feeds it no more, and systemd kills gpud."""
-        watchdog_s = self._watchdog_s()
+        watchdog_s = self._notifier.watchdog_s
         if watchdog_s is None:
             return None
         return worst_watchdog_gap_s(
@@ -1469,12 +1463,11 @@ class Daemon:
         )
 
     def watchdog_warning(self) -> str | None:
-        """What :func:`watchdog_gap_warning` says of this daemon's worst gap between two
+        """What :func:`config_watchdog_warning` says of this daemon's worst gap between two
         ``WATCHDOG=1`` (None when systemd does not watch gpud, or the gap fits)."""
-        watchdog_s, gap_s = self._watchdog_s(), self.worst_watchdog_gap_s()
-        if watchdog_s is None or gap_s is None:
-            return None
-        return watchdog_gap_warning(self.config, watchdog_s, gap_s)
+        return config_watchdog_warning(
+            self.config, self._notifier.watchdog_s, self.worst_watchdog_gap_s()
+        )
 
     def _feed_watchdog(self) -> None:
         self._notifier.watchdog()
@@ -1483,7 +1476,7 @@ class Daemon:
     def _feed_long_pass(self) -> None:
         """After a step that returned: feed the watchdog if the last feed is
         ``WATCHDOG_FEED_SHARE`` of ``WatchdogSec`` ago (a pass held up by hung helpers)."""
-        watchdog_s = self._watchdog_s()
+        watchdog_s = self._notifier.watchdog_s
         if watchdog_s is not None and self._clock() - self._fed >= watchdog_s * WATCHDOG_FEED_SHARE:
             self._feed_watchdog()
 

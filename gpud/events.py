@@ -309,12 +309,22 @@ class EventLog:
     def flush(self, wait_s: float) -> bool:
         """Wait, at most ``wait_s``, until every line said is written to the file (or its
         write failed); whether it was. The daemon's stop calls it after its last event; one
-        still queued then (the file's disk hangs) is said in a warning: the journal has it."""
+        still queued then (the file's disk hangs) is said in a warning: the journal has it.
+        Lines a writer that raised (not an ``OSError``) left for the next emitter, which at
+        the stop does not come, are written by a thread of its own, still within
+        ``wait_s``."""
+        deadline = time.monotonic() + max(0.0, wait_s)
         with self._written:
-            # lines left behind by a writer that raised wait for the next emitter
-            if self._written.wait_for(
-                lambda: not self._writing and not self._lines, timeout=max(0.0, wait_s)
-            ):
+            while self._writing or self._lines:
+                if not self._writing:
+                    self._writing = True
+                    threading.Thread(
+                        target=self._write_left, name="event-log-flush", daemon=True
+                    ).start()
+                left_s = deadline - time.monotonic()
+                if left_s <= 0 or not self._written.wait(left_s):
+                    break
+            else:
                 return True
             left = len(self._lines) + self._writing  # and the one being written
         log.warning(
@@ -324,6 +334,15 @@ class EventLog:
             left,
         )
         return False
+
+    def _write_left(self) -> None:
+        """By :meth:`flush`: write the lines a writer that raised left behind, as the next
+        emitter would; one that raises again loses its line (counted), the rest are taken
+        up by the flush once more."""
+        try:
+            self._write_lines()
+        except Exception:
+            log.exception("cannot write the event log %s", self._path)
 
     def _write_lines(self) -> None:
         """By the emitter that set ``_writing``: write the lines said and not yet written,

@@ -54,10 +54,18 @@ def make_dir(path: Path, key: str, mode: int) -> str:
         st = path.stat()
     except OSError as err:
         raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+    check_dir(path, st, key)
+    return made_said(key, created, st)
+
+
+def check_dir(path: Path, st: os.stat_result, key: str) -> None:
+    """What :func:`make_dir` asks of a directory of gpud's that is there (``st``: its
+    ``stat``, through a symbolic link as ``mkdir -p`` goes): that it is one, and one no user
+    but gpud's own may plant files in (:func:`check_private`); a ConfigError naming ``key``
+    when not. ``gpud --check-config`` asks the same of one that exists, without making."""
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
     check_private(path, st, key, euid=os.geteuid())
-    return made_said(key, created, st)
 
 
 def made_said(key: str, created: list[Path], st: os.stat_result) -> str:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import resource
-import shutil
 import socket
 import stat
 import sys
@@ -193,18 +192,12 @@ def mps_binary_warning(
     warning says which uid was checked."""
     if not cfg.mps.enabled or mps_control_command(cfg) != [cfg.mps.control_binary]:
         return ""
-    from gpud.mps.daemon import DEFAULT_BASE_ENV
+    from gpud.mps.daemon import DEFAULT_BASE_ENV, exec_failure
 
     binary = cfg.mps.control_binary
-    search = DEFAULT_BASE_ENV["PATH"]
-    if shutil.which(binary, path=search):
+    why = exec_failure(binary, DEFAULT_BASE_ENV["PATH"])
+    if not why:
         return ""
-    if "/" not in binary:
-        why = f"no such file in PATH ({search})"
-    elif os.path.exists(binary):
-        why = "not an executable file"
-    else:
-        why = "no such file"
     uid = os.getuid() if uid is None else uid
     if uid != 0:
         why += f" (checked as uid {uid})"
@@ -387,7 +380,7 @@ def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
 
 
 def check_listen_hosts(
-    cfg: config.Config, *, path: str, flags: Collection[str] = (), keys: Collection[str] = ()
+    cfg: config.Config, *, path: str, flags: Collection[str] = (), keys: Collection[str]
 ) -> None:
     """That the hosts of ``metrics.address``, ``api.tcp_address`` and (with etcd)
     ``cluster.listen`` resolve to addresses of this host, as the start will need: a socket bound to each on port 0 (any free port),

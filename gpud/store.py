@@ -189,9 +189,12 @@ class StateStore:
         self._write_wait_s = write_wait_s
         self._in_use_wait_s = in_use_wait_s
         # why the latest change was not written, and when (clock): gpuctl status says it;
-        # whether another process's lock refused it (then any lock taken ends it)
-        self._refused: tuple[str, float] | None = None
-        self._refused_in_use = False
+        # and whether another process's lock refused it (then any lock taken ends it). One
+        # tuple, set whole: write_problem reads it without the lock
+        self._refused: tuple[str, float, bool] | None = None
+        # the writer's busy timeout (ms) as last set, None when not known: a transaction
+        # sets it only when its wait differs, not with a statement on every write
+        self._busy_ms: int | None = None
         # the database or its WAL found removed or replaced: why, and since when (clock);
         # for good, until the restart
         self._gone: tuple[str, float] | None = None
@@ -228,7 +231,7 @@ class StateStore:
         try:
             self._conn.row_factory = sqlite3.Row
             damage = self._first_steps(deadline, warn_at)
-            self._conn.execute(f"PRAGMA busy_timeout = {round(write_wait_s * 1000)}")
+            self._set_busy_timeout(round(write_wait_s * 1000))
         except sqlite3.Error as err:
             self._conn.close()
             raise _open_error(self.path, err) from None
@@ -318,6 +321,15 @@ class StateStore:
         (the store's clock) at most: SQLite's busy timeout, which counts per statement."""
         left_ms = max(0, round((until - self._clock()) * 1000))
         conn.execute(f"PRAGMA busy_timeout = {left_ms}")
+        if conn is self._conn:
+            self._busy_ms = left_ms
+
+    def _set_busy_timeout(self, ms: int) -> None:
+        """The writer's connection's busy timeout (SQLite's wait for another process's lock
+        on the file), set only when it changes: each transaction asks for one."""
+        if ms != self._busy_ms:
+            self._conn.execute(f"PRAGMA busy_timeout = {ms}")
+            self._busy_ms = ms
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -426,7 +438,8 @@ class StateStore:
                 asked + self._write_wait_s - began, min(_LOCK_WAIT_FLOOR_S, self._write_wait_s)
             )
             starting = self._starting
-            if self._refused_in_use and starting is None:
+            kept = self._refused
+            if kept is not None and kept[2] and starting is None:
                 # the lock is known held: the first refusal waited for it in full; the
                 # rest only look whether it was let go, until one commits
                 lock_wait_s = min(lock_wait_s, self._in_use_wait_s)
@@ -434,7 +447,7 @@ class StateStore:
                 if starting is not None and starting[0] - began > lock_wait_s:
                     self._open_step(self._conn, "BEGIN IMMEDIATE", *starting)
                 else:
-                    self._conn.execute(f"PRAGMA busy_timeout = {round(lock_wait_s * 1000)}")
+                    self._set_busy_timeout(round(lock_wait_s * 1000))
                     self._conn.execute("BEGIN IMMEDIATE")
                 self._writer = threading.get_ident()
                 try:
@@ -447,8 +460,9 @@ class StateStore:
                     self._conn.execute("COMMIT")
                     # only a change written shows the disk takes writes again; any lock
                     # taken, that another process's lock was let go
-                    if changed or self._refused_in_use:
-                        self._refused, self._refused_in_use = None, False
+                    kept = self._refused
+                    if changed or (kept is not None and kept[2]):
+                        self._refused = None
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):
                     # never leave a transaction open for the next caller to nest in.
@@ -498,7 +512,7 @@ class StateStore:
         lasts (a disk full for hours) keeps the time it began, whatever refused since."""
         kept = self._refused
         since = kept[1] if kept is not None and kept[0] == why else self._clock()
-        self._refused, self._refused_in_use = (why, since), in_use
+        self._refused = (why, since, in_use)
 
     def write_began(self) -> float | None:
         """When the transaction under way began (the store's clock; its wait for another
@@ -558,7 +572,8 @@ class StateStore:
         nothing when it is freed: the next change tells; another process's lock, until a
         transaction takes the lock). Read without a lock (``gpuctl status`` never waits
         for a writer): each is one attribute, set whole."""
-        return self._gone or self._refused
+        refused = self._refused
+        return self._gone or (refused[:2] if refused is not None else None)
 
     def _save_once(self) -> tuple[str, str]:
         """:meth:`_save_replaced` for files found not kept, until it is done for good (the

@@ -64,18 +64,31 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
 HELD_UP_S = 1.0
 
 
-def _held_up(files: pb.StateFilesStatus) -> list[tuple[str, float]]:
-    """The state files whose write under way has run :data:`HELD_UP_S` or more, and for
-    how long."""
-    running = [
-        ("state database", files.state_db_write_seconds)
-        if files.HasField("state_db_write_seconds")
-        else None,
-        ("event log", files.event_log_write_seconds)
-        if files.HasField("event_log_write_seconds")
-        else None,
-    ]
-    return [held for held in running if held is not None and held[1] >= HELD_UP_S]
+def _held_up(files: pb.StateFilesStatus) -> list[tuple[str, str]]:
+    """The state files whose write under way has run :data:`HELD_UP_S` or more: each one's
+    name, and a line saying for how long and what it means."""
+    held = []
+    running = files.state_db_write_seconds
+    if files.HasField("state_db_write_seconds") and running >= HELD_UP_S:
+        held.append(
+            (
+                "state database",
+                f"state database {files.state_db_path}: a write has run for {seconds(running)}"
+                " (its disk hangs, or another process holds its lock? the change is kept"
+                " once it ends)",
+            )
+        )
+    running = files.event_log_write_seconds
+    if files.HasField("event_log_write_seconds") and running >= HELD_UP_S:
+        queued = files.event_log_lines_queued
+        held.append(
+            (
+                "event log",
+                f"event log {files.event_log_path}: {queued} {'line' if queued == 1 else 'lines'}"
+                f" queued for {seconds(running)} (its disk hangs? the journal has them)",
+            )
+        )
+    return held
 
 
 def _state_files(files: pb.StateFilesStatus) -> str:
@@ -84,7 +97,7 @@ def _state_files(files: pb.StateFilesStatus) -> str:
         name
         for name, error in (
             ("state database", files.state_db_error),
-            ("event log", files.event_log_error or files.event_log_lines_missing),
+            ("event log", files.event_log_error),
         )
         if error
     ]
@@ -108,27 +121,14 @@ def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
             f"state database {files.state_db_path} cannot be written: {files.state_db_error}"
             f" ({since}a refused change is not kept)"
         )
-    if files.event_log_error or files.event_log_lines_missing:
-        why = files.event_log_error or "write failed"
+    if files.event_log_error:  # the count of lines it lacks comes only with its reason
         missing = files.event_log_lines_missing
         lines.append(
-            f"event log {files.event_log_path} cannot be written: {why}; it lacks"
+            f"event log {files.event_log_path} cannot be written: {files.event_log_error}; it lacks"
             f" {missing} {'event' if missing == 1 else 'events'} since (the journal and"
             " gpuctl events have them)"
         )
-    for name, running in _held_up(files):
-        if name == "state database":
-            lines.append(
-                f"state database {files.state_db_path}: a write has run for {seconds(running)}"
-                " (its disk hangs, or another process holds its lock? the change is kept"
-                " once it ends)"
-            )
-        else:
-            queued = files.event_log_lines_queued
-            lines.append(
-                f"event log {files.event_log_path}: {queued} {'line' if queued == 1 else 'lines'}"
-                f" queued for {seconds(running)} (its disk hangs? the journal has them)"
-            )
+    lines.extend(line for _, line in _held_up(files))
     return lines
 
 

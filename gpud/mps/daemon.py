@@ -41,6 +41,49 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BASE_ENV: Mapping[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"}
 
+
+# execve's ENOENT for a file that is there: ``ls`` would seem to deny it
+_NO_INTERPRETER = "exists but cannot be run (its interpreter or loader missing?)"
+
+
+def exec_failure(program: str, search: str, err: OSError | None = None) -> str:
+    """Why execve refused the control binary ``program`` (``err``: what it raised), or would
+    refuse it (None: judged from the file, with this process's real uid as ``access(2)``
+    checks), in words; "" when it would run it. A name without a ``/`` is looked up in
+    ``search``, the PATH the daemons are started with. ENOENT also comes for a file that is
+    there when its ``#!`` interpreter or its ELF loader is not."""
+    if "/" not in program:
+        found = shutil.which(program, path=search) or shutil.which(
+            program, mode=os.F_OK, path=search
+        )
+        if found is None and (err is None or isinstance(err, FileNotFoundError)):
+            return f"no such file in PATH ({search})"
+        program = found or program
+    if err is None:
+        if not os.path.exists(program):
+            return "no such file"
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            return "not an executable file"
+        return _NO_INTERPRETER if _interpreter_missing(program) else ""
+    if isinstance(err, FileNotFoundError):
+        return _NO_INTERPRETER if os.path.exists(program) else "no such file"
+    return err.strerror or str(err)
+
+
+def _interpreter_missing(program: str) -> bool:
+    """Whether ``program`` is a script whose ``#!`` interpreter is not there, as the kernel
+    reads the line (the first word after ``#!``, up to the first 255 bytes)."""
+    try:
+        with open(program, "rb") as script:
+            head = script.read(256)
+    except OSError:
+        return False  # execve says what it finds at the start
+    if not head.startswith(b"#!"):
+        return False
+    words = head[2:].split(b"\n", 1)[0].split()
+    return bool(words) and not os.path.exists(words[0])
+
+
 # How a daemon went: ``quit`` (it obeyed ``echo quit | nvidia-cuda-mps-control``),
 # ``sigterm`` or ``sigkill`` (it ignored ``quit``, or did not answer, and that signal ended
 # it), ``exited`` (it went unasked: no ``quit`` could reach it, or none ran).
@@ -352,24 +395,10 @@ class ControlDaemon:
             ) from err
         except OSError as err:
             # the program mps.control_binary names: the key is what the operator mends
+            program = self._command[0]
+            why = exec_failure(program, self.env.get("PATH", ""), err)
             raise BackendError(
-                f"cannot run mps.control_binary: {self._command[0]}: {self._exec_failure(err)}",
+                f"cannot run mps.control_binary: {program}: {why}",
                 uuid=self.uuid,
                 call="exec",
             ) from err
-
-    def _exec_failure(self, err: OSError) -> str:
-        """Why execve refused the control binary, in words: ENOENT also comes for a file
-        that is there when its ``#!`` interpreter or its ELF loader is not, which ``ls``
-        would seem to deny."""
-        program = self._command[0]
-        if "/" not in program:
-            found = shutil.which(program, path=self.env.get("PATH", ""))
-            if found is None and isinstance(err, FileNotFoundError):
-                return f"no such file in PATH ({self.env.get('PATH', '')})"
-            program = found or program
-        if isinstance(err, FileNotFoundError):
-            if not os.path.exists(program):
-                return "no such file"
-            return "exists but cannot be run (its interpreter or loader missing?)"
-        return err.strerror or str(err)

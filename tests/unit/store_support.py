@@ -25,13 +25,18 @@ class CountingStore(StateStore):
 
 
 def lock_waits(store: StateStore) -> list[int]:
-    """The busy timeouts (ms) the store's writer sets from now on: each a transaction's
-    wait for another process's lock (counted, not timed)."""
+    """The busy timeouts (ms) the store's writer begins its transactions with from now on,
+    one for each: its wait for another process's lock (counted, not timed). The writer sets
+    the timeout only when it changes: the one in effect at each ``BEGIN`` is taken."""
     waits: list[int] = []
+    (now,) = store._conn.execute("PRAGMA busy_timeout").fetchone()
+    current = [int(now)]
 
     def heard(statement: str) -> None:
         if statement.startswith("PRAGMA busy_timeout = "):
-            waits.append(int(statement.rsplit(" ", 1)[1]))
+            current[0] = int(statement.rsplit(" ", 1)[1])
+        elif statement == "BEGIN IMMEDIATE":
+            waits.append(current[0])
 
     store._conn.set_trace_callback(heard)
     return waits

@@ -477,6 +477,24 @@ def test_the_control_binary_warning_says_the_uid_it_was_checked_as_when_not_root
     assert as_user == f"{said} (checked as uid 1000)"
 
 
+def test_the_control_binary_warning_says_a_script_whose_interpreter_is_missing_as_the_start_will(
+    tmp_path: Path,
+) -> None:
+    """``ls`` shows it executable, and execve refuses it with ENOENT: warned of before the
+    start in the words the start's ``mps.start_failed`` uses, not taken as one that runs."""
+    orphan = tmp_path / "orphan-mps-control"
+    orphan.write_text("#!/nonexistent/interpreter\n")
+    orphan.chmod(0o755)
+    path = write(tmp_path, f'[mps]\nenabled = true\ncontrol_binary = "{orphan}"\n')
+    cfg, keys = config.read(path)
+    assert mps_binary_warning(cfg, path=str(path), keys=keys, uid=0) == (
+        f"{path}:mps.control_binary: {orphan}: exists but cannot be run (its interpreter or"
+        " loader missing?)"
+    )
+    orphan.write_text("#!/bin/sh\n")
+    assert mps_binary_warning(cfg, path=str(path), keys=keys, uid=0) == ""
+
+
 def test_a_state_or_run_dir_that_is_or_sits_under_a_link_to_a_directory_is_taken(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -610,6 +628,26 @@ def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there
         " lock, socket and state files in a directory of its own" in capsys.readouterr().err
     )
     assert victim.read_text() == "root's file\n"
+
+
+def test_check_config_refuses_a_state_dir_every_user_may_write_to_as_the_start_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check-config, run before a start (ExecStartPre=), says what the start would
+    refuse, in the start's words, rather than "config OK" for a gpud restarted forever."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cfg = write(tmp_path, f'[daemon]\nstate_dir = "{shared}"\n[metrics]\nenabled = false\n')
+    flags = ["--config", str(cfg), "--simulate", "--run-dir", str(tmp_path / "run")]
+    said = (
+        f"{cfg}:daemon.state_dir: {shared} is writable by every user (mode 777): gpud keeps"
+        " its lock, socket and state files in a directory of its own"
+    )
+    assert main([*flags, "--check-config"]) == 2
+    assert f"gpud: config error: {said}" in capsys.readouterr().err
+    assert main(flags) == 1
+    assert f"gpud: {said}" in capsys.readouterr().err
 
 
 def test_a_directory_another_user_owns_is_refused(tmp_path: Path) -> None:

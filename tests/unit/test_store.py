@@ -174,6 +174,33 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     store.close()
 
 
+def test_writes_that_wait_alike_set_the_busy_timeout_once_not_each(tmp_path: Path) -> None:
+    """Every transaction asks for its wait for another process's lock: one that asks the
+    same wait as the one before runs no ``PRAGMA busy_timeout`` (a statement on each
+    write of every pass); one that asks another sets it."""
+    now = [7.0]
+    store = _started(tmp_path, clock=lambda: now[0], write_wait_s=0.6, in_use_wait_s=0.05)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('first')")
+    said: list[str] = []
+    store._conn.set_trace_callback(said.append)
+    for _ in range(3):
+        with store.transaction() as conn:
+            conn.execute("INSERT INTO t (v) VALUES ('again')")
+    assert [s for s in said if s.startswith("PRAGMA busy_timeout")] == []
+    assert said.count("BEGIN IMMEDIATE") == 3
+    with (
+        held_write_lock(tmp_path / DB_NAME),
+        pytest.raises(StateInUse),
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    with store.transaction() as conn:  # the lock known held: looked at, not waited for
+        conn.execute("INSERT INTO t (v) VALUES ('let go')")
+    assert [s for s in said if s.startswith("PRAGMA busy_timeout")] == ["PRAGMA busy_timeout = 50"]
+    store.close()
+
+
 def test_writes_after_one_refused_by_another_process_s_lock_only_look_whether_it_was_let_go(
     tmp_path: Path,
 ) -> None:
