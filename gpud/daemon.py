@@ -755,14 +755,11 @@ class Daemon:
         await self.api.keep_socket()
 
     async def _mig_step(self) -> None:
-        """The MIG reconcile; where it changed a layout, a sample out of turn, so that the
-        MPS step next works from the devices now there, not from the last tick's (it would
-        start a control daemon for each MIG device just destroyed, and stop it as gone a
-        tick later), as after a `gpuctl mig apply`. A GPU reset alone (a pending MIG mode made
-        current) is such a change."""
-        outcomes = await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
-        if outcomes and any(o.steps for o in outcomes):
-            await asyncio.to_thread(self._sample_again)
+        """The MIG reconcile. Where it changes a GPU (a reset alone, a pending MIG mode made
+        current, included) the manager reads the devices again before that GPU's hold ends
+        (``after_change``: :meth:`_devices_changed`), so the MPS step next works from the
+        devices now there, not from the last tick's, as after a `gpuctl mig apply`."""
+        await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
 
     async def _seen_step(self) -> None:
         changes = self.seen.changes(self._identities())
