@@ -455,6 +455,13 @@ def test_mps_limits_on_a_mig_device_survive_its_re_creation(
         return devices
 
     def body() -> None:
+        # the GPUs' MPS control daemons are up: one gpud is still starting holds its daemon
+        # past the apply's wait for it, and the apply fails that GPU as busy
+        until(
+            lambda: [bool(d.get("up")) for d in mps_devices()] == [True, True],
+            "the two MPS control daemons did not come up",
+            30,
+        )
         code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
         assert code == 0, out + err
         deadline = time.monotonic() + 20

@@ -1052,10 +1052,12 @@ def test_a_run_started_ignoring_sighup_ignores_it_and_so_does_its_command(
     assert ends == [RunEnd(EndCause.EXITED, exit_code=6)]
 
 
-def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryRow, float]:
+def removed_while_running(
+    node: Node, command: list[str], under_way: Path
+) -> tuple[int, HistoryRow, float]:
     """Run ``command`` as job ``w`` with `gpuctl run` and remove the job with `gpuctl jobs
-    rm --force` while it runs: gpuctl's exit status, the run's history row, and when the
-    removal returned."""
+    rm --force` once it runs (it writes ``under_way`` once ready for the SIGTERM): gpuctl's
+    exit status, the run's history row, and when the removal returned."""
     import threading
     import time
 
@@ -1072,11 +1074,7 @@ def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryR
     )
     run.start()
     try:
-        for _ in range(200):
-            if node.jobs.reservations.held("w"):
-                break
-            run.join(0.05)
-        time.sleep(0.3)  # the command is under way (a shell has set its trap)
+        until(under_way.exists, "the command is under way")
         assert node.ctl("jobs", "rm", "--force", "w") == 0
         removed = time.time()
     finally:
@@ -1087,12 +1085,14 @@ def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryR
 
 
 def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
-    node: Node, capsys: pytest.CaptureFixture[str]
+    node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """`gpuctl jobs rm --force` while `gpuctl run` runs: the command gets SIGTERM, and the
     release its gpuctl then sends is taken, not NOT_FOUND: the history keeps both what
     ended the run (`removed`) and how its command ended (SIGTERM)."""
-    code, row, _ = removed_while_running(node, ["sleep", "60"])
+    under_way = tmp_path / "under-way"
+    command = ["sh", "-c", f"touch {under_way}; exec sleep 60"]
+    code, row, _ = removed_while_running(node, command, under_way)
     assert code == 128 + 15
     err = capsys.readouterr().err
     assert "job w was removed (gpuctl jobs rm --force) while its command ran" in err
@@ -1101,13 +1101,14 @@ def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
 
 
 def test_a_removed_run_ran_until_its_command_exited(
-    node: Node, capsys: pytest.CaptureFixture[str]
+    node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """A command that takes a while to exit after the SIGTERM of `gpuctl jobs rm --force`:
     the history's end of its run (what `gpuctl jobs history` shows as RAN, and the quotes
     take for its run time) is when it exited, as its gpuctl reports it, not the removal."""
-    slow = 'trap "sleep 1; exit 0" TERM; sleep 60 & wait'
-    code, row, removed = removed_while_running(node, ["sh", "-c", slow])
+    under_way = tmp_path / "under-way"
+    slow = f'trap "sleep 1; exit 0" TERM; touch {under_way}; sleep 60 & wait'
+    code, row, removed = removed_while_running(node, ["sh", "-c", slow], under_way)
     assert code == 0
     assert "released already" not in capsys.readouterr().err
     assert (row.exit_code, row.end_cause) == (0, "removed")
@@ -1180,18 +1181,21 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
         gpud = Restarting(root)
         try:
             codes: list[int] = []
+            started_mark, go = root / "started", root / "go"
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
-            command = ["sh", "-c", "sleep 0.5; exit 7"]
+            # the command exits only once gpud is down, however long stopping it takes
+            script = f"touch {started_mark}; until [ -e {go} ]; do sleep 0.02; done; exit 7"
             run = threading.Thread(
-                target=lambda: codes.append(gpuctl([*argv, *command], env={})), daemon=True
+                target=lambda: codes.append(gpuctl([*argv, "sh", "-c", script], env={})),
+                daemon=True,
             )
             run.start()
-            for _ in range(200):
-                if gpud.jobs.reservations.held("j"):
-                    break
-                run.join(0.05)
+            # the command runs: gpuctl's calls before it have all been answered
+            until(started_mark.exists, "the command started")
             gpud.stop()  # killed: systemd starts it again RestartSec later
-            said.event.wait(10)  # the command exited, its release was refused
+            go.touch()
+            # the command exited, its release was refused
+            assert said.event.wait(60), "gpuctl never said gpud was not answering"
             time.sleep(0.3)
             back = time.time()
             gpud.start()
@@ -1200,6 +1204,7 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
             assert not run.is_alive()
             (row,) = gpud.admission.history()
         finally:
+            go.touch()  # a command still waiting ends with the test
             gpud.close()
     assert codes == [7]
     assert (row.exit_code, row.exit_signal, row.end_cause) == (7, None, "exited")
@@ -1221,7 +1226,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
     with short_dir() as root:
         gpud = Restarting(root)
 
-        started_mark = root / "started"
+        started_mark, go = root / "started", root / "go"
 
         def stop_gpud_then_ctrl_c() -> None:
             # the command runs: gpuctl's calls before it have all been answered
@@ -1230,7 +1235,8 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
                     break
                 time.sleep(0.05)
             gpud.stop()
-            if said.event.wait(10):
+            go.touch()  # the command exits only once gpud is down
+            if said.event.wait(60):
                 os.kill(os.getpid(), signal.SIGINT)
 
         helper = threading.Thread(target=stop_gpud_then_ctrl_c, daemon=True)
@@ -1238,11 +1244,12 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
         try:
             started = time.monotonic()
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
-            command = f"touch {started_mark}; sleep 1; exit 7"
+            command = f"touch {started_mark}; until [ -e {go} ]; do sleep 0.02; done; exit 7"
             code = gpuctl([*argv, "sh", "-c", command], env={})
             took = time.monotonic() - started
         finally:
             helper.join(30)
+            go.touch()  # a command still waiting ends with the test
             gpud.close()
     assert code == 7 and took < 30
     err = capsys.readouterr().err
