@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -12,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster.election import EtcdElection
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.election import EtcdElection, LeaderInfo
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.cluster.problems import EtcdProblemBoard
+from gpud.net.port import FakeTraffic
 from tools.etcd_local import LocalEtcd, etcd_binary
 
 pytestmark = [
@@ -431,3 +436,61 @@ def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_pa
     info = election.state()
     assert (info.store_ok, info.store_state) == (False, "refused")
     assert "refused user gpud the keys" in info.detail
+
+
+async def _round(*agents: ClusterAgent) -> None:
+    for a in agents:
+        await a.tick()
+
+
+def test_a_gpud_refused_under_a_nodes_name_publishes_its_problem_apart_from_the_nodes(
+    etcd: LocalEtcd,
+) -> None:
+    """Two gpuds configured with one cluster.node: the one the leader refuses publishes
+    why under its own instance, named with its host and pid and saying that it holds; the
+    one the leader takes keeps the node's own entry, and its problems, published and
+    cleared, neither overwrite nor remove the refused one's."""
+    from tests.unit.test_cluster_agent import Clock as AgentClock
+    from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
+
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+
+    def board() -> EtcdProblemBoard:
+        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+        return EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
+
+    clock, peers, twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False)
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    peers.leader = twins_peers.leader = leader
+    refused = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board())
+    taken = agent("n1", info, FakeTraffic((job("z", 0.5),)), twins_peers, clock, problems=board())
+    reader = board()
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await _round(leader, refused, taken)
+        assert refused.last_error_kind == "duplicate_node" and taken.last_error == ""
+        (problem,) = reader.read()
+        assert (problem.node, problem.instance, problem.kind) == (
+            "n1",
+            refused.instance,
+            "duplicate_node",
+        )
+        assert problem.gpud == refused.gpud and problem.gpud.endswith(f"pid {os.getpid()}")
+        assert problem.mode == refused.mode.value and problem.mode in ("holding", "local")
+        # the gpud the leader takes cannot reach it a while: its own entry, beside the other
+        twins_peers.leader = None
+        await _round(leader, refused, taken)
+        by_instance = {p.instance: p for p in reader.read()}
+        assert set(by_instance) == {"", refused.instance}
+        assert by_instance[""].kind == "leader_unreachable"
+        assert by_instance[refused.instance].kind == "duplicate_node"
+        # it reaches the leader again: its entry goes, the refused one's stays
+        twins_peers.leader = leader
+        await _round(leader, refused, taken)
+        assert [(p.node, p.instance) for p in reader.read()] == [("n1", refused.instance)]
+        await refused.close()  # a clean stop withdraws it
+        assert reader.read() == []
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms, TagStore
-from gpud.cluster.problems import Problem, ProblemBoard
+from gpud.cluster.problems import NODE, Problem, ProblemBoard, Writer
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, LocalReport, OrderResult
@@ -622,17 +622,21 @@ class Board:
         self.writes: list[tuple[str, str]] = []
         self.down = False
 
-    def publish(self, node: str, message: str, since: float, kind: str) -> None:
+    def publish(self, node: str, message: str, since: float, kind: str, by: Writer = NODE) -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
-        self.writes.append(("publish", node))
-        self.entries[node] = Problem(node, message, since, kind)
+        key = f"{node}/{by.instance}" if by.instance else node
+        self.writes.append(("publish", key))
+        self.entries[key] = Problem(
+            node, message, since, kind, by.instance, by.gpud, by.mode or None
+        )
 
-    def clear(self, node: str) -> None:
+    def clear(self, node: str, *, instance: str = "") -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
-        self.writes.append(("clear", node))
-        self.entries.pop(node, None)
+        key = f"{node}/{instance}" if instance else node
+        self.writes.append(("clear", key))
+        self.entries.pop(key, None)
 
     def read(self) -> list[Problem]:
         if self.down:
@@ -661,7 +665,15 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes == [("publish", "n1")]
     (problem,) = (await leader.status_with_nodes()).problems
     # with its kind, for scripts to branch on rather than on the message's words
-    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
+    assert problem == Problem(
+        "n1",
+        "leader n0 at a0: UNAVAILABLE",
+        1.7e9,
+        "leader_unreachable",
+        "",
+        follower.gpud,
+        "local",
+    )
     assert follower.last_error_kind == "leader_unreachable"
     # the same problem is published again only as its lease asks, keeping when it began
     wall.now += 5
