@@ -2766,6 +2766,73 @@ def test_jobs_ls_shows_whose_runs_hold_each_job_and_owners_default_to_the_caller
     }
 
 
+class Waiting(queue_pb2_grpc.QueueServicer, colo_pb2_grpc.ColocationServicer):
+    """A queue with one run waiting for job ``queued`` (user bob) and one started for
+    ``started``, and a co-location loop with one run waiting for job ``colo-waits`` (cy)."""
+
+    async def ListQueue(
+        self, request: queue_pb2.ListQueueRequest, context: Any
+    ) -> queue_pb2.ListQueueResponse:
+        return queue_pb2.ListQueueResponse(
+            entries=[
+                queue_pb2.QueueEntry(
+                    id="0a1b2c3d4e5f",
+                    job="queued",
+                    state=queue_pb2.ENTRY_STATE_QUEUED,
+                    position=1,
+                    holder_uid=1001,
+                    holder_user="bob",
+                ),
+                queue_pb2.QueueEntry(
+                    id="5f4e3d2c1b0a",
+                    job="started",
+                    state=queue_pb2.ENTRY_STATE_STARTED,
+                    holder_uid=1002,
+                    holder_user="eve",
+                ),
+            ]
+        )
+
+    async def ShowColo(
+        self, request: colo_pb2.ShowColoRequest, context: Any
+    ) -> colo_pb2.ShowColoResponse:
+        waiter = colo_pb2.ColoWaiter(job="colo-waits", id="9f8e", holder_uid=1003, holder_user="cy")
+        return colo_pb2.ShowColoResponse(enabled=True, waiting=[waiter])
+
+    def register(self, server: Any) -> None:
+        queue_pb2_grpc.add_QueueServicer_to_server(self, server)
+        colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
+
+
+def test_jobs_ls_shows_the_user_of_a_run_waiting_for_a_job_as_gpuctl_queue_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job whose run waits in the admission queue, or for co-location, holds no
+    reservation yet: USER is the waiting run's user all the same, as `gpuctl queue` shows
+    it, and --json carries the job's waiting runs as `gpuctl queue --json` does
+    (holder_uid, holder_user); a started entry's user is its reservation's to say."""
+    with serving(Waiting().register) as n:
+        for name in ("queued", "started", "colo-waits", "idle"):
+            n.jobs.add(JobSpec(name))
+        assert n.ctl("jobs", "ls") == 0
+        rows = {r.split()[0]: r.split()[3] for r in capsys.readouterr().out.splitlines()[1:]}
+        assert rows == {"colo-waits": "cy", "idle": "-", "queued": "bob", "started": "-"}
+        assert n.ctl("--json", "jobs", "ls") == 0
+        jobs = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    queued = jobs["queued"]["queue_entries"]
+    assert [(e["id"], e["holder_uid"], e["holder_user"]) for e in queued] == [
+        ("0a1b2c3d4e5f", 1001, "bob")
+    ]
+    (waiter,) = jobs["colo-waits"]["colo_waiting"]
+    assert (waiter["holder_uid"], waiter["holder_user"], waiter["waiting_on"]) == (
+        1003,
+        "cy",
+        "co-location",
+    )
+    assert jobs["started"]["queue_entries"] == [] and jobs["idle"]["colo_waiting"] == []
+    assert "reservations" in jobs["queued"] and "owner" in jobs["queued"]  # fields kept
+
+
 class _Reused:
     """stderr that, as gpuctl says what its command left, has process 41 end and its PID
     go to a process of no run (saying it may block: a full pipe, a stopped terminal)."""
