@@ -90,10 +90,6 @@ def report_error_kind(err: GpudError) -> str:
     return LEADER_UNREACHABLE
 
 
-# a second gpud under another's node name: its problem is published keyed by its instance,
-# so that the gpud the leader takes keeps the node's own entry (see gpud.cluster.problems)
-DUPLICATE_KINDS = frozenset({DUPLICATE_NODE, LEADER_KEY_HELD})
-
 # gone once this node leads: what report_error_kind gives (about reaching the leader: no
 # leader to reach but itself), and no other holder of its key
 LEADER_KINDS = frozenset(
@@ -561,11 +557,16 @@ class ClusterAgent:
         ):
             return
         board, was = self._problems, self._published_instance
-        instance = self.instance if kind in DUPLICATE_KINDS else ""
+        # A gpud the leader refused as a second one under the node's name publishes keyed
+        # by its instance, so that the gpud the leader takes keeps the node's own entry.
+        # Not with leader_key_held: the key's holder may as well be this gpud's own
+        # previous run (killed while it led), which gpud cannot tell from another gpud.
+        instance = self.instance if kind == DUPLICATE_NODE else ""
         try:
             if message and self._published[0] and instance != was:
                 # the entry changes key (refused as a duplicate, or no longer): the one
-                # under the old key goes, or it would linger for its lease
+                # under the old key goes, or it would linger for its lease; only as far as
+                # this process's lease still holds it (the other gpud may have written it)
                 await asyncio.to_thread(board.clear, self.node, instance=was)
             if message:
                 by = Writer(instance, mode, self.gpud)

@@ -3,11 +3,13 @@
 A node that cannot reach the leader, or whose report or certificate the leader refuses,
 is the one that knows why (the leader's TLS stack sees only a failed handshake). So each
 node publishes its own ``last_error`` in etcd, ``<prefix>/problems/<node>`` = ``{"message":
-..., "kind": ..., "since": <Unix time>, "for_s": <seconds it has lasted>, "mode": ..., "gpud":
-"<host> pid <pid>"}`` (``etcdctl get --prefix <prefix>/problems/``), on a lease of ``ttl_s`` renewed by publishing again, and deletes it
-once the problem is gone. The entry keeps one lease for as long as it lasts (``etcdctl
-lease list``: one per node with a problem); a clean stop revokes it, so the entry goes at
-once, and a node killed (or cut off from etcd) drops out when the lease expires.
+..., "kind": ..., "since": <Unix time>, "for_s": <seconds it has lasted>, "mode": ...,
+"gpud": "<host> pid <pid>"}`` (``etcdctl get --prefix <prefix>/problems/``), on a lease of
+``ttl_s`` renewed by publishing again, and revokes that lease once the problem is gone: the
+entry goes with it, unless another gpud under the node's name wrote the key since, on its
+own lease. The entry keeps one lease for as long as it lasts (``etcdctl lease list``: one
+per node with a problem); a clean stop revokes it, so the entry goes at once, and a node
+killed (or cut off from etcd) drops out when the lease expires.
 ``gpuctl cluster status`` on any node lists them. ``kind`` is the node's
 ``last_error_kind`` (``leader_unreachable``, ``tls_handshake``...), for scripts to branch
 on rather than on the message's words; an entry of an older gpud has none (read as None).
@@ -75,7 +77,10 @@ class ProblemBoard(Protocol):
         ``node``'s name."""
         ...
 
-    def clear(self, node: str, *, instance: str = "") -> None: ...
+    def clear(self, node: str, *, instance: str = "") -> None:
+        """Withdraw what this process published as ``node``'s entry (or its instance's):
+        an entry another gpud wrote under the key since stays."""
+        ...
 
     def read(self) -> list[Problem]: ...
 
@@ -127,9 +132,10 @@ class EtcdProblemBoard:
     def clear(self, node: str, *, instance: str = "") -> None:
         key = _key(node, instance)
         with self._lock:
-            # the key may be a previous run's, on a lease this process never held; the
-            # delete is of that one key, not of the entries of other gpuds under the name
-            self._client.delete(self._prefix + key)
+            # Revoking this process's lease takes the entry only while that lease still
+            # holds it: another gpud under the node's name (two configured with one
+            # cluster.node) may have written the key since on its own lease, and its entry
+            # stays. A key this process never wrote is not its to take.
             self._revoke(key)
 
     def close(self) -> None:

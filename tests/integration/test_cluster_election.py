@@ -494,3 +494,58 @@ def test_a_gpud_refused_under_a_nodes_name_publishes_its_problem_apart_from_the_
         assert reader.read() == []
 
     asyncio.run(scenario())
+
+
+def test_a_refused_gpud_that_loses_the_leader_and_finds_it_again_leaves_its_twins_entry(
+    etcd: LocalEtcd,
+) -> None:
+    """While the leader is unreachable both gpuds under n1 publish under the node's own
+    key, the later write standing; when the refused one reaches the leader again it moves
+    back under its instance and takes away only what its own lease still holds: the entry
+    the other gpud wrote since (it still cannot reach the leader) stays, one per gpud."""
+    from tests.unit.test_cluster_agent import Clock as AgentClock
+    from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
+
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+
+    def board() -> EtcdProblemBoard:
+        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+        return EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
+
+    clock, peers, twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False)
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    peers.leader = twins_peers.leader = leader
+    refused = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board())
+    taken = agent("n1", info, FakeTraffic((job("z", 0.5),)), twins_peers, clock, problems=board())
+    refused.gpud, taken.gpud = "host-r pid 10", "host-t pid 20"
+    reader = board()
+
+    def entries() -> list[tuple[str, str, str | None, str]]:
+        return sorted((p.node, p.instance, p.kind, p.gpud) for p in reader.read())
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await _round(leader, refused, taken)
+        assert entries() == [("n1", refused.instance, "duplicate_node", "host-r pid 10")]
+        # the leader fails: both publish under n1, the one that wrote last standing
+        peers.leader = twins_peers.leader = None
+        await _round(leader, refused, taken)
+        assert entries() == [("n1", "", "leader_unreachable", "host-t pid 20")]
+        # it returns for the refused gpud first: refused again, back under its instance
+        peers.leader = leader
+        await _round(leader, refused, taken)
+        assert refused.last_error_kind == "duplicate_node"
+        assert entries() == [
+            ("n1", "", "leader_unreachable", "host-t pid 20"),
+            ("n1", refused.instance, "duplicate_node", "host-r pid 10"),
+        ]
+        # and for the other: its entry goes, the refused one's stays
+        twins_peers.leader = leader
+        await _round(leader, refused, taken)
+        assert entries() == [("n1", refused.instance, "duplicate_node", "host-r pid 10")]
+        await refused.close()
+        await taken.close()
+        assert entries() == []
+
+    asyncio.run(scenario())

@@ -651,6 +651,20 @@ class Board:
         self.entries.clear()
 
 
+async def test_a_gpud_restarted_within_its_own_leader_lease_publishes_under_its_node() -> None:
+    """A lone gpud killed while it led and started again finds the leader key naming its
+    node, held by its previous run until that lease expires (leader_key_held): gpud cannot
+    tell that run from another gpud under its name, so it publishes as the node, under
+    ``<node>``, not as a second gpud under ``<node>/<instance>``."""
+    clock, peers, board = Clock(), LoopbackPeers(), Board()
+    held = LeaderInfo("n1", "a1", epoch=4, leading=False)
+    restarted = agent("n1", held, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board)
+    await restarted.tick()
+    assert restarted.last_error_kind == "leader_key_held"
+    assert board.writes == [("publish", "n1")]
+    assert board.entries["n1"].instance == ""
+
+
 async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -> None:
     clock, wall, peers, board = Clock(), Clock(), LoopbackPeers(), Board()
     wall.now = 1.7e9
