@@ -216,12 +216,13 @@ if TYPE_CHECKING:  # named only in annotations: the generated modules load on fi
 
 
 def holders(job: pb.Job, waiting: Sequence[WaitingRun] = ()) -> str:
-    """The users whose runs hold the job's reservations (``holder_user``) or wait for it
-    (``waiting``: as ``gpuctl queue`` shows them), ``-`` when none is known (no
-    reservation and no run waiting, no holder, or its ``/proc`` unread)."""
-    users = {r.holder_user for r in job.reservations if r.HasField("holder_uid")}
-    users |= {w.holder_user for w in waiting if w.HasField("holder_uid")}
-    return ",".join(sorted(users)) or "-"
+    """The users whose runs hold the job's reservations (``holder_user``), then those
+    whose runs only wait for it (``waiting``: as ``gpuctl queue`` shows them), each
+    ``USER (waits)``: ``alice,bob (waits)``; ``-`` when none is known (no reservation and
+    no run waiting, no holder, or its ``/proc`` unread)."""
+    held = {r.holder_user for r in job.reservations if r.HasField("holder_uid")}
+    waits = {w.holder_user for w in waiting if w.HasField("holder_uid")} - held
+    return ",".join([*sorted(held), *(f"{u} (waits)" for u in sorted(waits))]) or "-"
 
 
 def job_row(job: pb.Job, waiting: Sequence[WaitingRun] = ()) -> tuple[str, ...]:

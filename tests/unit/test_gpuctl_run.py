@@ -2808,15 +2808,22 @@ def test_jobs_ls_shows_the_user_of_a_run_waiting_for_a_job_as_gpuctl_queue_does(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A job whose run waits in the admission queue, or for co-location, holds no
-    reservation yet: USER is the waiting run's user all the same, as `gpuctl queue` shows
-    it, and --json carries the job's waiting runs as `gpuctl queue --json` does
+    reservation yet: USER names the waiting run's user all the same, as `gpuctl queue`
+    shows it, marked as one that waits (`bob (waits)`), and --json carries the job's waiting runs as `gpuctl queue --json` does
     (holder_uid, holder_user); a started entry's user is its reservation's to say."""
     with serving(Waiting().register) as n:
         for name in ("queued", "started", "colo-waits", "idle"):
             n.jobs.add(JobSpec(name))
         assert n.ctl("jobs", "ls") == 0
-        rows = {r.split()[0]: r.split()[3] for r in capsys.readouterr().out.splitlines()[1:]}
-        assert rows == {"colo-waits": "cy", "idle": "-", "queued": "bob", "started": "-"}
+        header, *lines = capsys.readouterr().out.splitlines()
+        user = slice(header.index("USER"), header.index("PLACEMENT"))
+        rows = {r.split()[0]: r[user].strip() for r in lines}
+        assert rows == {
+            "colo-waits": "cy (waits)",
+            "idle": "-",
+            "queued": "bob (waits)",
+            "started": "-",
+        }
         assert n.ctl("--json", "jobs", "ls") == 0
         jobs = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
     queued = jobs["queued"]["queue_entries"]
@@ -2831,6 +2838,30 @@ def test_jobs_ls_shows_the_user_of_a_run_waiting_for_a_job_as_gpuctl_queue_does(
     )
     assert jobs["started"]["queue_entries"] == [] and jobs["idle"]["colo_waiting"] == []
     assert "reservations" in jobs["queued"] and "owner" in jobs["queued"]  # fields kept
+
+
+def test_jobs_ls_user_tells_a_run_that_holds_the_job_from_one_that_waits_for_it() -> None:
+    """Whose runs hold a reservation come first, as they are; a user whose run only waits
+    (in the queue, or for co-location) is marked so, and one that both holds and waits
+    is a holder."""
+    from gpud.cli.jobs import holders
+
+    job = jobs_pb2.Job(
+        name="train",
+        reservations=[
+            jobs_pb2.JobReservation(id="r1", job="train", holder_uid=1000, holder_user="alice")
+        ],
+    )
+    waiting = [
+        queue_pb2.QueueEntry(id="q1", job="train", holder_uid=1001, holder_user="bob"),
+        queue_pb2.QueueEntry(id="q2", job="train", holder_uid=1000, holder_user="alice"),
+        colo_pb2.ColoWaiter(job="train", id="c1", holder_uid=1003, holder_user="cy"),
+        queue_pb2.QueueEntry(id="q3", job="train"),  # its user unknown: not named
+    ]
+    assert holders(job, waiting) == "alice,bob (waits),cy (waits)"
+    assert holders(jobs_pb2.Job(name="train"), waiting[:1]) == "bob (waits)"
+    assert holders(job) == "alice"
+    assert holders(jobs_pb2.Job(name="idle"), waiting[3:]) == "-"
 
 
 class _Reused:
