@@ -443,6 +443,40 @@ async def _round(*agents: ClusterAgent) -> None:
         await a.tick()
 
 
+class Twins:
+    """Two gpuds configured with one cluster.node, n1, each with its problem board on the
+    real etcd, and the leader n0: ``refused`` reports first, so the leader takes ``taken``
+    (the newer) and refuses ``refused``. ``peers`` / ``twins_peers``: their ways to the
+    leader."""
+
+    def __init__(self, etcd: LocalEtcd) -> None:
+        from tests.unit.test_cluster_agent import Clock as AgentClock
+        from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
+
+        self._endpoint, self._prefix = etcd.endpoint, f"/gpud-test-{time.monotonic_ns()}"
+        clock, self.peers, self.twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
+        info = LeaderInfo("n0", "a0", 7, False)
+        lead = LeaderInfo("n0", "a0", 7, True)
+        self.leader = agent("n0", lead, FakeTraffic(), self.peers, clock)
+        self.peers.leader = self.twins_peers.leader = self.leader
+        self.refused = agent(
+            "n1", info, FakeTraffic((job("a", 0.5),)), self.peers, clock, problems=self.board()
+        )
+        self.taken = agent(
+            "n1",
+            info,
+            FakeTraffic((job("z", 0.5),)),
+            self.twins_peers,
+            clock,
+            problems=self.board(),
+        )
+        self.reader = self.board()
+
+    def board(self) -> EtcdProblemBoard:
+        client = EtcdClient(EtcdSettings(endpoints=(self._endpoint,), timeout_s=2.0))
+        return EtcdProblemBoard(client, prefix=self._prefix, ttl_s=30)
+
+
 def test_a_gpud_refused_under_a_nodes_name_publishes_its_problem_apart_from_the_nodes(
     etcd: LocalEtcd,
 ) -> None:
@@ -450,22 +484,9 @@ def test_a_gpud_refused_under_a_nodes_name_publishes_its_problem_apart_from_the_
     why under its own instance, named with its host and pid and saying that it holds; the
     one the leader takes keeps the node's own entry, and its problems, published and
     cleared, neither overwrite nor remove the refused one's."""
-    from tests.unit.test_cluster_agent import Clock as AgentClock
-    from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
-
-    prefix = f"/gpud-test-{time.monotonic_ns()}"
-
-    def board() -> EtcdProblemBoard:
-        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
-        return EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
-
-    clock, peers, twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
-    info = LeaderInfo("n0", "a0", 7, False)
-    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
-    peers.leader = twins_peers.leader = leader
-    refused = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board())
-    taken = agent("n1", info, FakeTraffic((job("z", 0.5),)), twins_peers, clock, problems=board())
-    reader = board()
+    twins = Twins(etcd)
+    leader, refused, taken, reader = twins.leader, twins.refused, twins.taken, twins.reader
+    twins_peers = twins.twins_peers
 
     async def scenario() -> None:
         for _ in range(3):
@@ -503,23 +524,10 @@ def test_a_refused_gpud_that_loses_the_leader_and_finds_it_again_leaves_its_twin
     key, the later write standing; when the refused one reaches the leader again it moves
     back under its instance and takes away only what its own lease still holds: the entry
     the other gpud wrote since (it still cannot reach the leader) stays, one per gpud."""
-    from tests.unit.test_cluster_agent import Clock as AgentClock
-    from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
-
-    prefix = f"/gpud-test-{time.monotonic_ns()}"
-
-    def board() -> EtcdProblemBoard:
-        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
-        return EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
-
-    clock, peers, twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
-    info = LeaderInfo("n0", "a0", 7, False)
-    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
-    peers.leader = twins_peers.leader = leader
-    refused = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board())
-    taken = agent("n1", info, FakeTraffic((job("z", 0.5),)), twins_peers, clock, problems=board())
+    twins = Twins(etcd)
+    leader, refused, taken, reader = twins.leader, twins.refused, twins.taken, twins.reader
+    peers, twins_peers = twins.peers, twins.twins_peers
     refused.gpud, taken.gpud = "host-r pid 10", "host-t pid 20"
-    reader = board()
 
     def entries() -> list[tuple[str, str, str | None, str]]:
         return sorted((p.node, p.instance, p.kind, p.gpud) for p in reader.read())
