@@ -1601,7 +1601,12 @@ class Daemon:
             message += f"; needs a restart to change: {', '.join(kept)}"
         if shadowed:
             message += f"; {'; '.join(shadowed)}"
-        if kept or shadowed:
+        # taken, as at start (a node may run well with it), but said: a reload that raises
+        # daemon.tick_s or telemetry.interval_s is otherwise silent until the next start
+        watchdog_warning = self.watchdog_warning()
+        if watchdog_warning:
+            message += f"; {watchdog_warning}"
+        if kept or shadowed or watchdog_warning:
             log.warning(message)
         self.events.emit("config.reload", message, restart_needed=kept, overridden=shadowed)
         self._notifier.ready(message)

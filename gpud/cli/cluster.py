@@ -92,19 +92,12 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.GetClusterStatusResponse = ctx.call(
         ctx.stub(pb_grpc.ClusterStub).GetClusterStatus, pb.GetClusterStatusRequest()
     )
-    degraded = EXIT_PARTIAL if problems_state(resp) not in ("", "ok") else 0
+    degraded = EXIT_PARTIAL if problems_state(resp) not in ("", "ok") or refused(resp) else 0
     if ctx.out.json:
         ctx.out.print_json(resp)
         return degraded
     lines = [f"node:        {resp.node} (election: {resp.election})", *_leader_lines(resp)]
-    mode = _MODES.get(resp.mode, resp.mode)
-    if resp.mode == "holding" and resp.HasField("last_order_age_seconds"):
-        left = max(0.0, resp.grace_seconds - resp.last_order_age_seconds)
-        mode = (
-            "holding (no leader reachable: the last order stays in force; local policy in"
-            f" {seconds(left)} unless an order comes)"
-        )
-    lines.append(f"mode:        {mode}")
+    lines.append(f"mode:        {_mode(resp)}")
     if not resp.HasField("last_order_age_seconds"):
         lines.append("last order:  none yet (this node's own policy decides until one comes)")
     elif resp.leading:
@@ -171,9 +164,9 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             ("NODE", "PROBLEM SINCE", "PROBLEM"),
             [
                 (
-                    p.node,
+                    f"{p.node} ({p.gpud or p.instance})" if p.instance else p.node,
                     f"{seconds(max(0.0, now - p.since_unix_seconds))} ago",
-                    _summary(p.message),
+                    _problem_text(p),
                 )
                 for p in resp.problems
             ],
@@ -202,6 +195,37 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             ],
         )
     return degraded
+
+
+def refused(resp: pb.GetClusterStatusResponse) -> bool:
+    """This gpud holds (or runs its local policy) because the leader refuses it: another
+    gpud reports under its node name, and the leader takes that one only."""
+    return not resp.leading and error_kind(resp) == "duplicate_node"
+
+
+def _mode(resp: pb.GetClusterStatusResponse) -> str:
+    """The mode line: what the node does, and why it does not follow."""
+    left = ""
+    if resp.HasField("last_order_age_seconds"):
+        left_s = max(0.0, resp.grace_seconds - resp.last_order_age_seconds)
+        left = f"; local policy in {seconds(left_s)} unless an order comes"
+    if refused(resp) and resp.mode in ("holding", "local"):
+        why = f"the leader refuses this gpud: another gpud reports as {resp.node}"
+        if resp.mode == "local":
+            return f"local ({why}; this node's own policy decides)"
+        return f"holding ({why}; the last order stays in force{left})"
+    if resp.mode == "holding" and left:
+        return f"holding (no leader reachable: the last order stays in force{left})"
+    return _MODES.get(resp.mode, resp.mode)
+
+
+def _problem_text(p: pb.ClusterProblem) -> str:
+    """A problem as its node published it, after what the node does meanwhile (holding,
+    local) where it said so."""
+    text = _summary(p.message)
+    if p.HasField("mode") and p.mode in ("holding", "local"):
+        return f"{p.mode}: {text}"
+    return text
 
 
 # what an etcd out of space (the NOSPACE alarm) means, and what to do about it

@@ -16,8 +16,8 @@ import datetime
 import os
 import signal
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpud.cli.context import (
     JOB_NAME,
@@ -34,10 +34,17 @@ from gpud.cli.context import (
 )
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
-from gpud.shared import MIN_SLO_MS, check_owner, format_size, parse_size, user_name
+from gpud.shared import (
+    MIN_SLO_MS,
+    WAITING_ON_COLOCATION,
+    check_owner,
+    format_size,
+    parse_size,
+    user_name,
+)
+from gpud.v1 import colo_pb2, colo_pb2_grpc, mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
-from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
 
 HEADERS = (
     "JOB",
@@ -202,21 +209,30 @@ def owner_of(args: argparse.Namespace) -> str:
     return str(args.owner or "") or caller_name()
 
 
-def holders(job: pb.Job) -> str:
-    """The users whose runs hold the job's reservations (``holder_user``), ``-`` when none
-    is known (no reservation, no holder, or its ``/proc`` unread)."""
-    users = sorted({r.holder_user for r in job.reservations if r.HasField("holder_uid")})
-    return ",".join(users) or "-"
+if TYPE_CHECKING:  # named only in annotations: the generated modules load on first use
+    # a `gpuctl run` waiting for a job: in the admission queue, or for co-location beside it
+    WaitingRun = queue_pb2.QueueEntry | colo_pb2.ColoWaiter
+    W = TypeVar("W", queue_pb2.QueueEntry, colo_pb2.ColoWaiter)
 
 
-def job_row(job: pb.Job) -> tuple[str, ...]:
+def holders(job: pb.Job, waiting: Sequence[WaitingRun] = ()) -> str:
+    """The users whose runs hold the job's reservations (``holder_user``), then those
+    whose runs only wait for it (``waiting``: as ``gpuctl queue`` shows them), each
+    ``USER (waits)``: ``alice,bob (waits)``; ``-`` when none is known (no reservation and
+    no run waiting, no holder, or its ``/proc`` unread)."""
+    held = {r.holder_user for r in job.reservations if r.HasField("holder_uid")}
+    waits = {w.holder_user for w in waiting if w.HasField("holder_uid")} - held
+    return ",".join([*sorted(held), *(f"{u} (waits)" for u in sorted(waits))]) or "-"
+
+
+def job_row(job: pb.Job, waiting: Sequence[WaitingRun] = ()) -> tuple[str, ...]:
     reserved = sorted({d for r in job.reservations for d in r.devices})
     used = sum(p.used_memory_bytes for p in job.processes if p.HasField("used_memory_bytes"))
     return (
         job.name,
         kind_name(job.kind),
         job.owner or "-",
-        holders(job),
+        holders(job, waiting),
         placement(job),
         f"{job.threads_percent}%" if job.HasField("threads_percent") else "-",
         format_size(job.memory_limit_bytes) if job.HasField("memory_limit_bytes") else "-",
@@ -492,16 +508,29 @@ def run_ls(ctx: Context, args: argparse.Namespace) -> int:
     if args.name:
         request.name = args.name
     resp: pb.ListJobsResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).ListJobs, request)
-    colo = colo_state(ctx)
+    shown = _show_colo(ctx)
+    colo = colo_state(shown)
+    queued = queued_entries(ctx)
+    colo_waiting = _by_job(shown.waiting if shown is not None else ())
     if ctx.out.json:
         out = message_to_dict(resp)
         for job in out["jobs"]:
-            job["colo"] = colo.get(job["name"])
+            name = job["name"]
+            job["colo"] = colo.get(name)
+            # as gpuctl queue --json lists them (its entries, its colo_waiting): whose runs
+            # wait for the job, holder_uid and holder_user
+            job["queue_entries"] = [message_to_dict(e) for e in queued.get(name, ())]
+            job["colo_waiting"] = [
+                {**message_to_dict(w), "waiting_on": WAITING_ON_COLOCATION}
+                for w in colo_waiting.get(name, ())
+            ]
         ctx.out.print_json(out)
     else:
-        ctx.out.print_table(
-            HEADERS + COLO_HEADERS, [job_row(j) + colo_row(colo.get(j.name)) for j in resp.jobs]
-        )
+        rows = []
+        for j in resp.jobs:
+            waiting = [*queued.get(j.name, ()), *colo_waiting.get(j.name, ())]
+            rows.append(job_row(j, waiting) + colo_row(colo.get(j.name)))
+        ctx.out.print_table(HEADERS + COLO_HEADERS, rows)
         for line in unhealthy_lines(resp.jobs):
             ctx.out.print(line)
     return 0
@@ -517,18 +546,41 @@ def unhealthy_lines(jobs: Iterable[pb.Job]) -> list[str]:
     return lines
 
 
-def colo_state(ctx: Context) -> dict[str, dict[str, Any]]:
-    """Job -> its co-location state (placement, share, duty, guard) from ``gpuctl colo
-    show``; empty when the daemon's co-location loop cannot be asked (it is off or older)."""
-    from gpud.v1 import colo_pb2, colo_pb2_grpc
+def queued_entries(ctx: Context) -> dict[str, list[queue_pb2.QueueEntry]]:
+    """Job -> its entries still waiting in the admission queue, in the queue's order (as
+    ``gpuctl queue`` lists them); empty when the queue cannot be asked (an older gpud)."""
+    try:
+        resp: queue_pb2.ListQueueResponse = ctx.call(
+            ctx.stub(queue_pb2_grpc.QueueStub).ListQueue, queue_pb2.ListQueueRequest()
+        )
+    except CliError:
+        return {}
+    return _by_job(e for e in resp.entries if e.state == queue_pb2.ENTRY_STATE_QUEUED)
 
+
+def _by_job(waiting: Iterable[W]) -> dict[str, list[W]]:
+    out: dict[str, list[W]] = {}
+    for w in waiting:
+        out.setdefault(w.job, []).append(w)
+    return out
+
+
+def _show_colo(ctx: Context) -> colo_pb2.ShowColoResponse | None:
+    """``gpuctl colo show``'s answer; None when the co-location loop cannot be asked."""
     try:
         resp: colo_pb2.ShowColoResponse = ctx.call(
             ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()
         )
     except CliError:
-        return {}
-    if not resp.enabled:
+        return None
+    return resp
+
+
+def colo_state(resp: colo_pb2.ShowColoResponse | None) -> dict[str, dict[str, Any]]:
+    """Job -> its co-location state (placement, share, duty, guard) from ``gpuctl colo
+    show``'s answer ``resp``; empty when the daemon's co-location loop cannot be asked
+    (None) or is off."""
+    if resp is None or not resp.enabled:
         return {}
     state: dict[str, dict[str, Any]] = {}
     for p in resp.placements:

@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -40,7 +41,7 @@ from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen, RoundCut
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
-from gpud.cluster.problems import Problem, ProblemBoard
+from gpud.cluster.problems import Problem, ProblemBoard, Writer
 from gpud.errors import (
     DuplicateNode,
     FailedPrecondition,
@@ -201,9 +202,13 @@ class ClusterAgent:
         problems: ProblemBoard | None = None,
         alarms: StoreAlarms | None = None,
         certs: CertWatch | None = None,
+        gpud: str | None = None,
     ) -> None:
         self.node = node_name(node)
         self.instance = os.urandom(8).hex() if instance is None else instance
+        # who publishes this node's problem, for an operator to find the gpud: "<host> pid
+        # <pid>" (two gpuds under one node name are told apart by it)
+        self.gpud = f"{socket.gethostname()} pid {os.getpid()}" if gpud is None else gpud
         self.build = build  # the code this gpud runs (gpud.build), sent in each report
         self.election_kind = election_kind
         self.election = election
@@ -240,8 +245,10 @@ class ClusterAgent:
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
         self._problems = problems
-        # the problem last published (message, kind; "" cleared), and when
-        self._published: tuple[str, str] = ("", "")
+        # the problem last published (message, kind, mode; "" cleared), the instance it
+        # was keyed by ("": the node's own entry), and when
+        self._published: tuple[str, str, str] = ("", "", "")
+        self._published_instance = ""
         self._published_at = 0.0
         self._problem_since = 0.0  # (wall) when last_error took its current text
         self._problem_text = ""
@@ -542,23 +549,37 @@ class ClusterAgent:
         if self._problems is None:
             return
         message, kind, now = self.last_error, self.last_error_kind, self._wall()
+        mode = self.mode.value if message else ""  # said with a problem, republished on a change
         if message != self._problem_text:
             self._problem_text, self._problem_since = message, now
-        if (message, kind) == self._published and (
+        if (message, kind, mode) == self._published and (
             not message or now - self._published_at < problems.REPUBLISH_S
         ):
             return
+        board, was = self._problems, self._published_instance
+        # A gpud the leader refused as a second one under the node's name publishes keyed
+        # by its instance, so that the gpud the leader takes keeps the node's own entry.
+        # Not with leader_key_held: the key's holder may as well be this gpud's own
+        # previous run (killed while it led), which gpud cannot tell from another gpud.
+        instance = self.instance if kind == DUPLICATE_NODE else ""
         try:
+            if message and self._published[0] and instance != was:
+                # the entry changes key (refused as a duplicate, or no longer): the one
+                # under the old key goes, or it would linger for its lease; only as far as
+                # this process's lease still holds it (the other gpud may have written it)
+                await asyncio.to_thread(board.clear, self.node, instance=was)
             if message:
+                by = Writer(instance, mode, self.gpud)
                 await asyncio.to_thread(
-                    self._problems.publish, self.node, message, self._problem_since, kind
+                    board.publish, self.node, message, self._problem_since, kind, by
                 )
             else:
-                await asyncio.to_thread(self._problems.clear, self.node)
+                await asyncio.to_thread(board.clear, self.node, instance=was)
         except GpudError as err:  # etcd unreachable: the election's detail says so
             log.debug("cluster: cannot publish this node's problem: %s", err)
             return
-        self._published, self._published_at = (message, kind), now
+        self._published, self._published_at = (message, kind, mode), now
+        self._published_instance = instance if message else ""
 
     async def close(self) -> None:
         """A clean stop: withdraw this node's published problem at once, so that no node

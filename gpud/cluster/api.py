@@ -158,7 +158,13 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         last_error=s.last_error,
         problems=[
             pb.ClusterProblem(
-                node=p.node, message=p.message, since_unix_seconds=p.since, kind=p.kind
+                node=p.node,
+                message=p.message,
+                since_unix_seconds=p.since,
+                kind=p.kind,
+                instance=p.instance,
+                gpud=p.gpud,
+                mode=p.mode,
             )
             for p in s.problems
         ],

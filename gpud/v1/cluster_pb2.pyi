@@ -548,6 +548,9 @@ class ClusterProblem(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    GPUD_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     message: _builtins.str
     since_unix_seconds: _builtins.float
@@ -555,6 +558,14 @@ class ClusterProblem(_message.Message):
     """what message is, as the node's last_error_kind (leader_unreachable, tls_handshake...):
     for scripts to branch on. Absent from a node of an older gpud, which publishes none.
     """
+    instance: _builtins.str
+    """the publishing gpud's instance where the entry is keyed by it: a gpud refused because
+    another reports under the same node name ("" for the node's own entry)
+    """
+    gpud: _builtins.str
+    """"<host> pid <pid>" of the gpud that published it ("" from an older gpud)"""
+    mode: _builtins.str
+    """the node's mode as it published it (holding, local...); absent from an older gpud"""
     def __init__(
         self,
         *,
@@ -562,14 +573,22 @@ class ClusterProblem(_message.Message):
         message: _builtins.str = ...,
         since_unix_seconds: _builtins.float = ...,
         kind: _builtins.str | None = ...,
+        instance: _builtins.str = ...,
+        gpud: _builtins.str = ...,
+        mode: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "_mode", b"_mode", "kind", b"kind", "mode", b"mode"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "kind", b"kind", "message", b"message", "node", b"node", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "_mode", b"_mode", "gpud", b"gpud", "instance", b"instance", "kind", b"kind", "message", b"message", "mode", b"mode", "node", b"node", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kind: _TypeAlias = _typing.Literal["kind"]  # noqa: Y015
     _WhichOneofArgType__kind: _TypeAlias = _typing.Literal["_kind", b"_kind"]  # noqa: Y015
+    _WhichOneofReturnType__mode: _TypeAlias = _typing.Literal["mode"]  # noqa: Y015
+    _WhichOneofArgType__mode: _TypeAlias = _typing.Literal["_mode", b"_mode"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kind) -> _WhichOneofReturnType__kind | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mode) -> _WhichOneofReturnType__mode | None: ...
 
 Global___ClusterProblem: _TypeAlias = ClusterProblem  # noqa: Y015
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -12,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster.election import EtcdElection
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.election import EtcdElection, LeaderInfo
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.cluster.problems import EtcdProblemBoard
+from gpud.net.port import FakeTraffic
 from tools.etcd_local import LocalEtcd, etcd_binary
 
 pytestmark = [
@@ -431,3 +436,124 @@ def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_pa
     info = election.state()
     assert (info.store_ok, info.store_state) == (False, "refused")
     assert "refused user gpud the keys" in info.detail
+
+
+async def _round(*agents: ClusterAgent) -> None:
+    for a in agents:
+        await a.tick()
+
+
+class Twins:
+    """Two gpuds configured with one cluster.node, n1, each with its problem board on the
+    real etcd, and the leader n0: ``refused`` reports first, so the leader takes ``taken``
+    (the newer) and refuses ``refused``. ``peers`` / ``twins_peers``: their ways to the
+    leader."""
+
+    def __init__(self, etcd: LocalEtcd) -> None:
+        from tests.unit.test_cluster_agent import Clock as AgentClock
+        from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
+
+        self._endpoint, self._prefix = etcd.endpoint, f"/gpud-test-{time.monotonic_ns()}"
+        clock, self.peers, self.twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
+        info = LeaderInfo("n0", "a0", 7, False)
+        lead = LeaderInfo("n0", "a0", 7, True)
+        self.leader = agent("n0", lead, FakeTraffic(), self.peers, clock)
+        self.peers.leader = self.twins_peers.leader = self.leader
+        self.refused = agent(
+            "n1", info, FakeTraffic((job("a", 0.5),)), self.peers, clock, problems=self.board()
+        )
+        self.taken = agent(
+            "n1",
+            info,
+            FakeTraffic((job("z", 0.5),)),
+            self.twins_peers,
+            clock,
+            problems=self.board(),
+        )
+        self.reader = self.board()
+
+    def board(self) -> EtcdProblemBoard:
+        client = EtcdClient(EtcdSettings(endpoints=(self._endpoint,), timeout_s=2.0))
+        return EtcdProblemBoard(client, prefix=self._prefix, ttl_s=30)
+
+
+def test_a_gpud_refused_under_a_nodes_name_publishes_its_problem_apart_from_the_nodes(
+    etcd: LocalEtcd,
+) -> None:
+    """Two gpuds configured with one cluster.node: the one the leader refuses publishes
+    why under its own instance, named with its host and pid and saying that it holds; the
+    one the leader takes keeps the node's own entry, and its problems, published and
+    cleared, neither overwrite nor remove the refused one's."""
+    twins = Twins(etcd)
+    leader, refused, taken, reader = twins.leader, twins.refused, twins.taken, twins.reader
+    twins_peers = twins.twins_peers
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await _round(leader, refused, taken)
+        assert refused.last_error_kind == "duplicate_node" and taken.last_error == ""
+        (problem,) = reader.read()
+        assert (problem.node, problem.instance, problem.kind) == (
+            "n1",
+            refused.instance,
+            "duplicate_node",
+        )
+        assert problem.gpud == refused.gpud and problem.gpud.endswith(f"pid {os.getpid()}")
+        assert problem.mode == refused.mode.value and problem.mode in ("holding", "local")
+        # the gpud the leader takes cannot reach it a while: its own entry, beside the other
+        twins_peers.leader = None
+        await _round(leader, refused, taken)
+        by_instance = {p.instance: p for p in reader.read()}
+        assert set(by_instance) == {"", refused.instance}
+        assert by_instance[""].kind == "leader_unreachable"
+        assert by_instance[refused.instance].kind == "duplicate_node"
+        # it reaches the leader again: its entry goes, the refused one's stays
+        twins_peers.leader = leader
+        await _round(leader, refused, taken)
+        assert [(p.node, p.instance) for p in reader.read()] == [("n1", refused.instance)]
+        await refused.close()  # a clean stop withdraws it
+        assert reader.read() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_gpud_that_loses_the_leader_and_finds_it_again_leaves_its_twins_entry(
+    etcd: LocalEtcd,
+) -> None:
+    """While the leader is unreachable both gpuds under n1 publish under the node's own
+    key, the later write standing; when the refused one reaches the leader again it moves
+    back under its instance and takes away only what its own lease still holds: the entry
+    the other gpud wrote since (it still cannot reach the leader) stays, one per gpud."""
+    twins = Twins(etcd)
+    leader, refused, taken, reader = twins.leader, twins.refused, twins.taken, twins.reader
+    peers, twins_peers = twins.peers, twins.twins_peers
+    refused.gpud, taken.gpud = "host-r pid 10", "host-t pid 20"
+
+    def entries() -> list[tuple[str, str, str | None, str]]:
+        return sorted((p.node, p.instance, p.kind, p.gpud) for p in reader.read())
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await _round(leader, refused, taken)
+        assert entries() == [("n1", refused.instance, "duplicate_node", "host-r pid 10")]
+        # the leader fails: both publish under n1, the one that wrote last standing
+        peers.leader = twins_peers.leader = None
+        await _round(leader, refused, taken)
+        assert entries() == [("n1", "", "leader_unreachable", "host-t pid 20")]
+        # it returns for the refused gpud first: refused again, back under its instance
+        peers.leader = leader
+        await _round(leader, refused, taken)
+        assert refused.last_error_kind == "duplicate_node"
+        assert entries() == [
+            ("n1", "", "leader_unreachable", "host-t pid 20"),
+            ("n1", refused.instance, "duplicate_node", "host-r pid 10"),
+        ]
+        # and for the other: its entry goes, the refused one's stays
+        twins_peers.leader = leader
+        await _round(leader, refused, taken)
+        assert entries() == [("n1", refused.instance, "duplicate_node", "host-r pid 10")]
+        await refused.close()
+        await taken.close()
+        assert entries() == []
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms, TagStore
-from gpud.cluster.problems import Problem, ProblemBoard
+from gpud.cluster.problems import NODE, Problem, ProblemBoard, Writer
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, LocalReport, OrderResult
@@ -622,17 +622,21 @@ class Board:
         self.writes: list[tuple[str, str]] = []
         self.down = False
 
-    def publish(self, node: str, message: str, since: float, kind: str) -> None:
+    def publish(self, node: str, message: str, since: float, kind: str, by: Writer = NODE) -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
-        self.writes.append(("publish", node))
-        self.entries[node] = Problem(node, message, since, kind)
+        key = f"{node}/{by.instance}" if by.instance else node
+        self.writes.append(("publish", key))
+        self.entries[key] = Problem(
+            node, message, since, kind, by.instance, by.gpud, by.mode or None
+        )
 
-    def clear(self, node: str) -> None:
+    def clear(self, node: str, *, instance: str = "") -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
-        self.writes.append(("clear", node))
-        self.entries.pop(node, None)
+        key = f"{node}/{instance}" if instance else node
+        self.writes.append(("clear", key))
+        self.entries.pop(key, None)
 
     def read(self) -> list[Problem]:
         if self.down:
@@ -645,6 +649,20 @@ class Board:
         for node in self.entries:
             self.writes.append(("close", node))
         self.entries.clear()
+
+
+async def test_a_gpud_restarted_within_its_own_leader_lease_publishes_under_its_node() -> None:
+    """A lone gpud killed while it led and started again finds the leader key naming its
+    node, held by its previous run until that lease expires (leader_key_held): gpud cannot
+    tell that run from another gpud under its name, so it publishes as the node, under
+    ``<node>``, not as a second gpud under ``<node>/<instance>``."""
+    clock, peers, board = Clock(), LoopbackPeers(), Board()
+    held = LeaderInfo("n1", "a1", epoch=4, leading=False)
+    restarted = agent("n1", held, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board)
+    await restarted.tick()
+    assert restarted.last_error_kind == "leader_key_held"
+    assert board.writes == [("publish", "n1")]
+    assert board.entries["n1"].instance == ""
 
 
 async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -> None:
@@ -661,7 +679,15 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes == [("publish", "n1")]
     (problem,) = (await leader.status_with_nodes()).problems
     # with its kind, for scripts to branch on rather than on the message's words
-    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
+    assert problem == Problem(
+        "n1",
+        "leader n0 at a0: UNAVAILABLE",
+        1.7e9,
+        "leader_unreachable",
+        "",
+        follower.gpud,
+        "local",
+    )
     assert follower.last_error_kind == "leader_unreachable"
     # the same problem is published again only as its lease asks, keeping when it began
     wall.now += 5

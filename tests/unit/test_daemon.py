@@ -1808,15 +1808,20 @@ def _unit_watchdog_s() -> float:
 
 class Feeds(Notifier):
     """systemd's watchdog as gpud sees it (``WATCHDOG_USEC``), each ``WATCHDOG=1`` noted
-    with the daemon's clock."""
+    with the daemon's clock, and each ``READY=1``'s status line (``systemctl status``)."""
 
     def __init__(self, watchdog_s: float, clock: Callable[[], float]) -> None:
         super().__init__(None, round(watchdog_s * 1_000_000))
         self.fed: list[float] = []
+        self.ready_statuses: list[str] = []
         self._now = clock
 
     def watchdog(self) -> bool:
         self.fed.append(self._now())
+        return True
+
+    def ready(self, status: str = "") -> bool:
+        self.ready_statuses.append(status)
         return True
 
 
@@ -2018,6 +2023,39 @@ def test_a_telemetry_wait_that_pushes_the_watchdog_gap_past_watchdog_sec_is_said
         assert unwatched.watchdog_warning() is None
     finally:
         _close(unwatched)
+
+
+def test_a_reload_that_pushes_the_watchdog_gap_past_watchdog_sec_says_so(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGHUP reload that raises daemon.tick_s past half WatchdogSec (with a slower
+    sample) is taken, as at start, but says what start says: in the log, in the
+    ``config.reload`` event and in systemd's status line; a reload back to a config that
+    fits says nothing of it."""
+    watchdog_s = _unit_watchdog_s()
+    fits = make_config(root)
+    late = make_config(root, **{"daemon.tick_s": 60.0, "telemetry.interval_s": 2.0})
+    feeds = Feeds(watchdog_s, time.monotonic)
+    d = build(fits, reload_to=[late, fits], notifier=feeds)
+    try:
+        assert d.watchdog_warning() is None
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            d.reload()
+        assert d.config.daemon.tick_s == 60.0
+        warning = d.watchdog_warning()
+        assert warning is not None and "daemon.tick_s (60 s)" in warning
+        assert any(warning in r.getMessage() for r in caplog.records)
+        assert warning in d.events.recent(1, "config.reload")[0].message
+        assert warning in feeds.ready_statuses[-1]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            d.reload()
+        assert d.watchdog_warning() is None
+        assert "WatchdogSec" not in d.events.recent(1, "config.reload")[0].message
+        assert "WatchdogSec" not in feeds.ready_statuses[-1]
+        assert caplog.records == []
+    finally:
+        _close(d)
 
 
 def test_a_mig_apply_s_busy_check_while_another_process_holds_the_state_lock_reads_the_gpus(

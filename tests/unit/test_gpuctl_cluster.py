@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpud.cli.cluster import problems_state, run_attributes, run_status
+from gpud.cli.cluster import problems_state, refused, run_attributes, run_status
 from gpud.cli.context import EXIT_PARTIAL, Context
 from gpud.cli.output import Output
 from gpud.v1 import cluster_pb2 as pb
@@ -40,9 +40,10 @@ class Answer(Context):
 
 def status(response: pb.GetClusterStatusResponse) -> str:
     ctx = Answer(response, json_output=False)
-    # 11 only where the nodes' problems are unknown or cannot be recorded (tested below);
-    # an older gpud's answer, without the field, is read from its other fields
-    degraded = problems_state(response) not in ("", "ok")
+    # 11 only where the nodes' problems are unknown or cannot be recorded, or the leader
+    # refuses this gpud as a second one under its node name (tested below); an older gpud's
+    # answer, without the field, is read from its other fields
+    degraded = problems_state(response) not in ("", "ok") or refused(response)
     assert run_status(ctx, argparse.Namespace()) == (EXIT_PARTIAL if degraded else 0)
     return ctx.text.getvalue()
 
@@ -244,6 +245,66 @@ def test_a_node_refused_as_a_duplicate_is_told_to_rename_not_to_reach_the_leader
     )
     assert "action:      give each gpud its own cluster.node: another gpud reports" in text
     assert "make the leader reachable" not in text
+
+
+def test_a_gpud_held_as_a_duplicate_says_it_holds_and_why_and_exits_11() -> None:
+    """Two gpuds under one cluster.node: the one the leader refuses holds the last order,
+    and its status says so on the mode line and in its exit code, as a script checks it;
+    its problem shows under the node's name with the gpud that published it, apart from
+    the node's own."""
+    error = "leader n0 at 10.0.0.1:7443: FAILED_PRECONDITION node 'n1' is reported by two gpuds"
+    now = time.time()
+    response = base(
+        mode="holding",
+        last_order_age_seconds=5.0,
+        grace_seconds=30.0,
+        last_error=error,
+        last_error_kind="duplicate_node",
+        problems=[
+            pb.ClusterProblem(
+                node="n1",
+                message="leader n0 at 10.0.0.1:7443: UNAVAILABLE",
+                since_unix_seconds=now,
+                kind="leader_unreachable",
+                gpud="host-a pid 10",
+                mode="holding",
+            ),
+            pb.ClusterProblem(
+                node="n1",
+                message=error,
+                since_unix_seconds=now,
+                kind="duplicate_node",
+                instance="0f1e2d3c4b5a6978",
+                gpud="host-b pid 20",
+                mode="holding",
+            ),
+        ],
+    )
+    code, text = exit_and_text(response, json_output=False)
+    assert code == EXIT_PARTIAL
+    assert (
+        "mode:        holding (the leader refuses this gpud: another gpud reports as n1; the"
+        " last order stays in force; local policy in 25.0 s unless an order comes)"
+    ) in text
+    rows = [line for line in text.splitlines() if line.startswith("n1 ")]
+    assert [row.split("  ")[0] for row in rows] == ["n1", "n1 (host-b pid 20)"]
+    assert f"holding: {error}" in text
+    assert "holding: leader n0 at 10.0.0.1:7443: UNAVAILABLE" in text
+    code, raw = exit_and_text(response, json_output=True)
+    data = json.loads(raw)
+    assert code == EXIT_PARTIAL
+    assert [(p["instance"], p["gpud"], p["mode"]) for p in data["problems"]] == [
+        ("", "host-a pid 10", "holding"),
+        ("0f1e2d3c4b5a6978", "host-b pid 20", "holding"),
+    ]
+    # on its local policy after the grace period: still refused, still 11
+    code, text = exit_and_text(
+        base(mode="local", last_error=error, last_error_kind="duplicate_node"), json_output=False
+    )
+    assert code == EXIT_PARTIAL
+    assert "mode:        local (the leader refuses this gpud: another gpud reports as n1;" in text
+    # the gpud the leader takes follows, exit 0
+    assert exit_and_text(base(mode="follower"), json_output=False)[0] == 0
 
 
 NOSPACE_DETAIL = (

@@ -2773,6 +2773,104 @@ def test_jobs_ls_shows_whose_runs_hold_each_job_and_owners_default_to_the_caller
     }
 
 
+class Waiting(queue_pb2_grpc.QueueServicer, colo_pb2_grpc.ColocationServicer):
+    """A queue with one run waiting for job ``queued`` (user bob) and one started for
+    ``started``, and a co-location loop with one run waiting for job ``colo-waits`` (cy)."""
+
+    async def ListQueue(
+        self, request: queue_pb2.ListQueueRequest, context: Any
+    ) -> queue_pb2.ListQueueResponse:
+        return queue_pb2.ListQueueResponse(
+            entries=[
+                queue_pb2.QueueEntry(
+                    id="0a1b2c3d4e5f",
+                    job="queued",
+                    state=queue_pb2.ENTRY_STATE_QUEUED,
+                    position=1,
+                    holder_uid=1001,
+                    holder_user="bob",
+                ),
+                queue_pb2.QueueEntry(
+                    id="5f4e3d2c1b0a",
+                    job="started",
+                    state=queue_pb2.ENTRY_STATE_STARTED,
+                    holder_uid=1002,
+                    holder_user="eve",
+                ),
+            ]
+        )
+
+    async def ShowColo(
+        self, request: colo_pb2.ShowColoRequest, context: Any
+    ) -> colo_pb2.ShowColoResponse:
+        waiter = colo_pb2.ColoWaiter(job="colo-waits", id="9f8e", holder_uid=1003, holder_user="cy")
+        return colo_pb2.ShowColoResponse(enabled=True, waiting=[waiter])
+
+    def register(self, server: Any) -> None:
+        queue_pb2_grpc.add_QueueServicer_to_server(self, server)
+        colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
+
+
+def test_jobs_ls_shows_the_user_of_a_run_waiting_for_a_job_as_gpuctl_queue_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job whose run waits in the admission queue, or for co-location, holds no
+    reservation yet: USER names the waiting run's user all the same, as `gpuctl queue`
+    shows it, marked as one that waits (`bob (waits)`), and --json carries the job's waiting runs as `gpuctl queue --json` does
+    (holder_uid, holder_user); a started entry's user is its reservation's to say."""
+    with serving(Waiting().register) as n:
+        for name in ("queued", "started", "colo-waits", "idle"):
+            n.jobs.add(JobSpec(name))
+        assert n.ctl("jobs", "ls") == 0
+        header, *lines = capsys.readouterr().out.splitlines()
+        user = slice(header.index("USER"), header.index("PLACEMENT"))
+        rows = {r.split()[0]: r[user].strip() for r in lines}
+        assert rows == {
+            "colo-waits": "cy (waits)",
+            "idle": "-",
+            "queued": "bob (waits)",
+            "started": "-",
+        }
+        assert n.ctl("--json", "jobs", "ls") == 0
+        jobs = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    queued = jobs["queued"]["queue_entries"]
+    assert [(e["id"], e["holder_uid"], e["holder_user"]) for e in queued] == [
+        ("0a1b2c3d4e5f", 1001, "bob")
+    ]
+    (waiter,) = jobs["colo-waits"]["colo_waiting"]
+    assert (waiter["holder_uid"], waiter["holder_user"], waiter["waiting_on"]) == (
+        1003,
+        "cy",
+        "co-location",
+    )
+    assert jobs["started"]["queue_entries"] == [] and jobs["idle"]["colo_waiting"] == []
+    assert "reservations" in jobs["queued"] and "owner" in jobs["queued"]  # fields kept
+
+
+def test_jobs_ls_user_tells_a_run_that_holds_the_job_from_one_that_waits_for_it() -> None:
+    """Whose runs hold a reservation come first, as they are; a user whose run only waits
+    (in the queue, or for co-location) is marked so, and one that both holds and waits
+    is a holder."""
+    from gpud.cli.jobs import holders
+
+    job = jobs_pb2.Job(
+        name="train",
+        reservations=[
+            jobs_pb2.JobReservation(id="r1", job="train", holder_uid=1000, holder_user="alice")
+        ],
+    )
+    waiting = [
+        queue_pb2.QueueEntry(id="q1", job="train", holder_uid=1001, holder_user="bob"),
+        queue_pb2.QueueEntry(id="q2", job="train", holder_uid=1000, holder_user="alice"),
+        colo_pb2.ColoWaiter(job="train", id="c1", holder_uid=1003, holder_user="cy"),
+        queue_pb2.QueueEntry(id="q3", job="train"),  # its user unknown: not named
+    ]
+    assert holders(job, waiting) == "alice,bob (waits),cy (waits)"
+    assert holders(jobs_pb2.Job(name="train"), waiting[:1]) == "bob (waits)"
+    assert holders(job) == "alice"
+    assert holders(jobs_pb2.Job(name="idle"), waiting[3:]) == "-"
+
+
 class _Reused:
     """stderr that, as gpuctl says what its command left, has process 41 end and its PID
     go to a process of no run (saying it may block: a full pipe, a stopped terminal)."""
