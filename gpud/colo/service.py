@@ -867,7 +867,9 @@ class ColoService:
         # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
+        # (under _pending_lock) the state, and whether its clock is written however little
+        # it moved (the stop's)
+        self._pending: tuple[int, dict[str, Any], bool] | None = None
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
@@ -1539,7 +1541,36 @@ class ColoService:
             }
         return self._states, state
 
-    def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
+    def save_at_stop(self, wait_s: float = LEAVE_WRITE_S) -> None:
+        """gpud stops (SIGTERM, ``systemctl stop gpud``), its loop and the API's changing
+        calls done: write :meth:`_state` once more, as the tick does (``colo.json``
+        replaced by a flushed temporary file), predictor clock and ended jobs' ``idle_s``
+        included, so that the next start takes up what this one held rather than the last
+        tick's write (a write since refused by a full disk, a guard's duty lifted by a
+        reload, the predictor's clock written once a minute). Nothing is written with the
+        loop off or without a state file, nor when the file holds this state already.
+        Built under the loop's lock: a tick still running (one the stop gave up waiting
+        for) is waited for, and the newer of the two states is what the file keeps. Waits
+        up to ``wait_s`` for the file to hold it (written here, or by a write under way
+        when it came); a write that fails or does not end is logged naming the file and
+        why, and the stop goes on."""
+        with self._lock:
+            if not self.config.enabled:
+                return
+            state = self._state(self._running_names)
+        if state is None or self._state_file is None:
+            return
+        self._save(state, whole=True)
+        why = self._wait_written(state[0], wait_s)
+        if why:
+            log.warning(
+                "co-location state %s not written at the stop (%s): the next start reads"
+                " what it held before",
+                self._state_file,
+                why,
+            )
+
+    def _save(self, state: tuple[int, dict[str, Any]] | None, *, whole: bool = False) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
@@ -1549,12 +1580,17 @@ class ColoService:
 
         It does not wait for a write in progress (a removal's hook runs under the jobs
         service's placement lock): it leaves ``state`` to the writer, which writes the
-        newest state left to it straight after its own, and returns."""
+        newest state left to it straight after its own, and returns. ``whole``: the
+        predictor's clock and ``idle_s`` are written too when only they moved (the stop's
+        save), and so is a newer state left pending meanwhile."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
             if self._pending is None or state[0] > self._pending[0]:
-                self._pending = state
+                whole = whole or (self._pending is not None and self._pending[2])
+                self._pending = (*state, whole)
+            elif whole:
+                self._pending = (*self._pending[:2], True)
         while True:
             with self._pending_lock:
                 if self._pending is None:
@@ -1567,7 +1603,7 @@ class ColoService:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
                 if pending is not None and pending[0] > self._tried_state:
-                    written = self._write_newest(self._state_file, pending[1])
+                    written = self._write_newest(self._state_file, pending[1], whole=pending[2])
                     with self._written:
                         self._tried_state = pending[0]
                         if written:
@@ -1576,18 +1612,20 @@ class ColoService:
             finally:
                 self._save_lock.release()
 
-    def _wait_written(self, state: int) -> str:
-        """Wait (up to ``leave_write_s``) until the state file holds ``state`` or a newer
-        one, written by this thread or by the one that held the write when it came: ""
-        once it does, else why not. Never under the loop's lock."""
+    def _wait_written(self, state: int, wait_s: float | None = None) -> str:
+        """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
+        ``state`` or a newer one, written by this thread or by the one that held the write
+        when it came: "" once it does, else why not. Never under the loop's lock."""
+        wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
-            if not self._written.wait_for(lambda: self._tried_state >= state, self._leave_write_s):
-                return f"another write of it still runs after {self._leave_write_s:g} s"
+            if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
+                return f"another write of it still runs after {wait_s:g} s"
             return "" if self._on_disk_state >= state else self._save_error
 
-    def _write_newest(self, path: Path, data: dict[str, Any]) -> bool:
-        """:meth:`_save` of a state newer than any written. Under the save lock. False:
-        the file does not hold it (the write failed, said in the log)."""
+    def _write_newest(self, path: Path, data: dict[str, Any], *, whole: bool = False) -> bool:
+        """:meth:`_save` of a state newer than any written (``whole``: its clock written
+        however little it moved). Under the save lock. False: the file does not hold it
+        (the write failed, said in the log)."""
         predictor = dict(data["predictor"])
         clock = predictor.pop("clock_s", 0.0)
         # how long ago an ended job ran grows every tick: like the predictor's clock, it is
@@ -1597,7 +1635,9 @@ class ColoService:
             for name, job in data["jobs"].items()
         }
         unclocked = {**data, "jobs": jobs, "predictor": predictor}
-        if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
+        if unclocked == self._saved and (
+            clock == self._saved_clock if whole else clock - self._saved_clock < CLOCK_WRITE_S
+        ):
             return True
         try:
             self._write(path, json.dumps(data, allow_nan=False))

@@ -964,6 +964,54 @@ def test_a_removal_after_a_planning_tick_and_a_still_one_writes_a_job_that_ended
     assert "idle_s" not in written["c"]
 
 
+def counted(writes: list[str]) -> Callable[[Path, str], None]:
+    """colo.json's writer, each text it writes kept in ``writes``."""
+
+    def write(path: Path, text: str) -> None:
+        writes.append(text)
+        write_atomically(path, text)
+
+    return write
+
+
+def test_the_stop_writes_the_predictors_clock_once_and_no_more(tmp_path: Path) -> None:
+    """Ticks seconds apart move the predictor's clock, which they write once a minute: the
+    stop writes it, so that the next start takes up the predictor where this gpud left
+    it; asked again with nothing changed since, it writes nothing."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    writes: list[str] = []
+    svc = kept_loop(tmp_path, jobs, clock, write=counted(writes))
+    snap = snapshot(used_gib=10)
+    for _ in range(3):
+        svc.tick(snap)
+        clock.t += 5.0
+    svc.tick(snap)
+    held = svc.predictor.to_dict()["clock_s"]
+    assert json.loads((tmp_path / "colo.json").read_text())["predictor"]["clock_s"] < held
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["predictor"]["clock_s"] == held
+    again = kept_loop(tmp_path, jobs, clock)
+    assert again.predictor.to_dict()["clock_s"] == held
+    written = len(writes)
+    svc.save_at_stop()
+    assert len(writes) == written
+
+
+def test_the_stop_writes_nothing_with_the_loop_off(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded): the stop leaves colo.json as it was."""
+    clock = Clock()
+    writes: list[str] = []
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=counted(writes))
+    svc.tick(snapshot(used_gib=10))
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))
+    written = len(writes)
+    svc.save_at_stop()
+    assert len(writes) == written
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)
