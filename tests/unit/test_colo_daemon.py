@@ -998,6 +998,31 @@ def test_the_stop_writes_the_predictors_clock_once_and_no_more(tmp_path: Path) -
     assert len(writes) == written
 
 
+def test_a_guards_duty_a_reload_lifted_before_the_stop_is_what_the_file_keeps(
+    tmp_path: Path,
+) -> None:
+    """`colocate.min_duty` raised (SIGHUP) lifts a guard's duty at once, between ticks;
+    `systemctl stop gpud` before the next tick: colo.json holds the lifted duty."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(30):
+        clock.t += 1
+        svc.report_latency("chat", [0.095] * 30)
+        svc.tick(snapshot())
+        if svc.duty("train") < 0.2:
+            break
+    guard_duty = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]["guard_duty"]
+    assert guard_duty < 0.2
+    svc.configure(ColocateConfig(min_duty=0.5))
+    svc.save_at_stop()
+    guard_duty = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]["guard_duty"]
+    assert guard_duty == 0.5
+
+
 def test_the_stop_writes_nothing_with_the_loop_off(tmp_path: Path) -> None:
     """`[colocate] enabled = false` (reloaded): the stop leaves colo.json as it was."""
     clock = Clock()
