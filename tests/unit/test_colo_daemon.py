@@ -317,10 +317,9 @@ def test_a_reloaded_min_duty_is_the_floor_at_once(
     assert g.duty == 0.5
 
 
-def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
-    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
-    state file holds training at no less than the new floor."""
-    clock = Clock()
+def throttled(tmp_path: Path, clock: Clock) -> tuple[ColoService, list[RunningJob]]:
+    """A :func:`kept_loop` whose service `chat` reports latencies near its SLO tick after
+    tick, until its guard holds `train`, beside it, under a duty of 0.2."""
     jobs = [
         RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
         RunningJob("train", "training", 0, memory_bytes=10 * GIB),
@@ -333,6 +332,14 @@ def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path)
         if svc.duty("train") < 0.2:
             break
     assert svc.duty("train") < 0.2
+    return svc, jobs
+
+
+def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
+    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
+    state file holds training at no less than the new floor."""
+    clock = Clock()
+    _, jobs = throttled(tmp_path, clock)
     again = ColoService(
         ColocateConfig(min_duty=0.5),
         EventLog(tmp_path / "e.jsonl"),
@@ -1003,18 +1010,7 @@ def test_a_guards_duty_a_reload_lifted_before_the_stop_is_what_the_file_keeps(
 ) -> None:
     """`colocate.min_duty` raised (SIGHUP) lifts a guard's duty at once, between ticks;
     `systemctl stop gpud` before the next tick: colo.json holds the lifted duty."""
-    clock = Clock()
-    jobs = [
-        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
-        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
-    ]
-    svc = kept_loop(tmp_path, jobs, clock)
-    for _ in range(30):
-        clock.t += 1
-        svc.report_latency("chat", [0.095] * 30)
-        svc.tick(snapshot())
-        if svc.duty("train") < 0.2:
-            break
+    svc, _ = throttled(tmp_path, Clock())
     guard_duty = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]["guard_duty"]
     assert guard_duty < 0.2
     svc.configure(ColocateConfig(min_duty=0.5))
