@@ -308,6 +308,21 @@ def _kept(path: Path) -> tuple[str, Path | None]:
     return (f"the file is kept as {aside}" if aside else "the file is left in place"), aside
 
 
+def _unclocked(data: Mapping[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """A state as the file keeps it, less what moves with the loop's clock alone: the
+    predictor's clock and each ended job's ``idle_s``, given apart (written with the next
+    change, or once they moved on enough, not every tick)."""
+    predictor = dict(data["predictor"])
+    clock = float(predictor.pop("clock_s", 0.0))
+    jobs = {
+        name: {k: v for k, v in job.items() if k != "idle_s"} for name, job in data["jobs"].items()
+    }
+    idle = {
+        name: float(job["idle_s"] or 0.0) for name, job in data["jobs"].items() if "idle_s" in job
+    }
+    return {**data, "jobs": jobs, "predictor": predictor}, clock, idle
+
+
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
     """A number of the state file, finite and within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -867,11 +882,16 @@ class ColoService:
         # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        # (under _pending_lock) the state, and whether its clock is written however little
-        # it moved (the stop's)
-        self._pending: tuple[int, dict[str, Any], bool] | None = None
+        self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
+        # (set under _lock) the stop's state: it and every newer one are written whole, so
+        # that a tick the stop gave up, which builds its state after the stop's and may
+        # write first, does not leave out the clock the stop's would have written
+        self._whole_from: float = math.inf
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
+        self._saved_idle: dict[str, float] = {}  # ended jobs' idle_s the file holds
+        # (under _lock) the loop is off and its switch-off was saved since it last ran
+        self._off_saved = False
         self._save_error = ""  # why the last write failed ("": it did not)
         # Told each time a write is done (or failed): an operator's leave waits, up to
         # leave_write_s, until the state it built, or a newer one, is on disk.
@@ -1067,11 +1087,20 @@ class ColoService:
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
-                if not self.config.enabled:
-                    self._switch_off()
+                if self.config.enabled:
+                    return None
+                self._switch_off()
+                if self._off_saved:
+                    return None
+                # once, as it is switched off: a restart then tells training no duty of
+                # the guards', nor restores them, and says the switch-off no more
+                self._off_saved = True
+                state = self._state(self._running_names)
+            self._save(state)
             return None
         with self._lock:
             freed, removals = self._freed, self._removals
+            self._off_saved = False
         running = tuple(self._running())
         with self._lock:
             running = self._present(running, removals)
@@ -1264,6 +1293,9 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+        # read whole: the file holds this state already, and a stop before anything changed
+        # (a start that fails at once, again and again) writes nothing
+        self._saved, self._saved_clock, self._saved_idle = _unclocked(data)
 
     def _load_off(self, path: Path, data: Mapping[str, Any]) -> None:
         """The waiting runs taken out and the jobs removed under a waiting run, as
@@ -1550,18 +1582,27 @@ class ColoService:
         reload, the predictor's clock written once a minute). Nothing is written with the
         loop off or without a state file, nor when the file holds this state already.
         Built under the loop's lock: a tick still running (one the stop gave up waiting
-        for) is waited for, and the newer of the two states is what the file keeps. Waits
-        up to ``wait_s`` for the file to hold it (written here, or by a write under way
-        when it came); a write that fails or does not end is logged naming the file and
-        why, and the stop goes on."""
-        with self._lock:
-            if not self.config.enabled:
-                return
-            state = self._state(self._running_names)
-        if state is None or self._state_file is None:
-            return
-        self._save(state, whole=True)
-        why = self._wait_written(state[0], wait_s)
+        for) is waited for, and the newer of the two states is what the file keeps, clock
+        and all. Waits up to ``wait_s`` in all for the lock and for the file to hold the
+        state (written here, or by a write under way when it came); a lock held past it, or
+        a write that fails or does not end, is logged naming the file and why, and the stop
+        goes on."""
+        deadline = time.monotonic() + wait_s
+        if not self._lock.acquire(timeout=wait_s):
+            why = f"a co-location tick or call held its lock for {wait_s:g} s"
+        else:
+            try:
+                if not self.config.enabled:
+                    return
+                state = self._state(self._running_names)
+                if state is None:
+                    return
+                # this state and any newer (a tick given up, still running) written whole
+                self._whole_from = state[0]
+            finally:
+                self._lock.release()
+            self._save(state)
+            why = self._wait_written(state[0], max(0.0, deadline - time.monotonic()))
         if why:
             log.warning(
                 "co-location state %s not written at the stop (%s): the next start reads"
@@ -1570,7 +1611,7 @@ class ColoService:
                 why,
             )
 
-    def _save(self, state: tuple[int, dict[str, Any]] | None, *, whole: bool = False) -> None:
+    def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
@@ -1580,17 +1621,14 @@ class ColoService:
 
         It does not wait for a write in progress (a removal's hook runs under the jobs
         service's placement lock): it leaves ``state`` to the writer, which writes the
-        newest state left to it straight after its own, and returns. ``whole``: the
-        predictor's clock and ``idle_s`` are written too when only they moved (the stop's
-        save), and so is a newer state left pending meanwhile."""
+        newest state left to it straight after its own, and returns. The stop's state
+        (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
+        however little it moved."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
             if self._pending is None or state[0] > self._pending[0]:
-                whole = whole or (self._pending is not None and self._pending[2])
-                self._pending = (*state, whole)
-            elif whole:
-                self._pending = (*self._pending[:2], True)
+                self._pending = state
         while True:
             with self._pending_lock:
                 if self._pending is None:
@@ -1603,7 +1641,8 @@ class ColoService:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
                 if pending is not None and pending[0] > self._tried_state:
-                    written = self._write_newest(self._state_file, pending[1], whole=pending[2])
+                    whole = pending[0] >= self._whole_from
+                    written = self._write_newest(self._state_file, pending[1], whole=whole)
                     with self._written:
                         self._tried_state = pending[0]
                         if written:
@@ -1626,22 +1665,12 @@ class ColoService:
         """:meth:`_save` of a state newer than any written (``whole``: its clock written
         however little it moved). Under the save lock. False: the file does not hold it
         (the write failed, said in the log)."""
-        predictor = dict(data["predictor"])
-        clock = predictor.pop("clock_s", 0.0)
-        # how long ago an ended job ran grows every tick: like the predictor's clock, it is
-        # written with the next change or the next clock write, not on its own
-        jobs = {
-            name: {k: v for k, v in job.items() if k != "idle_s"}
-            for name, job in data["jobs"].items()
-        }
-        unclocked = {**data, "jobs": jobs, "predictor": predictor}
-        if unclocked == self._saved and (
-            clock == self._saved_clock if whole else clock - self._saved_clock < CLOCK_WRITE_S
-        ):
+        unclocked, clock, idle = _unclocked(data)
+        if unclocked == self._saved and not self._clock_moved(clock, idle, whole=whole):
             return True
         try:
             self._write(path, json.dumps(data, allow_nan=False))
-            self._saved, self._saved_clock = unclocked, clock
+            self._saved, self._saved_clock, self._saved_idle = unclocked, clock, idle
             self._save_error = ""
             return True
         except (OSError, ValueError) as err:
@@ -1650,6 +1679,18 @@ class ColoService:
                 log.warning("co-location state %s not written: %s", path, err)
             self._save_error = str(err)
             return False
+
+    def _clock_moved(self, clock: float, idle: Mapping[str, float], *, whole: bool) -> bool:
+        """Whether the file is written for the predictor's clock and ended jobs' ``idle_s``
+        alone: once either moved :data:`CLOCK_WRITE_S` on since it was written, and the
+        stop's (``whole``) for the clock however little it moved. ``idle_s`` keeps to a
+        minute even then: a restart remembers an ended job at most that much longer, and a
+        start that stops again at once (one crash-looping) does not rewrite the file."""
+        if whole and clock != self._saved_clock:
+            return True
+        return clock - self._saved_clock >= CLOCK_WRITE_S or any(
+            abs(t - self._saved_idle.get(name, t)) >= CLOCK_WRITE_S for name, t in idle.items()
+        )
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -317,14 +318,17 @@ def test_a_reloaded_min_duty_is_the_floor_at_once(
     assert g.duty == 0.5
 
 
-def throttled(tmp_path: Path, clock: Clock) -> tuple[ColoService, list[RunningJob]]:
-    """A :func:`kept_loop` whose service `chat` reports latencies near its SLO tick after
-    tick, until its guard holds `train`, beside it, under a duty of 0.2."""
+def throttled(
+    tmp_path: Path, clock: Clock, write: Callable[[Path, str], None] | None = None
+) -> tuple[ColoService, list[RunningJob]]:
+    """A :func:`kept_loop` (colo.json written by ``write``, where given) whose service
+    `chat` reports latencies near its SLO tick after tick, until its guard holds `train`,
+    beside it, under a duty of 0.2."""
     jobs = [
         RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
         RunningJob("train", "training", 0, memory_bytes=10 * GIB),
     ]
-    svc = kept_loop(tmp_path, jobs, clock)
+    svc = kept_loop(tmp_path, jobs, clock, write=write)
     for _ in range(30):
         clock.t += 1
         svc.report_latency("chat", [0.095] * 30)
@@ -1031,6 +1035,114 @@ def test_the_stop_writes_nothing_with_the_loop_off(tmp_path: Path) -> None:
     written = len(writes)
     svc.save_at_stop()
     assert len(writes) == written
+
+
+def test_a_stop_kept_from_the_loops_lock_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A co-location tick (one the stop gave up waiting for) or an API call holds the
+    loop's lock past the time the stop gives colo.json: the stop leaves the file, and the
+    log names it and why, within that time."""
+    svc = kept_loop(tmp_path, two_jobs_alone(), Clock())
+    svc.tick(snapshot(used_gib=10))
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with svc._lock:
+            held.set()
+            let_go.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    caplog.set_level(logging.WARNING)
+    stopper = threading.Thread(target=lambda: svc.save_at_stop(0.05))
+    try:
+        stopper.start()
+        stopper.join(30.0)  # ends in its 0.05 s: the bound is the lock's holder, if any
+    finally:
+        let_go.set()
+        holder.join()
+        stopper.join()
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (a co-location"
+        " tick or call held its lock for 0.05 s): the next start reads what it held before"
+    ) in caplog.text
+
+
+def test_a_start_that_stops_before_its_first_tick_writes_nothing(tmp_path: Path) -> None:
+    """gpud starts on a colo.json (a guard's duty, a job that ended) and stops again before
+    its loop ticks, as one that fails at start does again and again: the file holds what
+    it would write, and is left as it is."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    jobs.append(RunningJob("old", "training", 1, memory_bytes=10 * GIB))
+    svc.tick(snapshot())
+    jobs.pop()
+    clock.t += 5.0
+    svc.tick(snapshot())
+    svc.save_at_stop()
+    assert "idle_s" in json.loads((tmp_path / "colo.json").read_text())["jobs"]["old"]
+    writes: list[str] = []
+    again = kept_loop(tmp_path, jobs, clock, write=counted(writes))
+    assert again.duty("train") < 0.2
+    clock.t += 5.0
+    again.save_at_stop()
+    assert writes == []
+
+
+def test_the_stop_writes_how_long_ago_an_ended_job_ran_while_the_loop_stood_still(
+    tmp_path: Path,
+) -> None:
+    """A job ended, then the loop stood still (no telemetry) for two minutes, its
+    predictor's clock with it: the stop writes the ended job's ``idle_s`` as it is, so that
+    the next start forgets the job when this gpud would have, not two minutes later."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    jobs.pop()
+    svc.tick(snapshot(used_gib=10))
+    svc.save_at_stop()
+    idle = json.loads((tmp_path / "colo.json").read_text())["jobs"]["b"]["idle_s"]
+    clock.t += 120.0
+    svc.tick(None)
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["b"]["idle_s"] == idle + 120
+
+
+def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training: the
+    switch-off is written once, at the tick that makes it. Started again with co-location
+    on, the training runs at full duty and the guard starts afresh; started again with it
+    still off, the switch-off is not said again."""
+    clock = Clock()
+    writes: list[str] = []
+    svc, jobs = throttled(tmp_path, clock, write=counted(writes))
+    svc.configure(ColocateConfig(enabled=False))
+    written = len(writes)
+    for _ in range(3):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    assert len(writes) == written + 1
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    on = kept_loop(tmp_path, jobs, clock)
+    assert on.duty("train") == 1.0
+    events = EventLog(tmp_path / "off.jsonl")
+    off = ColoService(
+        ColocateConfig(enabled=False),
+        events,
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    off.tick(snapshot())
+    assert off.duty("train") == 1.0
+    assert events.recent(10, "colo.duty") == []
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
