@@ -890,8 +890,10 @@ class ColoService:
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._saved_idle: dict[str, float] = {}  # ended jobs' idle_s the file holds
-        # (under _lock) the loop is off and its switch-off was saved since it last ran
-        self._off_saved = False
+        # (under _lock) the state that holds the loop's switch-off, once the loop is off
+        # (0: it ran since): saved once the file holds it or a newer one, built again each
+        # off tick until then (a write refused by a full disk)
+        self._off_state = 0
         self._save_error = ""  # why the last write failed ("": it did not)
         # Told each time a write is done (or failed): an operator's leave waits, up to
         # leave_write_s, until the state it built, or a newer one, is on disk.
@@ -1090,17 +1092,17 @@ class ColoService:
                 if self.config.enabled:
                     return None
                 self._switch_off()
-                if self._off_saved:
+                if self._off_state and self._holds(self._off_state):
                     return None
-                # once, as it is switched off: a restart then tells training no duty of
-                # the guards', nor restores them, and says the switch-off no more
-                self._off_saved = True
+                # once the file holds it: a restart then tells training no duty of the
+                # guards', nor restores them, and says the switch-off no more
                 state = self._state(self._running_names)
+                self._off_state = state[0] if state is not None else 0
             self._save(state)
             return None
         with self._lock:
             freed, removals = self._freed, self._removals
-            self._off_saved = False
+            self._off_state = 0
         running = tuple(self._running())
         with self._lock:
             running = self._present(running, removals)
@@ -1579,20 +1581,24 @@ class ColoService:
         replaced by a flushed temporary file), predictor clock and ended jobs' ``idle_s``
         included, so that the next start takes up what this one held rather than the last
         tick's write (a write since refused by a full disk, a guard's duty lifted by a
-        reload, the predictor's clock written once a minute). Nothing is written with the
-        loop off or without a state file, nor when the file holds this state already.
+        reload, the predictor's clock written once a minute). With the loop off, only a
+        switch-off the file does not hold yet is written (its ticks' writes refused); nothing
+        is without a state file, nor when the file holds this state already.
         Built under the loop's lock: a tick still running (one the stop gave up waiting
         for) is waited for, and the newer of the two states is what the file keeps, clock
         and all. Waits up to ``wait_s`` in all for the lock and for the file to hold the
-        state (written here, or by a write under way when it came); a lock held past it, or
-        a write that fails or does not end, is logged naming the file and why, and the stop
-        goes on."""
+        state, written on a daemon thread of its own (or by a write under way when it
+        came); a lock held past it, or a write that fails or does not end (a disk that
+        stopped answering, left to the exit), is logged naming the file and why, and the
+        stop goes on."""
         deadline = time.monotonic() + wait_s
         if not self._lock.acquire(timeout=wait_s):
-            why = f"a co-location tick or call held its lock for {wait_s:g} s"
+            why = f"a co-location tick or call held its lock for {wait_s:.1f} s"
         else:
             try:
-                if not self.config.enabled:
+                if not self.config.enabled and (
+                    not self._off_state or self._holds(self._off_state)
+                ):
                     return
                 state = self._state(self._running_names)
                 if state is None:
@@ -1601,8 +1607,10 @@ class ColoService:
                 self._whole_from = state[0]
             finally:
                 self._lock.release()
-            self._save(state)
-            why = self._wait_written(state[0], max(0.0, deadline - time.monotonic()))
+            threading.Thread(
+                target=self._save, args=(state,), name="colo-stop-save", daemon=True
+            ).start()
+            why = self._wait_written(state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s)
         if why:
             log.warning(
                 "co-location state %s not written at the stop (%s): the next start reads"
@@ -1651,15 +1659,24 @@ class ColoService:
             finally:
                 self._save_lock.release()
 
-    def _wait_written(self, state: int, wait_s: float | None = None) -> str:
+    def _wait_written(
+        self, state: int, wait_s: float | None = None, *, said_s: float | None = None
+    ) -> str:
         """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
         ``state`` or a newer one, written by this thread or by the one that held the write
-        when it came: "" once it does, else why not. Never under the loop's lock."""
+        when it came: "" once it does, else why not (naming ``said_s``, the caller's whole
+        wait, where given, else ``wait_s``). Never under the loop's lock."""
         wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
             if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
-                return f"another write of it still runs after {wait_s:g} s"
+                said = wait_s if said_s is None else said_s
+                return f"another write of it still runs after {said:.1f} s"
             return "" if self._on_disk_state >= state else self._save_error
+
+    def _holds(self, state: int) -> bool:
+        """Whether the state file holds ``state`` or a newer one (a write of it done)."""
+        with self._written:
+            return self._on_disk_state >= state
 
     def _write_newest(self, path: Path, data: dict[str, Any], *, whole: bool = False) -> bool:
         """:meth:`_save` of a state newer than any written (``whole``: its clock written

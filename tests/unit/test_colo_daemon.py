@@ -329,6 +329,13 @@ def throttled(
         RunningJob("train", "training", 0, memory_bytes=10 * GIB),
     ]
     svc = kept_loop(tmp_path, jobs, clock, write=write)
+    throttle(svc, clock)
+    return svc, jobs
+
+
+def throttle(svc: ColoService, clock: Clock) -> None:
+    """`chat` reports latencies near its SLO tick after tick, until its guard holds `train`
+    under a duty of 0.2."""
     for _ in range(30):
         clock.t += 1
         svc.report_latency("chat", [0.095] * 30)
@@ -336,7 +343,6 @@ def throttled(
         if svc.duty("train") < 0.2:
             break
     assert svc.duty("train") < 0.2
-    return svc, jobs
 
 
 def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
@@ -985,6 +991,17 @@ def counted(writes: list[str]) -> Callable[[Path, str], None]:
     return write
 
 
+def refused_while(full: threading.Event) -> Callable[[Path, str], None]:
+    """colo.json's writer, its writes refused as by a full disk while ``full`` is set."""
+
+    def write(path: Path, text: str) -> None:
+        if full.is_set():
+            raise OSError(28, "No space left on device")
+        write_atomically(path, text)
+
+    return write
+
+
 def test_the_stop_writes_the_predictors_clock_once_and_no_more(tmp_path: Path) -> None:
     """Ticks seconds apart move the predictor's clock, which they write once a minute: the
     stop writes it, so that the next start takes up the predictor where this gpud left
@@ -1037,6 +1054,20 @@ def test_the_stop_writes_nothing_with_the_loop_off(tmp_path: Path) -> None:
     assert len(writes) == written
 
 
+def stop_ends_before(svc: ColoService, wait_s: float, release: Callable[[], None]) -> bool:
+    """Whether ``svc.save_at_stop(wait_s)``, on a thread of its own, ends before
+    ``release`` lets go of what holds it up (joined generously: it ends in its
+    ``wait_s``); ``release`` is called, and the stop joined, whatever the answer."""
+    stopper = threading.Thread(target=lambda: svc.save_at_stop(wait_s))
+    try:
+        stopper.start()
+        stopper.join(30.0)
+        return not stopper.is_alive()
+    finally:
+        release()
+        stopper.join()
+
+
 def test_a_stop_kept_from_the_loops_lock_says_so_naming_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1056,17 +1087,15 @@ def test_a_stop_kept_from_the_loops_lock_says_so_naming_the_file(
     holder.start()
     held.wait()
     caplog.set_level(logging.WARNING)
-    stopper = threading.Thread(target=lambda: svc.save_at_stop(0.05))
-    try:
-        stopper.start()
-        stopper.join(30.0)  # ends in its 0.05 s: the bound is the lock's holder, if any
-    finally:
+
+    def release() -> None:
         let_go.set()
         holder.join()
-        stopper.join()
+
+    assert stop_ends_before(svc, 0.2, release)
     assert (
         f"co-location state {tmp_path / 'colo.json'} not written at the stop (a co-location"
-        " tick or call held its lock for 0.05 s): the next start reads what it held before"
+        " tick or call held its lock for 0.2 s): the next start reads what it held before"
     ) in caplog.text
 
 
@@ -1143,6 +1172,110 @@ def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> 
     off.tick(snapshot())
     assert off.duty("train") == 1.0
     assert events.recent(10, "colo.duty") == []
+
+
+def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
+    tmp_path: Path,
+) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training, and the
+    disk full at the tick that switches the loop off: a later tick, the disk freed, writes
+    the switch-off, so a restart with co-location on runs the training at full duty."""
+    clock = Clock()
+    full = threading.Event()
+    svc, jobs = throttled(tmp_path, clock, write=refused_while(full))
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] < 0.2
+    full.set()
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    full.clear()
+    for _ in range(3):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    svc.save_at_stop()
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
+    tmp_path: Path,
+) -> None:
+    """The disk full from the tick that switches the loop off to the last before the stop,
+    freed then: the stop writes the switch-off (with the loop off it writes nothing else)."""
+    clock = Clock()
+    full = threading.Event()
+    svc, jobs = throttled(tmp_path, clock, write=refused_while(full))
+    full.set()
+    svc.configure(ColocateConfig(enabled=False))
+    for _ in range(2):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    full.clear()
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
+    tmp_path: Path,
+) -> None:
+    """Off (a reload), on again, the guard throttling training anew, then off once more:
+    colo.json ends with the training's duty lifted and the guard reset, as a restart with
+    co-location on then runs it."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    throttle(svc, clock)
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] < 0.2
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_stop_whose_write_hangs_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No tick writes, and the stop's own write of colo.json does not end (a disk that
+    stopped answering): the stop leaves it within the time it gives the file, and the log
+    names the file and why."""
+    clock = Clock()
+    hang, entered, released, done = (threading.Event() for _ in range(4))
+
+    def write(path: Path, text: str) -> None:
+        if hang.is_set():
+            entered.set()
+            released.wait()
+        write_atomically(path, text)
+        done.set()
+
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))  # the predictor's clock moved on, not yet written
+    hang.set()
+    done.clear()
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        released.set()
+        done.wait(30.0)
+
+    assert stop_ends_before(svc, 0.3, release)
+    assert entered.is_set()
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (another write"
+        " of it still runs after 0.3 s): the next start reads what it held before"
+    ) in caplog.text
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
