@@ -132,8 +132,8 @@ MIG_STOP_WAIT_S = 20.0
 # SIGTERM/SIGINT, their callers are cut off: gpuctl says the outcome is unknown, and the
 # stop goes on (an apply's plan is kept: the next start finishes it)
 CALL_STOP_WAIT_S = 18.0
-# seconds the whole stop may take: every wait in it (the MIG apply, a traffic tick, nft,
-# dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
+# seconds the whole stop may take: every wait in it (the MIG apply, colo.json, a traffic
+# tick, nft, dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
 # systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
 # the /metrics listener its poll interval to stop, the event log's flush half of
@@ -150,6 +150,9 @@ PASS_STOP_WAIT_S = 5.0
 # seconds each shutdown hook gets even when the budget is spent: quitting the MPS control
 # daemons or giving up the cluster's leadership takes milliseconds when nothing hangs
 STOP_HOOK_FLOOR_S = 1.0
+# seconds of the stop budget the co-location state's last write (colo.json) is waited for:
+# a small file, flushed; one a hung disk holds is left on its thread, and the stop goes on
+COLO_SAVE_WAIT_S = 2.0
 # seconds the stop waits for the store's close (its locks, held by a transaction or a read
 # of a pass left running, at most half of it; then SQLite's checkpoint) and then for the
 # driver's (``nvmlShutdown``, which can hang on a GPU that stopped answering); past that each
@@ -1217,6 +1220,17 @@ class Daemon:
                     "a MIG apply is still running: its in-flight plan is kept and the next "
                     "start finishes it"
                 )
+            # No loop pass and no changing call runs now (one given up goes on: a co-location
+            # tick still changing holds the save back, which takes the loop's lock): colo.json
+            # gets what co-location holds, not the last tick's write. A share of the
+            # budget and no floor: the worst stop stays as it was.
+            save_s = left(COLO_SAVE_WAIT_S)
+            await self._run_stop(
+                # the save's own wait ends first, so that its warning says why
+                lambda: self.colo.save_at_stop(save_s * 0.8),
+                save_s,
+                "colo.save",
+            )
             hooks = list(reversed(self._shutdown))
             while hooks and not self._stop_now.is_set():
                 hook = hooks.pop(0)

@@ -308,6 +308,21 @@ def _kept(path: Path) -> tuple[str, Path | None]:
     return (f"the file is kept as {aside}" if aside else "the file is left in place"), aside
 
 
+def _unclocked(data: Mapping[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """A state as the file keeps it, less what moves with the loop's clock alone: the
+    predictor's clock and each ended job's ``idle_s``, given apart (written with the next
+    change, or once they moved on enough, not every tick)."""
+    predictor = dict(data["predictor"])
+    clock = float(predictor.pop("clock_s", 0.0))
+    jobs = {
+        name: {k: v for k, v in job.items() if k != "idle_s"} for name, job in data["jobs"].items()
+    }
+    idle = {
+        name: float(job["idle_s"] or 0.0) for name, job in data["jobs"].items() if "idle_s" in job
+    }
+    return {**data, "jobs": jobs, "predictor": predictor}, clock, idle
+
+
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
     """A number of the state file, finite and within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -868,8 +883,17 @@ class ColoService:
         self._save_lock = threading.Lock()
         self._pending_lock = threading.Lock()
         self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
+        # (set under _lock) the stop's state: it and every newer one are written whole, so
+        # that a tick the stop gave up, which builds its state after the stop's and may
+        # write first, does not leave out the clock the stop's would have written
+        self._whole_from: float = math.inf
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
+        self._saved_idle: dict[str, float] = {}  # ended jobs' idle_s the file holds
+        # (under _lock) the state that holds the loop's switch-off, once the loop is off
+        # (0: it ran since): saved once the file holds it or a newer one, built again each
+        # off tick until then (a write refused by a full disk)
+        self._off_state = 0
         self._save_error = ""  # why the last write failed ("": it did not)
         # Told each time a write is done (or failed): an operator's leave waits, up to
         # leave_write_s, until the state it built, or a newer one, is on disk.
@@ -1065,11 +1089,20 @@ class ColoService:
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
-                if not self.config.enabled:
-                    self._switch_off()
+                if self.config.enabled:
+                    return None
+                self._switch_off()
+                if self._off_state and self._holds(self._off_state):
+                    return None
+                # once the file holds it: a restart then tells training no duty of the
+                # guards', nor restores them, and says the switch-off no more
+                state = self._state(self._running_names)
+                self._off_state = state[0] if state is not None else 0
+            self._save(state)
             return None
         with self._lock:
             freed, removals = self._freed, self._removals
+            self._off_state = 0
         running = tuple(self._running())
         with self._lock:
             running = self._present(running, removals)
@@ -1262,6 +1295,9 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+        # read whole: the file holds this state already, and a stop before anything changed
+        # (a start that fails at once, again and again) writes nothing
+        self._saved, self._saved_clock, self._saved_idle = _unclocked(data)
 
     def _load_off(self, path: Path, data: Mapping[str, Any]) -> None:
         """The waiting runs taken out and the jobs removed under a waiting run, as
@@ -1539,6 +1575,50 @@ class ColoService:
             }
         return self._states, state
 
+    def save_at_stop(self, wait_s: float = LEAVE_WRITE_S) -> None:
+        """gpud stops (SIGTERM, ``systemctl stop gpud``), its loop and the API's changing
+        calls done: write :meth:`_state` once more, as the tick does (``colo.json``
+        replaced by a flushed temporary file), predictor clock and ended jobs' ``idle_s``
+        included, so that the next start takes up what this one held rather than the last
+        tick's write (a write since refused by a full disk, a guard's duty lifted by a
+        reload, the predictor's clock written once a minute). With the loop off, only a
+        switch-off the file does not hold yet is written (its ticks' writes refused); nothing
+        is without a state file, nor when the file holds this state already.
+        Built under the loop's lock: a tick still running (one the stop gave up waiting
+        for) is waited for, and the newer of the two states is what the file keeps, clock
+        and all. Waits up to ``wait_s`` in all for the lock and for the file to hold the
+        state, written on a daemon thread of its own (or by a write under way when it
+        came); a lock held past it, or a write that fails or does not end (a disk that
+        stopped answering, left to the exit), is logged naming the file and why, and the
+        stop goes on."""
+        deadline = time.monotonic() + wait_s
+        if not self._lock.acquire(timeout=wait_s):
+            why = f"a co-location tick or call held its lock for {wait_s:.1f} s"
+        else:
+            try:
+                if not self.config.enabled and (
+                    not self._off_state or self._holds(self._off_state)
+                ):
+                    return
+                state = self._state(self._running_names)
+                if state is None:
+                    return
+                # this state and any newer (a tick given up, still running) written whole
+                self._whole_from = state[0]
+            finally:
+                self._lock.release()
+            threading.Thread(
+                target=self._save, args=(state,), name="colo-stop-save", daemon=True
+            ).start()
+            why = self._wait_written(state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s)
+        if why:
+            log.warning(
+                "co-location state %s not written at the stop (%s): the next start reads"
+                " what it held before",
+                self._state_file,
+                why,
+            )
+
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
@@ -1549,7 +1629,9 @@ class ColoService:
 
         It does not wait for a write in progress (a removal's hook runs under the jobs
         service's placement lock): it leaves ``state`` to the writer, which writes the
-        newest state left to it straight after its own, and returns."""
+        newest state left to it straight after its own, and returns. The stop's state
+        (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
+        however little it moved."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
@@ -1567,7 +1649,8 @@ class ColoService:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
                 if pending is not None and pending[0] > self._tried_state:
-                    written = self._write_newest(self._state_file, pending[1])
+                    whole = pending[0] >= self._whole_from
+                    written = self._write_newest(self._state_file, pending[1], whole=whole)
                     with self._written:
                         self._tried_state = pending[0]
                         if written:
@@ -1576,32 +1659,35 @@ class ColoService:
             finally:
                 self._save_lock.release()
 
-    def _wait_written(self, state: int) -> str:
-        """Wait (up to ``leave_write_s``) until the state file holds ``state`` or a newer
-        one, written by this thread or by the one that held the write when it came: ""
-        once it does, else why not. Never under the loop's lock."""
+    def _wait_written(
+        self, state: int, wait_s: float | None = None, *, said_s: float | None = None
+    ) -> str:
+        """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
+        ``state`` or a newer one, written by this thread or by the one that held the write
+        when it came: "" once it does, else why not (naming ``said_s``, the caller's whole
+        wait, where given, else ``wait_s``). Never under the loop's lock."""
+        wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
-            if not self._written.wait_for(lambda: self._tried_state >= state, self._leave_write_s):
-                return f"another write of it still runs after {self._leave_write_s:g} s"
+            if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
+                said = wait_s if said_s is None else said_s
+                return f"another write of it still runs after {said:.1f} s"
             return "" if self._on_disk_state >= state else self._save_error
 
-    def _write_newest(self, path: Path, data: dict[str, Any]) -> bool:
-        """:meth:`_save` of a state newer than any written. Under the save lock. False:
-        the file does not hold it (the write failed, said in the log)."""
-        predictor = dict(data["predictor"])
-        clock = predictor.pop("clock_s", 0.0)
-        # how long ago an ended job ran grows every tick: like the predictor's clock, it is
-        # written with the next change or the next clock write, not on its own
-        jobs = {
-            name: {k: v for k, v in job.items() if k != "idle_s"}
-            for name, job in data["jobs"].items()
-        }
-        unclocked = {**data, "jobs": jobs, "predictor": predictor}
-        if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
+    def _holds(self, state: int) -> bool:
+        """Whether the state file holds ``state`` or a newer one (a write of it done)."""
+        with self._written:
+            return self._on_disk_state >= state
+
+    def _write_newest(self, path: Path, data: dict[str, Any], *, whole: bool = False) -> bool:
+        """:meth:`_save` of a state newer than any written (``whole``: its clock written
+        however little it moved). Under the save lock. False: the file does not hold it
+        (the write failed, said in the log)."""
+        unclocked, clock, idle = _unclocked(data)
+        if unclocked == self._saved and not self._clock_moved(clock, idle, whole=whole):
             return True
         try:
             self._write(path, json.dumps(data, allow_nan=False))
-            self._saved, self._saved_clock = unclocked, clock
+            self._saved, self._saved_clock, self._saved_idle = unclocked, clock, idle
             self._save_error = ""
             return True
         except (OSError, ValueError) as err:
@@ -1610,6 +1696,18 @@ class ColoService:
                 log.warning("co-location state %s not written: %s", path, err)
             self._save_error = str(err)
             return False
+
+    def _clock_moved(self, clock: float, idle: Mapping[str, float], *, whole: bool) -> bool:
+        """Whether the file is written for the predictor's clock and ended jobs' ``idle_s``
+        alone: once either moved :data:`CLOCK_WRITE_S` on since it was written, and the
+        stop's (``whole``) for the clock however little it moved. ``idle_s`` keeps to a
+        minute even then: a restart remembers an ended job at most that much longer, and a
+        start that stops again at once (one crash-looping) does not rewrite the file."""
+        if whole and clock != self._saved_clock:
+            return True
+        return clock - self._saved_clock >= CLOCK_WRITE_S or any(
+            abs(t - self._saved_idle.get(name, t)) >= CLOCK_WRITE_S for name, t in idle.items()
+        )
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -317,15 +318,24 @@ def test_a_reloaded_min_duty_is_the_floor_at_once(
     assert g.duty == 0.5
 
 
-def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
-    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
-    state file holds training at no less than the new floor."""
-    clock = Clock()
+def throttled(
+    tmp_path: Path, clock: Clock, write: Callable[[Path, str], None] | None = None
+) -> tuple[ColoService, list[RunningJob]]:
+    """A :func:`kept_loop` (colo.json written by ``write``, where given) whose service
+    `chat` reports latencies near its SLO tick after tick, until its guard holds `train`,
+    beside it, under a duty of 0.2."""
     jobs = [
         RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
         RunningJob("train", "training", 0, memory_bytes=10 * GIB),
     ]
-    svc = kept_loop(tmp_path, jobs, clock)
+    svc = kept_loop(tmp_path, jobs, clock, write=write)
+    throttle(svc, clock)
+    return svc, jobs
+
+
+def throttle(svc: ColoService, clock: Clock) -> None:
+    """`chat` reports latencies near its SLO tick after tick, until its guard holds `train`
+    under a duty of 0.2."""
     for _ in range(30):
         clock.t += 1
         svc.report_latency("chat", [0.095] * 30)
@@ -333,6 +343,13 @@ def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path)
         if svc.duty("train") < 0.2:
             break
     assert svc.duty("train") < 0.2
+
+
+def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
+    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
+    state file holds training at no less than the new floor."""
+    clock = Clock()
+    _, jobs = throttled(tmp_path, clock)
     again = ColoService(
         ColocateConfig(min_duty=0.5),
         EventLog(tmp_path / "e.jsonl"),
@@ -962,6 +979,303 @@ def test_a_removal_after_a_planning_tick_and_a_still_one_writes_a_job_that_ended
     assert "a" not in written
     assert written["b"]["idle_s"] == 5.0
     assert "idle_s" not in written["c"]
+
+
+def counted(writes: list[str]) -> Callable[[Path, str], None]:
+    """colo.json's writer, each text it writes kept in ``writes``."""
+
+    def write(path: Path, text: str) -> None:
+        writes.append(text)
+        write_atomically(path, text)
+
+    return write
+
+
+def refused_while(full: threading.Event) -> Callable[[Path, str], None]:
+    """colo.json's writer, its writes refused as by a full disk while ``full`` is set."""
+
+    def write(path: Path, text: str) -> None:
+        if full.is_set():
+            raise OSError(28, "No space left on device")
+        write_atomically(path, text)
+
+    return write
+
+
+def test_the_stop_writes_the_predictors_clock_once_and_no_more(tmp_path: Path) -> None:
+    """Ticks seconds apart move the predictor's clock, which they write once a minute: the
+    stop writes it, so that the next start takes up the predictor where this gpud left
+    it; asked again with nothing changed since, it writes nothing."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    writes: list[str] = []
+    svc = kept_loop(tmp_path, jobs, clock, write=counted(writes))
+    snap = snapshot(used_gib=10)
+    for _ in range(3):
+        svc.tick(snap)
+        clock.t += 5.0
+    svc.tick(snap)
+    held = svc.predictor.to_dict()["clock_s"]
+    assert json.loads((tmp_path / "colo.json").read_text())["predictor"]["clock_s"] < held
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["predictor"]["clock_s"] == held
+    again = kept_loop(tmp_path, jobs, clock)
+    assert again.predictor.to_dict()["clock_s"] == held
+    written = len(writes)
+    svc.save_at_stop()
+    assert len(writes) == written
+
+
+def test_a_guards_duty_a_reload_lifted_before_the_stop_is_what_the_file_keeps(
+    tmp_path: Path,
+) -> None:
+    """`colocate.min_duty` raised (SIGHUP) lifts a guard's duty at once, between ticks;
+    `systemctl stop gpud` before the next tick: colo.json holds the lifted duty."""
+    svc, _ = throttled(tmp_path, Clock())
+    guard_duty = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]["guard_duty"]
+    assert guard_duty < 0.2
+    svc.configure(ColocateConfig(min_duty=0.5))
+    svc.save_at_stop()
+    guard_duty = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]["guard_duty"]
+    assert guard_duty == 0.5
+
+
+def test_the_stop_writes_nothing_with_the_loop_off(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded): the stop leaves colo.json as it was."""
+    clock = Clock()
+    writes: list[str] = []
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=counted(writes))
+    svc.tick(snapshot(used_gib=10))
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))
+    written = len(writes)
+    svc.save_at_stop()
+    assert len(writes) == written
+
+
+def stop_ends_before(svc: ColoService, wait_s: float, release: Callable[[], None]) -> bool:
+    """Whether ``svc.save_at_stop(wait_s)``, on a thread of its own, ends before
+    ``release`` lets go of what holds it up (joined generously: it ends in its
+    ``wait_s``); ``release`` is called, and the stop joined, whatever the answer."""
+    stopper = threading.Thread(target=lambda: svc.save_at_stop(wait_s))
+    try:
+        stopper.start()
+        stopper.join(30.0)
+        return not stopper.is_alive()
+    finally:
+        release()
+        stopper.join()
+
+
+def test_a_stop_kept_from_the_loops_lock_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A co-location tick (one the stop gave up waiting for) or an API call holds the
+    loop's lock past the time the stop gives colo.json: the stop leaves the file, and the
+    log names it and why, within that time."""
+    svc = kept_loop(tmp_path, two_jobs_alone(), Clock())
+    svc.tick(snapshot(used_gib=10))
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with svc._lock:
+            held.set()
+            let_go.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        let_go.set()
+        holder.join()
+
+    assert stop_ends_before(svc, 0.2, release)
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (a co-location"
+        " tick or call held its lock for 0.2 s): the next start reads what it held before"
+    ) in caplog.text
+
+
+def test_a_start_that_stops_before_its_first_tick_writes_nothing(tmp_path: Path) -> None:
+    """gpud starts on a colo.json (a guard's duty, a job that ended) and stops again before
+    its loop ticks, as one that fails at start does again and again: the file holds what
+    it would write, and is left as it is."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    jobs.append(RunningJob("old", "training", 1, memory_bytes=10 * GIB))
+    svc.tick(snapshot())
+    jobs.pop()
+    clock.t += 5.0
+    svc.tick(snapshot())
+    svc.save_at_stop()
+    assert "idle_s" in json.loads((tmp_path / "colo.json").read_text())["jobs"]["old"]
+    writes: list[str] = []
+    again = kept_loop(tmp_path, jobs, clock, write=counted(writes))
+    assert again.duty("train") < 0.2
+    clock.t += 5.0
+    again.save_at_stop()
+    assert writes == []
+
+
+def test_the_stop_writes_how_long_ago_an_ended_job_ran_while_the_loop_stood_still(
+    tmp_path: Path,
+) -> None:
+    """A job ended, then the loop stood still (no telemetry) for two minutes, its
+    predictor's clock with it: the stop writes the ended job's ``idle_s`` as it is, so that
+    the next start forgets the job when this gpud would have, not two minutes later."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    jobs.pop()
+    svc.tick(snapshot(used_gib=10))
+    svc.save_at_stop()
+    idle = json.loads((tmp_path / "colo.json").read_text())["jobs"]["b"]["idle_s"]
+    clock.t += 120.0
+    svc.tick(None)
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["b"]["idle_s"] == idle + 120
+
+
+def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training: the
+    switch-off is written once, at the tick that makes it. Started again with co-location
+    on, the training runs at full duty and the guard starts afresh; started again with it
+    still off, the switch-off is not said again."""
+    clock = Clock()
+    writes: list[str] = []
+    svc, jobs = throttled(tmp_path, clock, write=counted(writes))
+    svc.configure(ColocateConfig(enabled=False))
+    written = len(writes)
+    for _ in range(3):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    assert len(writes) == written + 1
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    on = kept_loop(tmp_path, jobs, clock)
+    assert on.duty("train") == 1.0
+    events = EventLog(tmp_path / "off.jsonl")
+    off = ColoService(
+        ColocateConfig(enabled=False),
+        events,
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    off.tick(snapshot())
+    assert off.duty("train") == 1.0
+    assert events.recent(10, "colo.duty") == []
+
+
+def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
+    tmp_path: Path,
+) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training, and the
+    disk full at the tick that switches the loop off: a later tick, the disk freed, writes
+    the switch-off, so a restart with co-location on runs the training at full duty."""
+    clock = Clock()
+    full = threading.Event()
+    svc, jobs = throttled(tmp_path, clock, write=refused_while(full))
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] < 0.2
+    full.set()
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    full.clear()
+    for _ in range(3):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    svc.save_at_stop()
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
+    tmp_path: Path,
+) -> None:
+    """The disk full from the tick that switches the loop off to the last before the stop,
+    freed then: the stop writes the switch-off (with the loop off it writes nothing else)."""
+    clock = Clock()
+    full = threading.Event()
+    svc, jobs = throttled(tmp_path, clock, write=refused_while(full))
+    full.set()
+    svc.configure(ColocateConfig(enabled=False))
+    for _ in range(2):
+        clock.t += 5.0
+        svc.tick(snapshot())
+    full.clear()
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
+    tmp_path: Path,
+) -> None:
+    """Off (a reload), on again, the guard throttling training anew, then off once more:
+    colo.json ends with the training's duty lifted and the guard reset, as a restart with
+    co-location on then runs it."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    throttle(svc, clock)
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] < 0.2
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5.0
+    svc.tick(snapshot())
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_stop_whose_write_hangs_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No tick writes, and the stop's own write of colo.json does not end (a disk that
+    stopped answering): the stop leaves it within the time it gives the file, and the log
+    names the file and why."""
+    clock = Clock()
+    hang, entered, released, done = (threading.Event() for _ in range(4))
+
+    def write(path: Path, text: str) -> None:
+        if hang.is_set():
+            entered.set()
+            released.wait()
+        write_atomically(path, text)
+        done.set()
+
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))  # the predictor's clock moved on, not yet written
+    hang.set()
+    done.clear()
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        released.set()
+        done.wait(30.0)
+
+    assert stop_ends_before(svc, 0.3, release)
+    assert entered.is_set()
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (another write"
+        " of it still runs after 0.3 s): the next start reads what it held before"
+    ) in caplog.text
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import json
 import logging
 import math
 import shutil
@@ -26,6 +27,7 @@ from gpud.build import current as current_build
 from gpud.cluster.model import NodeReport
 from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
 from gpud.daemon import (
+    COLO_NAME,
     MPS_WAIT_S,
     STOP_CLOSE_WAIT_S,
     STOP_HOOK_FLOOR_S,
@@ -1152,6 +1154,95 @@ def test_colocation_keeps_which_registration_of_a_job_it_learned(root: Path) -> 
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_a_stop_writes_what_colocation_holds_and_the_next_start_reads_it_back(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service's SLO guard throttled the training beside it, in co-location ticks whose
+    writes of colo.json were refused (the disk full for a moment: a directory where the
+    file's temporary one goes); the disk answers again, and ``systemctl stop gpud`` comes
+    before the next tick: the stop writes what co-location holds, and gpud started again
+    on the state directory tells the training the duty it was told, rather than what the
+    last write before the refusals held (full duty)."""
+    config = make_config(root, **{"daemon.tick_s": 0.05, "colocate.tick_s": 3600.0})
+    path = config.daemon.state_dir / COLO_NAME
+    refusing = path.with_name(f".{path.name}.tmp")  # write_atomically's temporary file
+    skew = [0.0]  # the loop's clock, moved on a second per tick below
+
+    def clock() -> float:
+        return time.monotonic() + skew[0]
+
+    d = build(config, clock=clock)
+
+    async def scenario() -> float:
+        run = await _started(d)
+        for _ in range(400):  # the first pass's tick, before any job runs
+            if path.exists():
+                break
+            await asyncio.sleep(0.05)
+        d.jobs.add(JobSpec(name="chat", kind=JobKind.INFERENCE, slo_p99_ms=100.0))
+        d.jobs.add(JobSpec(name="train", kind=JobKind.TRAINING))
+        d.jobs.reserve(RunRequest(job="chat"))
+        d.jobs.reserve(RunRequest(job="train"))
+        refusing.mkdir()
+        for _ in range(30):  # p99 near the SLO: the guard cuts the training's duty
+            skew[0] += 1
+            d.colo.report_latency("chat", [0.095] * 30)
+            await asyncio.to_thread(d.colo.tick, d.sampler.latest())
+            if d.colo.duty("train") < 1.0:
+                break
+        told = d.colo.duty("train")
+        assert told < 1.0
+        assert "train" not in json.loads(path.read_text())["jobs"]
+        refusing.rmdir()
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=d.worst_stop_s() + 5) == 0
+        return told
+
+    caplog.set_level(logging.WARNING)
+    try:
+        told = asyncio.run(scenario())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            refusing.rmdir()
+    assert f"co-location state {path} not written" in caplog.text  # the ticks'
+    assert "at the stop" not in caplog.text
+    again = build(config)
+    try:
+        assert again.colo.duty("train") == told
+    finally:
+        _close(again)
+
+
+def test_a_stop_whose_colocation_write_fails_says_so_and_stops(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json cannot be written at the stop (the disk full, as it was at the last tick):
+    the log names the file and why, and the rest of the stop goes on (gpud exits 0)."""
+    config = make_config(root, **{"daemon.tick_s": 0.05, "colocate.tick_s": 3600.0})
+    path = config.daemon.state_dir / COLO_NAME
+    refusing = path.with_name(f".{path.name}.tmp")
+    d = build(config)
+
+    async def scenario() -> None:
+        run = await _started(d)
+        d.jobs.add(JobSpec(name="chat", kind=JobKind.INFERENCE, slo_p99_ms=100.0))
+        d.jobs.reserve(RunRequest(job="chat"))
+        refusing.mkdir()
+        await asyncio.to_thread(d.colo.tick, d.sampler.latest())
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=d.worst_stop_s() + 5) == 0
+
+    caplog.set_level(logging.WARNING)
+    try:
+        asyncio.run(scenario())
+    finally:
+        refusing.rmdir()
+    (line,) = [r.getMessage() for r in caplog.records if "at the stop (" in r.getMessage()]
+    assert line.startswith(f"co-location state {path} not written at the stop (")
+    assert "Is a directory" in line
+    assert d.events.recent(1, "daemon.stop")
 
 
 def test_a_run_that_ended_is_not_shown_placed_until_the_next_colocation_pass(
