@@ -87,8 +87,9 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         daemon = f"up{': ' + d.last_error if d.last_error else ''}"
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
-    if d.gpu_unhealthy:
-        daemon += f" (GPU {d.gpu} unhealthy)"  # why: under the table (unhealthy_notes)
+    # why: under the table (unhealthy_notes); a daemon not started for it says so already
+    if d.gpu_unhealthy and not d.last_error.endswith(f"GPU {d.gpu} is unhealthy"):
+        daemon += f" (GPU {d.gpu} unhealthy)"
     threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (

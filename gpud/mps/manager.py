@@ -14,6 +14,11 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   say) costs the pass one query timeout however many hang, and no other device's check waits
   behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
   ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again.
+  A device whose GPU is unhealthy in the sample (a critical XID not cleared, lost, hung in
+  the driver: what the jobs service places no job by) gets no new daemon, nor a restart of
+  one that exited (``mps.start_skipped``, once as the skip begins; the status says why); one
+  running when its GPU turned unhealthy is left running and checked, its clients may be
+  draining. The first pass that sees the GPU healthy again starts it.
   With MPS off, a pass checks a device until it is found running no daemon (one an earlier
   run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
@@ -211,6 +216,9 @@ class _Device:
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
+    # why its GPU was unhealthy when a start was passed over ("" when none was): said once
+    # (``mps.start_skipped``) when the skip begins, not on every pass while it lasts
+    skipped: str = ""
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
@@ -1320,6 +1328,13 @@ class MpsManager:
                 dev.failures = 0
                 dev.last_error = _LIMITS_WAIT
                 return
+            if target.gpu_unhealthy:
+                self._skip_start(target, dev)
+                return
+            if dev.skipped:
+                dev.skipped = ""
+                dev.last_error = ""
+                dev.next_start_at = 0.0  # its GPU answers again: started at this pass
             if held or now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
@@ -1348,6 +1363,31 @@ class MpsManager:
             self._check(
                 target, dev, desired, requested=requested or dev.requested, timeout_s=timeout_s
             )
+
+    def _skip_start(self, target: MpsTarget, dev: _Device) -> None:
+        """Start no control daemon on a device whose GPU is unhealthy in the sample (a
+        critical XID not cleared, lost, hung in the driver): the jobs service places no job
+        there, and a new daemon would only open the faulty GPU. The status says why
+        (``last_error``); ``mps.start_skipped`` says so once as the skip begins. One already
+        running is never stopped for it (its clients may be draining): this is reached only
+        when none runs. The next pass that sees the GPU healthy (after ``gpuctl xid clear``,
+        or once it answers again) starts it."""
+        dev.up = False
+        dev.last_error = _unhealthy_wait(target)
+        said, dev.skipped = dev.skipped, target.gpu_unhealthy
+        if said:
+            return
+        # one that ran before (it exited, or was killed for not answering) is not restarted
+        ran = dev.started
+        self._events.emit(
+            "mps.start_skipped",
+            f"the MPS control daemon of {_label(target)} ({target.uuid})"
+            f" {'exited and is not restarted' if ran else 'is not started'} while GPU"
+            f" {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts once the GPU is"
+            " healthy again",
+            **_where(target),
+            reason=target.gpu_unhealthy,
+        )
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -2057,6 +2097,14 @@ def _limits_wait(why: str) -> str:
 
 # ... as a device's status says it: one line, the same on every pass
 _LIMITS_WAIT = _limits_wait("state database not writable")
+
+
+def _unhealthy_wait(target: MpsTarget) -> str:
+    """Why a device's daemon is not started, as its status says it: the reason itself is
+    the GPU's (``gpuctl mps show`` prints it once per GPU under the table, ``--json`` in
+    ``gpu_unhealthy``)."""
+    return f"not started while GPU {target.gpu} is unhealthy"
+
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

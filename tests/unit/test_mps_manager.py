@@ -58,7 +58,7 @@ from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
-from gpud.telemetry.snapshot import GpuSample
+from gpud.telemetry.snapshot import GpuSample, Snapshot
 from tests.unit.mps_support import (
     FAKE_CONTROL,
     gpu_sample,
@@ -185,6 +185,7 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
     targets = targets_from_snapshot(snapshot(sick, MIG_NODE.gpus[1]))
     assert [t.gpu_unhealthy for t in targets] == ["XID 79", "XID 79", "XID 79", ""]
+    manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]))  # GPU 1's daemon runs
     manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="")))
     shown = {s.target.gpu: device_message(s, None) for s in manager.status()}
     assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
@@ -200,6 +201,113 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     unread = device_message(manager.status()[0], None)
     unread.ClearField("memory_total_bytes")
     assert device_row(unread)[6] == "none of ?"
+
+
+def test_a_gpu_with_an_uncleared_critical_xid_gets_no_daemon_until_it_is_cleared(
+    root: Path,
+) -> None:
+    """The simulated node's GPU 1 raises a critical XID before any daemon runs: it gets none
+    (the jobs service places no job there either), the status says why in gpud's words, and
+    the skip is said once, not on every pass; GPU 0 beside it starts as before. Once the XID
+    is cleared the next pass starts it; one running when its GPU turns unhealthy again is
+    left running."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:2"), seed=1)
+    backend = NvmlBackend(sim.nvml, uid=1000)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+
+    def xid_48() -> Snapshot:
+        sim.faults.xid(1, 48)  # double-bit ECC: critical
+        until(lambda: not sampler.tick().gpus[1].healthy, "XID 48 not seen")
+        snap = sampler.latest()
+        assert snap is not None
+        return snap
+
+    try:
+        sampler.tick()
+        assert backend.wait_events(0.0) == []  # registers every GPU: the XID cannot come first
+        sampler.start()
+        sick = xid_48()
+        reason = sick.gpus[1].reason
+        assert reason.startswith("critical Xid 48:")
+        mgr.reconcile(sick)
+        mgr.reconcile(sampler.tick())  # a later pass: nothing new to say
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[0].up and status[0].pid is not None
+        assert not status[1].up and status[1].pid is None
+        assert status[1].last_error == "not started while GPU 1 is unhealthy"
+        assert status[1].target.gpu_unhealthy == reason
+        shown = device_message(status[1], None)
+        assert device_row(shown)[3] == "DOWN: not started while GPU 1 is unhealthy"
+        assert unhealthy_notes([shown]) == [f"GPU 1 unhealthy: {reason}"]
+        (skipped,) = events.recent(kind_prefix="mps.start_skipped")
+        assert (skipped.fields["gpu"], skipped.fields["uuid"]) == (1, status[1].target.uuid)
+        assert skipped.fields["reason"] == reason
+        assert "is not started while GPU 1 is unhealthy" in skipped.message
+        assert [
+            e.fields["gpu"] for e in events.recent(kind_prefix="mps.start") if e.kind == "mps.start"
+        ] == [0]
+
+        assert sampler.clear_xid(1).cleared
+        mgr.reconcile(sampler.tick())
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid is not None and status[1].last_error == ""
+        started = status[1].pid
+        assert [
+            e.fields["gpu"] for e in events.recent(kind_prefix="mps.start") if e.kind == "mps.start"
+        ] == [0, 1]
+
+        # turning unhealthy with its daemon running: left as it is, its clients may drain
+        mgr.reconcile(xid_48())
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid == started and status[1].last_error == ""
+        assert not events.recent(kind_prefix="mps.stop")
+        assert len(events.recent(kind_prefix="mps.start_skipped")) == 1
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
+
+
+def test_a_daemon_that_exits_while_its_gpu_is_unhealthy_is_not_restarted(
+    manager: MpsManager,
+) -> None:
+    """A restart is a new daemon: none on an unhealthy GPU, nor on its MIG devices; it is
+    restarted once the GPU is healthy again."""
+    manager.reconcile(MIG_NODE)
+    pid = {s.target.uuid: s.pid for s in manager.status()}[gpu_uuid(1)]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    sick = snapshot(
+        MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79"),
+        MIG_NODE.gpus[1]._replace(healthy=False, reason="not answering"),
+    )
+    manager.reconcile(sick)
+    status = {s.target.uuid: s for s in manager.status()}
+    assert status[gpu_uuid(1)].pid is None and not status[gpu_uuid(1)].up
+    assert status[gpu_uuid(1)].last_error == "not started while GPU 1 is unhealthy"
+    assert all(status[mig_uuid(0, i)].up for i in range(3))  # running: left as they are
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert [(e.fields["gpu"], e.fields["reason"]) for e in said] == [(1, "not answering")]
+    assert "exited and is not restarted" in said[0].message
+    manager.reconcile(MIG_NODE)
+    status = {s.target.uuid: s for s in manager.status()}
+    assert status[gpu_uuid(1)].up and status[gpu_uuid(1)].pid not in (None, pid)
+    assert status[gpu_uuid(1)].restarts == 1
+
+
+def test_mig_devices_of_an_unhealthy_gpu_get_no_daemon(manager: MpsManager) -> None:
+    sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
+    manager.reconcile(snapshot(sick, MIG_NODE.gpus[1]))
+    status = {s.target.uuid: s for s in manager.status()}
+    assert all(status[mig_uuid(0, i)].pid is None for i in range(3))
+    assert status[mig_uuid(0, 1)].last_error == "not started while GPU 0 is unhealthy"
+    assert status[gpu_uuid(1)].up
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert sorted(e.fields["mig"] for e in said) == [0, 1, 2]
+    assert "MIG device 0:1 on GPU 0" in said[1].message
 
 
 def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
