@@ -88,7 +88,9 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
     # why: under the table (unhealthy_notes); a daemon not started for it says so already
-    if d.gpu_unhealthy and not d.last_error.endswith(f"GPU {d.gpu} is unhealthy"):
+    # (none runs though it is on: gpud starts none on an unhealthy GPU)
+    passed_over = d.enabled and not d.up and not d.up_unknown and not d.HasField("pid")
+    if d.gpu_unhealthy and not passed_over:
         daemon += f" (GPU {d.gpu} unhealthy)"
     threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"

@@ -14,11 +14,12 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   say) costs the pass one query timeout however many hang, and no other device's check waits
   behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
   ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again.
-  A device whose GPU is unhealthy in the sample (a critical XID not cleared, lost, hung in
-  the driver: what the jobs service places no job by) gets no new daemon, nor a restart of
-  one that exited (``mps.start_skipped``, once as the skip begins; the status says why); one
-  running when its GPU turned unhealthy is left running and checked, its clients may be
-  draining. The first pass that sees the GPU healthy again starts it.
+  A device whose GPU is unhealthy in the sample, for any reason ``gpuctl gpus`` shows (a
+  critical XID not cleared, lost, not answering, ...: what the jobs service places no job
+  by) gets no new daemon, nor a restart of one that exited (``mps.start_skipped``, once as
+  the skip begins, naming the jobs reserving the device; the status says why); one running
+  when its GPU turned unhealthy is left running and checked, its clients may be draining.
+  The first pass that sees the GPU healthy again starts it.
   With MPS off, a pass checks a device until it is found running no daemon (one an earlier
   run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
@@ -326,6 +327,8 @@ class MpsManager:
     ``others_root``: daemons gpud did not start are reported where their pipe directory is
     under it (tests: their own directory, not every test's on the machine).
     ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
+    ``holding()``: the jobs holding a reservation, by device UUID (a GPU or a MIG device),
+    named when a device's daemon is passed over for its GPU's health.
     """
 
     def __init__(
@@ -351,7 +354,9 @@ class MpsManager:
         no_cgroups: str = "",
         others_root: Path = Path("/"),
         alive: Callable[[int, Path], bool] = procs.alive,
+        holding: Callable[[], Mapping[str, Sequence[str]]] = dict,
     ) -> None:
+        self._holding = holding
         self._store = store
         self._alive = alive
         # Daemons that outlived SIGKILL, by device UUID: (failed stops, when to try again).
@@ -1286,7 +1291,12 @@ class MpsManager:
             if self.enabled
             else MpsLimits(enabled=False)
         )
+        if dev.skipped and not target.gpu_unhealthy:
+            # whichever way this pass goes on (disabled, its limits moved, an orphan): the
+            # status no longer says a wait that is over, and a later skip is said anew
+            self._end_skip(target, dev)
         if desired is not None and not desired.enabled:
+            self._end_skip(target, dev)  # an off daemon waits for nothing
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1331,14 +1341,11 @@ class MpsManager:
             if target.gpu_unhealthy:
                 self._skip_start(target, dev)
                 return
-            if dev.skipped:
-                dev.skipped = ""
-                dev.last_error = ""
-                dev.next_start_at = 0.0  # its GPU answers again: started at this pass
             if held or now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
             return
+        self._end_skip(target, dev)  # one runs there (adopted): it is no longer passed over
         if dev.killing:
             # gone or not, nothing of it is checked or adopted: the next pass starts the
             # device's new daemon once it has gone
@@ -1365,13 +1372,14 @@ class MpsManager:
             )
 
     def _skip_start(self, target: MpsTarget, dev: _Device) -> None:
-        """Start no control daemon on a device whose GPU is unhealthy in the sample (a
-        critical XID not cleared, lost, hung in the driver): the jobs service places no job
-        there, and a new daemon would only open the faulty GPU. The status says why
-        (``last_error``); ``mps.start_skipped`` says so once as the skip begins. One already
-        running is never stopped for it (its clients may be draining): this is reached only
-        when none runs. The next pass that sees the GPU healthy (after ``gpuctl xid clear``,
-        or once it answers again) starts it."""
+        """Start no control daemon on a device whose GPU is unhealthy in the sample, for
+        any reason ``gpuctl gpus`` shows (a critical XID not cleared, lost, not answering,
+        ...): the jobs service places no job there, and a new daemon would only open the
+        faulty GPU. The status says why (``last_error``); ``mps.start_skipped`` says so once
+        as the skip begins, naming the jobs reserving the device (their clients find no
+        daemon until then). One already running is never stopped for it (its clients may
+        be draining): this is reached only when none runs. The next pass that sees the GPU
+        healthy (after ``gpuctl xid clear``, or once it answers again) starts it."""
         dev.up = False
         dev.last_error = _unhealthy_wait(target)
         said, dev.skipped = dev.skipped, target.gpu_unhealthy
@@ -1379,15 +1387,42 @@ class MpsManager:
             return
         # one that ran before (it exited, or was killed for not answering) is not restarted
         ran = dev.started
+        jobs = self._holding_jobs(target)
+        # a `gpuctl run` reserving the device is not told otherwise that its daemon is gone
+        lose = f"; job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)} lose MPS until then"
         self._events.emit(
             "mps.start_skipped",
             f"the MPS control daemon of {_label(target)} ({target.uuid})"
             f" {'exited and is not restarted' if ran else 'is not started'} while GPU"
             f" {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts once the GPU is"
-            " healthy again",
+            f" healthy again{lose if jobs else ''}",
             **_where(target),
             reason=target.gpu_unhealthy,
+            jobs=list(jobs),
         )
+
+    def _holding_jobs(self, target: MpsTarget) -> Sequence[str]:
+        """The jobs holding a reservation on ``target``, as ``gpuctl mps show`` lists them;
+        none when the state database cannot be read (the skip is said all the same)."""
+        try:
+            return self._holding().get(target.uuid, ())
+        except GpudError as err:
+            log.warning("the jobs reserving %s were not read: %s", target.uuid, err)
+            return ()
+
+    @staticmethod
+    def _end_skip(target: MpsTarget, dev: _Device) -> None:
+        """A device passed over for its GPU's health (:meth:`_skip_start`) no longer is: its
+        status stops saying so, and its start is neither delayed nor backed off by failures
+        from before the skip (the first one after it is ``mps.start_failed`` anew, retried
+        in 1 s), as after a stop."""
+        if not dev.skipped:
+            return
+        dev.skipped = ""
+        if dev.last_error == _unhealthy_wait(target):
+            dev.last_error = ""
+        dev.next_start_at = 0.0
+        dev.failures = 0
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started

@@ -45,6 +45,7 @@ from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import (
     CGROUP_PREFIX,
     RESTORE_RETRY_S,
+    MpsDeviceStatus,
     MpsLimits,
     MpsManager,
     MpsTarget,
@@ -308,6 +309,103 @@ def test_mig_devices_of_an_unhealthy_gpu_get_no_daemon(manager: MpsManager) -> N
     said = manager._events.recent(kind_prefix="mps.start_skipped")
     assert sorted(e.fields["mig"] for e in said) == [0, 1, 2]
     assert "MIG device 0:1 on GPU 0" in said[1].message
+
+
+SICK_1 = snapshot(NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="XID 79"))
+
+
+def test_a_wait_for_an_unhealthy_gpu_ends_once_the_daemon_is_off_or_the_gpu_is_healthy(
+    manager: MpsManager,
+) -> None:
+    """A device passed over for its GPU's health, then disabled: its row is off on the
+    unhealthy GPU (not a daemon waiting to start), nothing waits once the GPU is healthy,
+    and the next skip, with the device enabled on a sick GPU again, is said anew."""
+
+    def gpu_1() -> MpsDeviceStatus:
+        return {s.target.gpu: s for s in manager.status()}[1]
+
+    manager.reconcile(SICK_1)
+    assert gpu_1().last_error == "not started while GPU 1 is unhealthy"
+    manager.set_limits("1", enabled=False)
+    manager.reconcile(SICK_1)
+    assert gpu_1().last_error == ""
+    assert device_row(device_message(gpu_1(), None))[3] == "off (GPU 1 unhealthy)"
+    manager.reconcile(NODE)
+    assert gpu_1().last_error == "" and gpu_1().pid is None
+    manager.reconcile(SICK_1)  # a new fault, and the device enabled while it lasts
+    manager.set_limits("1", enabled=True)
+    manager.reconcile(SICK_1)
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert [e.fields["gpu"] for e in said] == [1, 1]
+    manager.reconcile(NODE)
+    assert gpu_1().up and gpu_1().last_error == ""
+
+
+def test_a_start_that_failed_before_its_gpu_was_unhealthy_fails_anew_after(root: Path) -> None:
+    """Failures from before the skip do not carry over: the first start after the GPU is
+    healthy again that fails is said (``mps.start_failed``) and retried in 1 s."""
+    now = [100.0]
+    mgr, store, events = make_manager(root, clock=lambda: now[0], sleep=lambda s: None)
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    healthy = snapshot(gpu_sample(0))
+    try:
+        mgr.reconcile(healthy)
+        mgr.reconcile(snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79")))
+        mgr.reconcile(healthy)
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["retry_in_s"] for e in failed] == [1.0, 1.0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skipped_start_names_the_jobs_that_lose_their_daemon(root: Path) -> None:
+    """A `gpuctl run` reserving the device is not told otherwise that its daemon is gone:
+    ``mps.start_skipped`` names the jobs, as ``gpuctl mps show`` lists them."""
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(1): ["a", "b"]})
+    try:
+        mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["jobs"] == ["a", "b"]
+        assert said.message.endswith("; jobs a, b lose MPS until then")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skipped_start_with_no_job_holding_the_device_names_none(
+    manager: MpsManager,
+) -> None:
+    manager.reconcile(SICK_1)
+    (said,) = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert said.fields["jobs"] == []
+    assert said.message.endswith("it starts once the GPU is healthy again")
+
+
+def test_a_non_critical_xid_does_not_hold_a_daemons_start(root: Path) -> None:
+    """XID 13 (an application's illegal address, in ``ignored_xids``) leaves the GPU healthy:
+    its daemon starts, and no skip is said."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:2"), seed=1)
+    backend = NvmlBackend(sim.nvml, uid=1000)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+    try:
+        sampler.tick()
+        assert backend.wait_events(0.0) == []  # registers every GPU: the XID cannot come first
+        sampler.start()
+        sim.faults.xid(1, 13)
+        until(lambda: sampler.tick().gpus[1].last_xid == 13, "XID 13 not seen")
+        seen = sampler.latest()
+        assert seen is not None and seen.gpus[1].healthy
+        mgr.reconcile(seen)
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid is not None and status[1].last_error == ""
+        assert not events.recent(kind_prefix="mps.start_skipped")
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
 
 
 def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
