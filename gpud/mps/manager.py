@@ -19,7 +19,8 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   by) gets no new daemon, nor a restart of one that exited (``mps.start_skipped``, once as
   the skip begins, naming the jobs reserving the device; the status says why); one running
   when its GPU turned unhealthy is left running and checked, its clients may be draining.
-  The first pass that sees the GPU healthy again starts it.
+  The first pass that sees the GPU healthy again starts it (one whose starts were failing
+  before, once their back-off allows: a flapping GPU does not reset it).
   With MPS off, a pass checks a device until it is found running no daemon (one an earlier
   run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
@@ -91,7 +92,7 @@ from gpud.mps import procs, protocol
 from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
-from gpud.shared import format_size
+from gpud.shared import format_size, mps_unhealthy_wait
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -220,6 +221,7 @@ class _Device:
     # why its GPU was unhealthy when a start was passed over ("" when none was): said once
     # (``mps.start_skipped``) when the skip begins, not on every pass while it lasts
     skipped: str = ""
+    skipped_at: float = 0.0  # when the skip began (the manager's clock)
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
@@ -1379,17 +1381,25 @@ class MpsManager:
         as the skip begins, naming the jobs reserving the device (their clients find no
         daemon until then). One already running is never stopped for it (its clients may
         be draining): this is reached only when none runs. The next pass that sees the GPU
-        healthy (after ``gpuctl xid clear``, or once it answers again) starts it."""
+        healthy (after ``gpuctl xid clear``, or once it answers again) starts it, or, where
+        its starts were failing before, once their back-off allows (:meth:`_end_skip`)."""
         dev.up = False
         dev.last_error = _unhealthy_wait(target)
-        said, dev.skipped = dev.skipped, target.gpu_unhealthy
-        if said:
+        if dev.skipped:
+            dev.skipped = target.gpu_unhealthy
             return
+        # read before the skip is recorded, and never raising: the skip is said whatever
+        # the jobs' reservations hold
+        jobs = self._holding_jobs(target)
+        dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
         # one that ran before (it exited, or was killed for not answering) is not restarted
         ran = dev.started
-        jobs = self._holding_jobs(target)
         # a `gpuctl run` reserving the device is not told otherwise that its daemon is gone
-        lose = f"; job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)} lose MPS until then"
+        lose = (
+            f"; job {jobs[0]} loses MPS until then"
+            if len(jobs) == 1
+            else f"; jobs {', '.join(jobs)} lose MPS until then"
+        )
         self._events.emit(
             "mps.start_skipped",
             f"the MPS control daemon of {_label(target)} ({target.uuid})"
@@ -1403,26 +1413,36 @@ class MpsManager:
 
     def _holding_jobs(self, target: MpsTarget) -> Sequence[str]:
         """The jobs holding a reservation on ``target``, as ``gpuctl mps show`` lists them;
-        none when the state database cannot be read (the skip is said all the same)."""
+        none when they cannot be read, for whatever reason (a state database unreadable or
+        corrupt, a reservation that does not parse): the skip is said all the same."""
         try:
-            return self._holding().get(target.uuid, ())
-        except GpudError as err:
-            log.warning("the jobs reserving %s were not read: %s", target.uuid, err)
-            return ()
+            return list(self._holding().get(target.uuid, ()))
+        except Exception as err:  # whatever it is, the skip is said
+            log.warning(
+                "the jobs reserving %s (GPU %d) were not read from the state database: %s: %s",
+                target.uuid,
+                target.gpu,
+                type(err).__name__,
+                err,
+            )
+            return []
 
-    @staticmethod
-    def _end_skip(target: MpsTarget, dev: _Device) -> None:
+    def _end_skip(self, target: MpsTarget, dev: _Device) -> None:
         """A device passed over for its GPU's health (:meth:`_skip_start`) no longer is: its
-        status stops saying so, and its start is neither delayed nor backed off by failures
-        from before the skip (the first one after it is ``mps.start_failed`` anew, retried
-        in 1 s), as after a stop."""
+        status stops saying so, and a later skip is said anew. Its start failures are kept:
+        a start that was backing off (a control binary that does not run) resumes when its
+        time comes, with its back-off growing and ``mps.start_failed`` not said again, however
+        often its GPU flaps. Only a skip that outlasted ``backoff_max_s`` starts afresh, as
+        after a stop: the first start after it that fails is ``mps.start_failed`` anew (what
+        was said before a long outage is not taken to cover it), retried in 1 s."""
         if not dev.skipped:
             return
         dev.skipped = ""
         if dev.last_error == _unhealthy_wait(target):
             dev.last_error = ""
-        dev.next_start_at = 0.0
-        dev.failures = 0
+        if self._clock() - dev.skipped_at >= self._backoff_max_s:
+            dev.next_start_at = 0.0
+            dev.failures = 0
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -2138,7 +2158,7 @@ def _unhealthy_wait(target: MpsTarget) -> str:
     """Why a device's daemon is not started, as its status says it: the reason itself is
     the GPU's (``gpuctl mps show`` prints it once per GPU under the table, ``--json`` in
     ``gpu_unhealthy``)."""
-    return f"not started while GPU {target.gpu} is unhealthy"
+    return mps_unhealthy_wait(target.gpu)
 
 
 # How a stop event says that the daemon went (its field ``how``).

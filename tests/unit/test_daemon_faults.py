@@ -607,7 +607,8 @@ def test_an_mps_daemon_waits_for_its_gpus_critical_xid_to_be_cleared(
 ) -> None:
     """A GPU with an uncleared critical XID takes no job, and gets no new MPS control
     daemon: `gpuctl mps` says why, naming the GPU; `gpuctl xid clear` starts it. The GPU
-    beside it keeps its daemon."""
+    beside it keeps its daemon. The skip names the job reserving the device, read by the
+    daemon's own wiring from the state database."""
     config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
     gpuctl = Gpuctl(config, capsys)
 
@@ -622,6 +623,9 @@ def test_an_mps_daemon_waits_for_its_gpus_critical_xid_to_be_cleared(
     def body() -> None:
         wait_for(lambda found: len(found) == 2 and all(d.get("up") for d in found.values()))
         kept = devices()[0]["pid"]
+        code, _, err = gpuctl("jobs", "add", "held", "--devices", "1", "--queue")
+        assert code == 0, err
+        wait_for(lambda found: found[1].get("jobs") == ["held"])
         assert gpuctl("sim", "fault", "--gpu", "1", "xid", "48")[0] == 0
         gpuctl.wait(lambda gpus: gpus[1]["healthy"] is False)
         # its daemon stopped for good (an operator's change): none is started anew
@@ -642,6 +646,8 @@ def test_an_mps_daemon_waits_for_its_gpus_critical_xid_to_be_cleared(
         (skipped,) = json.loads(out)["events"]
         fields = skipped["fields"]
         assert fields["gpu"] == 1 and fields["reason"].startswith("critical Xid 48:")
+        assert fields["jobs"] == ["held"]
+        assert skipped["message"].endswith("; job held loses MPS until then")
 
     run_daemon(config, body)
 

@@ -60,6 +60,7 @@ from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.v1 import mps_pb2
 from tests.unit.mps_support import (
     FAKE_CONTROL,
     gpu_sample,
@@ -341,19 +342,63 @@ def test_a_wait_for_an_unhealthy_gpu_ends_once_the_daemon_is_off_or_the_gpu_is_h
     assert gpu_1().up and gpu_1().last_error == ""
 
 
-def test_a_start_that_failed_before_its_gpu_was_unhealthy_fails_anew_after(root: Path) -> None:
-    """Failures from before the skip do not carry over: the first start after the GPU is
-    healthy again that fails is said (``mps.start_failed``) and retried in 1 s."""
+def test_a_start_that_failed_before_a_long_outage_of_its_gpu_fails_anew_after(
+    root: Path,
+) -> None:
+    """A skip that outlasted ``backoff_max_s`` starts afresh: the first start after the GPU
+    is healthy again that fails is said (``mps.start_failed``), retried in 1 s, not left to
+    an event from before the outage."""
     now = [100.0]
-    mgr, store, events = make_manager(root, clock=lambda: now[0], sleep=lambda s: None)
+    mgr, store, events = make_manager(
+        root, clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
     mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
     healthy = snapshot(gpu_sample(0))
+    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
     try:
         mgr.reconcile(healthy)
-        mgr.reconcile(snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79")))
+        mgr.reconcile(sick)
+        now[0] += 60.0
+        mgr.reconcile(sick)
         mgr.reconcile(healthy)
         failed = events.recent(kind_prefix="mps.start_failed")
         assert [e.fields["retry_in_s"] for e in failed] == [1.0, 1.0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_gpu_flapping_under_a_daemon_that_cannot_start_backs_its_starts_off(
+    root: Path,
+) -> None:
+    """A GPU unhealthy every other pass, under a control binary that does not start: the
+    failure is said once (``mps.start_failed``), and the starts keep backing off (1 s,
+    2 s, 4 s, ...), as without the flapping, rather than one start and one alert per
+    flap."""
+    tries = root / "tries"
+    wrapper = control_wrapper(root, f'[ "$1" = -d ] && echo >> {shlex.quote(str(tries))} && exit 1')
+    now = [0.0]
+    mgr, store, events = make_manager(
+        root, [str(wrapper)], clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
+    healthy = snapshot(gpu_sample(0))
+    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+    tried_at: list[float] = []
+
+    def tried() -> int:
+        return len(tries.read_text().splitlines()) if tries.exists() else 0
+
+    try:
+        for step in range(30):
+            now[0] = float(step)
+            before = tried()
+            mgr.reconcile(sick if step % 2 else healthy)
+            if tried() > before:
+                tried_at.append(now[0])
+        assert tried_at == [0.0, 2.0, 4.0, 8.0, 16.0]
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert failed.fields["retry_in_s"] == 1.0
+        assert len(events.recent(kind_prefix="mps.start_skipped")) == 15  # one per skip
     finally:
         mgr.stop()
         store.close()
@@ -371,6 +416,68 @@ def test_a_skipped_start_names_the_jobs_that_lose_their_daemon(root: Path) -> No
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_skipped_start_names_the_one_job_that_loses_its_daemon(root: Path) -> None:
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(1): ["a"]})
+    try:
+        mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["jobs"] == ["a"]
+        assert said.message.endswith("; job a loses MPS until then")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skip_is_said_though_the_jobs_reserving_the_device_cannot_be_read(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state database that does not read (corrupt) while the skip begins: the skip is
+    said all the same, once, naming no job, and the log says what was not read."""
+
+    def corrupt() -> dict[str, list[str]]:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    mgr, store, events = make_manager(root, holding=corrupt)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpud.mps.manager"):
+            mgr.reconcile(SICK_1)
+            mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["gpu"] == 1 and said.fields["jobs"] == []
+        assert any(
+            gpu_uuid(1) in r.getMessage() and "database disk image is malformed" in r.getMessage()
+            for r in caplog.records
+        )
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].last_error == "not started while GPU 1 is unhealthy"
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_device_down_for_another_reason_on_an_unhealthy_gpu_is_marked_so() -> None:
+    """Only the wait for the GPU's health goes unmarked (it says so itself): a daemon down
+    for another reason on an unhealthy GPU (its limits waiting to be moved, an earlier
+    daemon that would not stop) gets the marker, though none runs there either."""
+    waiting = mps_pb2.MpsDevice(
+        gpu=1,
+        enabled=True,
+        up=False,
+        last_error="its MPS limits wait to be moved (state database not writable)",
+        gpu_unhealthy="XID 79",
+    )
+    assert device_row(waiting)[3] == (
+        "DOWN: its MPS limits wait to be moved (state database not writable) (GPU 1 unhealthy)"
+    )
+    passed_over = mps_pb2.MpsDevice(
+        gpu=1,
+        enabled=True,
+        last_error="not started while GPU 1 is unhealthy",
+        gpu_unhealthy="XID 79",
+    )
+    assert device_row(passed_over)[3] == "DOWN: not started while GPU 1 is unhealthy"
 
 
 def test_a_skipped_start_with_no_job_holding_the_device_names_none(
