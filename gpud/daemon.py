@@ -569,6 +569,7 @@ class Daemon:
             snapshot_clock=clock,
             cgroups=mps_cgroups,
             no_cgroups=no_mps_cgroups,
+            holding=self._jobs_reserving,
         )
         self.jobs = JobService(
             self.store,

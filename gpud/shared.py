@@ -11,6 +11,7 @@ daemon's internals), so the few things both sides must read the same way live he
 - the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines;
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
+- why an MPS device's daemon is not started (its GPU unhealthy), as its status says it;
 - free text a request may carry (a progress report's session): one short line;
 - files read whole at start and on reload (the config, the cluster's certificates), read so
   that a named pipe, a device or a file far too big fails at once rather than hangs;
@@ -45,6 +46,14 @@ MAX_XID = 999
 # QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it
 WAITING_ON_COLOCATION = "co-location"
+
+
+def mps_unhealthy_wait(gpu: int) -> str:
+    """An MPS device's ``last_error`` while gpud starts no control daemon on it because
+    GPU ``gpu`` is unhealthy: `gpuctl mps show` tells that wait from other reasons a daemon
+    is down by it, the GPU's own reason being said under the table."""
+    return f"not started while GPU {gpu} is unhealthy"
+
 
 # The MPS active thread percentages gpud takes (a job's, a device's default): what
 # nvidia-cuda-mps-control takes, (0, 100] in whole percent (gpud.mps.protocol.check_percent).

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from gpud.cli.context import THREADS_PERCENT, THREADS_RANGE, Context, Subparsers, given, size
 from gpud.cli.output import NA, UNKNOWN, last_seen
-from gpud.shared import format_size
+from gpud.shared import format_size, mps_unhealthy_wait
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
 
@@ -87,8 +87,11 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         daemon = f"up{': ' + d.last_error if d.last_error else ''}"
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
-    if d.gpu_unhealthy:
-        daemon += f" (GPU {d.gpu} unhealthy)"  # why: under the table (unhealthy_notes)
+    # why: under the table (unhealthy_notes). A daemon gpud passes over for it says so
+    # already; one down for another reason (limits waiting to be moved, an earlier daemon
+    # that would not stop) is marked, though none runs there either
+    if d.gpu_unhealthy and d.last_error != mps_unhealthy_wait(d.gpu):
+        daemon += f" (GPU {d.gpu} unhealthy)"
     threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (

@@ -14,6 +14,13 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   say) costs the pass one query timeout however many hang, and no other device's check waits
   behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
   ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again.
+  A device whose GPU is unhealthy in the sample, for any reason ``gpuctl gpus`` shows (a
+  critical XID not cleared, lost, not answering, ...: what the jobs service places no job
+  by) gets no new daemon, nor a restart of one that exited (``mps.start_skipped``, once as
+  the skip begins, naming the jobs reserving the device; the status says why); one running
+  when its GPU turned unhealthy is left running and checked, its clients may be draining.
+  The first pass that sees the GPU healthy again starts it (one whose starts were failing
+  before, once their back-off allows: a flapping GPU does not reset it).
   With MPS off, a pass checks a device until it is found running no daemon (one an earlier
   run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
@@ -85,7 +92,7 @@ from gpud.mps import procs, protocol
 from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
-from gpud.shared import format_size
+from gpud.shared import format_size, mps_unhealthy_wait
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -211,6 +218,10 @@ class _Device:
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
+    # why its GPU was unhealthy when a start was passed over ("" when none was): said once
+    # (``mps.start_skipped``) when the skip begins, not on every pass while it lasts
+    skipped: str = ""
+    skipped_at: float = 0.0  # when the skip began (the manager's clock)
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
@@ -318,6 +329,8 @@ class MpsManager:
     ``others_root``: daemons gpud did not start are reported where their pipe directory is
     under it (tests: their own directory, not every test's on the machine).
     ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
+    ``holding()``: the jobs holding a reservation, by device UUID (a GPU or a MIG device),
+    named when a device's daemon is passed over for its GPU's health.
     """
 
     def __init__(
@@ -343,7 +356,9 @@ class MpsManager:
         no_cgroups: str = "",
         others_root: Path = Path("/"),
         alive: Callable[[int, Path], bool] = procs.alive,
+        holding: Callable[[], Mapping[str, Sequence[str]]] = dict,
     ) -> None:
+        self._holding = holding
         self._store = store
         self._alive = alive
         # Daemons that outlived SIGKILL, by device UUID: (failed stops, when to try again).
@@ -1278,7 +1293,12 @@ class MpsManager:
             if self.enabled
             else MpsLimits(enabled=False)
         )
+        if dev.skipped and not target.gpu_unhealthy:
+            # whichever way this pass goes on (disabled, its limits moved, an orphan): the
+            # status no longer says a wait that is over, and a later skip is said anew
+            self._end_skip(target, dev)
         if desired is not None and not desired.enabled:
+            self._end_skip(target, dev)  # an off daemon waits for nothing
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1320,10 +1340,14 @@ class MpsManager:
                 dev.failures = 0
                 dev.last_error = _LIMITS_WAIT
                 return
+            if target.gpu_unhealthy:
+                self._skip_start(target, dev)
+                return
             if held or now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
             return
+        self._end_skip(target, dev)  # one runs there (adopted): it is no longer passed over
         if dev.killing:
             # gone or not, nothing of it is checked or adopted: the next pass starts the
             # device's new daemon once it has gone
@@ -1348,6 +1372,77 @@ class MpsManager:
             self._check(
                 target, dev, desired, requested=requested or dev.requested, timeout_s=timeout_s
             )
+
+    def _skip_start(self, target: MpsTarget, dev: _Device) -> None:
+        """Start no control daemon on a device whose GPU is unhealthy in the sample, for
+        any reason ``gpuctl gpus`` shows (a critical XID not cleared, lost, not answering,
+        ...): the jobs service places no job there, and a new daemon would only open the
+        faulty GPU. The status says why (``last_error``); ``mps.start_skipped`` says so once
+        as the skip begins, naming the jobs reserving the device (their clients find no
+        daemon until then). One already running is never stopped for it (its clients may
+        be draining): this is reached only when none runs. The next pass that sees the GPU
+        healthy (after ``gpuctl xid clear``, or once it answers again) starts it, or, where
+        its starts were failing before, once their back-off allows (:meth:`_end_skip`)."""
+        dev.up = False
+        dev.last_error = _unhealthy_wait(target)
+        if dev.skipped:
+            dev.skipped = target.gpu_unhealthy
+            return
+        # read before the skip is recorded, and never raising: the skip is said whatever
+        # the jobs' reservations hold
+        jobs = self._holding_jobs(target)
+        dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
+        # one that ran before (it exited, or was killed for not answering) is not restarted
+        ran = dev.started
+        # a `gpuctl run` reserving the device is not told otherwise that its daemon is gone
+        lose = (
+            f"; job {jobs[0]} loses MPS until then"
+            if len(jobs) == 1
+            else f"; jobs {', '.join(jobs)} lose MPS until then"
+        )
+        self._events.emit(
+            "mps.start_skipped",
+            f"the MPS control daemon of {_label(target)} ({target.uuid})"
+            f" {'exited and is not restarted' if ran else 'is not started'} while GPU"
+            f" {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts once the GPU is"
+            f" healthy again{lose if jobs else ''}",
+            **_where(target),
+            reason=target.gpu_unhealthy,
+            jobs=list(jobs),
+        )
+
+    def _holding_jobs(self, target: MpsTarget) -> Sequence[str]:
+        """The jobs holding a reservation on ``target``, as ``gpuctl mps show`` lists them;
+        none when they cannot be read, for whatever reason (a state database unreadable or
+        corrupt, a reservation that does not parse): the skip is said all the same."""
+        try:
+            return list(self._holding().get(target.uuid, ()))
+        except Exception as err:  # whatever it is, the skip is said
+            log.warning(
+                "the jobs reserving %s (GPU %d) were not read from the state database: %s: %s",
+                target.uuid,
+                target.gpu,
+                type(err).__name__,
+                err,
+            )
+            return []
+
+    def _end_skip(self, target: MpsTarget, dev: _Device) -> None:
+        """A device passed over for its GPU's health (:meth:`_skip_start`) no longer is: its
+        status stops saying so, and a later skip is said anew. Its start failures are kept:
+        a start that was backing off (a control binary that does not run) resumes when its
+        time comes, with its back-off growing and ``mps.start_failed`` not said again, however
+        often its GPU flaps. Only a skip that outlasted ``backoff_max_s`` starts afresh, as
+        after a stop: the first start after it that fails is ``mps.start_failed`` anew (what
+        was said before a long outage is not taken to cover it), retried in 1 s."""
+        if not dev.skipped:
+            return
+        dev.skipped = ""
+        if dev.last_error == _unhealthy_wait(target):
+            dev.last_error = ""
+        if self._clock() - dev.skipped_at >= self._backoff_max_s:
+            dev.next_start_at = 0.0
+            dev.failures = 0
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -2057,6 +2152,14 @@ def _limits_wait(why: str) -> str:
 
 # ... as a device's status says it: one line, the same on every pass
 _LIMITS_WAIT = _limits_wait("state database not writable")
+
+
+def _unhealthy_wait(target: MpsTarget) -> str:
+    """Why a device's daemon is not started, as its status says it: the reason itself is
+    the GPU's (``gpuctl mps show`` prints it once per GPU under the table, ``--json`` in
+    ``gpu_unhealthy``)."""
+    return mps_unhealthy_wait(target.gpu)
+
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

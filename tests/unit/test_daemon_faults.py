@@ -609,6 +609,56 @@ def test_gpuds_stop_leaves_the_mps_control_daemons_running(
     assert left["message"].startswith("leaving 2 MPS control daemons running")
 
 
+def test_an_mps_daemon_waits_for_its_gpus_critical_xid_to_be_cleared(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU with an uncleared critical XID takes no job, and gets no new MPS control
+    daemon: `gpuctl mps` says why, naming the GPU; `gpuctl xid clear` starts it. The GPU
+    beside it keeps its daemon. The skip names the job reserving the device, read by the
+    daemon's own wiring from the state database."""
+    config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
+    gpuctl = Gpuctl(config, capsys)
+
+    def devices() -> dict[int, dict[str, object]]:
+        code, out, err = gpuctl("--json", "mps", "show")
+        assert code == 0, err
+        return {d["gpu"]: d for d in json.loads(out)["devices"]}
+
+    def wait_for(predicate: Callable[[dict[int, dict[str, object]]], bool]) -> None:
+        until(lambda: predicate(devices()), "MPS devices")
+
+    def body() -> None:
+        wait_for(lambda found: len(found) == 2 and all(d.get("up") for d in found.values()))
+        kept = devices()[0]["pid"]
+        code, _, err = gpuctl("jobs", "add", "held", "--devices", "1", "--queue")
+        assert code == 0, err
+        wait_for(lambda found: found[1].get("jobs") == ["held"])
+        assert gpuctl("sim", "fault", "--gpu", "1", "xid", "48")[0] == 0
+        gpuctl.wait(lambda gpus: gpus[1]["healthy"] is False)
+        # its daemon stopped for good (an operator's change): none is started anew
+        assert gpuctl("mps", "set", "--gpu", "1", "--disable")[0] == 0
+        code, out, err = gpuctl("mps", "set", "--gpu", "1", "--enable")
+        assert code == 0, err
+        assert "DOWN: not started while GPU 1 is unhealthy" in out, out
+        assert "\nGPU 1 unhealthy: critical Xid 48:" in out, out
+        shown = devices()
+        assert shown[1]["up"] is False and shown[1].get("pid") is None
+        assert shown[1]["last_error"] == "not started while GPU 1 is unhealthy"
+        assert str(shown[1]["gpu_unhealthy"]).startswith("critical Xid 48:")
+        assert shown[0]["up"] is True and shown[0]["pid"] == kept
+        assert gpuctl("xid", "clear", "1")[0] == 0
+        wait_for(lambda found: found[1].get("up") is True)
+        code, out, err = gpuctl("--json", "events", "--kind", "mps.start_skipped")
+        assert code == 0, err
+        (skipped,) = json.loads(out)["events"]
+        fields = skipped["fields"]
+        assert fields["gpu"] == 1 and fields["reason"].startswith("critical Xid 48:")
+        assert fields["jobs"] == ["held"]
+        assert skipped["message"].endswith("; job held loses MPS until then")
+
+    run_daemon(config, body)
+
+
 def test_a_simulated_reboot_ends_the_mps_daemons_and_starts_them_anew(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -45,6 +45,7 @@ from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import (
     CGROUP_PREFIX,
     RESTORE_RETRY_S,
+    MpsDeviceStatus,
     MpsLimits,
     MpsManager,
     MpsTarget,
@@ -58,7 +59,8 @@ from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
-from gpud.telemetry.snapshot import GpuSample
+from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.v1 import mps_pb2
 from tests.unit.mps_support import (
     FAKE_CONTROL,
     gpu_sample,
@@ -185,6 +187,7 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
     targets = targets_from_snapshot(snapshot(sick, MIG_NODE.gpus[1]))
     assert [t.gpu_unhealthy for t in targets] == ["XID 79", "XID 79", "XID 79", ""]
+    manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]))  # GPU 1's daemon runs
     manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="")))
     shown = {s.target.gpu: device_message(s, None) for s in manager.status()}
     assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
@@ -200,6 +203,316 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     unread = device_message(manager.status()[0], None)
     unread.ClearField("memory_total_bytes")
     assert device_row(unread)[6] == "none of ?"
+
+
+def test_a_gpu_with_an_uncleared_critical_xid_gets_no_daemon_until_it_is_cleared(
+    root: Path,
+) -> None:
+    """The simulated node's GPU 1 raises a critical XID before any daemon runs: it gets none
+    (the jobs service places no job there either), the status says why in gpud's words, and
+    the skip is said once, not on every pass; GPU 0 beside it starts as before. Once the XID
+    is cleared the next pass starts it; one running when its GPU turns unhealthy again is
+    left running."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:2"), seed=1)
+    backend = NvmlBackend(sim.nvml, uid=1000)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+
+    def xid_48() -> Snapshot:
+        sim.faults.xid(1, 48)  # double-bit ECC: critical
+        until(lambda: not sampler.tick().gpus[1].healthy, "XID 48 not seen")
+        snap = sampler.latest()
+        assert snap is not None
+        return snap
+
+    try:
+        sampler.tick()
+        assert backend.wait_events(0.0) == []  # registers every GPU: the XID cannot come first
+        sampler.start()
+        sick = xid_48()
+        reason = sick.gpus[1].reason
+        assert reason.startswith("critical Xid 48:")
+        mgr.reconcile(sick)
+        mgr.reconcile(sampler.tick())  # a later pass: nothing new to say
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[0].up and status[0].pid is not None
+        assert not status[1].up and status[1].pid is None
+        assert status[1].last_error == "not started while GPU 1 is unhealthy"
+        assert status[1].target.gpu_unhealthy == reason
+        shown = device_message(status[1], None)
+        assert device_row(shown)[3] == "DOWN: not started while GPU 1 is unhealthy"
+        assert unhealthy_notes([shown]) == [f"GPU 1 unhealthy: {reason}"]
+        (skipped,) = events.recent(kind_prefix="mps.start_skipped")
+        assert (skipped.fields["gpu"], skipped.fields["uuid"]) == (1, status[1].target.uuid)
+        assert skipped.fields["reason"] == reason
+        assert "is not started while GPU 1 is unhealthy" in skipped.message
+        assert [
+            e.fields["gpu"] for e in events.recent(kind_prefix="mps.start") if e.kind == "mps.start"
+        ] == [0]
+
+        assert sampler.clear_xid(1).cleared
+        mgr.reconcile(sampler.tick())
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid is not None and status[1].last_error == ""
+        started = status[1].pid
+        assert [
+            e.fields["gpu"] for e in events.recent(kind_prefix="mps.start") if e.kind == "mps.start"
+        ] == [0, 1]
+
+        # turning unhealthy with its daemon running: left as it is, its clients may drain
+        mgr.reconcile(xid_48())
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid == started and status[1].last_error == ""
+        assert not events.recent(kind_prefix="mps.stop")
+        assert len(events.recent(kind_prefix="mps.start_skipped")) == 1
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
+
+
+def test_a_daemon_that_exits_while_its_gpu_is_unhealthy_is_not_restarted(
+    manager: MpsManager,
+) -> None:
+    """A restart is a new daemon: none on an unhealthy GPU, nor on its MIG devices; it is
+    restarted once the GPU is healthy again."""
+    manager.reconcile(MIG_NODE)
+    pid = {s.target.uuid: s.pid for s in manager.status()}[gpu_uuid(1)]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    sick = snapshot(
+        MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79"),
+        MIG_NODE.gpus[1]._replace(healthy=False, reason="not answering"),
+    )
+    manager.reconcile(sick)
+    status = {s.target.uuid: s for s in manager.status()}
+    assert status[gpu_uuid(1)].pid is None and not status[gpu_uuid(1)].up
+    assert status[gpu_uuid(1)].last_error == "not started while GPU 1 is unhealthy"
+    assert all(status[mig_uuid(0, i)].up for i in range(3))  # running: left as they are
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert [(e.fields["gpu"], e.fields["reason"]) for e in said] == [(1, "not answering")]
+    assert "exited and is not restarted" in said[0].message
+    manager.reconcile(MIG_NODE)
+    status = {s.target.uuid: s for s in manager.status()}
+    assert status[gpu_uuid(1)].up and status[gpu_uuid(1)].pid not in (None, pid)
+    assert status[gpu_uuid(1)].restarts == 1
+
+
+def test_mig_devices_of_an_unhealthy_gpu_get_no_daemon(manager: MpsManager) -> None:
+    sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
+    manager.reconcile(snapshot(sick, MIG_NODE.gpus[1]))
+    status = {s.target.uuid: s for s in manager.status()}
+    assert all(status[mig_uuid(0, i)].pid is None for i in range(3))
+    assert status[mig_uuid(0, 1)].last_error == "not started while GPU 0 is unhealthy"
+    assert status[gpu_uuid(1)].up
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert sorted(e.fields["mig"] for e in said) == [0, 1, 2]
+    assert "MIG device 0:1 on GPU 0" in said[1].message
+
+
+SICK_1 = snapshot(NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="XID 79"))
+
+
+def test_a_wait_for_an_unhealthy_gpu_ends_once_the_daemon_is_off_or_the_gpu_is_healthy(
+    manager: MpsManager,
+) -> None:
+    """A device passed over for its GPU's health, then disabled: its row is off on the
+    unhealthy GPU (not a daemon waiting to start), nothing waits once the GPU is healthy,
+    and the next skip, with the device enabled on a sick GPU again, is said anew."""
+
+    def gpu_1() -> MpsDeviceStatus:
+        return {s.target.gpu: s for s in manager.status()}[1]
+
+    manager.reconcile(SICK_1)
+    assert gpu_1().last_error == "not started while GPU 1 is unhealthy"
+    manager.set_limits("1", enabled=False)
+    manager.reconcile(SICK_1)
+    assert gpu_1().last_error == ""
+    assert device_row(device_message(gpu_1(), None))[3] == "off (GPU 1 unhealthy)"
+    manager.reconcile(NODE)
+    assert gpu_1().last_error == "" and gpu_1().pid is None
+    manager.reconcile(SICK_1)  # a new fault, and the device enabled while it lasts
+    manager.set_limits("1", enabled=True)
+    manager.reconcile(SICK_1)
+    said = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert [e.fields["gpu"] for e in said] == [1, 1]
+    manager.reconcile(NODE)
+    assert gpu_1().up and gpu_1().last_error == ""
+
+
+def test_a_start_that_failed_before_a_long_outage_of_its_gpu_fails_anew_after(
+    root: Path,
+) -> None:
+    """A skip that outlasted ``backoff_max_s`` starts afresh: the first start after the GPU
+    is healthy again that fails is said (``mps.start_failed``), retried in 1 s, not left to
+    an event from before the outage."""
+    now = [100.0]
+    mgr, store, events = make_manager(
+        root, clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    healthy = snapshot(gpu_sample(0))
+    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+    try:
+        mgr.reconcile(healthy)
+        mgr.reconcile(sick)
+        now[0] += 60.0
+        mgr.reconcile(sick)
+        mgr.reconcile(healthy)
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["retry_in_s"] for e in failed] == [1.0, 1.0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_gpu_flapping_under_a_daemon_that_cannot_start_backs_its_starts_off(
+    root: Path,
+) -> None:
+    """A GPU unhealthy every other pass, under a control binary that does not start: the
+    failure is said once (``mps.start_failed``), and the starts keep backing off (1 s,
+    2 s, 4 s, ...), as without the flapping, rather than one start and one alert per
+    flap."""
+    tries = root / "tries"
+    wrapper = control_wrapper(root, f'[ "$1" = -d ] && echo >> {shlex.quote(str(tries))} && exit 1')
+    now = [0.0]
+    mgr, store, events = make_manager(
+        root, [str(wrapper)], clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
+    healthy = snapshot(gpu_sample(0))
+    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+    tried_at: list[float] = []
+
+    def tried() -> int:
+        return len(tries.read_text().splitlines()) if tries.exists() else 0
+
+    try:
+        for step in range(30):
+            now[0] = float(step)
+            before = tried()
+            mgr.reconcile(sick if step % 2 else healthy)
+            if tried() > before:
+                tried_at.append(now[0])
+        assert tried_at == [0.0, 2.0, 4.0, 8.0, 16.0]
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert failed.fields["retry_in_s"] == 1.0
+        assert len(events.recent(kind_prefix="mps.start_skipped")) == 15  # one per skip
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skipped_start_names_the_jobs_that_lose_their_daemon(root: Path) -> None:
+    """A `gpuctl run` reserving the device is not told otherwise that its daemon is gone:
+    ``mps.start_skipped`` names the jobs, as ``gpuctl mps show`` lists them."""
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(1): ["a", "b"]})
+    try:
+        mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["jobs"] == ["a", "b"]
+        assert said.message.endswith("; jobs a, b lose MPS until then")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skipped_start_names_the_one_job_that_loses_its_daemon(root: Path) -> None:
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(1): ["a"]})
+    try:
+        mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["jobs"] == ["a"]
+        assert said.message.endswith("; job a loses MPS until then")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skip_is_said_though_the_jobs_reserving_the_device_cannot_be_read(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state database that does not read (corrupt) while the skip begins: the skip is
+    said all the same, once, naming no job, and the log says what was not read."""
+
+    def corrupt() -> dict[str, list[str]]:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    mgr, store, events = make_manager(root, holding=corrupt)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpud.mps.manager"):
+            mgr.reconcile(SICK_1)
+            mgr.reconcile(SICK_1)
+        (said,) = events.recent(kind_prefix="mps.start_skipped")
+        assert said.fields["gpu"] == 1 and said.fields["jobs"] == []
+        assert any(
+            gpu_uuid(1) in r.getMessage() and "database disk image is malformed" in r.getMessage()
+            for r in caplog.records
+        )
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].last_error == "not started while GPU 1 is unhealthy"
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_device_down_for_another_reason_on_an_unhealthy_gpu_is_marked_so() -> None:
+    """Only the wait for the GPU's health goes unmarked (it says so itself): a daemon down
+    for another reason on an unhealthy GPU (its limits waiting to be moved, an earlier
+    daemon that would not stop) gets the marker, though none runs there either."""
+    waiting = mps_pb2.MpsDevice(
+        gpu=1,
+        enabled=True,
+        up=False,
+        last_error="its MPS limits wait to be moved (state database not writable)",
+        gpu_unhealthy="XID 79",
+    )
+    assert device_row(waiting)[3] == (
+        "DOWN: its MPS limits wait to be moved (state database not writable) (GPU 1 unhealthy)"
+    )
+    passed_over = mps_pb2.MpsDevice(
+        gpu=1,
+        enabled=True,
+        last_error="not started while GPU 1 is unhealthy",
+        gpu_unhealthy="XID 79",
+    )
+    assert device_row(passed_over)[3] == "DOWN: not started while GPU 1 is unhealthy"
+
+
+def test_a_skipped_start_with_no_job_holding_the_device_names_none(
+    manager: MpsManager,
+) -> None:
+    manager.reconcile(SICK_1)
+    (said,) = manager._events.recent(kind_prefix="mps.start_skipped")
+    assert said.fields["jobs"] == []
+    assert said.message.endswith("it starts once the GPU is healthy again")
+
+
+def test_a_non_critical_xid_does_not_hold_a_daemons_start(root: Path) -> None:
+    """XID 13 (an application's illegal address, in ``ignored_xids``) leaves the GPU healthy:
+    its daemon starts, and no skip is said."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:2"), seed=1)
+    backend = NvmlBackend(sim.nvml, uid=1000)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+    try:
+        sampler.tick()
+        assert backend.wait_events(0.0) == []  # registers every GPU: the XID cannot come first
+        sampler.start()
+        sim.faults.xid(1, 13)
+        until(lambda: sampler.tick().gpus[1].last_xid == 13, "XID 13 not seen")
+        seen = sampler.latest()
+        assert seen is not None and seen.gpus[1].healthy
+        mgr.reconcile(seen)
+        status = {s.target.gpu: s for s in mgr.status()}
+        assert status[1].up and status[1].pid is not None and status[1].last_error == ""
+        assert not events.recent(kind_prefix="mps.start_skipped")
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
 
 
 def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
