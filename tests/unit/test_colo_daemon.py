@@ -1174,6 +1174,66 @@ def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> 
     assert events.recent(10, "colo.duty") == []
 
 
+def test_a_switch_off_then_a_stop_before_any_tick_writes_it(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training, then
+    `systemctl stop gpud` before the loop ticks again: the training is told full duty from
+    the reload, the stop writes the switch-off, and a restart with co-location on runs the
+    training at full duty, its guard afresh."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    assert svc.throttle_point("train", 1).duty == 1.0
+    svc.save_at_stop()
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert saved["chat"]["guard_duty"] == 1.0 and saved["chat"]["guard_breaches"] == 0
+    assert "guard_company" not in saved["chat"]
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
+def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
+    tmp_path: Path,
+) -> None:
+    """A tick reads who runs as a reload switches co-location off: it plans nothing, so
+    the training stays at full duty, and the stop writes the switch-off."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    off = threading.Event()
+
+    def running() -> list[RunningJob]:
+        if off.is_set():
+            svc.configure(ColocateConfig(enabled=False))
+        return jobs
+
+    svc._running = running
+    off.set()
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    assert svc.tick(snapshot()) is None
+    assert svc.throttle_point("train", 1).duty == 1.0
+    svc.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
+
+
+def test_a_switch_off_leaves_no_guard_paused_by_a_fault_behind(tmp_path: Path) -> None:
+    """A guard paused by GPU 0's hang, beside the training it held at duty 0.5, when a
+    reload switches co-location off: colo.json keeps neither the pause nor the training
+    the guard's duty was set beside, and a restart with co-location on, GPU 0 answering,
+    starts the guard afresh: it acts at its first tick on latencies reported before it."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 1
+    svc.tick(snapshot())
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]
+    assert "guard_paused" not in saved and "guard_company" not in saved
+    again = kept_loop(tmp_path, jobs, Clock())
+    again.report_latency("chat", [0.095] * 100)
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
@@ -1241,6 +1301,19 @@ def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
     assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
 
 
+def clock_unwritten(
+    tmp_path: Path, clock: Clock, write: Callable[[Path, str], None]
+) -> ColoService:
+    """A :func:`kept_loop` of two jobs alone (colo.json written by ``write``) whose
+    predictor's clock moved on since the file was last written: the stop has it to write."""
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))
+    return svc
+
+
 def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1257,11 +1330,7 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
         write_atomically(path, text)
         done.set()
 
-    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
-    for _ in range(3):
-        svc.tick(snapshot(used_gib=10))
-        clock.t += 5.0
-    svc.tick(snapshot(used_gib=10))  # the predictor's clock moved on, not yet written
+    svc = clock_unwritten(tmp_path, clock, write)
     hang.set()
     done.clear()
     caplog.set_level(logging.WARNING)
@@ -1273,9 +1342,79 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     assert stop_ends_before(svc, 0.3, release)
     assert entered.is_set()
     assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (the stop's"
+        " write of it still runs after 0.3 s): the next start reads what it held before"
+    ) in caplog.text
+
+
+def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick's write of colo.json does not end (a disk that stopped answering) when the
+    stop comes: the stop leaves its state to that writer, and the log says another write
+    of the file still runs, not the stop's own."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    hang, entered, released = (threading.Event() for _ in range(3))
+
+    def write(path: Path, text: str) -> None:
+        if hang.is_set():
+            entered.set()
+            released.wait()
+        write_atomically(path, text)
+
+    svc = kept_loop(tmp_path, jobs, clock, write=write)
+    svc.tick(snapshot(used_gib=10))
+    jobs.append(RunningJob("c", "training", 1, memory_bytes=8 * GIB))
+    hang.set()
+    clock.t += 5.0
+    ticker = threading.Thread(target=lambda: svc.tick(snapshot(used_gib=10)))
+    ticker.start()
+    entered.wait(30.0)
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        released.set()
+        ticker.join()
+
+    assert stop_ends_before(svc, 0.3, release)
+    assert (
         f"co-location state {tmp_path / 'colo.json'} not written at the stop (another write"
         " of it still runs after 0.3 s): the next start reads what it held before"
     ) in caplog.text
+
+
+def test_a_stop_whose_write_raises_says_the_write_failed_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop's own write of colo.json raises what no failed write does (a fault of the
+    writer's own): the log names the file and the error, and the stop says the write
+    failed, not that one still runs."""
+    clock = Clock()
+    broken = threading.Event()
+
+    def write(path: Path, text: str) -> None:
+        if broken.is_set():
+            raise RuntimeError("writer broke")
+        write_atomically(path, text)
+
+    svc = clock_unwritten(tmp_path, clock, write)
+    broken.set()
+    caplog.set_level(logging.WARNING)
+    hooked: list[threading.ExceptHookArgs] = []
+    was, threading.excepthook = threading.excepthook, hooked.append
+    try:
+        svc.save_at_stop(1.0)
+    finally:
+        threading.excepthook = was
+    path = tmp_path / "colo.json"
+    assert hooked == []
+    assert f"co-location state {path} not written: RuntimeError: writer broke" in caplog.text
+    assert (
+        f"co-location state {path} not written at the stop (RuntimeError: writer broke): the"
+        " next start reads what it held before"
+    ) in caplog.text
+    assert "still runs" not in caplog.text
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
