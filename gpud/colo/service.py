@@ -907,6 +907,12 @@ class ColoService:
         self.configure(config)
         if state_file is not None:
             self._load(state_file, registered)
+            if not config.enabled:
+                # started off on a file a loop that was on wrote: off at once, as a reload
+                # switches it, so a stop before the first tick writes it too
+                with self._lock:
+                    self._switch_off()
+                    self._off_state = self._states + 1
 
     def configure(self, config: ColocateConfig) -> None:
         """(Re)apply the [colocate] settings; learned state is kept. A reload that switches

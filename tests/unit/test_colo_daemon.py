@@ -1191,6 +1191,27 @@ def test_a_switch_off_then_a_stop_before_any_tick_writes_it(tmp_path: Path) -> N
     assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
 
 
+def test_a_start_with_the_loop_off_that_stops_before_any_tick_writes_the_switch_off(
+    tmp_path: Path,
+) -> None:
+    """gpud stopped while a guard throttles training, started again with `[colocate]
+    enabled = false`, and stopped before its loop ticks: the training is told full duty
+    from the start, and a restart with co-location on runs it at full duty."""
+    clock = Clock()
+    _, jobs = throttled(tmp_path, clock)
+    off = ColoService(
+        ColocateConfig(enabled=False),
+        EventLog(tmp_path / "off.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    assert off.throttle_point("train", 1).duty == 1.0
+    off.save_at_stop()
+    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+
+
 def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
     tmp_path: Path,
 ) -> None:
