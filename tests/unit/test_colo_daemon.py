@@ -1218,15 +1218,25 @@ def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
     """A tick reads who runs as a reload switches co-location off: it plans nothing, so
     the training stays at full duty, and the stop writes the switch-off."""
     clock = Clock()
-    svc, jobs = throttled(tmp_path, clock)
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
     off = threading.Event()
 
     def running() -> list[RunningJob]:
         if off.is_set():
-            svc.configure(ColocateConfig(enabled=False))
+            svc.configure(ColocateConfig(enabled=False))  # the reload, as the tick reads
         return jobs
 
-    svc._running = running
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=running,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    throttle(svc, clock)
     off.set()
     clock.t += 1
     svc.report_latency("chat", [0.095] * 30)
