@@ -88,14 +88,17 @@ def kept_loop(
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
     registered: Callable[[], Mapping[str, float | None]] | None = None,
+    *,
+    running: Callable[[], list[RunningJob]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
     given): a new one picks it up (what it holds of jobs ``registered`` does not list, or
-    lists registered at another time, dropped, where given)."""
+    lists registered at another time, dropped, where given). It reads who runs from
+    ``running`` where given, else ``jobs``."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
-        running=lambda: jobs,
+        running=running or (lambda: jobs),
         clock=clock,
         state_file=tmp_path / "colo.json",
         write=write,
@@ -1174,6 +1177,19 @@ def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> 
     assert events.recent(10, "colo.duty") == []
 
 
+def stopped_switched_off(
+    svc: ColoService, tmp_path: Path, jobs: list[RunningJob], clock: Clock
+) -> dict[str, Any]:
+    """``svc`` stops (`systemctl stop gpud`): colo.json holds `train` at no duty of the
+    loop's, and a restart with co-location on runs it at full duty. The jobs the file
+    holds."""
+    svc.save_at_stop()
+    saved: dict[str, Any] = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    return saved
+
+
 def test_a_switch_off_then_a_stop_before_any_tick_writes_it(tmp_path: Path) -> None:
     """`[colocate] enabled = false` (reloaded) while a guard throttles training, then
     `systemctl stop gpud` before the loop ticks again: the training is told full duty from
@@ -1183,12 +1199,9 @@ def test_a_switch_off_then_a_stop_before_any_tick_writes_it(tmp_path: Path) -> N
     svc, jobs = throttled(tmp_path, clock)
     svc.configure(ColocateConfig(enabled=False))
     assert svc.throttle_point("train", 1).duty == 1.0
-    svc.save_at_stop()
-    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
-    assert saved["train"]["duty"] is None
+    saved = stopped_switched_off(svc, tmp_path, jobs, clock)
     assert saved["chat"]["guard_duty"] == 1.0 and saved["chat"]["guard_breaches"] == 0
     assert "guard_company" not in saved["chat"]
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
 
 
 def test_a_start_with_the_loop_off_that_stops_before_any_tick_writes_the_switch_off(
@@ -1207,9 +1220,7 @@ def test_a_start_with_the_loop_off_that_stops_before_any_tick_writes_the_switch_
         state_file=tmp_path / "colo.json",
     )
     assert off.throttle_point("train", 1).duty == 1.0
-    off.save_at_stop()
-    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    stopped_switched_off(off, tmp_path, jobs, clock)
 
 
 def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
@@ -1229,21 +1240,14 @@ def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
             svc.configure(ColocateConfig(enabled=False))  # the reload, as the tick reads
         return jobs
 
-    svc = ColoService(
-        ColocateConfig(),
-        EventLog(tmp_path / "e.jsonl"),
-        running=running,
-        clock=clock,
-        state_file=tmp_path / "colo.json",
-    )
+    svc = kept_loop(tmp_path, jobs, clock, running=running)
     throttle(svc, clock)
     off.set()
     clock.t += 1
     svc.report_latency("chat", [0.095] * 30)
     assert svc.tick(snapshot()) is None
     assert svc.throttle_point("train", 1).duty == 1.0
-    svc.save_at_stop()
-    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
+    stopped_switched_off(svc, tmp_path, jobs, clock)
 
 
 def test_a_switch_off_leaves_no_guard_paused_by_a_fault_behind(tmp_path: Path) -> None:
@@ -1283,11 +1287,7 @@ def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     for _ in range(3):
         clock.t += 5.0
         svc.tick(snapshot())
-    svc.save_at_stop()
-    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
-    assert saved["train"]["duty"] is None
-    assert saved["chat"]["guard_duty"] == 1.0
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    assert stopped_switched_off(svc, tmp_path, jobs, clock)["chat"]["guard_duty"] == 1.0
 
 
 def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
@@ -1304,9 +1304,7 @@ def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
         clock.t += 5.0
         svc.tick(snapshot())
     full.clear()
-    svc.save_at_stop()
-    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    stopped_switched_off(svc, tmp_path, jobs, clock)
 
 
 def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
