@@ -1204,6 +1204,11 @@ class ColoService:
                 )
         self._directives = {}
         self._guarding.clear()
+        for name in self._paused_services:
+            # what a paused service reported is the fault's doing: a guard switched on
+            # again starts afresh, with no pause to tell it to wait those latencies out
+            if (paused := self._jobs.get(name)) is not None:
+                paused.latency.clear()
         self._paused_services.clear()
         for st in self._jobs.values():
             st.guard_company = None

@@ -1269,6 +1269,34 @@ def test_a_switch_off_leaves_no_guard_paused_by_a_fault_behind(tmp_path: Path) -
     assert again.duty("train") == 0.5
 
 
+def test_a_guard_paused_by_a_hang_does_not_act_on_its_latencies_once_switched_on_again(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 hangs under a service and the training beside it, the service reporting
+    200 ms through the hang (its guard paused, the training at full duty); a reload
+    switches co-location off, GPU 0 answers, a reload switches it on again: the fresh
+    guard does not cut the training for the hang's latencies the window still holds; it
+    acts on those reported since."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    clock.t += 1
+    svc.report_latency("chat", [0.2] * 100)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    assert svc.duty("train") == 1.0
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 1
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    clock.t += 1
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    clock.t += 1
+    svc.tick(snapshot())
+    assert svc.duty("train") == 1.0
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 100)  # the training's doing now
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
