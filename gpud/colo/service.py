@@ -1680,20 +1680,23 @@ class ColoService:
         service's placement lock): it leaves ``state`` to the writer, which writes the
         newest state left to it straight after its own, and returns. The stop's state
         (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
-        however little it moved."""
+        however little it moved. A write that raises what a failed write does not (not
+        OSError nor ValueError) is raised to the caller once the states left to this
+        writer meanwhile are written, as a failed write leaves them written too."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
             if self._pending is None or state[0] > self._pending[0]:
                 self._pending = state
+        raised: Exception | None = None
         while True:
             with self._pending_lock:
                 if self._pending is None:
-                    return
+                    break
             # Held: its holder looks for a pending state again once it lets go of the
             # lock, so one left now is written then.
             if not self._save_lock.acquire(blocking=False):
-                return
+                break
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
@@ -1704,9 +1707,11 @@ class ColoService:
                         written = self._write_newest(self._state_file, pending[1], whole=whole)
                     except Exception as err:
                         # not one _write_newest knows (its writer's own fault): a leave or
-                        # stop waiting for this state says the write failed and why
+                        # stop waiting for this state says the write failed and why, and
+                        # a newer state left to this writer meanwhile (the stop's, a
+                        # leave's) is still written, its caller told when that is done
                         self._save_error = f"{type(err).__name__}: {err}"
-                        raise
+                        raised = err
                     finally:
                         with self._written:
                             self._tried_state = pending[0]
@@ -1715,6 +1720,8 @@ class ColoService:
                             self._written.notify_all()
             finally:
                 self._save_lock.release()
+        if raised is not None:
+            raise raised
 
     def _wait_written(
         self,

@@ -1441,6 +1441,53 @@ def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
     ) in caplog.text
 
 
+def test_a_ticks_write_that_hangs_then_raises_still_writes_the_state_the_stop_left_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick's write of colo.json hangs when the stop comes, which leaves its state to
+    that writer; the write then raises what no failed write does (a fault of the
+    writer's own): the writer still writes the stop's state, so colo.json holds what the
+    stop knew, and the tick is told of the error."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    hang, entered, released = (threading.Event() for _ in range(3))
+
+    def write(path: Path, text: str) -> None:
+        if hang.is_set():
+            hang.clear()
+            entered.set()
+            released.wait()
+            raise RuntimeError("writer broke")
+        write_atomically(path, text)
+
+    svc = kept_loop(tmp_path, jobs, clock, write=write)
+    svc.tick(snapshot(used_gib=10))
+    jobs.append(RunningJob("c", "training", 1, memory_bytes=8 * GIB))
+    hang.set()
+    clock.t += 5.0
+    raised: list[BaseException] = []
+
+    def tick() -> None:
+        try:
+            svc.tick(snapshot(used_gib=10))
+        except RuntimeError as err:
+            raised.append(err)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    entered.wait(30.0)
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        released.set()
+        ticker.join()
+
+    assert stop_ends_before(svc, 0.3, release)
+    assert "another write of it still runs" in caplog.text  # the stop's state left to it
+    assert [str(err) for err in raised] == ["writer broke"]
+    assert "c" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+
+
 def test_a_stop_whose_write_raises_says_the_write_failed_naming_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
