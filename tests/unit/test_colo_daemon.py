@@ -1278,23 +1278,24 @@ def test_a_guard_paused_by_a_hang_does_not_act_on_its_latencies_once_switched_on
     guard does not cut the training for the hang's latencies the window still holds; it
     acts on those reported since."""
     svc, clock, _ = chat_beside_training(tmp_path)
+    hung = gpu0_faulty("not answering: a driver call is out")
     clock.t += 1
     svc.report_latency("chat", [0.2] * 100)
-    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    svc.tick(hung)
     assert svc.duty("train") == 1.0
     svc.configure(ColocateConfig(enabled=False))
-    clock.t += 1
-    svc.tick(gpu0_faulty("not answering: a driver call is out"))
-    clock.t += 1
-    svc.tick(snapshot())
+    for snap in (hung, snapshot()):  # off: a tick hung, one answering
+        clock.t += 1
+        svc.tick(snap)
     svc.configure(ColocateConfig())
-    clock.t += 1
-    svc.tick(snapshot())
-    assert svc.duty("train") == 1.0
-    clock.t += 1
-    svc.report_latency("chat", [0.095] * 100)  # the training's doing now
-    svc.tick(snapshot())
-    assert svc.duty("train") == 0.5
+    duties = []
+    for reported in (None, 0.095):  # on again: nothing new, then the training's doing
+        clock.t += 1
+        if reported is not None:
+            svc.report_latency("chat", [reported] * 100)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+    assert duties == [1.0, 0.5]
 
 
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
@@ -1404,20 +1405,25 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     ) in caplog.text
 
 
-def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A tick's write of colo.json does not end (a disk that stopped answering) when the
-    stop comes: the stop leaves its state to that writer, and the log says another write
-    of the file still runs, not the stop's own."""
+def stopped_behind_a_hung_tick(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, then: Exception | None = None
+) -> list[Exception]:
+    """Two jobs alone, a third joining; the tick that sees it writes colo.json, a write
+    that does not end (a disk that stopped answering) when the stop, given 0.3 s, comes:
+    the stop leaves its state to that writer, and the log says another write of the file
+    still runs, not the stop's own. Let go once the stop has given up, the write ends by
+    raising ``then``, where given, else by writing. What the tick raised."""
     clock = Clock()
     jobs = two_jobs_alone()
     hang, entered, released = (threading.Event() for _ in range(3))
 
     def write(path: Path, text: str) -> None:
         if hang.is_set():
+            hang.clear()
             entered.set()
             released.wait()
+            if then is not None:
+                raise then
         write_atomically(path, text)
 
     svc = kept_loop(tmp_path, jobs, clock, write=write)
@@ -1425,7 +1431,15 @@ def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
     jobs.append(RunningJob("c", "training", 1, memory_bytes=8 * GIB))
     hang.set()
     clock.t += 5.0
-    ticker = threading.Thread(target=lambda: svc.tick(snapshot(used_gib=10)))
+    raised: list[Exception] = []
+
+    def tick() -> None:
+        try:
+            svc.tick(snapshot(used_gib=10))
+        except Exception as err:
+            raised.append(err)
+
+    ticker = threading.Thread(target=tick)
     ticker.start()
     entered.wait(30.0)
     caplog.set_level(logging.WARNING)
@@ -1439,6 +1453,17 @@ def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
         f"co-location state {tmp_path / 'colo.json'} not written at the stop (another write"
         " of it still runs after 0.3 s): the next start reads what it held before"
     ) in caplog.text
+    return raised
+
+
+def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick's write of colo.json does not end when the stop comes: the log says another
+    write of the file still runs, not the stop's own; once it ends, the file holds the
+    stop's state."""
+    assert stopped_behind_a_hung_tick(tmp_path, caplog) == []
+    assert "c" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
 
 
 def test_a_ticks_write_that_hangs_then_raises_still_writes_the_state_the_stop_left_it(
@@ -1448,42 +1473,7 @@ def test_a_ticks_write_that_hangs_then_raises_still_writes_the_state_the_stop_le
     that writer; the write then raises what no failed write does (a fault of the
     writer's own): the writer still writes the stop's state, so colo.json holds what the
     stop knew, and the tick is told of the error."""
-    clock = Clock()
-    jobs = two_jobs_alone()
-    hang, entered, released = (threading.Event() for _ in range(3))
-
-    def write(path: Path, text: str) -> None:
-        if hang.is_set():
-            hang.clear()
-            entered.set()
-            released.wait()
-            raise RuntimeError("writer broke")
-        write_atomically(path, text)
-
-    svc = kept_loop(tmp_path, jobs, clock, write=write)
-    svc.tick(snapshot(used_gib=10))
-    jobs.append(RunningJob("c", "training", 1, memory_bytes=8 * GIB))
-    hang.set()
-    clock.t += 5.0
-    raised: list[BaseException] = []
-
-    def tick() -> None:
-        try:
-            svc.tick(snapshot(used_gib=10))
-        except RuntimeError as err:
-            raised.append(err)
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    entered.wait(30.0)
-    caplog.set_level(logging.WARNING)
-
-    def release() -> None:
-        released.set()
-        ticker.join()
-
-    assert stop_ends_before(svc, 0.3, release)
-    assert "another write of it still runs" in caplog.text  # the stop's state left to it
+    raised = stopped_behind_a_hung_tick(tmp_path, caplog, RuntimeError("writer broke"))
     assert [str(err) for err in raised] == ["writer broke"]
     assert "c" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
 
