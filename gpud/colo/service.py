@@ -891,8 +891,9 @@ class ColoService:
         self._saved_clock = 0.0
         self._saved_idle: dict[str, float] = {}  # ended jobs' idle_s the file holds
         # (under _lock) the state that holds the loop's switch-off, once the loop is off
-        # (0: it ran since): saved once the file holds it or a newer one, built again each
-        # off tick until then (a write refused by a full disk)
+        # (0: it is on): the next state built from the reload that switched it off, saved
+        # once the file holds it or a newer one, built again each off tick, and at the
+        # stop, until then (a write refused by a full disk, no tick since the reload)
         self._off_state = 0
         self._save_error = ""  # why the last write failed ("": it did not)
         # Told each time a write is done (or failed): an operator's leave waits, up to
@@ -902,13 +903,30 @@ class ColoService:
         self._tried_state = 0
         self._on_disk_state = 0  # (under _written) the newest state the file holds
         self._leave_write_s = leave_write_s
+        self.config = config  # what configure switches from: nothing at the start
         self.configure(config)
         if state_file is not None:
             self._load(state_file, registered)
+            if not config.enabled:
+                # started off on a file a loop that was on wrote: off at once, as a reload
+                # switches it, so a stop before the first tick writes it too
+                with self._lock:
+                    self._switch_off()
+                    self._off_state = self._states + 1
 
     def configure(self, config: ColocateConfig) -> None:
-        """(Re)apply the [colocate] settings; learned state is kept."""
+        """(Re)apply the [colocate] settings; learned state is kept. A reload that switches
+        the loop off switches it off at once (:meth:`_switch_off`), as one that raises
+        ``min_duty`` lifts the guards' duties at once: training asking its duty (the
+        job's throttle point) is told 1.0 from then, and a stop before the next tick
+        writes the switch-off to colo.json."""
         with self._lock:
+            if self.config.enabled and not config.enabled:
+                self._switch_off()
+                # the next state built holds it (one a tick built before is older)
+                self._off_state = self._states + 1
+            elif config.enabled:
+                self._off_state = 0
             self.config = config
             self.predictor.scant_memory_s = config.scant_margin_memory_s
             self._planner = Planner(
@@ -1102,9 +1120,11 @@ class ColoService:
             return None
         with self._lock:
             freed, removals = self._freed, self._removals
-            self._off_state = 0
         running = tuple(self._running())
         with self._lock:
+            if not self.config.enabled:
+                # a reload switched the loop off meanwhile (configure): it stays off
+                return None
             running = self._present(running, removals)
             # A GPU that is lost or does not answer runs nothing anyone can measure: its
             # jobs keep their directives and guards as they were, out of the plan, until it
@@ -1171,7 +1191,9 @@ class ColoService:
 
     def _switch_off(self) -> None:
         """The loop is off (a reload): no guard watches any service, so no training stays
-        throttled or evicted by what one decided; switched on again, guards start afresh."""
+        throttled or evicted by what one decided; switched on again, guards start afresh:
+        at full duty, paused by no GPU fault, and beside no training they remember (nor
+        does colo.json hold any of it). Under the lock."""
         for job, told in sorted(self._directives.items()):
             if told.evict or told.duty < 1.0:
                 self._events.emit(
@@ -1182,6 +1204,14 @@ class ColoService:
                 )
         self._directives = {}
         self._guarding.clear()
+        for name in self._paused_services:
+            # what a paused service reported is the fault's doing: a guard switched on
+            # again starts afresh, with no pause to tell it to wait those latencies out
+            if (paused := self._jobs.get(name)) is not None:
+                paused.latency.clear()
+        self._paused_services.clear()
+        for st in self._jobs.values():
+            st.guard_company = None
         for name, g in self._guards.items():
             g.reset()
             self._jobs.setdefault(name, _JobState()).guard_since = float("-inf")
@@ -1582,15 +1612,16 @@ class ColoService:
         included, so that the next start takes up what this one held rather than the last
         tick's write (a write since refused by a full disk, a guard's duty lifted by a
         reload, the predictor's clock written once a minute). With the loop off, only a
-        switch-off the file does not hold yet is written (its ticks' writes refused); nothing
-        is without a state file, nor when the file holds this state already.
+        switch-off the file does not hold yet is written (its ticks' writes refused, or no tick
+        since the reload that made it); nothing is without a state file, nor when the file
+        holds this state already.
         Built under the loop's lock: a tick still running (one the stop gave up waiting
         for) is waited for, and the newer of the two states is what the file keeps, clock
         and all. Waits up to ``wait_s`` in all for the lock and for the file to hold the
         state, written on a daemon thread of its own (or by a write under way when it
-        came); a lock held past it, or a write that fails or does not end (a disk that
-        stopped answering, left to the exit), is logged naming the file and why, and the
-        stop goes on."""
+        came); a lock held past it, or a write that fails (whatever it raised) or does not
+        end (a disk that stopped answering, left to the exit), is logged naming the file
+        and why, and the stop goes on."""
         deadline = time.monotonic() + wait_s
         if not self._lock.acquire(timeout=wait_s):
             why = f"a co-location tick or call held its lock for {wait_s:.1f} s"
@@ -1607,16 +1638,34 @@ class ColoService:
                 self._whole_from = state[0]
             finally:
                 self._lock.release()
-            threading.Thread(
-                target=self._save, args=(state,), name="colo-stop-save", daemon=True
-            ).start()
-            why = self._wait_written(state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s)
+            writer = threading.Thread(
+                target=self._save_at_stop, args=(state,), name="colo-stop-save", daemon=True
+            )
+            writer.start()
+            why = self._wait_written(
+                state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s, writer=writer
+            )
         if why:
             log.warning(
                 "co-location state %s not written at the stop (%s): the next start reads"
                 " what it held before",
                 self._state_file,
                 why,
+            )
+
+    def _save_at_stop(self, state: tuple[int, dict[str, Any]]) -> None:
+        """:meth:`_save` on the stop's own thread: a write that raises what a failed write
+        does not (OSError, ValueError) is logged naming the file, as a failed one is, and
+        the stop, told it is done, says it failed and why."""
+        try:
+            self._save(state)
+        except Exception as err:
+            log.warning(
+                "co-location state %s not written: %s: %s",
+                self._state_file,
+                type(err).__name__,
+                err,
+                exc_info=True,
             )
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
@@ -1631,46 +1680,75 @@ class ColoService:
         service's placement lock): it leaves ``state`` to the writer, which writes the
         newest state left to it straight after its own, and returns. The stop's state
         (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
-        however little it moved."""
+        however little it moved. A write that raises what a failed write does not (not
+        OSError nor ValueError) is raised to the caller once the states left to this
+        writer meanwhile are written, as a failed write leaves them written too."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
             if self._pending is None or state[0] > self._pending[0]:
                 self._pending = state
+        raised: Exception | None = None
         while True:
             with self._pending_lock:
                 if self._pending is None:
-                    return
+                    break
             # Held: its holder looks for a pending state again once it lets go of the
             # lock, so one left now is written then.
             if not self._save_lock.acquire(blocking=False):
-                return
+                break
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
                 if pending is not None and pending[0] > self._tried_state:
                     whole = pending[0] >= self._whole_from
-                    written = self._write_newest(self._state_file, pending[1], whole=whole)
-                    with self._written:
-                        self._tried_state = pending[0]
-                        if written:
-                            self._on_disk_state = pending[0]
-                        self._written.notify_all()
+                    written = False
+                    try:
+                        written = self._write_newest(self._state_file, pending[1], whole=whole)
+                    except Exception as err:
+                        # not one _write_newest knows (its writer's own fault): a leave or
+                        # stop waiting for this state says the write failed and why, and
+                        # a newer state left to this writer meanwhile (the stop's, a
+                        # leave's) is still written, its caller told when that is done
+                        self._save_error = f"{type(err).__name__}: {err}"
+                        raised = err
+                    finally:
+                        with self._written:
+                            self._tried_state = pending[0]
+                            if written:
+                                self._on_disk_state = pending[0]
+                            self._written.notify_all()
             finally:
                 self._save_lock.release()
+        if raised is not None:
+            raise raised
 
     def _wait_written(
-        self, state: int, wait_s: float | None = None, *, said_s: float | None = None
+        self,
+        state: int,
+        wait_s: float | None = None,
+        *,
+        said_s: float | None = None,
+        writer: threading.Thread | None = None,
     ) -> str:
         """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
         ``state`` or a newer one, written by this thread or by the one that held the write
         when it came: "" once it does, else why not (naming ``said_s``, the caller's whole
-        wait, where given, else ``wait_s``). Never under the loop's lock."""
+        wait, where given, else ``wait_s``). ``writer``: the stop's own write thread, said
+        to be the write still running while it runs (else another writer holds it). Never
+        under the loop's lock."""
         wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
             if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
                 said = wait_s if said_s is None else said_s
-                return f"another write of it still runs after {said:.1f} s"
+                # the stop's thread hands its state to a write under way and ends at once:
+                # still running, it is in a write of its own
+                whose = (
+                    "the stop's write"
+                    if writer is not None and writer.is_alive()
+                    else "another write"
+                )
+                return f"{whose} of it still runs after {said:.1f} s"
             return "" if self._on_disk_state >= state else self._save_error
 
     def _holds(self, state: int) -> bool:

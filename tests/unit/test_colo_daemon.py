@@ -88,14 +88,17 @@ def kept_loop(
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
     registered: Callable[[], Mapping[str, float | None]] | None = None,
+    *,
+    running: Callable[[], list[RunningJob]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
     given): a new one picks it up (what it holds of jobs ``registered`` does not list, or
-    lists registered at another time, dropped, where given)."""
+    lists registered at another time, dropped, where given). It reads who runs from
+    ``running`` where given, else ``jobs``."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
-        running=lambda: jobs,
+        running=running or (lambda: jobs),
         clock=clock,
         state_file=tmp_path / "colo.json",
         write=write,
@@ -1174,6 +1177,127 @@ def test_a_switch_off_is_written_once_and_a_restart_keeps_it(tmp_path: Path) -> 
     assert events.recent(10, "colo.duty") == []
 
 
+def stopped_switched_off(
+    svc: ColoService, tmp_path: Path, jobs: list[RunningJob], clock: Clock
+) -> dict[str, Any]:
+    """``svc`` stops (`systemctl stop gpud`): colo.json holds `train` at no duty of the
+    loop's, and a restart with co-location on runs it at full duty. The jobs the file
+    holds."""
+    svc.save_at_stop()
+    saved: dict[str, Any] = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["train"]["duty"] is None
+    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    return saved
+
+
+def test_a_switch_off_then_a_stop_before_any_tick_writes_it(tmp_path: Path) -> None:
+    """`[colocate] enabled = false` (reloaded) while a guard throttles training, then
+    `systemctl stop gpud` before the loop ticks again: the training is told full duty from
+    the reload, the stop writes the switch-off, and a restart with co-location on runs the
+    training at full duty, its guard afresh."""
+    clock = Clock()
+    svc, jobs = throttled(tmp_path, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    assert svc.throttle_point("train", 1).duty == 1.0
+    saved = stopped_switched_off(svc, tmp_path, jobs, clock)
+    assert saved["chat"]["guard_duty"] == 1.0 and saved["chat"]["guard_breaches"] == 0
+    assert "guard_company" not in saved["chat"]
+
+
+def test_a_start_with_the_loop_off_that_stops_before_any_tick_writes_the_switch_off(
+    tmp_path: Path,
+) -> None:
+    """gpud stopped while a guard throttles training, started again with `[colocate]
+    enabled = false`, and stopped before its loop ticks: the training is told full duty
+    from the start, and a restart with co-location on runs it at full duty."""
+    clock = Clock()
+    _, jobs = throttled(tmp_path, clock)
+    off = ColoService(
+        ColocateConfig(enabled=False),
+        EventLog(tmp_path / "off.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    assert off.throttle_point("train", 1).duty == 1.0
+    stopped_switched_off(off, tmp_path, jobs, clock)
+
+
+def test_a_tick_under_way_when_a_reload_switches_the_loop_off_throttles_nothing(
+    tmp_path: Path,
+) -> None:
+    """A tick reads who runs as a reload switches co-location off: it plans nothing, so
+    the training stays at full duty, and the stop writes the switch-off."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    off = threading.Event()
+
+    def running() -> list[RunningJob]:
+        if off.is_set():
+            svc.configure(ColocateConfig(enabled=False))  # the reload, as the tick reads
+        return jobs
+
+    svc = kept_loop(tmp_path, jobs, clock, running=running)
+    throttle(svc, clock)
+    off.set()
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    assert svc.tick(snapshot()) is None
+    assert svc.throttle_point("train", 1).duty == 1.0
+    stopped_switched_off(svc, tmp_path, jobs, clock)
+
+
+def test_a_switch_off_leaves_no_guard_paused_by_a_fault_behind(tmp_path: Path) -> None:
+    """A guard paused by GPU 0's hang, beside the training it held at duty 0.5, when a
+    reload switches co-location off: colo.json keeps neither the pause nor the training
+    the guard's duty was set beside, and a restart with co-location on, GPU 0 answering,
+    starts the guard afresh: it acts at its first tick on latencies reported before it."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 1
+    svc.tick(snapshot())
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]
+    assert "guard_paused" not in saved and "guard_company" not in saved
+    again = kept_loop(tmp_path, jobs, Clock())
+    again.report_latency("chat", [0.095] * 100)
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+
+
+def test_a_guard_paused_by_a_hang_does_not_act_on_its_latencies_once_switched_on_again(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 hangs under a service and the training beside it, the service reporting
+    200 ms through the hang (its guard paused, the training at full duty); a reload
+    switches co-location off, GPU 0 answers, a reload switches it on again: the fresh
+    guard does not cut the training for the hang's latencies the window still holds; it
+    acts on those reported since."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    hung = gpu0_faulty("not answering: a driver call is out")
+    clock.t += 1
+    svc.report_latency("chat", [0.2] * 100)
+    svc.tick(hung)
+    assert svc.duty("train") == 1.0
+    svc.configure(ColocateConfig(enabled=False))
+    for snap in (hung, snapshot()):  # off: a tick hung, one answering
+        clock.t += 1
+        svc.tick(snap)
+    svc.configure(ColocateConfig())
+    duties = []
+    for reported in (None, 0.095):  # on again: nothing new, then the training's doing
+        clock.t += 1
+        if reported is not None:
+            svc.report_latency("chat", [reported] * 100)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+    assert duties == [1.0, 0.5]
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
@@ -1192,11 +1316,7 @@ def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     for _ in range(3):
         clock.t += 5.0
         svc.tick(snapshot())
-    svc.save_at_stop()
-    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
-    assert saved["train"]["duty"] is None
-    assert saved["chat"]["guard_duty"] == 1.0
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    assert stopped_switched_off(svc, tmp_path, jobs, clock)["chat"]["guard_duty"] == 1.0
 
 
 def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
@@ -1213,9 +1333,7 @@ def test_a_switch_off_the_disk_refused_to_its_last_tick_is_written_at_the_stop(
         clock.t += 5.0
         svc.tick(snapshot())
     full.clear()
-    svc.save_at_stop()
-    assert json.loads((tmp_path / "colo.json").read_text())["jobs"]["train"]["duty"] is None
-    assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
+    stopped_switched_off(svc, tmp_path, jobs, clock)
 
 
 def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
@@ -1241,6 +1359,19 @@ def test_a_loop_switched_off_on_and_off_again_keeps_the_second_switch_off(
     assert kept_loop(tmp_path, jobs, clock).duty("train") == 1.0
 
 
+def clock_unwritten(
+    tmp_path: Path, clock: Clock, write: Callable[[Path, str], None]
+) -> ColoService:
+    """A :func:`kept_loop` of two jobs alone (colo.json written by ``write``) whose
+    predictor's clock moved on since the file was last written: the stop has it to write."""
+    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
+    for _ in range(3):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    svc.tick(snapshot(used_gib=10))
+    return svc
+
+
 def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1257,11 +1388,7 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
         write_atomically(path, text)
         done.set()
 
-    svc = kept_loop(tmp_path, two_jobs_alone(), clock, write=write)
-    for _ in range(3):
-        svc.tick(snapshot(used_gib=10))
-        clock.t += 5.0
-    svc.tick(snapshot(used_gib=10))  # the predictor's clock moved on, not yet written
+    svc = clock_unwritten(tmp_path, clock, write)
     hang.set()
     done.clear()
     caplog.set_level(logging.WARNING)
@@ -1273,9 +1400,115 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     assert stop_ends_before(svc, 0.3, release)
     assert entered.is_set()
     assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (the stop's"
+        " write of it still runs after 0.3 s): the next start reads what it held before"
+    ) in caplog.text
+
+
+def stopped_behind_a_hung_tick(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, then: Exception | None = None
+) -> list[Exception]:
+    """Two jobs alone, a third joining; the tick that sees it writes colo.json, a write
+    that does not end (a disk that stopped answering) when the stop, given 0.3 s, comes:
+    the stop leaves its state to that writer, and the log says another write of the file
+    still runs, not the stop's own. Let go once the stop has given up, the write ends by
+    raising ``then``, where given, else by writing. What the tick raised."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    hang, entered, released = (threading.Event() for _ in range(3))
+
+    def write(path: Path, text: str) -> None:
+        if hang.is_set():
+            hang.clear()
+            entered.set()
+            released.wait()
+            if then is not None:
+                raise then
+        write_atomically(path, text)
+
+    svc = kept_loop(tmp_path, jobs, clock, write=write)
+    svc.tick(snapshot(used_gib=10))
+    jobs.append(RunningJob("c", "training", 1, memory_bytes=8 * GIB))
+    hang.set()
+    clock.t += 5.0
+    raised: list[Exception] = []
+
+    def tick() -> None:
+        try:
+            svc.tick(snapshot(used_gib=10))
+        except Exception as err:
+            raised.append(err)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    entered.wait(30.0)
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        released.set()
+        ticker.join()
+
+    assert stop_ends_before(svc, 0.3, release)
+    assert (
         f"co-location state {tmp_path / 'colo.json'} not written at the stop (another write"
         " of it still runs after 0.3 s): the next start reads what it held before"
     ) in caplog.text
+    return raised
+
+
+def test_a_stop_behind_a_ticks_write_that_hangs_says_another_write_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick's write of colo.json does not end when the stop comes: the log says another
+    write of the file still runs, not the stop's own; once it ends, the file holds the
+    stop's state."""
+    assert stopped_behind_a_hung_tick(tmp_path, caplog) == []
+    assert "c" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+
+
+def test_a_ticks_write_that_hangs_then_raises_still_writes_the_state_the_stop_left_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick's write of colo.json hangs when the stop comes, which leaves its state to
+    that writer; the write then raises what no failed write does (a fault of the
+    writer's own): the writer still writes the stop's state, so colo.json holds what the
+    stop knew, and the tick is told of the error."""
+    raised = stopped_behind_a_hung_tick(tmp_path, caplog, RuntimeError("writer broke"))
+    assert [str(err) for err in raised] == ["writer broke"]
+    assert "c" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+
+
+def test_a_stop_whose_write_raises_says_the_write_failed_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop's own write of colo.json raises what no failed write does (a fault of the
+    writer's own): the log names the file and the error, and the stop says the write
+    failed, not that one still runs."""
+    clock = Clock()
+    broken = threading.Event()
+
+    def write(path: Path, text: str) -> None:
+        if broken.is_set():
+            raise RuntimeError("writer broke")
+        write_atomically(path, text)
+
+    svc = clock_unwritten(tmp_path, clock, write)
+    broken.set()
+    caplog.set_level(logging.WARNING)
+    hooked: list[threading.ExceptHookArgs] = []
+    was, threading.excepthook = threading.excepthook, hooked.append
+    try:
+        svc.save_at_stop(1.0)
+    finally:
+        threading.excepthook = was
+    path = tmp_path / "colo.json"
+    assert hooked == []
+    assert f"co-location state {path} not written: RuntimeError: writer broke" in caplog.text
+    assert (
+        f"co-location state {path} not written at the stop (RuntimeError: writer broke): the"
+        " next start reads what it held before"
+    ) in caplog.text
+    assert "still runs" not in caplog.text
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
