@@ -368,6 +368,41 @@ def test_a_start_that_failed_before_a_long_outage_of_its_gpu_fails_anew_after(
         store.close()
 
 
+def test_a_start_error_is_said_again_after_a_short_skip_while_its_starts_back_off(
+    root: Path,
+) -> None:
+    """A control binary that does not run, then its GPU unhealthy for one pass: the skip's
+    wait stands in for the start's error while it lasts; healthy again before the back-off
+    ends, the row says why the daemon is down (the failed start), not a bare ``DOWN``."""
+    now = [100.0]
+    mgr, store, _ = make_manager(
+        root, clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    healthy = snapshot(gpu_sample(0))
+    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+
+    def row() -> tuple[str, ...]:
+        (status,) = mgr.status()
+        return device_row(device_message(status, None))
+
+    try:
+        mgr.reconcile(healthy)  # fails: retried in 1 s
+        (status,) = mgr.status()
+        failed = status.last_error
+        assert "/nonexistent/nvidia-cuda-mps-control" in failed, failed
+        now[0] += 0.25
+        mgr.reconcile(sick)
+        assert row()[3] == "DOWN: not started while GPU 0 is unhealthy"
+        now[0] += 0.25
+        mgr.reconcile(healthy)  # before the retry: no start tried
+        assert mgr.status()[0].last_error == failed
+        assert row()[3] == f"DOWN: {failed}"
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_a_gpu_flapping_under_a_daemon_that_cannot_start_backs_its_starts_off(
     root: Path,
 ) -> None:
