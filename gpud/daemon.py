@@ -1057,6 +1057,7 @@ class Daemon:
             build=self.build,
             reload=self._reload_status(),
             state_files=self._state_files(),
+            watchdog_warning=self.watchdog_warning() or "",
         )
 
     def _state_files(self) -> StateFiles:

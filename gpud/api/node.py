@@ -166,6 +166,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             uptime_seconds=max(0.0, now - info.started_monotonic),
             gpu_count=info.gpu_count,
             simulated=info.simulated,
+            watchdog_warning=info.watchdog_warning,
         )
         if info.reload is not None:
             resp.config.CopyFrom(_config_status(info.reload, now))

@@ -39,6 +39,9 @@ class NodeInfo:
     build: str = ""  # the code's digest (gpud.build.current()), computed at start
     reload: ReloadState | None = None  # the config file's reloads; None: not reloadable
     state_files: StateFiles | None = None  # what gpud cannot write; None: not known
+    # why systemd may kill gpud while its loop still moves (gpud.daemon.config_watchdog_warning
+    # of the running config); "" when the gap fits or systemd does not watch gpud
+    watchdog_warning: str = ""
 
 
 @dataclass(frozen=True, slots=True)

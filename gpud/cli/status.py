@@ -55,6 +55,8 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(line)
     for line in _config_problems(resp.config):
         ctx.out.print(line)
+    if resp.watchdog_warning:  # "" from an older gpud, and while the gap fits
+        ctx.out.print(f"config: WARNING: {resp.watchdog_warning}")
     for line in _state_files_problems(resp.state_files):
         ctx.out.print(line)
     return 0

@@ -222,6 +222,9 @@ class _Device:
     # (``mps.start_skipped``) when the skip begins, not on every pass while it lasts
     skipped: str = ""
     skipped_at: float = 0.0  # when the skip began (the manager's clock)
+    # what ``last_error`` said as the skip began (a failed start's error): the skip's wait
+    # stands in for it while it lasts, and it is said again after, while its starts back off
+    before_skip: str = ""
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
@@ -1384,10 +1387,11 @@ class MpsManager:
         healthy (after ``gpuctl xid clear``, or once it answers again) starts it, or, where
         its starts were failing before, once their back-off allows (:meth:`_end_skip`)."""
         dev.up = False
-        dev.last_error = _unhealthy_wait(target)
         if dev.skipped:
+            dev.last_error = _unhealthy_wait(target)
             dev.skipped = target.gpu_unhealthy
             return
+        dev.before_skip, dev.last_error = dev.last_error, _unhealthy_wait(target)
         # read before the skip is recorded, and never raising: the skip is said whatever
         # the jobs' reservations hold
         jobs = self._holding_jobs(target)
@@ -1434,15 +1438,18 @@ class MpsManager:
         time comes, with its back-off growing and ``mps.start_failed`` not said again, however
         often its GPU flaps. Only a skip that outlasted ``backoff_max_s`` starts afresh, as
         after a stop: the first start after it that fails is ``mps.start_failed`` anew (what
-        was said before a long outage is not taken to cover it), retried in 1 s."""
+        was said before a long outage is not taken to cover it), retried in 1 s. While they
+        back off, the status says the failed start's error again, as before the skip (a
+        short skip does not leave a device that cannot start ``DOWN`` with no reason)."""
         if not dev.skipped:
             return
         dev.skipped = ""
-        if dev.last_error == _unhealthy_wait(target):
-            dev.last_error = ""
+        before, dev.before_skip = dev.before_skip, ""
         if self._clock() - dev.skipped_at >= self._backoff_max_s:
             dev.next_start_at = 0.0
             dev.failures = 0
+        if dev.last_error == _unhealthy_wait(target):
+            dev.last_error = before if dev.failures else ""
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started

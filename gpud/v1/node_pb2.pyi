@@ -109,6 +109,7 @@ class GetStatusResponse(_message.Message):
     TRAFFIC_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     STATE_FILES_FIELD_NUMBER: _builtins.int
+    WATCHDOG_WARNING_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpud's version"""
     hostname: _builtins.str
@@ -128,6 +129,12 @@ class GetStatusResponse(_message.Message):
     build: _builtins.str
     """digest of the code gpud runs (gpud.build), computed at its start; "" from a gpud
     older than the field
+    """
+    watchdog_warning: _builtins.str
+    """why systemd may kill gpud while it still works: its config lets a loop pass go longer
+    without feeding the watchdog than the unit's WatchdogSec= less its margin (the keys
+    that make the gap, and the WatchdogSec= that fits); "" when it fits, when systemd does
+    not watch gpud, or from a gpud older than the field
     """
     @_builtins.property
     def unhealthy_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -167,10 +174,11 @@ class GetStatusResponse(_message.Message):
         traffic: Global___TrafficStatus | None = ...,
         config: Global___ConfigStatus | None = ...,
         state_files: Global___StateFilesStatus | None = ...,
+        watchdog_warning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "config", b"config", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "state_files", b"state_files", "traffic", b"traffic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "config", b"config", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "state_files", b"state_files", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "config", b"config", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "state_files", b"state_files", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version", "watchdog_warning", b"watchdog_warning"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_sample_age_seconds: _TypeAlias = _typing.Literal["last_sample_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_sample_age_seconds: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds"]  # noqa: Y015

@@ -124,9 +124,10 @@ def node_info(
     build: str = "",
     reload: ReloadState | None = None,
     state_files: StateFiles | None = None,
+    watchdog_warning: str = "",
 ) -> NodeInfo:
     """``build`` "": a gpud older than the field, which sends none; so is ``state_files``
-    None."""
+    None, and ``watchdog_warning`` "" (or a config whose gap fits)."""
     return NodeInfo(
         backend="sim" if simulated else "nvml",
         driver_version="550.54.15",
@@ -137,6 +138,7 @@ def node_info(
         build=build,
         reload=reload,
         state_files=state_files,
+        watchdog_warning=watchdog_warning,
     )
 
 
@@ -209,13 +211,18 @@ def make_servicer(
     traffic: TrafficSummary | None = None,
     reload: ReloadState | None = None,
     state_files: StateFiles | None = None,
+    watchdog_warning: str = "",
     **options: Any,
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
         snapshots=snapshot or (lambda: snap),
         node_info=lambda: node_info(
-            simulated=faults is not None, build=build, reload=reload, state_files=state_files
+            simulated=faults is not None,
+            build=build,
+            reload=reload,
+            state_files=state_files,
+            watchdog_warning=watchdog_warning,
         ),
         events=events if events is not None else make_events(),
         faults=faults,

@@ -2149,6 +2149,32 @@ def test_a_reload_that_pushes_the_watchdog_gap_past_watchdog_sec_says_so(
         _close(d)
 
 
+def test_the_status_call_carries_the_watchdog_gap_warning_while_the_config_makes_one(
+    root: Path,
+) -> None:
+    """``gpuctl status`` is the operator's first look: the status call says what start and
+    a reload log of a gap past ``WatchdogSec``, for as long as the running config makes
+    it, and nothing once a reload fits it again."""
+    watchdog_s = _unit_watchdog_s()
+    fits = make_config(root)
+    late = make_config(root, **{"daemon.tick_s": 60.0, "telemetry.interval_s": 2.0})
+    d = build(fits, reload_to=[late, fits], notifier=Feeds(watchdog_s, time.monotonic))
+
+    def status() -> node_pb2.GetStatusResponse:
+        return asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+
+    try:
+        assert status().watchdog_warning == ""
+        d.reload()
+        warning = d.watchdog_warning()
+        assert warning is not None and "daemon.tick_s (60 s)" in warning
+        assert status().watchdog_warning == warning
+        d.reload()
+        assert status().watchdog_warning == ""
+    finally:
+        _close(d)
+
+
 def test_a_mig_apply_s_busy_check_while_another_process_holds_the_state_lock_reads_the_gpus(
     root: Path,
 ) -> None:

@@ -351,6 +351,42 @@ def test_status_from_a_gpud_without_state_files_in_it_has_no_state_files_line(
     assert code == 0 and "state files" not in out and "cannot be written" not in out
 
 
+WATCHDOG_WARNING = (
+    "a loop pass held up by a GPU that stopped answering, hung helpers and another process's"
+    " lock on the state database can go 93.0 s without feeding the systemd watchdog"
+    " (WatchdogSec=90s, less a 2 s margin): systemd may kill gpud while it still works."
+    " Give the unit WatchdogSec=95s or more"
+)
+
+
+def test_status_warns_of_a_config_whose_loop_pass_can_outlast_the_watchdog(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """The warning gpud logs at start and at a reload is the operator's first look too:
+    one line after the rows, and ``--json``'s ``watchdog_warning``."""
+    servicer = make_servicer(reload=ReloadState(), watchdog_warning=WATCHDOG_WARNING)
+    said = status_showing(
+        capsys,
+        sock_dir,
+        servicer,
+        [
+            "config:      as loaded at start (no reload since)",
+            f"config: WARNING: {WATCHDOG_WARNING}",
+        ],
+    )
+    assert said["watchdog_warning"] == WATCHDOG_WARNING
+
+
+def test_status_from_a_gpud_without_a_watchdog_warning_has_no_warning_line(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    """A gpud older than the field sends none, as does one whose gap fits."""
+    code, out, _ = run(capsys, "--socket", sim_socket, "status")
+    assert code == 0 and "WARNING" not in out
+    code, out, _ = run(capsys, "--socket", sim_socket, "--json", "status")
+    assert code == 0 and json.loads(out)["watchdog_warning"] == ""
+
+
 def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(
     capsys: pytest.CaptureFixture[str], sim_socket: str
 ) -> None:

@@ -342,6 +342,20 @@ def test_a_wait_for_an_unhealthy_gpu_ends_once_the_daemon_is_off_or_the_gpu_is_h
     assert gpu_1().up and gpu_1().last_error == ""
 
 
+HEALTHY_0 = snapshot(gpu_sample(0))
+SICK_0 = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+
+
+def _cannot_start(root: Path, now: list[float]) -> tuple[MpsManager, StateStore, EventLog]:
+    """A manager of GPU 0 on clock ``now[0]`` whose control binary does not exist: each
+    start fails, backing off from 1 s to 60 s."""
+    mgr, store, events = make_manager(
+        root, clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
+    )
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    return mgr, store, events
+
+
 def test_a_start_that_failed_before_a_long_outage_of_its_gpu_fails_anew_after(
     root: Path,
 ) -> None:
@@ -349,20 +363,45 @@ def test_a_start_that_failed_before_a_long_outage_of_its_gpu_fails_anew_after(
     is healthy again that fails is said (``mps.start_failed``), retried in 1 s, not left to
     an event from before the outage."""
     now = [100.0]
-    mgr, store, events = make_manager(
-        root, clock=lambda: now[0], sleep=lambda s: None, backoff_max_s=60.0
-    )
-    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
-    healthy = snapshot(gpu_sample(0))
-    sick = snapshot(gpu_sample(0)._replace(healthy=False, reason="XID 79"))
+    mgr, store, events = _cannot_start(root, now)
     try:
-        mgr.reconcile(healthy)
-        mgr.reconcile(sick)
+        mgr.reconcile(HEALTHY_0)
+        mgr.reconcile(SICK_0)
         now[0] += 60.0
-        mgr.reconcile(sick)
-        mgr.reconcile(healthy)
+        mgr.reconcile(SICK_0)
+        mgr.reconcile(HEALTHY_0)
         failed = events.recent(kind_prefix="mps.start_failed")
         assert [e.fields["retry_in_s"] for e in failed] == [1.0, 1.0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_start_error_is_said_again_after_a_short_skip_while_its_starts_back_off(
+    root: Path,
+) -> None:
+    """A control binary that does not run, then its GPU unhealthy for one pass: the skip's
+    wait stands in for the start's error while it lasts; healthy again before the back-off
+    ends, the row says why the daemon is down (the failed start), not a bare ``DOWN``."""
+    now = [100.0]
+    mgr, store, _ = _cannot_start(root, now)
+
+    def row() -> tuple[str, ...]:
+        (status,) = mgr.status()
+        return device_row(device_message(status, None))
+
+    try:
+        mgr.reconcile(HEALTHY_0)  # fails: retried in 1 s
+        (status,) = mgr.status()
+        failed = status.last_error
+        assert "/nonexistent/nvidia-cuda-mps-control" in failed, failed
+        now[0] += 0.25
+        mgr.reconcile(SICK_0)
+        assert row()[3] == "DOWN: not started while GPU 0 is unhealthy"
+        now[0] += 0.25
+        mgr.reconcile(HEALTHY_0)  # before the retry: no start tried
+        assert mgr.status()[0].last_error == failed
+        assert row()[3] == f"DOWN: {failed}"
     finally:
         mgr.stop()
         store.close()
