@@ -225,6 +225,14 @@ class _Device:
     # what ``last_error`` said as the skip began (a failed start's error): the skip's wait
     # stands in for it while it lasts, and it is said again after, while its starts back off
     before_skip: str = ""
+    # when the last skip ended, its GPU healthy again, since one was said
+    # (``mps.start_skipped``; None: the next skip is said): a GPU that flaps is one outage,
+    # said once, as its start failures are kept across a short skip
+    # (:meth:`MpsManager._skip_start`)
+    skip_said_till: float | None = None
+    # its last daemon was killed by gpud for not answering (``mps.unresponsive``), not one
+    # that exited: a restart passed over for its GPU's health says so
+    killed_unanswering: bool = False
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
@@ -1302,6 +1310,7 @@ class MpsManager:
             self._end_skip(target, dev)
         if desired is not None and not desired.enabled:
             self._end_skip(target, dev)  # an off daemon waits for nothing
+            dev.skip_said_till = None  # the operator turned it off: a later skip is news
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1358,6 +1367,7 @@ class MpsManager:
             return
         if not dev.started:
             dev.started = True
+            dev.skip_said_till, dev.killed_unanswering = None, False
             pid = dev.daemon.pid()
             if pid is not None:
                 # one started by an earlier gpud version, or by a gpud killed before it
@@ -1382,8 +1392,11 @@ class MpsManager:
         ...): the jobs service places no job there, and a new daemon would only open the
         faulty GPU. The status says why (``last_error``); ``mps.start_skipped`` says so once
         as the skip begins, naming the jobs reserving the device (their clients find no
-        daemon until then). One already running is never stopped for it (its clients may
-        be draining): this is reached only when none runs. The next pass that sees the GPU
+        daemon until then). A GPU that flaps is one outage: a skip that begins less than
+        ``backoff_max_s`` after the last one ended (said or not) is not said again, unless
+        a daemon of the device started or was adopted, or the device was disabled, since
+        the last said. One already running is never stopped for it (its clients may be
+        draining): this is reached only when none runs. The next pass that sees the GPU
         healthy (after ``gpuctl xid clear``, or once it answers again) starts it, or, where
         its starts were failing before, once their back-off allows (:meth:`_end_skip`)."""
         dev.up = False
@@ -1392,12 +1405,22 @@ class MpsManager:
             dev.skipped = target.gpu_unhealthy
             return
         dev.before_skip, dev.last_error = dev.last_error, _unhealthy_wait(target)
+        said_till = dev.skip_said_till
+        if said_till is not None and self._clock() - said_till < self._backoff_max_s:
+            dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
+            return
         # read before the skip is recorded, and never raising: the skip is said whatever
         # the jobs' reservations hold
         jobs = self._holding_jobs(target)
         dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
         # one that ran before (it exited, or was killed for not answering) is not restarted
-        ran = dev.started
+        ran = (
+            "was killed for not answering and is not restarted"
+            if dev.killed_unanswering
+            else "exited and is not restarted"
+            if dev.started
+            else "is not started"
+        )
         # a `gpuctl run` reserving the device is not told otherwise that its daemon is gone
         lose = (
             f"; job {jobs[0]} loses MPS until then"
@@ -1407,9 +1430,8 @@ class MpsManager:
         self._events.emit(
             "mps.start_skipped",
             f"the MPS control daemon of {_label(target)} ({target.uuid})"
-            f" {'exited and is not restarted' if ran else 'is not started'} while GPU"
-            f" {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts once the GPU is"
-            f" healthy again{lose if jobs else ''}",
+            f" {ran} while GPU {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts"
+            f" once the GPU is healthy again{lose if jobs else ''}",
             **_where(target),
             reason=target.gpu_unhealthy,
             jobs=list(jobs),
@@ -1433,7 +1455,8 @@ class MpsManager:
 
     def _end_skip(self, target: MpsTarget, dev: _Device) -> None:
         """A device passed over for its GPU's health (:meth:`_skip_start`) no longer is: its
-        status stops saying so, and a later skip is said anew. Its start failures are kept:
+        status stops saying so; a later skip is said anew once this one ended
+        ``backoff_max_s`` before it (:meth:`_skip_start`). Its start failures are kept:
         a start that was backing off (a control binary that does not run) resumes when its
         time comes, with its back-off growing and ``mps.start_failed`` not said again, however
         often its GPU flaps. Only a skip that outlasted ``backoff_max_s`` starts afresh, as
@@ -1444,6 +1467,7 @@ class MpsManager:
         if not dev.skipped:
             return
         dev.skipped = ""
+        dev.skip_said_till = self._clock()
         before, dev.before_skip = dev.before_skip, ""
         if self._clock() - dev.skipped_at >= self._backoff_max_s:
             dev.next_start_at = 0.0
@@ -1476,6 +1500,7 @@ class MpsManager:
             self._kill(dev, "a new one is started once it has gone")
             return
         dev.started = True
+        dev.skip_said_till, dev.killed_unanswering = None, False
         self._record(target.uuid, pid)
         with self._lock:  # one that would not stop before is gone: a new one is said anew
             self._stop_tries.pop(target.uuid, None)
@@ -1565,20 +1590,26 @@ class MpsManager:
                     error=str(err),
                 )
             if dev.failures >= self._max_failures:
-                # while its limits wait to be moved no new one starts: not said as a restart
-                then, said = (
-                    ("it is restarted once it has gone", "killing it to restart")
-                    if desired is not None
-                    else (
+                # while its limits wait to be moved no new one starts: not said as a restart;
+                # nor on an unhealthy GPU, till it is healthy (_skip_start)
+                if desired is None:
+                    then, said = (
                         "a new one starts once its limits are moved",
                         f"killing it; {_LIMITS_WAIT}, and a new one starts once they are",
                     )
-                )
+                elif target.gpu_unhealthy:
+                    then, said = (
+                        f"it is restarted once it has gone and GPU {target.gpu} is healthy",
+                        f"killing it; it is restarted once GPU {target.gpu} is healthy",
+                    )
+                else:
+                    then, said = "it is restarted once it has gone", "killing it to restart"
                 self._events.emit(
                     "mps.unresponsive",
                     f"{name} failed {dev.failures} health checks; {said}",
                     **_where(target),
                 )
+                dev.killed_unanswering = True
                 self._kill(dev, then)
                 dev.failures = 0
             return
@@ -1727,6 +1758,7 @@ class MpsManager:
             dev.up = False
             dev.killing = ""
             dev.started = False
+            dev.killed_unanswering = False
             # a stop that went as planned ends the daemon's run of failed checks: the next
             # start is a first start, said if it fails and backed off from the shortest delay
             dev.failures = 0

@@ -413,7 +413,7 @@ def test_a_gpu_flapping_under_a_daemon_that_cannot_start_backs_its_starts_off(
     """A GPU unhealthy every other pass, under a control binary that does not start: the
     failure is said once (``mps.start_failed``), and the starts keep backing off (1 s,
     2 s, 4 s, ...), as without the flapping, rather than one start and one alert per
-    flap."""
+    flap; the skip is said once too (``mps.start_skipped``): one outage."""
     tries = root / "tries"
     wrapper = control_wrapper(root, f'[ "$1" = -d ] && echo >> {shlex.quote(str(tries))} && exit 1')
     now = [0.0]
@@ -437,7 +437,72 @@ def test_a_gpu_flapping_under_a_daemon_that_cannot_start_backs_its_starts_off(
         assert tried_at == [0.0, 2.0, 4.0, 8.0, 16.0]
         (failed,) = events.recent(kind_prefix="mps.start_failed")
         assert failed.fields["retry_in_s"] == 1.0
-        assert len(events.recent(kind_prefix="mps.start_skipped")) == 15  # one per skip
+        assert len(events.recent(kind_prefix="mps.start_skipped")) == 1
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_mig_devices_of_a_flapping_gpu_say_their_skip_once_each(root: Path) -> None:
+    """Seven MIG devices on a GPU unhealthy every other pass, none of which can start:
+    each says its skip once, not once per flap."""
+    now = [0.0]
+    mgr, store, events = _cannot_start(root, now)
+    migs = tuple(("1g.10gb", 10) for _ in range(7))
+    healthy = snapshot(gpu_sample(0, migs=migs))
+    sick = snapshot(gpu_sample(0, migs=migs)._replace(healthy=False, reason="XID 79"))
+    try:
+        for step in range(30):
+            now[0] = float(step)
+            mgr.reconcile(sick if step % 2 else healthy)
+        said = events.recent(kind_prefix="mps.start_skipped")
+        assert sorted(e.fields["mig"] for e in said) == list(range(7))
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skip_is_said_again_once_its_gpu_was_healthy_longer_than_the_longest_back_off(
+    root: Path,
+) -> None:
+    """A skip that begins within ``backoff_max_s`` (60 s) of the last one's end is the same
+    outage, not said again; one after a longer healthy stretch is a new one, said."""
+    now = [100.0]
+    mgr, store, events = _cannot_start(root, now)
+    try:
+        mgr.reconcile(HEALTHY_0)
+        mgr.reconcile(SICK_0)  # said
+        now[0] += 1.0
+        mgr.reconcile(HEALTHY_0)
+        now[0] += 59.0
+        mgr.reconcile(SICK_0)  # 59 s after: the same outage
+        now[0] += 1.0
+        mgr.reconcile(HEALTHY_0)
+        now[0] += 60.0
+        mgr.reconcile(SICK_0)  # 60 s after: a new one
+        said = events.recent(kind_prefix="mps.start_skipped")
+        assert [e.fields["gpu"] for e in said] == [0, 0]
+        assert mgr.status()[0].last_error == "not started while GPU 0 is unhealthy"
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_skip_after_a_daemon_started_is_said_however_soon(root: Path) -> None:
+    """A daemon that started between two skips ends the outage: the next skip, however soon,
+    is said, as its daemon then exited."""
+    now = [100.0]
+    mgr, store, events = make_manager(root, clock=lambda: now[0], backoff_max_s=60.0)
+    try:
+        mgr.reconcile(SICK_0)  # said: not started
+        mgr.reconcile(HEALTHY_0)  # started
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile(SICK_0)  # said: exited
+        said = events.recent(kind_prefix="mps.start_skipped")
+        assert ["exited and is not restarted" in e.message for e in said] == [False, True]
     finally:
         mgr.stop()
         store.close()
@@ -840,6 +905,40 @@ def test_a_hung_daemon_is_killed_and_restarted(root: Path) -> None:
         assert status.up and status.pid != pid and status.restarts == 1
         assert held(mgr, gpu_uuid(0))["default_active_thread_percentage"] == 60.0
         assert events.recent(kind_prefix="mps.unresponsive")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_killed_for_not_answering_on_an_unhealthy_gpu_is_said_killed_not_exited(
+    root: Path,
+) -> None:
+    """A daemon that stops answering while its GPU is unhealthy is killed; its restart
+    waits for the GPU, and both events say so: killed for not answering (it did not exit),
+    restarted once the GPU is healthy."""
+    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    try:
+        mgr.reconcile(HEALTHY_0)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile(SICK_0)  # first failed check
+        mgr.reconcile(SICK_0)  # second: killed
+        wait_dead(pid)
+        (killed,) = events.recent(kind_prefix="mps.unresponsive")
+        assert killed.message.endswith(
+            "failed 2 health checks; killing it; it is restarted once GPU 0 is healthy"
+        ), killed.message
+        mgr.reconcile(SICK_0)  # gone: its restart passed over
+        (skipped,) = events.recent(kind_prefix="mps.start_skipped")
+        assert (
+            "was killed for not answering and is not restarted while GPU 0 is unhealthy: XID 79"
+            in skipped.message
+        ), skipped.message
+        assert mgr.status()[0].pid is None
+        mgr.reconcile(HEALTHY_0)
+        status = mgr.status()[0]
+        assert status.up and status.pid not in (None, pid) and status.restarts == 1
     finally:
         mgr.stop()
         store.close()
