@@ -33,16 +33,16 @@ from gpud.cli.context import (
     slo_ms,
 )
 from gpud.cli.output import NA, message_to_dict, seconds
+from gpud.cli.queue import colo_waiter_dict, show_colo
 from gpud.errors import InvalidArgument
 from gpud.shared import (
     MIN_SLO_MS,
-    WAITING_ON_COLOCATION,
     check_owner,
     format_size,
     parse_size,
     user_name,
 )
-from gpud.v1 import colo_pb2, colo_pb2_grpc, mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
+from gpud.v1 import colo_pb2, mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 
@@ -209,7 +209,7 @@ def owner_of(args: argparse.Namespace) -> str:
     return str(args.owner or "") or caller_name()
 
 
-if TYPE_CHECKING:  # named only in annotations: the generated modules load on first use
+if TYPE_CHECKING:  # named only in annotations
     # a `gpuctl run` waiting for a job: in the admission queue, or for co-location beside it
     WaitingRun = queue_pb2.QueueEntry | colo_pb2.ColoWaiter
     W = TypeVar("W", queue_pb2.QueueEntry, colo_pb2.ColoWaiter)
@@ -508,7 +508,7 @@ def run_ls(ctx: Context, args: argparse.Namespace) -> int:
     if args.name:
         request.name = args.name
     resp: pb.ListJobsResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).ListJobs, request)
-    shown = _show_colo(ctx)
+    shown = show_colo(ctx)
     colo = colo_state(shown)
     queued = queued_entries(ctx)
     colo_waiting = _by_job(shown.waiting if shown is not None else ())
@@ -520,10 +520,7 @@ def run_ls(ctx: Context, args: argparse.Namespace) -> int:
             # as gpuctl queue --json lists them (its entries, its colo_waiting): whose runs
             # wait for the job, holder_uid and holder_user
             job["queue_entries"] = [message_to_dict(e) for e in queued.get(name, ())]
-            job["colo_waiting"] = [
-                {**message_to_dict(w), "waiting_on": WAITING_ON_COLOCATION}
-                for w in colo_waiting.get(name, ())
-            ]
+            job["colo_waiting"] = [colo_waiter_dict(w) for w in colo_waiting.get(name, ())]
         ctx.out.print_json(out)
     else:
         rows = []
@@ -563,17 +560,6 @@ def _by_job(waiting: Iterable[W]) -> dict[str, list[W]]:
     for w in waiting:
         out.setdefault(w.job, []).append(w)
     return out
-
-
-def _show_colo(ctx: Context) -> colo_pb2.ShowColoResponse | None:
-    """``gpuctl colo show``'s answer; None when the co-location loop cannot be asked."""
-    try:
-        resp: colo_pb2.ShowColoResponse = ctx.call(
-            ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()
-        )
-    except CliError:
-        return None
-    return resp
 
 
 def colo_state(resp: colo_pb2.ShowColoResponse | None) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from gpud.cli.context import CliError, Context, Subparsers, given
 from gpud.cli.output import message_to_dict, seconds
@@ -135,9 +136,7 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     colo = colo_waiters(ctx)
     if ctx.out.json:
         doc = message_to_dict(resp)
-        doc["colo_waiting"] = [
-            {**message_to_dict(w), "waiting_on": WAITING_ON_COLOCATION} for w in colo
-        ]
+        doc["colo_waiting"] = [colo_waiter_dict(w) for w in colo]
         ctx.out.print_json(doc)
         return 0
     rows = [entry_row(e) for e in resp.entries] + [waiter_row(w) for w in colo]
@@ -160,10 +159,21 @@ def colo_waiters(ctx: Context) -> list[colo_pb2.ColoWaiter]:
     serves them (the order they came). They wait beside the queue, not in it: they have no
     position there, and the queue's order does not hold them. Empty on a gpud whose loop
     does not answer."""
+    resp = show_colo(ctx)
+    return list(resp.waiting) if resp is not None else []
+
+
+def colo_waiter_dict(w: colo_pb2.ColoWaiter) -> dict[str, Any]:
+    """A run waiting for co-location as ``--json`` lists it, beside the queue's entries."""
+    return {**message_to_dict(w), "waiting_on": WAITING_ON_COLOCATION}
+
+
+def show_colo(ctx: Context) -> colo_pb2.ShowColoResponse | None:
+    """``gpuctl colo show``'s answer; None when the co-location loop cannot be asked."""
     try:
         resp: colo_pb2.ShowColoResponse = ctx.call(
             ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()
         )
     except CliError:
-        return []
-    return list(resp.waiting)
+        return None
+    return resp

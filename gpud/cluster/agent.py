@@ -245,10 +245,9 @@ class ClusterAgent:
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
         self._problems = problems
-        # the problem last published (message, kind, mode; "" cleared), the instance it
-        # was keyed by ("": the node's own entry), and when
+        # the problem last published (message, kind, mode; "" cleared; its key:
+        # _key_instance), and when
         self._published: tuple[str, str, str] = ("", "", "")
-        self._published_instance = ""
         self._published_at = 0.0
         self._problem_since = 0.0  # (wall) when last_error took its current text
         self._problem_text = ""
@@ -556,12 +555,8 @@ class ClusterAgent:
             not message or now - self._published_at < problems.REPUBLISH_S
         ):
             return
-        board, was = self._problems, self._published_instance
-        # A gpud the leader refused as a second one under the node's name publishes keyed
-        # by its instance, so that the gpud the leader takes keeps the node's own entry.
-        # Not with leader_key_held: the key's holder may as well be this gpud's own
-        # previous run (killed while it led), which gpud cannot tell from another gpud.
-        instance = self.instance if kind == DUPLICATE_NODE else ""
+        board, was = self._problems, self._key_instance(*self._published[:2])
+        instance = self._key_instance(message, kind)
         try:
             if message and self._published[0] and instance != was:
                 # the entry changes key (refused as a duplicate, or no longer): the one
@@ -579,7 +574,14 @@ class ClusterAgent:
             log.debug("cluster: cannot publish this node's problem: %s", err)
             return
         self._published, self._published_at = (message, kind, mode), now
-        self._published_instance = instance if message else ""
+
+    def _key_instance(self, message: str, kind: str) -> str:
+        """The instance a problem ``message`` of ``kind`` is published under: this gpud's
+        where the leader refused it as a second one under the node's name (the gpud it
+        takes keeps the node's own entry), else none. Not with leader_key_held: the key's
+        holder may as well be this gpud's own previous run (killed while it led), which
+        gpud cannot tell from another gpud."""
+        return self.instance if message and kind == DUPLICATE_NODE else ""
 
     async def close(self) -> None:
         """A clean stop: withdraw this node's published problem at once, so that no node

@@ -218,10 +218,9 @@ class _Device:
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
-    # why its GPU was unhealthy when a start was passed over ("" when none was): said once
-    # (``mps.start_skipped``) when the skip begins, not on every pass while it lasts
-    skipped: str = ""
-    skipped_at: float = 0.0  # when the skip began (the manager's clock)
+    # when a start was last passed over for its GPU's health (the manager's clock; None:
+    # it is not): said once (``mps.start_skipped``) as the skip begins, not on every pass
+    skipped_at: float | None = None
     # what ``last_error`` said as the skip began (a failed start's error): the skip's wait
     # stands in for it while it lasts, and it is said again after, while its starts back off
     before_skip: str = ""
@@ -1304,13 +1303,15 @@ class MpsManager:
             if self.enabled
             else MpsLimits(enabled=False)
         )
-        if dev.skipped and not target.gpu_unhealthy:
+        if not target.gpu_unhealthy:
             # whichever way this pass goes on (disabled, its limits moved, an orphan): the
-            # status no longer says a wait that is over, and a later skip is said anew
+            # status no longer says a wait that is over
             self._end_skip(target, dev)
         if desired is not None and not desired.enabled:
             self._end_skip(target, dev)  # an off daemon waits for nothing
-            dev.skip_said_till = None  # the operator turned it off: a later skip is news
+            # after _end_skip, which dates the outage: the operator turned it off, so a
+            # later skip is news
+            dev.skip_said_till = None
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1400,19 +1401,18 @@ class MpsManager:
         healthy (after ``gpuctl xid clear``, or once it answers again) starts it, or, where
         its starts were failing before, once their back-off allows (:meth:`_end_skip`)."""
         dev.up = False
-        if dev.skipped:
-            dev.last_error = _unhealthy_wait(target)
-            dev.skipped = target.gpu_unhealthy
+        if dev.skipped_at is not None:
+            dev.last_error = mps_unhealthy_wait(target.gpu)
             return
-        dev.before_skip, dev.last_error = dev.last_error, _unhealthy_wait(target)
+        dev.before_skip, dev.last_error = dev.last_error, mps_unhealthy_wait(target.gpu)
         said_till = dev.skip_said_till
         if said_till is not None and self._clock() - said_till < self._backoff_max_s:
-            dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
+            dev.skipped_at = self._clock()
             return
         # read before the skip is recorded, and never raising: the skip is said whatever
         # the jobs' reservations hold
         jobs = self._holding_jobs(target)
-        dev.skipped, dev.skipped_at = target.gpu_unhealthy, self._clock()
+        dev.skipped_at = self._clock()
         # one that ran before (it exited, or was killed for not answering) is not restarted
         ran = (
             "was killed for not answering and is not restarted"
@@ -1464,15 +1464,15 @@ class MpsManager:
         was said before a long outage is not taken to cover it), retried in 1 s. While they
         back off, the status says the failed start's error again, as before the skip (a
         short skip does not leave a device that cannot start ``DOWN`` with no reason)."""
-        if not dev.skipped:
+        if dev.skipped_at is None:
             return
-        dev.skipped = ""
+        skipped_at, dev.skipped_at = dev.skipped_at, None
         dev.skip_said_till = self._clock()
         before, dev.before_skip = dev.before_skip, ""
-        if self._clock() - dev.skipped_at >= self._backoff_max_s:
+        if self._clock() - skipped_at >= self._backoff_max_s:
             dev.next_start_at = 0.0
             dev.failures = 0
-        if dev.last_error == _unhealthy_wait(target):
+        if dev.last_error == mps_unhealthy_wait(target.gpu):
             dev.last_error = before if dev.failures else ""
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
@@ -2191,13 +2191,6 @@ def _limits_wait(why: str) -> str:
 
 # ... as a device's status says it: one line, the same on every pass
 _LIMITS_WAIT = _limits_wait("state database not writable")
-
-
-def _unhealthy_wait(target: MpsTarget) -> str:
-    """Why a device's daemon is not started, as its status says it: the reason itself is
-    the GPU's (``gpuctl mps show`` prints it once per GPU under the table, ``--json`` in
-    ``gpu_unhealthy``)."""
-    return mps_unhealthy_wait(target.gpu)
 
 
 # How a stop event says that the daemon went (its field ``how``).
