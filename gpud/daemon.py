@@ -701,6 +701,7 @@ class Daemon:
         self.pass_stop_wait_s = PASS_STOP_WAIT_S
         self.call_stop_wait_s = CALL_STOP_WAIT_S
         self.mig_stop_wait_s = MIG_STOP_WAIT_S
+        self.close_wait_s = STOP_CLOSE_WAIT_S
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         self._fed = clock()  # the last WATCHDOG=1 (or READY=1)
@@ -1194,11 +1195,12 @@ class Daemon:
             self._notifier.stopping()
             log.info("stopping")
             self._stop.set()
-            stopping_at = time.monotonic()
+            # the daemon's clock (monotonic): the budget's deadline and each wait's share
+            stopping_at = self._clock()
             deadline = stopping_at + self.stop_budget_s
 
             def left(most: float) -> float:
-                return max(0.0, min(most, deadline - time.monotonic()))
+                return max(0.0, min(most, deadline - self._clock()))
 
             # event watchers (gpuctl events --follow) end their streams now, not at the grace
             self.events.close_watchers()
@@ -1252,7 +1254,7 @@ class Daemon:
                     sampler_task, 0.0 if self._stop_now.is_set() else left(5.0)
                 ):
                     sampler_task.cancel()
-            took = time.monotonic() - stopping_at
+            took = self._clock() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
 
             # the lines a writer still holds (the file's disk slow), written before the exit:
@@ -1262,25 +1264,25 @@ class Daemon:
                 self.events.flush(self._close_wait_s() * 0.4)
 
             await self._run_stop(
-                flush, STOP_CLOSE_WAIT_S / 2, "events.flush", cut_s=STOP_CUT_CLOSE_S
+                flush, self.close_wait_s / 2, "events.flush", cut_s=STOP_CUT_CLOSE_S
             )
             # the store waits for its locks half its time (the short one after a second
             # SIGTERM/SIGINT), so that its own warning (a transaction still ran) comes before
             # this wait ends, then SQLite's checkpoint
             await self._run_stop(
                 lambda: self.store.close(wait_s=self._close_wait_s() / 2),
-                STOP_CLOSE_WAIT_S,
+                self.close_wait_s,
                 "store.close",
                 cut_s=STOP_CUT_CLOSE_S,
             )
             await self._run_stop(
-                self.backend.close, STOP_CLOSE_WAIT_S, "backend.close", cut_s=STOP_CUT_CLOSE_S
+                self.backend.close, self.close_wait_s, "backend.close", cut_s=STOP_CUT_CLOSE_S
             )
         return 0
 
     def _close_wait_s(self) -> float:
         """Seconds the stop waits for a close starting now (see :meth:`_run_stop`)."""
-        return STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
+        return STOP_CUT_CLOSE_S if self._stop_now.is_set() else self.close_wait_s
 
     async def _unless_cut(
         self, task: asyncio.Future[Any], timeout_s: float, *, cut: bool = True
@@ -1439,8 +1441,8 @@ class Daemon:
             self.stop_budget_s
             + len(self._shutdown) * STOP_HOOK_FLOOR_S
             + METRICS_POLL_S
-            + STOP_CLOSE_WAIT_S / 2  # the event log's flush
-            + 2 * STOP_CLOSE_WAIT_S
+            + self.close_wait_s / 2  # the event log's flush
+            + 2 * self.close_wait_s
             + EXIT_GRACE_S
         )
 

@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import shutil
 import socket
 import sqlite3
@@ -804,13 +805,23 @@ def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:
 
 def test_a_stop_lets_a_running_mig_apply_end_before_closing_its_store(root: Path) -> None:
     d = build(make_config(root, **{"daemon.tick_s": 0.05}))
-    applying, ended = threading.Event(), threading.Event()
+    applying, ended, waited_for = threading.Event(), threading.Event(), threading.Event()
     seen: list[object] = []
+    wait_idle = d.mig.wait_idle
+
+    def stop_waiting(timeout_s: float) -> bool:
+        if timeout_s > 0:
+            waited_for.set()
+        return wait_idle(timeout_s)
+
+    d.mig.wait_idle = stop_waiting  # type: ignore[method-assign]
 
     def apply() -> None:  # a MIG apply in its last steps when gpud is told to stop
         with d.mig._lock:
             applying.set()
-            time.sleep(1.0)
+            # its last write comes once the stop waits for it (a hang guard: a stop that
+            # does not wait has closed the store meanwhile)
+            waited_for.wait(30)
             try:
                 with d.store.transaction() as conn:
                     seen.append(conn.execute("SELECT 1").fetchone()[0])
@@ -828,7 +839,7 @@ def test_a_stop_lets_a_running_mig_apply_end_before_closing_its_store(root: Path
         assert await asyncio.wait_for(run, timeout=20) == 0
 
     asyncio.run(scenario())
-    assert ended.wait(5)
+    assert ended.wait(30)
     assert seen == [1]
 
 
@@ -838,33 +849,57 @@ def test_a_stop_ends_within_its_budget_when_a_shutdown_hook_hangs(
     """A hung ``nft`` or ``dcb`` under the traffic shutdown: the stop leaves it after what
     is left of the budget, and the store and the driver are still closed before systemd's
     SIGKILL would come."""
-    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    now = [0.0]  # the daemon's clock: moved on only by the hung hook below
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}), clock=lambda: now[0])
     d.stop_budget_s = 1.5
     release = threading.Event()
     later: list[str] = []
+    hung_ended: list[str] = []
+
+    def hung(name: str) -> None:
+        release.wait(60)
+        hung_ended.append(name)
+
+    def hung_past_the_budget() -> None:  # by the time its wait ends, the budget is spent
+        now[0] += d.stop_budget_s
+        hung("hook")
+
     d.on_shutdown(lambda: later.append("ran"))  # runs after the hung one (reverse order)
-    d.on_shutdown(lambda: release.wait(60) and None)
-    d.traffic.shutdown = lambda: release.wait(60) and None  # type: ignore[method-assign]
+    d.on_shutdown(hung_past_the_budget)
+    d.traffic.shutdown = lambda: hung("traffic")  # type: ignore[method-assign]
+    closed: list[str] = []
+    store_close, backend_close = d.store.close, d.backend.close
 
-    async def scenario() -> float:
-        run = asyncio.create_task(d.run())
-        while d.events.recent(1, "daemon.start") == []:
-            await asyncio.sleep(0.05)
-        started = time.monotonic()
+    def close_store(wait_s: float | None = None) -> None:
+        store_close(wait_s=wait_s)
+        closed.append("store")
+
+    def close_backend() -> None:
+        backend_close()
+        closed.append("backend")
+
+    d.store.close = close_store  # type: ignore[method-assign,assignment]
+    d.backend.close = close_backend  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        run = await _started(d)
         d.request_stop()
-        assert await asyncio.wait_for(run, timeout=20) == 0
-        return time.monotonic() - started
+        assert await asyncio.wait_for(run, timeout=20) == 0  # a hang guard
+        assert hung_ended == []  # left to the exit: not waited for to their end
 
-    began = time.monotonic()
     try:
-        took = asyncio.run(scenario())
-        whole = time.monotonic() - began  # asyncio.run waits for its executor's threads
+        asyncio.run(scenario())
+        # asyncio.run waits for its executor's threads: the hooks' are not among them
+        assert hung_ended == []
     finally:
         release.set()
-    assert took < 10 and whole < 20, (took, whole)
+    # the first hung hook what was left of the budget, the traffic's after it its floor
+    given = [float(s) for s in re.findall(r"did not end within the ([0-9.]+) s", caplog.text)]
+    assert given == [d.stop_budget_s, STOP_HOOK_FLOOR_S], caplog.text
     assert later == ["ran"]
-    assert "did not end within" in caplog.text
-    assert d.events.recent(1, "daemon.stop")
+    (stopped,) = d.events.recent(1, "daemon.stop")
+    assert float(stopped.fields["took_s"]) == d.stop_budget_s  # as the daemon's clock says
+    assert closed == ["store", "backend"]
 
 
 def test_a_cluster_round_under_way_at_the_stop_leaves_the_clusters_hook_its_whole_share(
@@ -934,14 +969,12 @@ def test_two_stop_requests_at_once_end_the_clusters_rounds_and_say_no_round_was_
     assert "a cluster round" not in caplog.text
 
 
-async def _ended(
-    run: asyncio.Task[int], since: float, release: threading.Event, *, timeout: float
-) -> float:
-    """Seconds from ``since`` until ``run`` stopped cleanly; then ``release`` the threads the
-    test holds (asyncio.run waits for its executor's threads)."""
+async def _ended(run: asyncio.Task[int], release: threading.Event, *, timeout: float) -> None:
+    """Wait for ``run`` to stop cleanly, then ``release`` the threads the test holds
+    (asyncio.run waits for its executor's threads). They block until released, for longer
+    than ``timeout``, a hang guard: a stop that ends at all did not wait for them."""
     try:
         assert await asyncio.wait_for(run, timeout=timeout) == 0
-        return time.monotonic() - since
     finally:
         release.set()
 
@@ -960,21 +993,17 @@ def test_a_stop_waits_for_an_admission_pass_that_blocks_only_its_share_of_the_bu
         in_pass.set()
         release.wait(60)
 
-    async def scenario() -> float:
-        run = asyncio.create_task(d.run())
-        while d.events.recent(1, "daemon.start") == []:
-            await asyncio.sleep(0.05)
+    async def scenario() -> None:
+        run = await _started(d)
         d.admission.tick = blocked_pass  # type: ignore[method-assign]
         assert await asyncio.to_thread(in_pass.wait, 5)
-        started = time.monotonic()
         d.request_stop()
-        return await _ended(run, started, release, timeout=10)
+        await _ended(run, release, timeout=20)
 
     try:
-        took = asyncio.run(scenario())
+        asyncio.run(scenario())
     finally:
         release.set()
-    assert took < 5, took
     assert "the loop's admission step did not end within 0.5 s" in caplog.text
     assert d.events.recent(1, "daemon.stop")
 
@@ -996,25 +1025,29 @@ def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -
             raise
 
     async def daemon_run() -> int:
-        asyncio.get_running_loop().run_in_executor(None, release.wait)  # the hung call
+        asyncio.get_running_loop().run_in_executor(None, release.wait, 60)  # the hung call
         asyncio.get_running_loop().create_task(forever())  # as asyncio.run, cancelled
         await asyncio.sleep(0.05)
         return 0
 
-    started = time.monotonic()
+    before = set(threading.enumerate())
+
+    def stuck() -> list[threading.Thread]:
+        now = set(threading.enumerate()) - before
+        return [t for t in now if t.name.startswith("gpud-worker")]
+
     try:
         assert serve_until_stopped(daemon_run()) == 0
-        assert time.monotonic() - started < 5
+        assert [t.is_alive() for t in stuck()] == [True]  # left, not waited for
         assert cancelled == [True]
         exits: list[int] = []
         exit_leaving_stuck_threads(0, exit_now=exits.append)
         assert exits == [0]  # a thread is stuck: exit at once
     finally:
         release.set()
-    deadline = time.monotonic() + 5
-    while any(t.is_alive() and t.name.startswith("gpud-worker") for t in threading.enumerate()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    for thread in stuck():
+        thread.join(30)  # a hang guard: released, it ends at once
+    assert stuck() == []
     exits.clear()
     exit_leaving_stuck_threads(3, exit_now=exits.append)
     assert exits == []  # nothing stuck: the ordinary exit
@@ -1472,7 +1505,9 @@ def test_the_sim_state_is_written_again_when_the_socket_cannot_be_bound_again(
     _run_dir_removed(root, then)
 
 
-def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(root: Path) -> None:
+def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``systemctl restart gpud`` during a ``gpuctl mig apply`` whose steps take seconds
     (``gpuctl sim fault slow-mig``): the stop waits for the apply and answers its caller with
     the result, instead of cutting the call off at the API's grace (gpuctl: outcome unknown);
@@ -1482,7 +1517,7 @@ def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(root: Path) 
     assert d.sim is not None
     source = mig_pb2.MigConfigSource(name="all-3g.40gb", text=MIG_LAYOUTS.read_text())
 
-    async def scenario() -> tuple[mig_pb2.ApplyMigResponse, grpc.aio.AioRpcError, float]:
+    async def scenario() -> tuple[mig_pb2.ApplyMigResponse, grpc.aio.AioRpcError]:
         run = asyncio.create_task(d.run())
         for _ in range(400):
             if d.events.recent(1, "daemon.start"):
@@ -1498,21 +1533,22 @@ def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(root: Path) 
                 await asyncio.sleep(0.02)
             assert not apply.done(), await apply
             await asyncio.sleep(0.3)
-            stopped_at = time.monotonic()
             d.request_stop()
             await asyncio.sleep(0.3)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.ApplyMig(mig_pb2.ApplyMigRequest(config=source))
             answer = await apply
         assert await asyncio.wait_for(run, timeout=30) == 0
-        return answer, refused.value, time.monotonic() - stopped_at
+        return answer, refused.value
 
-    answer, refused, took = asyncio.run(scenario())
+    caplog.set_level(logging.WARNING)
+    answer, refused = asyncio.run(scenario())
     assert answer.result == "success", answer
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert (refused.details() or "").startswith("gpud is stopping: ApplyMig was not started")
     assert dict(refused.trailing_metadata() or ())["gpud-exit-code"] == "3"
-    assert took < d.stop_budget_s
+    # answered within the calls' share of the budget: nothing was cut off or left running
+    assert "still ran" not in caplog.text and "still running" not in caplog.text
     event = d.events.recent(kind_prefix="mig.apply")[-1]
     assert event.fields["result"] == "success" and event.fields["client_gone"] is False
 
@@ -1528,13 +1564,26 @@ async def _started(d: Daemon) -> asyncio.Task[int]:
 
 def _stuck_pass_with_a_reserve_behind_it(
     d: Daemon, then: Callable[[Daemon], Awaitable[None]]
-) -> float:
+) -> list[object]:
     """Run ``d``; once its admission step blocks holding the placement lock (as in a driver
     call that hangs) with a ``Reserve`` call waiting for that lock, ask a stop and run
-    ``then``; the stop's own time, as its ``daemon.stop`` event says."""
+    ``then``; how the stop's wait for the calls ended: "cancelled", or whether they were
+    drained. The pass and the call block longer than the stop's hang guard."""
     from gpud.v1 import jobs_pb2, jobs_pb2_grpc
 
     in_pass, release = threading.Event(), threading.Event()
+    waits: list[object] = []
+    drained = d.calls.drained
+
+    async def recorded(timeout_s: float) -> bool:
+        try:
+            waits.append(await drained(timeout_s))
+        except asyncio.CancelledError:
+            waits.append("cancelled")
+            raise
+        return bool(waits[-1])
+
+    d.calls.drained = recorded  # type: ignore[method-assign]
 
     def stuck_pass() -> None:
         with d.jobs.locked():
@@ -1567,8 +1616,8 @@ def _stuck_pass_with_a_reserve_behind_it(
         asyncio.run(scenario())
     finally:
         release.set()
-    (stopped,) = d.events.recent(1, "daemon.stop")
-    return float(stopped.fields["took_s"])
+    assert d.events.recent(1, "daemon.stop")
+    return waits
 
 
 async def _nothing(d: Daemon) -> None:
@@ -1585,8 +1634,8 @@ def test_a_stuck_loop_pass_ends_the_wait_for_the_calls_queued_behind_it(
     d.pass_stop_wait_s = 0.5
     d.call_stop_wait_s = 30.0
     d.stop_budget_s = 60.0
-    took = _stuck_pass_with_a_reserve_behind_it(d, _nothing)
-    assert took < 10, took  # the pass's 0.5 s and the API's grace, not the calls' 30 s
+    # the calls' 30 s: ended with the pass's 0.5 s, not waited to their end
+    assert _stuck_pass_with_a_reserve_behind_it(d, _nothing) == ["cancelled"]
     assert "the loop's admission step did not end within 0.5 s" in caplog.text
     assert "1 call(s) changing the node still ran" in caplog.text
 
@@ -1609,8 +1658,9 @@ def test_a_second_stop_ends_the_wait_for_a_stuck_pass_and_its_calls_at_once(
     d.pass_stop_wait_s = 30.0
     d.call_stop_wait_s = 30.0
     d.stop_budget_s = 60.0
-    took = _stuck_pass_with_a_reserve_behind_it(d, _stop_again)
-    assert took < 10, took
+    # ended by the stop asked again (the pass given up ends the calls' wait, or the cut
+    # does), not waited its 30 s: past the stop's hang guard
+    assert _stuck_pass_with_a_reserve_behind_it(d, _stop_again) in (["cancelled"], [False])
     assert "the loop's admission step still ran at a second stop" in caplog.text
     assert "did not end within" not in caplog.text
     assert "1 call(s) changing the node still ran" in caplog.text
@@ -1624,7 +1674,16 @@ def test_a_second_stop_ends_the_wait_for_a_running_mig_apply(
     d = build(make_config(root, **{"daemon.tick_s": 0.05}))
     d.mig_stop_wait_s = 30.0
     d.stop_budget_s = 60.0
-    applying, release = threading.Event(), threading.Event()
+    applying, release, waiting = threading.Event(), threading.Event(), threading.Event()
+    waits: list[bool] = []
+    wait_idle = d.mig.wait_idle
+
+    def stop_waiting(timeout_s: float) -> bool:
+        waiting.set()
+        waits.append(wait_idle(timeout_s))
+        return waits[-1]
+
+    d.mig.wait_idle = stop_waiting  # type: ignore[method-assign]
 
     def apply() -> None:  # a MIG apply stuck in a driver call
         with d.mig._lock:
@@ -1636,16 +1695,16 @@ def test_a_second_stop_ends_the_wait_for_a_running_mig_apply(
         threading.Thread(target=apply, daemon=True).start()
         assert await asyncio.to_thread(applying.wait, 5)
         d.request_stop()
-        await asyncio.sleep(0.5)
+        assert await asyncio.to_thread(waiting.wait, 20)  # the stop waits for the apply
         d.request_stop()
-        assert await asyncio.wait_for(run, timeout=20) == 0
+        assert await asyncio.wait_for(run, timeout=20) == 0  # a hang guard, below the 30 s
+        assert waits == []  # the stop's wait, left: not waited to its end
 
     try:
         asyncio.run(scenario())
     finally:
         release.set()
-    (stopped,) = d.events.recent(1, "daemon.stop")
-    assert float(stopped.fields["took_s"]) < 10, stopped.fields
+    assert d.events.recent(1, "daemon.stop")
     assert "a MIG apply is still running" in caplog.text
 
 
@@ -1659,7 +1718,9 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
     lock half the short wait it is left, so that its own warning says why it was left."""
     config = make_config(root, **{"daemon.tick_s": 0.05})
     d = build(config)
+    # each hook's share and each close's wait, uncut, far past the stop's hang guard
     d.stop_budget_s = 60.0
+    d.close_wait_s = 600.0
     d.pass_stop_wait_s = 0.2  # the loop's pass waits for the store's lock too
     release = threading.Event()
     hooked: list[str] = []
@@ -1683,7 +1744,7 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
             in_transaction.set()
             release.wait(60)
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         run = await _started(d)
         d.jobs.add(JobSpec(name="kept", kind=JobKind.TRAINING))
         threading.Thread(target=pass_left_running, daemon=True).start()
@@ -1691,17 +1752,16 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
         d.request_stop()
         while not hooked:  # the first hook hangs
             await asyncio.sleep(0.01)
-        cut_at = time.monotonic()
         d.request_stop()
-        return await _ended(run, cut_at, release, timeout=30)
+        await _ended(run, release, timeout=30)
 
     try:
-        took = asyncio.run(scenario())
+        asyncio.run(scenario())
     finally:
         release.set()
-    assert took < 1.5, took
     assert hooked == ["ran", "nvmlShutdown"]
     assert "skipped at a second stop" in caplog.text
+    assert "backend.close was left at a second stop" in caplog.text
     assert "a transaction still ran at the stop; left to the exit" in caplog.text
     assert "store.close was left" not in caplog.text
     again = build(config)
@@ -1740,7 +1800,7 @@ def test_a_store_close_held_up_by_a_pass_left_running_says_why_in_its_own_words(
         threading.Thread(target=pass_left_running, daemon=True).start()
         assert await asyncio.to_thread(in_transaction.wait, 5)
         d.request_stop()
-        await _ended(run, time.monotonic(), release, timeout=30)
+        await _ended(run, release, timeout=30)
 
     try:
         asyncio.run(scenario())
@@ -1759,6 +1819,7 @@ def test_a_second_stop_during_a_close_leaves_it_its_short_wait(
     comes while the stop waits for it: the wait ends 0.1 s later (STOP_CUT_CLOSE_S), not at
     the end of the step's whole time."""
     d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.close_wait_s = 600.0  # the step's whole time: far past the stop's hang guard
     release = threading.Event()
     closing = threading.Event()
 
@@ -1772,19 +1833,17 @@ def test_a_second_stop_during_a_close_leaves_it_its_short_wait(
     else:
         d.events.flush = hung  # type: ignore[method-assign,assignment]
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         run = await _started(d)
         d.request_stop()
         assert await asyncio.to_thread(closing.wait, 20)
-        cut_at = time.monotonic()
         d.request_stop()
-        return await _ended(run, cut_at, release, timeout=30)
+        await _ended(run, release, timeout=30)
 
     try:
-        took = asyncio.run(scenario())
+        asyncio.run(scenario())
     finally:
         release.set()
-    assert took < STOP_CLOSE_WAIT_S / 2, took
     assert f"{step} was left at a second stop (SIGTERM/SIGINT)" in caplog.text
 
 
