@@ -1573,8 +1573,9 @@ class ManualTime:
         async with self._begun:
             self._begun.notify_all()
         change = asyncio.ensure_future(changed.wait())
+        either: set[asyncio.Future[Any]] = {change, passed}
         try:
-            await asyncio.wait({change, passed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             change.cancel()
             self._waits.remove(waiting)
