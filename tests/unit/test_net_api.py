@@ -140,28 +140,30 @@ def test_a_batch_refused_whole_is_counted_and_does_not_block_the_reports_after_i
     assert p.sent == 10 and node.service.accepted_reports == 10
 
 
-def _forked_exit_s(p: Progress) -> float:
-    """Seconds a forked child takes to step, close (what exiting runs) and exit; inf when
-    it hangs (killed after 10 s)."""
+def _forked_exit(p: Progress) -> int | None:
+    """The exit code of a forked child that steps, closes and exits; None when it hangs
+    (killed after 30 s, a hang guard). Its close and flush would wait without end for
+    reports only the parent's thread sends: a child that waits on the parent hangs."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         p.step()  # a worker's copy takes steps and never blocks
-        p.close()
+        p.close(timeout=3600.0)  # what exiting runs, but waiting without end if it waits
         p.flush()  # no timeout: says False (the step is not sent) instead of waiting
         os._exit(0)
     started = time.monotonic()
-    while time.monotonic() - started < 10:
+    while time.monotonic() - started < 30:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return time.monotonic() - started
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    return float("inf")
+    return None
 
 
-def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) -> None:
+def test_a_forked_child_exits_without_waiting_for_the_parent_and_sends_nothing(
+    node: Node, sock: Path
+) -> None:
     # DataLoader workers fork the training process: its Progress copy has no sender thread
     # and the parent's buffer, perhaps its lock held by the parent's sender when it forked.
     p = Progress("train-a", socket=sock, flush_interval_s=60)
@@ -170,7 +172,7 @@ def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) 
         assert p.flush(timeout=10)  # the parent's channel is open
         for _ in range(5):
             p.step()  # buffered, not sent yet
-        assert _forked_exit_s(p) < 0.5
+        assert _forked_exit(p) == 0
         locked, release = threading.Event(), threading.Event()
 
         def hold() -> None:
@@ -182,7 +184,7 @@ def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) 
         holder.start()
         locked.wait(10)
         try:
-            assert _forked_exit_s(p) < 0.5
+            assert _forked_exit(p) == 0
         finally:
             release.set()
             holder.join()
