@@ -453,7 +453,9 @@ def test_a_report_arrives_promptly_once_gpud_restarts(node: Node) -> None:
                 p.step()
                 _first_report_after(node, 0)
             p.step()
-            tries.until(len(tries.pauses) + AWAY_TRIES)
+            away = len(tries.pauses)
+            tries.until(away + AWAY_TRIES)
+            assert set(tries.pauses[away:]) == {0.05}  # each try waited to its deadline
             with _serve(node, path):
                 listening = len(tries.pauses)
                 _first_report_after(node, 1)
