@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gpud.admission.classes import ClassView
@@ -222,6 +222,12 @@ def _wait_s(request: pb.GetEntryRequest, remaining: float | None) -> float:
     return max(0.0, wait)
 
 
+async def wait_for_change(changed: asyncio.Event, timeout: float) -> None:
+    """On the event loop: until ``changed`` is set or ``timeout`` seconds have passed."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(changed.wait(), timeout)
+
+
 class _Changes:
     """When queue entries changed: set from any thread (the service's listener), waited on
     by the GetEntry calls on the event loop. Each change sets the event the waiters hold
@@ -229,7 +235,8 @@ class _Changes:
     entries per change (``queued``): a change wakes every waiter, and each reading the
     whole queue for itself made a change cost O(waiters) reads of O(queue) each."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
         # the read of the queued entries made while this event was current, when it began
@@ -250,7 +257,7 @@ class _Changes:
         ``read`` in a worker thread begun since ``event`` became current and at most
         SHARED_READ_S ago, which the calls asking meanwhile share (one call cancelled
         leaves the read to the others)."""
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         if self._read is None or self._read[0] is not event or now - self._read[1] > SHARED_READ_S:
             future = asyncio.ensure_future(asyncio.to_thread(read))
             # read by whoever waits on it; a failure nobody waits for is not logged as lost
@@ -280,18 +287,24 @@ class QueueServicer(pb_grpc.QueueServicer):
         wall: Callable[[], float] = time.time,
         moved_answer_s: float = MOVED_ANSWER_S,
         tokens: ReportTokens | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[asyncio.Event, float], Awaitable[None]] = wait_for_change,
     ) -> None:
         """``leave_waiter``: takes a ``gpuctl run`` waiting for co-location out of its
         wait by its id (None: no run waits with it), so that `gpuctl queue --leave ID`
         takes out whatever `gpuctl queue` lists; its second argument is the signal that
         stopped the run leaving by itself (LeaveRequest.stopped_by), None for an operator.
-        ``tokens``: who may see a started run's report token (:mod:`gpud.api.access`)."""
+        ``tokens``: who may see a started run's report token (:mod:`gpud.api.access`).
+        ``clock`` (monotonic seconds) and ``wait`` (until the change event is set or a time
+        limit passes) pace the waiting GetEntry calls."""
         self._service = service
         self._tokens = tokens or ReportTokens()
         self._leave_waiter = leave_waiter
         self._wall = wall
         self._moved_answer_s = moved_answer_s
-        self._changes = _Changes()
+        self._clock = clock
+        self._wait = wait
+        self._changes = _Changes(clock)
         if service is not None:  # a test's servicer may be given its service later
             service.add_listener(self.entries_changed)
 
@@ -335,11 +348,10 @@ class QueueServicer(pb_grpc.QueueServicer):
         def get() -> pb.QueueEntry:
             return entry_message(self._service.view(entry_id))
 
-        loop = asyncio.get_running_loop()
         wait = _wait_s(request, context.time_remaining())
         if wait <= 0:
             return await asyncio.to_thread(get)
-        until = loop.time() + wait
+        until = self._clock() + wait
         position: int | None = None
         moved_at: float | None = None
         while True:
@@ -349,7 +361,7 @@ class QueueServicer(pb_grpc.QueueServicer):
                 entry = await asyncio.to_thread(get)
             if position is None:
                 position = entry.position
-            now = loop.time()
+            now = self._clock()
             if entry.state != pb.ENTRY_STATE_QUEUED or now >= until:
                 return entry
             if entry.position != position and moved_at is None:
@@ -359,8 +371,7 @@ class QueueServicer(pb_grpc.QueueServicer):
                 if now >= moved_at + self._moved_answer_s:
                     return entry
                 left = min(left, moved_at + self._moved_answer_s - now)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+            await self._wait(changed, left)
 
     def _queued(self) -> dict[str, pb.QueueEntry]:
         name_of = user_names()

@@ -100,7 +100,8 @@ class Progress:
     iteration time the job has alone on the network, when profiled (gpud learns it
     otherwise). ``token`` defaults to ``$GPUD_REPORT_TOKEN`` (``gpuctl run`` sets it): it
     proves to gpud that the reports come from the job's run. ``active``: whether this one reports; by default unless ``$LOCAL_RANK`` names
-    a rank other than 0.
+    a rank other than 0. ``wait(event, timeout)``: the sender thread's pause before each try,
+    ended early by a flush or close (``threading.Event.wait``); each try is a gRPC call.
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class Progress:
         clock: Callable[[], float] = time.time,
         active: bool | None = None,
         token: str | None = None,
+        wait: Callable[[threading.Event, float], bool] = threading.Event.wait,
     ) -> None:
         name = job or os.environ.get(JOB_VAR, "")
         if not name:
@@ -145,6 +147,7 @@ class Progress:
         self._clock = clock
         self._interval = flush_interval_s
         self._timeout = call_timeout_s
+        self._wait = wait
         self._max_buffer = max_buffer
         # step() appends here (a deque append is atomic); the sender thread drains it.
         self._queue: deque[tuple[int, float]] = deque(maxlen=max_buffer)
@@ -237,7 +240,7 @@ class Progress:
     def _run(self) -> None:
         backoff = self._interval
         while not self._stop.is_set():
-            self._wake.wait(backoff)
+            self._wait(self._wake, backoff)
             self._wake.clear()
             # should this try find gpud away: its outage began here, with these dropped before
             tried, dropped = self._clock(), self.dropped

@@ -1546,53 +1546,80 @@ class Deadline:
         return self._peer
 
 
+class ManualTime:
+    """The waiting GetEntry calls' clock and wait (QueueServicer's ``clock``, ``wait``): time
+    passes only by ``advance``, or, with ``lapse``, each wait's whole limit passes at once;
+    a wait ends when its change event is set or its limit has passed. ``limits``: the time
+    limit of each wait begun."""
+
+    def __init__(self, *, lapse: bool = False) -> None:
+        self.now = 0.0
+        self.limits: list[float] = []
+        self._lapse = lapse
+        self._waits: list[tuple[float, asyncio.Future[None]]] = []
+        self._begun = asyncio.Condition()
+
+    def clock(self) -> float:
+        return self.now
+
+    async def wait(self, changed: asyncio.Event, timeout: float) -> None:
+        self.limits.append(timeout)
+        if self._lapse:
+            self.now += timeout
+            return
+        passed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = (self.now + timeout, passed)
+        self._waits.append(waiting)
+        async with self._begun:
+            self._begun.notify_all()
+        change = asyncio.ensure_future(changed.wait())
+        either: set[asyncio.Future[Any]] = {change, passed}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            self._waits.remove(waiting)
+
+    async def begun(self, n: int) -> None:
+        """Until ``n`` waits have begun in all (a hang guard of 30 s)."""
+        async with self._begun:
+            await asyncio.wait_for(self._begun.wait_for(lambda: len(self.limits) >= n), 30)
+
+    def advance(self, s: float) -> None:
+        self.now += s
+        for until, passed in self._waits:
+            if until <= self.now and not passed.done():
+                passed.set_result(None)
+
+
 def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> None:
     """GetEntry with wait_s holds its answer until the entry starts (here a release, in
-    another thread), not for the whole wait; without wait_s it answers at once."""
+    another thread), not for the whole wait: it answers with no time passed; without wait_s
+    it answers at once."""
     import asyncio
-    import time
 
     from gpud.admission.api import QueueServicer
     from gpud.v1 import queue_pb2
 
-    servicer = QueueServicer(node.admission)
+    clock = ManualTime()
+    servicer = QueueServicer(node.admission, clock=clock.clock, wait=clock.wait)
     a = node.jobs.reserve(whole("a", 2)).reservation
     entry = node.admission.enqueue(whole("b")).entry
-    read = threading.Event()
-    view, queue_views = node.admission.view, node.admission.queue_views
 
-    def view_and_say(entry_id: str) -> Any:
-        try:
-            return view(entry_id)
-        finally:
-            read.set()
-
-    def queue_views_and_say() -> Any:
-        try:
-            return queue_views()
-        finally:
-            read.set()
-
-    node.admission.view = view_and_say  # type: ignore[method-assign]
-    node.admission.queue_views = queue_views_and_say  # type: ignore[method-assign]
-
-    async def scenario() -> tuple[Any, Any, float]:
+    async def scenario() -> tuple[Any, Any]:
         at_once = await servicer.GetEntry(queue_pb2.GetEntryRequest(id=entry.id), Deadline())
-        read.clear()
+        assert clock.limits == []
         asked = queue_pb2.GetEntryRequest(id=entry.id, wait_s=5.0)
         waiting = asyncio.create_task(servicer.GetEntry(asked, Deadline(30.0)))
-        assert await asyncio.to_thread(read.wait, 5)  # it read the entry queued: it waits
-        await asyncio.sleep(0)
+        await clock.begun(1)  # it read the entry queued: it waits
         assert not waiting.done()
-        released = time.monotonic()
         await asyncio.to_thread(node.jobs.release, a.id)
-        answer = await asyncio.wait_for(waiting, 4)
-        return at_once, answer, time.monotonic() - released
+        return at_once, await asyncio.wait_for(waiting, 30)
 
-    at_once, answer, took = asyncio.run(scenario())
+    at_once, answer = asyncio.run(scenario())
     assert at_once.state == queue_pb2.ENTRY_STATE_QUEUED
     assert answer.state == queue_pb2.ENTRY_STATE_STARTED and answer.reservation.id
-    assert took < 1.0
+    assert clock.now == 0.0 and clock.limits == [5.0]  # woken by the start, not its limit
     # the started run's report token: on the socket, not to a read over TCP
     assert answer.env["GPUD_REPORT_TOKEN"]
     over_tcp = asyncio.run(
@@ -1607,10 +1634,11 @@ def test_waiting_get_entries_share_one_read_of_the_queue_per_change(node: Node) 
     take seconds of gpud's CPU per change); each still answers with its own entry."""
     import asyncio
 
-    from gpud.admission.api import QueueServicer
+    from gpud.admission.api import MOVED_ANSWER_S, QueueServicer
     from gpud.v1 import queue_pb2
 
-    servicer = QueueServicer(node.admission)
+    clock = ManualTime()
+    servicer = QueueServicer(node.admission, clock=clock.clock, wait=clock.wait)
     node.jobs.reserve(whole("a", 2))
     ids = [node.admission.enqueue(whole(f"w{i}")).entry.id for i in range(20)]
     reads = []
@@ -1629,10 +1657,14 @@ def test_waiting_get_entries_share_one_read_of_the_queue_per_change(node: Node) 
             )
             for i in ids[1:]
         ]
-        await asyncio.sleep(0.3)
-        assert not any(a.done() for a in asked)
+        await clock.begun(len(asked))
+        assert len(reads) == 1 and not any(a.done() for a in asked)
         await asyncio.to_thread(node.admission.leave, ids[0])
-        return await asyncio.wait_for(asyncio.gather(*asked), 4)
+        # each moved up: they read the change once between them, and answer a moment later
+        await clock.begun(2 * len(asked))
+        assert len(reads) == 2 and not any(a.done() for a in asked)
+        clock.advance(MOVED_ANSWER_S)
+        return await asyncio.wait_for(asyncio.gather(*asked), 30)
 
     answers = asyncio.run(scenario())
     assert [(a.id, a.position) for a in answers] == [(i, n) for n, i in enumerate(ids[1:], 1)]
@@ -1645,62 +1677,64 @@ def test_a_moved_entry_is_answered_once_for_the_moves_of_a_moment(node: Node) ->
     CPUs the started run needed (a hand-over with 200 runs waiting took 0.45 s). A start is
     still answered at once."""
     import asyncio
-    import time
 
     from gpud.admission.api import QueueServicer
     from gpud.v1 import queue_pb2
 
-    servicer = QueueServicer(node.admission, moved_answer_s=0.6)
+    clock = ManualTime()
+    servicer = QueueServicer(node.admission, moved_answer_s=0.5, clock=clock.clock, wait=clock.wait)
     node.jobs.reserve(whole("a", 2))
     ids = [node.admission.enqueue(whole(f"w{i}")).entry.id for i in range(3)]
 
-    async def scenario() -> tuple[Any, float, bool]:
+    async def scenario() -> Any:
         asked = queue_pb2.GetEntryRequest(id=ids[2], wait_s=5.0)
         waiting = asyncio.create_task(servicer.GetEntry(asked, Deadline(30.0)))
-        await asyncio.sleep(0.2)
-        began = time.monotonic()
+        await clock.begun(1)
         await asyncio.to_thread(node.admission.leave, ids[0])
-        await asyncio.sleep(0.2)
-        early = waiting.done()
+        await clock.begun(2)  # moved up to 2: it waits the moment out
+        clock.advance(0.25)
         await asyncio.to_thread(node.admission.leave, ids[1])
-        answer = await asyncio.wait_for(waiting, 4)
-        return answer, time.monotonic() - began, early
+        await clock.begun(3)  # moved up to 1 within the moment: the first move's moment
+        assert not waiting.done()
+        clock.advance(0.25)
+        return await asyncio.wait_for(waiting, 30)
 
-    answer, took, early = asyncio.run(scenario())
-    assert not early
+    answer = asyncio.run(scenario())
     assert answer.state == queue_pb2.ENTRY_STATE_QUEUED and answer.position == 1
-    assert 0.5 <= took < 2.0
+    assert clock.limits == [5.0, 0.5, 0.25] and clock.now == 0.5
 
 
 def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> None:
     """An entry that stays queued is answered after wait_s, capped at 5 s and 0.5 s short
     of the call's deadline; a wait that is not a number of seconds is refused."""
     import asyncio
-    import time
 
     from gpud.admission.api import QueueServicer
     from gpud.v1 import queue_pb2
 
-    servicer = QueueServicer(node.admission)
     node.jobs.reserve(whole("a", 2))
     entry = node.admission.enqueue(whole("b")).entry
 
-    def timed(wait_s: float, remaining: float | None) -> float:
-        started = time.monotonic()
+    def waited(wait_s: float, remaining: float | None) -> list[float]:
+        """The time limits the call waited, each passing whole: nothing changes meanwhile."""
+        clock = ManualTime(lapse=True)
+        servicer = QueueServicer(node.admission, clock=clock.clock, wait=clock.wait)
         answer = asyncio.run(
             servicer.GetEntry(
                 queue_pb2.GetEntryRequest(id=entry.id, wait_s=wait_s), Deadline(remaining)
             )
         )
         assert answer.state == queue_pb2.ENTRY_STATE_QUEUED
-        return time.monotonic() - started
+        assert clock.now == sum(clock.limits)
+        return clock.limits
 
-    assert 0.2 <= timed(0.2, None) < 1.0
-    assert 0.1 <= timed(5.0, 0.6) < 0.9  # 0.5 s short of the deadline
-    assert timed(5.0, 0.3) < 0.5
+    assert waited(0.2, None) == [0.2]
+    assert waited(60.0, None) == [5.0]
+    assert waited(5.0, 0.6) == [pytest.approx(0.1)]  # 0.5 s short of the deadline
+    assert waited(5.0, 0.3) == []
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(InvalidArgument, match="wait_s"):
-            timed(bad, None)
+            waited(bad, None)
 
 
 class WatchedLock:

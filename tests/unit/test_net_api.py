@@ -140,28 +140,30 @@ def test_a_batch_refused_whole_is_counted_and_does_not_block_the_reports_after_i
     assert p.sent == 10 and node.service.accepted_reports == 10
 
 
-def _forked_exit_s(p: Progress) -> float:
-    """Seconds a forked child takes to step, close (what exiting runs) and exit; inf when
-    it hangs (killed after 10 s)."""
+def _forked_exit(p: Progress) -> int | None:
+    """The exit code of a forked child that steps, closes and exits; None when it hangs
+    (killed after 30 s, a hang guard). Its close and flush would wait without end for
+    reports only the parent's thread sends: a child that waits on the parent hangs."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         p.step()  # a worker's copy takes steps and never blocks
-        p.close()
+        p.close(timeout=3600.0)  # what exiting runs, but waiting without end if it waits
         p.flush()  # no timeout: says False (the step is not sent) instead of waiting
         os._exit(0)
     started = time.monotonic()
-    while time.monotonic() - started < 10:
+    while time.monotonic() - started < 30:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return time.monotonic() - started
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    return float("inf")
+    return None
 
 
-def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) -> None:
+def test_a_forked_child_exits_without_waiting_for_the_parent_and_sends_nothing(
+    node: Node, sock: Path
+) -> None:
     # DataLoader workers fork the training process: its Progress copy has no sender thread
     # and the parent's buffer, perhaps its lock held by the parent's sender when it forked.
     p = Progress("train-a", socket=sock, flush_interval_s=60)
@@ -170,7 +172,7 @@ def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) 
         assert p.flush(timeout=10)  # the parent's channel is open
         for _ in range(5):
             p.step()  # buffered, not sent yet
-        assert _forked_exit_s(p) < 0.5
+        assert _forked_exit(p) == 0
         locked, release = threading.Event(), threading.Event()
 
         def hold() -> None:
@@ -182,7 +184,7 @@ def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) 
         holder.start()
         locked.wait(10)
         try:
-            assert _forked_exit_s(p) < 0.5
+            assert _forked_exit(p) == 0
         finally:
             release.set()
             holder.join()
@@ -374,45 +376,90 @@ def _serve(node: Node, path: Path) -> ServerThread:
     return ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register]))
 
 
-def _first_report_after(node: Node, before: int, timeout: float = 10.0) -> float:
-    """Seconds until gpud has accepted more than ``before`` reports (no flush: the sender
-    thread's own pace)."""
-    start = time.monotonic()
+class Tries:
+    """Progress's ``wait``: the sender thread's pauses, one after each try while gpud is away
+    (a report pending), with their time limits."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._said = threading.Condition()
+
+    def wait(self, wake: threading.Event, timeout: float) -> bool:
+        with self._said:
+            self.pauses.append(timeout)
+            self._said.notify_all()
+        return wake.wait(timeout)
+
+    def until(self, n: int) -> int:
+        """Until ``n`` pauses have begun (a hang guard of 60 s); how many have."""
+        with self._said:
+            assert self._said.wait_for(lambda: len(self.pauses) >= n, 60), self.pauses
+            return len(self.pauses)
+
+
+def _first_report_after(node: Node, before: int) -> None:
+    """Until gpud has accepted more than ``before`` reports (no flush: the sender thread's
+    own pace; a hang guard of 30 s)."""
+    guard = time.monotonic() + 30
     while node.service.accepted_reports <= before:
-        assert time.monotonic() - start < timeout, "no report arrived"
+        assert time.monotonic() < guard, "no report arrived"
         time.sleep(0.005)
-    return time.monotonic() - start
+
+
+# the tries while gpud is away: enough for gRPC's reconnect back-off, left to itself, to grow
+# to seconds, several times CALL_S
+AWAY_TRIES = 12
+CALL_S = 0.25
 
 
 def test_a_report_arrives_promptly_once_gpud_starts_after_the_job(node: Node) -> None:
+    """While gpud is away each try waits inside gRPC for the channel, to its deadline: the
+    thread wakes once a call_timeout_s, no busy retries; once gpud listens the report goes
+    out on the try then waiting, or the one after it (gRPC finds the socket a few times a
+    second, not at a back-off grown to seconds)."""
+    tries = Tries()
     with short_dir() as d:
         path = d / "gpud.sock"
-        p = Progress("train-a", socket=path, flush_interval_s=0.05)
+        p = Progress(
+            "train-a", socket=path, flush_interval_s=0.05, call_timeout_s=CALL_S, wait=tries.wait
+        )
         try:
+            began = time.monotonic()
             p.step()
-            # long enough for several failed attempts, and their back-off to grow
-            cpu = time.process_time()
-            time.sleep(3)
-            # waiting for gpud costs the job next to nothing: no busy retries
-            assert time.process_time() - cpu < 0.3
+            tries.until(AWAY_TRIES)
+            away_s = time.monotonic() - began
+            # each try ran to its deadline, so the next one followed it at once
+            assert set(tries.pauses[1:]) == {0.05}
+            assert len(tries.pauses) <= 2 + away_s / CALL_S
             with _serve(node, path):
-                assert _first_report_after(node, 0) < 0.6
+                listening = len(tries.pauses)
+                _first_report_after(node, 0)
+                assert len(tries.pauses) - listening <= 2, tries.pauses
         finally:
             p.close()
 
 
 def test_a_report_arrives_promptly_once_gpud_restarts(node: Node) -> None:
+    """As when gpud starts after the job: the report made while gpud restarted goes out on
+    the try waiting when it listens again, or the one after it."""
+    tries = Tries()
     with short_dir() as d:
         path = d / "gpud.sock"
-        p = Progress("train-a", socket=path, flush_interval_s=0.05)
+        p = Progress(
+            "train-a", socket=path, flush_interval_s=0.05, call_timeout_s=CALL_S, wait=tries.wait
+        )
         try:
             with _serve(node, path):
                 p.step()
                 _first_report_after(node, 0)
             p.step()
-            time.sleep(3)
+            away = len(tries.pauses)
+            tries.until(away + AWAY_TRIES)
+            assert set(tries.pauses[away:]) == {0.05}  # each try waited to its deadline
             with _serve(node, path):
-                assert _first_report_after(node, 1) < 0.6
+                listening = len(tries.pauses)
+                _first_report_after(node, 1)
+                assert len(tries.pauses) - listening <= 2, tries.pauses
         finally:
             p.close()
 
