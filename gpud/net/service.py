@@ -1498,10 +1498,17 @@ class TrafficService:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif unchanged and res.ops:
                 status.repairs += 1
+                # a netdev deleted and created again between two passes (a driver reset,
+                # a runtime re-making it) lost gpud's tree with it: not another tool's change
+                why = (
+                    f"another netdev by that name ({res.replaced}): gpud's tree built on it"
+                    f" again, {len(res.ops)} tc object(s)"
+                    if res.replaced
+                    else f"restored {len(res.ops)} tc object(s) changed outside gpud"
+                )
                 self._events.emit(
                     "net.drift",
-                    f"{iface}: restored {len(res.ops)} tc object(s) changed outside gpud: "
-                    + "; ".join(res.restored or res.ops)[:500],
+                    f"{iface}: {why}: " + "; ".join(res.restored or res.ops)[:500],
                     interface=iface,
                     operations=len(res.ops),
                 )

@@ -287,6 +287,21 @@ def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
     assert "net.drift" in rig.kinds()
 
 
+def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    del rig.tc.states["eth0"]  # eth0 deleted and created again: a bare netdev, no tree
+    rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+    rig.service.tick()
+    (drift,) = [e for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert drift.message.startswith(
+        "eth0: another netdev by that name (ifindex 9, was 4): gpud's tree built on it again,"
+    )
+    assert "changed outside gpud" not in drift.message
+    assert rig.service.view().interfaces[0].enforced
+
+
 def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:
     rig = Rig(tmp_path, sysfs, link_rates=("veth0=400mbit",))
     rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "veth0", "nope0"))
