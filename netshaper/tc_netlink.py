@@ -202,13 +202,16 @@ class InterfaceResult:
     when asked for: a busy tick does not pay for strings nobody reads); ``restored``: for
     drift, what had been changed or removed behind our back and was put back, one line
     each (empty for a plain sync); ``error``: the first failure (the interface is then
-    re-read on the next pass).
+    re-read on the next pass); ``replaced``: "ifindex NEW, was OLD" when the name is
+    another netdev's since the last pass (deleted and created again between two passes),
+    else "".
     """
 
     iface: str
     tc_ops: tuple[TcOp, ...] = ()
     drift: bool = False
     error: TcError | None = None
+    replaced: str = ""
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -632,6 +635,8 @@ class TcNetlink:
         self._ifindex: dict[str, int] = {}
         self._cache: dict[str, InterfaceState] = {}
         self._cache_index: dict[str, int] = {}  # the index each cached state was read on
+        # names found on another netdev than the last pass's, until a pass reports it
+        self._replaced: dict[str, str] = {}
 
     def close(self) -> None:
         self._nl.close()
@@ -701,6 +706,9 @@ class TcNetlink:
             ) from err
         if self._cache.get(iface) is not None and self._cache_index.get(iface) != idx:
             self._cache.pop(iface, None)
+        was = self._cache_index.get(iface)
+        if was is not None and was != idx:
+            self._replaced[iface] = f"ifindex {idx}, was {was}"
         self._cache_index[iface] = idx
         return idx
 
@@ -904,7 +912,9 @@ class TcNetlink:
                 self._cache.pop(iface, None)
                 if failure.errno == errno_mod.ENODEV:
                     self._ifindex.pop(iface, None)
-            results[iface] = InterfaceResult(iface, ops, drift=repair, error=failure)
+            results[iface] = InterfaceResult(
+                iface, ops, drift=repair, error=failure, replaced=self._replaced.pop(iface, "")
+            )
         return SyncResult(results)
 
     @staticmethod

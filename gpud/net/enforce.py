@@ -29,8 +29,9 @@ class CountersLike(Protocol):
 
 class InterfaceResultLike(Protocol):
     """What one pass did on one interface: ``tc_ops`` sent (``ops``: the same as tc
-    arguments), what drift ``restored``, and the interface's ``error`` (None when
-    enforced)."""
+    arguments), what drift ``restored``, the interface's ``error`` (None when enforced),
+    and ``replaced`` ("ifindex NEW, was OLD": the name is another netdev's since the last
+    pass; "" when not)."""
 
     @property
     def tc_ops(self) -> tuple[tcplan.TcOp, ...]: ...
@@ -40,6 +41,9 @@ class InterfaceResultLike(Protocol):
     def restored(self) -> tuple[str, ...]: ...
     @property
     def error(self) -> Exception | None: ...
+
+    @property
+    def replaced(self) -> str: ...
 
 
 class SyncResultLike(Protocol):
@@ -110,6 +114,7 @@ class FakeResult:
     tc_ops: tuple[tcplan.TcOp, ...] = ()
     drift: bool = False
     error: Exception | None = None
+    replaced: str = ""
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -135,13 +140,15 @@ class FakeAdopted:
 class FakeTc:
     """An in-memory :class:`TcPort` over :func:`netshaper.tcplan.diff`: ``states`` is what
     the "kernel" holds per interface (tests edit it to simulate drift); ``missing``
-    interfaces fail like a missing netdev; ``sent`` sets a class's counters."""
+    interfaces fail like a missing netdev; ``sent`` sets a class's counters; ``replaced``
+    names an interface deleted and created again since the last pass (its ifindexes)."""
 
     states: dict[str, tcplan.InterfaceState] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
     sent: dict[tuple[str, int], FakeCounters] = field(default_factory=dict)
     restored_ifaces: list[str] = field(default_factory=list)
     restored_to: dict[str, tcplan.RootQdisc | None] = field(default_factory=dict)
+    replaced: dict[str, str] = field(default_factory=dict)
 
     def _state(self, iface: str) -> tcplan.InterfaceState:
         if iface in self.missing:
@@ -170,7 +177,9 @@ class FakeTc:
                 continue
             ops = tcplan.diff(state, want)
             self.states[want.iface] = tcplan.state_after(want)
-            out[want.iface] = FakeResult(want.iface, ops, drift)
+            out[want.iface] = FakeResult(
+                want.iface, ops, drift, replaced=self.replaced.pop(want.iface, "")
+            )
         return FakeSync(out)
 
     def sync(self, plan: tcplan.TcPlan) -> FakeSync:

@@ -279,15 +279,36 @@ ActiveSource = Callable[[], set[str]]
 """Jobs that hold a reservation now."""
 LinkSpeed = Callable[[str], tuple[int | None, str]]
 """An interface's speed in Mb/s (None: unknown), and what gave it (for messages); raises
-NotFound when there is no such interface."""
+NotFound when there is no such interface, LinkDown when it has no speed because its link
+is down."""
 
 
-def ethtool_speed(iface: str) -> tuple[int | None, str]:
+class LinkDown(FailedPrecondition):
+    """The interface is there, its link down (no carrier): the kernel gives it no speed
+    until it is up again."""
+
+
+def ethtool_speed(
+    iface: str,
+    *,
+    speed: Callable[[str], int | None] = link_speed_mbps,
+    running: Callable[[str], bool | None] = link_running,
+) -> tuple[int | None, str]:
     """The link's speed as gpud's own network namespace sees it: /sys may be another
-    namespace's (gpud started under ``nsenter --net=``), where the name is another link."""
-    mbit = link_speed_mbps(iface)
-    if mbit is None and link_running(iface) is None:
-        raise NotFound(f"{iface}: no such network interface")
+    namespace's (gpud started under ``nsenter --net=``), where the name is another link.
+    A NIC without carrier reports SPEED_UNKNOWN to ``SIOCETHTOOL`` and no IFF_RUNNING."""
+    mbit = speed(iface)
+    if mbit is None:
+        up = running(iface)
+        if up is None:
+            raise NotFound(f"{iface}: no such network interface")
+        if not up:
+            # a NIC whose cable or switch port is down at start: its speed comes with the
+            # link, so the operator waits for it rather than pinning a rate in the config
+            raise LinkDown(
+                f"{iface}: link down (no carrier), so no speed to shape to: enforced once"
+                " it is up (or set traffic.link_rates)"
+            )
     return mbit, "ethtool"
 
 
@@ -1317,7 +1338,7 @@ class TrafficService:
         held = self._link_bps.get(iface)
         try:
             mbit, speed = self._link_speed(iface)
-        except NotFound:
+        except (NotFound, LinkDown):
             if held is None:
                 raise
             mbit, speed = None, ""
@@ -1477,10 +1498,17 @@ class TrafficService:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif unchanged and res.ops:
                 status.repairs += 1
+                # a netdev deleted and created again between two passes (a driver reset,
+                # a runtime re-making it) lost gpud's tree with it: not another tool's change
+                why = (
+                    f"another netdev by that name ({res.replaced}): gpud's tree built on it"
+                    f" again, {len(res.ops)} tc object(s)"
+                    if res.replaced
+                    else f"restored {len(res.ops)} tc object(s) changed outside gpud"
+                )
                 self._events.emit(
                     "net.drift",
-                    f"{iface}: restored {len(res.ops)} tc object(s) changed outside gpud: "
-                    + "; ".join(res.restored or res.ops)[:500],
+                    f"{iface}: {why}: " + "; ".join(res.restored or res.ops)[:500],
                     interface=iface,
                     operations=len(res.ops),
                 )

@@ -554,6 +554,33 @@ def test_a_broken_interface_and_a_changed_leaf_qdisc_are_one_event_each(bed: Bed
     assert str(back["message"]).startswith("a0: enforced again (was: ")
 
 
+def test_a_netdev_made_again_between_two_passes_is_named_as_a_new_netdev(bed: Bed) -> None:
+    """a0 deleted and created again while no pass runs (gpud held with SIGSTOP, as a pass
+    would be by a driver reset that is quicker than a tick): the tree is built on the new
+    netdev, and the event says that it is another netdev, not that a tool changed tc."""
+    daemon = bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    leaf = bed.leaf("keep")
+    old = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        run("ip", "-n", bed.snd, "link", "del", "a0")
+        bed.veth("a0", "b0")
+        run("ip", "-n", bed.snd, "link", "set", "a0", "up")
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    new = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
+    bed.wait("the tree on the new a0", lambda: leaf in bed.classes(), timeout=10)
+    bed.wait("the event", lambda: bool(_events(bed, "net.drift")), timeout=10)
+    (drift,) = _events(bed, "net.drift")
+    assert str(drift["message"]).startswith(
+        f"a0: another netdev by that name (ifindex {new}, was {old}): gpud's tree built on it"
+    ), drift
+    assert _events(bed, "net.interface_error") == []
+
+
 def test_restore_brings_back_the_root_from_before_gpud_across_a_restart(bed: Bed) -> None:
     run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
     bed.extra = 'shutdown = "restore"\n'

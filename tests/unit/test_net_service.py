@@ -30,7 +30,14 @@ from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, Fak
 from gpud.net.latest import LatestWorker
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.port import JobTraffic, LinkEnforcement, TrafficSummary
-from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
+from gpud.net.service import (
+    RDMA_RECHECK_S,
+    RDMA_RETRY_S,
+    Report,
+    TrafficService,
+    ethtool_speed,
+    job_pool,
+)
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
@@ -72,18 +79,24 @@ def sysfs(tmp_path: Path) -> Path:
 
 
 def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
-    """Link speeds as the fixture's ``class/net/IF/speed`` files give them; an interface
-    without a directory is not there (NotFound, as ``ethtool_speed`` says it)."""
+    """Link speeds as the fixture's ``class/net/IF/speed`` files give them, read by
+    ``ethtool_speed``: an interface without a directory is not there (NotFound), one whose
+    ``carrier`` file says 0 has its link down."""
 
-    def read(iface: str) -> tuple[int | None, str]:
-        if not (sysfs / "class" / "net" / iface).is_dir():
-            raise NotFound(f"{iface}: no such network interface")
+    def speed(iface: str) -> int | None:
         try:
-            return int((sysfs / "class" / "net" / iface / "speed").read_text()), "the fake"
+            return int((sysfs / "class" / "net" / iface / "speed").read_text())
         except (OSError, ValueError):
-            return None, "the fake"
+            return None
 
-    return read
+    def running(iface: str) -> bool | None:
+        link = sysfs / "class" / "net" / iface
+        if not link.is_dir():
+            return None
+        carrier = link / "carrier"
+        return not carrier.exists() or carrier.read_text().strip() != "0"
+
+    return lambda iface: ethtool_speed(iface, speed=speed, running=running)
 
 
 class Rig:
@@ -274,6 +287,21 @@ def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
     assert "net.drift" in rig.kinds()
 
 
+def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    del rig.tc.states["eth0"]  # eth0 deleted and created again: a bare netdev, no tree
+    rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+    rig.service.tick()
+    (drift,) = [e for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert drift.message.startswith(
+        "eth0: another netdev by that name (ifindex 9, was 4): gpud's tree built on it again,"
+    )
+    assert "changed outside gpud" not in drift.message
+    assert rig.service.view().interfaces[0].enforced
+
+
 def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:
     rig = Rig(tmp_path, sysfs, link_rates=("veth0=400mbit",))
     rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "veth0", "nope0"))
@@ -334,6 +362,35 @@ def test_a_link_that_loses_its_speed_keeps_its_last_rate(rig: Rig) -> None:
         if c.classid == tcplan.handle(tcplan.ROOT_MAJOR, tcplan.TOP_MINOR)
     )
     assert top.rate_bps == 100_000_000
+
+
+def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig) -> None:
+    """A NIC without carrier when gpud starts (cable or switch port down) has no speed:
+    that is said, rather than asking for traffic.link_rates, and the link's own speed is
+    taken once it is up."""
+    eth0 = rig.sysfs / "class" / "net" / "eth0"
+    (eth0 / "speed").unlink()
+    (eth0 / "carrier").write_text("0\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced
+    assert status.error == (
+        "eth0: link down (no carrier), so no speed to shape to: enforced once it is up"
+        " (or set traffic.link_rates)"
+    )
+    (broke,) = [e for e in rig.events.recent(100) if e.kind == "net.interface_error"]
+    assert broke.fields["interface"] == "eth0"
+    (eth0 / "carrier").write_text("1\n")
+    (eth0 / "speed").write_text("25000\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 25_000_000_000
+    assert "net.interface" in rig.kinds()
+    (eth0 / "speed").unlink()  # down again: the rate it had holds
+    (eth0 / "carrier").write_text("0\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and not status.error and status.rate_bps == 25_000_000_000
 
 
 def test_sysfs_without_a_speed_asks_for_link_rates(tmp_path: Path, sysfs: Path) -> None:
