@@ -284,8 +284,8 @@ is down."""
 
 
 class LinkDown(FailedPrecondition):
-    """The interface is there, its link down (no carrier): the kernel gives it no speed
-    until it is up again."""
+    """The interface is there, its link down (no carrier, or set down by ``ip link``): the
+    kernel gives it no speed until it is up again."""
 
 
 def ethtool_speed(
@@ -306,8 +306,8 @@ def ethtool_speed(
             # a NIC whose cable or switch port is down at start: its speed comes with the
             # link, so the operator waits for it rather than pinning a rate in the config
             raise LinkDown(
-                f"{iface}: link down (no carrier), so no speed to shape to: enforced once"
-                " it is up (or set traffic.link_rates)"
+                f"{iface}: link down (no carrier, or set down), so no speed to shape to:"
+                " enforced once it is up (or set traffic.link_rates)"
             )
     return mbit, "ethtool"
 

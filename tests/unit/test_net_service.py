@@ -375,7 +375,7 @@ def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig)
     (status,) = rig.service.view().interfaces
     assert not status.enforced
     assert status.error == (
-        "eth0: link down (no carrier), so no speed to shape to: enforced once it is up"
+        "eth0: link down (no carrier, or set down), so no speed to shape to: enforced once it is up"
         " (or set traffic.link_rates)"
     )
     (broke,) = [e for e in rig.events.recent(100) if e.kind == "net.interface_error"]
