@@ -881,6 +881,7 @@ def release_retried(
     told: int | None = None,
     why: CliError | None = None,
     stop: _Stop | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
     RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
@@ -892,7 +893,8 @@ def release_retried(
     Another error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
     answered (its state database cannot be written: disk full) is said as it is, not as a
     gpud that does not answer. ``stop``: set by the signals gpuctl gets (else it sets its
-    own handlers while it waits); set already, it is taken as ``told``."""
+    own handlers while it waits); set already, it is taken as ``told``. ``clock``: what
+    ``first`` was read from, and the wait and ``since_end_s`` are measured by."""
     if told is None and stop is not None and stop.signum is not None:
         told = stop.signum
     answered = why is not None and bool(why.error)
@@ -920,12 +922,12 @@ def release_retried(
         )
         interval = RELEASE_RETRY_S
         while True:
-            left = first + wait_s - time.monotonic()
+            left = first + wait_s - clock()
             if left <= 0 or stopping.wait(min(interval, left)):
                 break
             interval = min(RELEASE_RETRY_MAX_S, interval * 2)
             ctx.close()  # a fresh channel once gpud is back
-            request.since_end_s = time.monotonic() - first
+            request.since_end_s = clock() - first
             try:
                 released: pb.ReleaseResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Release, request)
             except CliError as err:
@@ -940,9 +942,9 @@ def release_retried(
     if stopping.is_set():
         what = f"stopped {told_what}"
     elif answered:
-        what = f"gave up {told_what} after {seconds(time.monotonic() - first)}"
+        what = f"gave up {told_what} after {seconds(clock() - first)}"
     else:
-        what = f"gave up {told_what}: it did not answer for {seconds(time.monotonic() - first)}"
+        what = f"gave up {told_what}: it did not answer for {seconds(clock() - first)}"
     if answered:
         what += f" (it said: {why})"
     _not_told(request, what, answered=answered)
