@@ -2026,10 +2026,12 @@ def test_a_queued_run_whose_gpud_restarts_says_it_is_still_queued(
 
 
 class StaysQueued(LeavesAfterOnePoll):
-    """A queue whose entry stays queued (position 1); ``queued`` is set once it has one."""
+    """A queue whose entry stays queued (position 1); ``queued`` is set once it has one,
+    ``polled`` once it is asked for it (the run said it queued, and waits)."""
 
     def __init__(self) -> None:
         self.queued = threading.Event()
+        self.polled = threading.Event()
 
     async def Enqueue(
         self, request: queue_pb2.EnqueueRequest, context: Any
@@ -2040,30 +2042,34 @@ class StaysQueued(LeavesAfterOnePoll):
     async def GetEntry(
         self, request: queue_pb2.GetEntryRequest, context: Any
     ) -> queue_pb2.QueueEntry:
+        self.polled.set()
         return queue_pb2.QueueEntry(
             id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED, position=1
         )
 
 
 def sigterm_once_queued(queue: StaysQueued) -> None:
-    """SIGTERM to this process (gpuctl run, in the test) soon after it joins ``queue``."""
+    """SIGTERM to this process (gpuctl run, in the test) once it waits in ``queue``."""
 
     def stop_once_queued() -> None:
-        if queue.queued.wait(10):
-            time.sleep(0.2)  # gpuctl waits, with its handler for the signal
+        # asked for its entry: gpuctl said it queued, and waits with its handler for it
+        if queue.polled.wait(60):
             os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_once_queued, daemon=True).start()
 
 
 class SlowToLetGo(StaysQueued):
-    """A queue that keeps its entry queued and answers Leave only after ``delay_s``."""
+    """A queue that keeps its entry queued and answers Leave only after ``delay_s``;
+    ``leave_deadlines``: the seconds each Leave's caller gave it, as its deadline says."""
 
     def __init__(self, delay_s: float) -> None:
         super().__init__()
         self.delay_s = delay_s
+        self.leave_deadlines: list[float | None] = []
 
     async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
+        self.leave_deadlines.append(context.time_remaining())
         await asyncio.sleep(self.delay_s)
         return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_LEFT)
 
@@ -2082,9 +2088,11 @@ def test_a_stopped_queued_run_whose_leave_gets_no_answer_says_so_not_to_raise_ti
         sigterm_once_queued(queue)
         marker = tmp_path / "ran"
         argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
-        started = time.monotonic()
         assert n.ctl(*argv, "touch", str(marker)) == 130
-        assert time.monotonic() - started < 4.5
+    # its own bound, not the 10 s of --timeout: the Leave's answer (5 s) never came
+    ((deadline),) = queue.leave_deadlines
+    # (grpc-timeout on the wire rounds up: a hair over 2 s; --timeout's would be 10 s)
+    assert deadline is not None and 0 < deadline < 3
     err = capsys.readouterr().err
     assert "gpud did not answer the withdrawal of entry e1 from the queue within 2 s" in err
     assert "gpud drops it (and any reservation) once it notices this run is gone" in err
