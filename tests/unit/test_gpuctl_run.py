@@ -2672,19 +2672,26 @@ def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
 
 class QueuedForever(StaysQueued):
     """A queue whose entry stays queued; its GetEntry waits as long as asked (``waits``), or
-    answers at once as an older gpud does; it counts the questions and their wait_s."""
+    answers at once as an older gpud does; it counts the questions and their wait_s, and
+    notes a held question its asker cancelled (``cut``)."""
 
     def __init__(self, *, waits: bool) -> None:
         super().__init__()
         self.waits = waits
         self.asked: list[float | None] = []
+        self.cut = threading.Event()
 
     async def GetEntry(
         self, request: queue_pb2.GetEntryRequest, context: Any
     ) -> queue_pb2.QueueEntry:
         self.asked.append(request.wait_s if request.HasField("wait_s") else None)
         if self.waits:
-            await asyncio.sleep(request.wait_s)
+            self.polled.set()  # held from here
+            try:
+                await asyncio.sleep(request.wait_s)
+            except asyncio.CancelledError:
+                self.cut.set()
+                raise
         return await super().GetEntry(request, context)
 
     async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
@@ -2692,34 +2699,84 @@ class QueuedForever(StaysQueued):
 
 
 @pytest.mark.parametrize("waits", [True, False], ids=["waiting-gpud", "older-gpud"])
-def test_a_queued_run_lets_gpud_wait_yet_stops_at_once_and_paces_an_older_gpud(
+def test_a_queued_run_lets_gpud_wait_yet_stops_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], waits: bool
 ) -> None:
     """A queued `gpuctl run` lets gpud hold each question up to 5 s (wait_s); SIGTERM
-    during one ends the run at once, leaving the queue, as between questions. An older
-    gpud that answers at once is asked no more often than every second."""
+    during one ends the run at once, cancelling the question rather than waiting for its
+    answer, and leaves the queue, as between questions (an older gpud answers at once)."""
     from gpud.jobs.service import RunRequest
 
     queue = QueuedForever(waits=waits)
     with serving(queue.register) as n:
         n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
-        signalled: list[float] = []
-
-        def stop_later() -> None:
-            if queue.queued.wait(10):
-                time.sleep(1.5)
-                signalled.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=stop_later, daemon=True).start()
+        sigterm_once_queued(queue)  # while gpud holds the first question, if it does
         marker = tmp_path / "ran"
         argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
         assert n.ctl(*argv, "touch", str(marker)) == 130
-        assert time.monotonic() - signalled[0] < 0.8
+        if waits:
+            # an answer waited for would have ended the question, not cancelled it
+            assert queue.cut.wait(60), "gpuctl waited for the held question's answer"
     assert queue.asked[0] == 5.0
-    assert len(queue.asked) == 1 if waits else 2 <= len(queue.asked) <= 3
+    if waits:
+        assert len(queue.asked) == 1
     assert "job q left the queue (SIGTERM), nothing started" in capsys.readouterr().err
     assert not marker.exists()
+
+
+class Paced(_Stop):
+    """A stop whose waits for a time (``wait_until``) take none: each notes how long it was
+    to wait and moves ``now`` (its ``clock``) there; set, as SIGTERM does, at the
+    ``stop_at``-th. Other waits (for an answer) are real."""
+
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.now = 100.0
+        self.stop_at = stop_at
+        self.waited: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait_until(self, until: float, clock: Callable[[], float] = time.monotonic) -> bool:
+        self.waited.append(until - self.now)
+        self.now = max(self.now, until)
+        if len(self.waited) >= self.stop_at:
+            self.set(signal.SIGTERM)
+        return self.is_set()
+
+
+def test_a_queued_run_asks_an_older_gpud_that_answers_at_once_no_more_than_every_second(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An older gpud answers each question at once, the entry unchanged: the run asks again
+    only POLL_S after it last asked, not back to back."""
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import POLL_S, wait_in_queue
+
+    paced = Paced(stop_at=3)
+
+    class Guarded(QueuedForever):
+        async def GetEntry(
+            self, request: queue_pb2.GetEntryRequest, context: Any
+        ) -> queue_pb2.QueueEntry:
+            if len(self.asked) >= 10:  # asked back to back: stopped, so that the test ends
+                paced.set(signal.SIGTERM)
+            return await super().GetEntry(request, context)
+
+    queue = Guarded(waits=False)
+    with serving(queue.register) as n:
+        ctx = Context(socket_path=n.socket, timeout=10.0, output=Output(json_output=False))
+        try:
+            entry = wait_in_queue(ctx, jobs_pb2.ReserveRequest(job="q"), paced, clock=paced.clock)
+        finally:
+            ctx.close()
+            paced.close()
+    assert entry is None
+    assert queue.asked == [5.0, 5.0, 5.0]
+    assert paced.waited == [POLL_S, POLL_S, POLL_S]  # the answers took no time on its clock
+    assert "job q left the queue (SIGTERM), nothing started" in capsys.readouterr().err
 
 
 def test_gpuctl_run_is_advised_at_once_a_gpu_its_user_may_share(
