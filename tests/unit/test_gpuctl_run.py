@@ -23,7 +23,7 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.cli.main import main as gpuctl
-from gpud.cli.run import _Stop
+from gpud.cli.run import RELEASE_RETRY_S, _Stop
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
@@ -1137,13 +1137,14 @@ class Restarting:
         self._server: ServerThread | None = None
         self.start()
 
-    def start(self) -> None:
+    def start(self, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the Unix time its job history is kept by."""
         from gpud.admission.service import AdmissionService
         from gpud.config import AdmissionConfig
 
         self.jobs = JobService(self.store, self.events, self.mps, socket_path=self.socket)
         self.admission = AdmissionService(
-            self.store, self.jobs, self.mps, self.events, AdmissionConfig()
+            self.store, self.jobs, self.mps, self.events, AdmissionConfig(), clock=clock
         )
         servicers = [MpsServicer(self.mps, loads=self.jobs.loads).register]
         self._server = ServerThread(
@@ -1207,9 +1208,12 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
             go.touch()
             # the command exited, its release was refused
             assert said.event.wait(60), "gpuctl never said gpud was not answering"
-            time.sleep(0.3)
-            back = time.time()
-            gpud.start()
+            # gpud is back reading one time throughout, later than any report it takes
+            # (the seconds of RestartSec and its start, not waited here): a history that
+            # ends the run when the report came ends it then, one that takes since_end_s
+            # (at least RELEASE_RETRY_S: the wait before the first try again), before
+            back = time.time() + 30
+            gpud.start(clock=lambda: back)
             gpud.jobs.tick(None)  # its first tick: the gpuctl trying again is alive
             run.join(30)
             assert not run.is_alive()
@@ -1219,7 +1223,7 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
             gpud.close()
     assert codes == [7]
     assert (row.exit_code, row.exit_signal, row.end_cause) == (7, None, "exited")
-    assert row.ended_at is not None and row.ended_at < back
+    assert row.ended_at is not None and row.ended_at <= back - RELEASE_RETRY_S
     err = capsys.readouterr().err
     assert f"gpud on {gpud.socket} is not answering" in err
     assert "how job j ended (exit 7) again for up to 60 s (Ctrl-C stops)" in err
