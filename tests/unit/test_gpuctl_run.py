@@ -1532,8 +1532,25 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
     assert ended["running"] == (None, None, "")
 
 
-def memory_held_loop(events: EventLog | None = None) -> tuple[ColoService, ColoServicer]:
-    """A co-location loop, and its API, where both GPUs' memory is held: a newcomer waits."""
+class CountsAsks(ColoServicer):
+    """The co-location API, noting the waiter id each question came with, once answered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asks: list[str] = []
+
+    async def Advise(self, request: colo_pb2.AdviseRequest, context: Any) -> Any:
+        try:
+            return await super().Advise(request, context)
+        finally:
+            self.asks.append(request.waiter_id)
+
+
+def memory_held_loop(
+    events: EventLog | None = None, *, api: type[ColoServicer] = ColoServicer
+) -> tuple[ColoService, ColoServicer]:
+    """A co-location loop, and its API (``api``), where both GPUs' memory is held: a
+    newcomer waits."""
     full = snapshot(gpu_sample(0), gpu_sample(1))
     held = [
         RunningJob("a", "training", 0, memory_bytes=75 * GIB, device=gpu_uuid(0)),
@@ -1541,7 +1558,7 @@ def memory_held_loop(events: EventLog | None = None) -> tuple[ColoService, ColoS
     ]
     loop = ColoService(ColocateConfig(), events or EventLog(None), running=lambda: held)
     loop.tick(full)
-    return loop, ColoServicer(loop, snapshots=lambda: full)
+    return loop, api(loop, snapshots=lambda: full)
 
 
 @contextlib.contextmanager
@@ -1687,7 +1704,8 @@ def test_two_runs_of_one_job_waiting_for_co_location_are_two_entries(
     from gpud.admission.service import AdmissionService
     from gpud.config import AdmissionConfig
 
-    loop, colo = memory_held_loop()
+    loop, colo = memory_held_loop(api=CountsAsks)
+    assert isinstance(colo, CountsAsks)
     queue = QueueServicer(cast(AdmissionService, None), leave_waiter=loop.leave)
     with serving(colo.register, queue.register) as n:
         queue._service = AdmissionService(
@@ -1707,7 +1725,13 @@ def test_two_runs_of_one_job_waiting_for_co_location_are_two_entries(
             out = capsys.readouterr().out
             assert f" {first.id} " in out and f" {second.id} " in out
             assert n.ctl("queue", "--leave", first.id) == 0
-            time.sleep(5.0)  # both asked again meanwhile
+            asks = len(colo.asks)
+            # both asked again: the one taken out is told so, the other still waits
+            until(
+                lambda: {first.id, second.id} <= set(colo.asks[asks:]),
+                "both runs asked again",
+                timeout_s=60,
+            )
             assert [w.id for w in loop.waiting()] == [second.id]
             assert n.ctl("queue", "--leave", second.id) == 0
         assert sorted(first_codes + second_codes) == [1, 1]
