@@ -1253,20 +1253,23 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
             go.touch()  # the command exits only once gpud is down
             if said.event.wait(60):
                 os.kill(os.getpid(), signal.SIGINT)
+                # a hang guard: without the Ctrl-C it tells gpud for RELEASE_WAIT_S (60 s)
+                cut.append(returned.wait(30))
 
+        cut: list[bool] = []
+        returned = threading.Event()
         helper = threading.Thread(target=stop_gpud_then_ctrl_c, daemon=True)
         helper.start()
         try:
-            started = time.monotonic()
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
             command = f"touch {started_mark}; until [ -e {go} ]; do sleep 0.02; done; exit 7"
             code = gpuctl([*argv, "sh", "-c", command], env={})
-            took = time.monotonic() - started
         finally:
-            helper.join(30)
+            returned.set()
+            helper.join(60)
             go.touch()  # a command still waiting ends with the test
             gpud.close()
-    assert code == 7 and took < 30
+    assert code == 7 and cut == [True]
     err = capsys.readouterr().err
     assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended (exit 7): once" in err
     assert "has no exit status for the run" in err
@@ -1329,6 +1332,33 @@ def test_a_release_gpud_never_takes_is_given_up_saying_so(
     )
     assert gave_up in err, err
     assert "reservation r1 by itself (holder gone)" in err
+
+
+def test_a_ctrl_c_while_a_release_is_tried_again_ends_the_tries_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C during the wait between two tries of a release: no more wait nor try, and
+    gpuctl says it stopped telling gpud, not that it gave up."""
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_request, release_retried
+
+    with short_dir() as root:
+        ctx = Context(socket_path=root / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+        waits = Waits(cut=True)
+        try:
+            request = release_request("r1", 7)
+            released = release_retried(
+                ctx, request, "j", waits.now, wait_s=60, stop=waits, clock=waits.clock
+            )
+        finally:
+            waits.close()
+    assert released is None
+    assert waits.waits == [RELEASE_RETRY_S]
+    assert not request.HasField("since_end_s")  # not tried again
+    err = capsys.readouterr().err
+    assert f"gpuctl: stopped telling gpud on {root / 'gpud.sock'} how job j ended (exit 7)" in err
+    assert "gave up" not in err
 
 
 class _FullDisk(jobs_pb2_grpc.JobsServicer):
