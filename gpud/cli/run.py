@@ -601,10 +601,10 @@ class _Stop:
                     os.read(self._woken, 64)
         return self._set
 
-    def wait_until(self, until: float) -> bool:
-        """Whether it is set, by ``until`` (monotonic), at once once it is; a wake does not
-        end this wait."""
-        while not self._set and (left := until - time.monotonic()) > 0:
+    def wait_until(self, until: float, clock: Callable[[], float] = time.monotonic) -> bool:
+        """Whether it is set, by ``until`` (read on ``clock``), at once once it is; a wake
+        does not end this wait."""
+        while not self._set and (left := until - clock()) > 0:
             self.wait(left)
         return self._set
 
@@ -881,6 +881,7 @@ def release_retried(
     told: int | None = None,
     why: CliError | None = None,
     stop: _Stop | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
     RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
@@ -892,7 +893,8 @@ def release_retried(
     Another error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
     answered (its state database cannot be written: disk full) is said as it is, not as a
     gpud that does not answer. ``stop``: set by the signals gpuctl gets (else it sets its
-    own handlers while it waits); set already, it is taken as ``told``."""
+    own handlers while it waits); set already, it is taken as ``told``. ``clock``: what
+    ``first`` was read from, and the wait and ``since_end_s`` are measured by."""
     if told is None and stop is not None and stop.signum is not None:
         told = stop.signum
     answered = why is not None and bool(why.error)
@@ -920,12 +922,12 @@ def release_retried(
         )
         interval = RELEASE_RETRY_S
         while True:
-            left = first + wait_s - time.monotonic()
+            left = first + wait_s - clock()
             if left <= 0 or stopping.wait(min(interval, left)):
                 break
             interval = min(RELEASE_RETRY_MAX_S, interval * 2)
             ctx.close()  # a fresh channel once gpud is back
-            request.since_end_s = time.monotonic() - first
+            request.since_end_s = clock() - first
             try:
                 released: pb.ReleaseResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Release, request)
             except CliError as err:
@@ -940,9 +942,9 @@ def release_retried(
     if stopping.is_set():
         what = f"stopped {told_what}"
     elif answered:
-        what = f"gave up {told_what} after {seconds(time.monotonic() - first)}"
+        what = f"gave up {told_what} after {seconds(clock() - first)}"
     else:
-        what = f"gave up {told_what}: it did not answer for {seconds(time.monotonic() - first)}"
+        what = f"gave up {told_what}: it did not answer for {seconds(clock() - first)}"
     if answered:
         what += f" (it said: {why})"
     _not_told(request, what, answered=answered)
@@ -1009,6 +1011,7 @@ def wait_in_queue(
     *,
     why: str = "",
     notes: list[str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
     None when Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT: ``stop``) took it out of the queue, or
@@ -1017,7 +1020,8 @@ def wait_in_queue(
     waiting for co-location is told, exit 7 when gpud took it out saying why (the queue was
     turned off: as a run is refused with it off), else 1 (``gpuctl queue --leave``, its
     holder judged gone). ``why``: why it could not start at once, said once when it joins the queue,
-    after ``notes`` (why co-location's advice was not followed)."""
+    after ``notes`` (why co-location's advice was not followed). ``clock``: what the pace of
+    the questions (POLL_S apart at least) is measured by."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
     if not stop.is_set():  # else it leaves at once: why it was placed so matters no more
@@ -1031,7 +1035,7 @@ def wait_in_queue(
         if line != shown:
             print(f"gpuctl: {line}", file=sys.stderr, flush=True)
             shown = line
-        asked = time.monotonic()
+        asked = clock()
         try:
             answer = _ask_entry(ctx, entry.id, stop)
             away = False
@@ -1041,7 +1045,7 @@ def wait_in_queue(
             entry = answer
             # gpud answers a change at once, and an older one answers everything at once:
             # an unchanged answer is asked again no sooner than POLL_S after the last
-            if not moved and stop.wait_until(asked + POLL_S):
+            if not moved and stop.wait_until(asked + POLL_S, clock):
                 break
         except CliError as err:
             if err.exit_code != EXIT_NOT_RUNNING:
@@ -1050,7 +1054,7 @@ def wait_in_queue(
                 _say_away(ctx, err, f"job {entry.job} is still queued ({entry.id})")
                 away = True
             ctx.close()  # a fresh channel once gpud is back
-            if stop.wait_until(asked + POLL_S):
+            if stop.wait_until(asked + POLL_S, clock):
                 break
     if stop.is_set():
         _leave(ctx, entry, stop)
