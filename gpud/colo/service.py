@@ -826,6 +826,10 @@ class ColoService:
         # its guard's duty again (a restart, back from a pause or from not running) only
         # beside the company it was set in
         self._guarding: set[str] = set()
+        # (under _lock) when a reload last switched the loop on: no tick ran while it was
+        # off, so nothing told a guard that a GPU hung under its service then, and what a
+        # service reported before this is no evidence of the training's doing
+        self._on_since = float("-inf")
         self._directives: dict[str, Directive] = {}
         self._plan: Plan | None = None
         self._plan_at = 0.0
@@ -927,6 +931,9 @@ class ColoService:
                 self._off_state = self._states + 1
             elif config.enabled:
                 self._off_state = 0
+                if not self.config.enabled:
+                    # a report batches up to a period's requests served before it is sent
+                    self._on_since = self._clock() + REPORT_PERIOD_S
             self.config = config
             self.predictor.scant_memory_s = config.scant_margin_memory_s
             self._planner = Planner(
@@ -1852,7 +1859,7 @@ class ColoService:
             if kind == "training":
                 rate = self._rate(st, now)
             else:
-                rate = self.service_rate(name, since=max(st.since, st.guard_since))
+                rate = self.service_rate(name, since=max(st.since, self._judged_since(st)))
             shared = [(r, others) for r, others, _, _ in where if others]
             if not shared:
                 for r, _, sample, only in where:
@@ -1997,6 +2004,12 @@ class ColoService:
             st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
         self._paused_services = paused
 
+    def _judged_since(self, st: _JobState) -> float:
+        """Reports after this are what a service's guard acts on: those since its duty last
+        reached the training (or its GPUs answered again) and since the loop was last
+        switched on, whichever is later. Under the lock."""
+        return max(st.guard_since, self._on_since)
+
     def _ensure_guards(self, running: Sequence[RunningJob]) -> None:
         """A guard for each inference service in ``running``, on a faulty GPU too (one
         whose GPUs hung before gpud started too, that `gpuctl colo show` lists), holding
@@ -2071,7 +2084,7 @@ class ColoService:
             self._guarding.add(name)
             # Act on latencies measured at the duty last set, not on the ones the window
             # still holds from before it: else each tick would cut again for the same spike.
-            fresh = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+            fresh = self.p99(name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES)
             if fresh is None and p99 is not None:
                 # still measuring at the new duty: the last decision holds
                 for gpu in gpus:
@@ -2996,7 +3009,9 @@ class ColoService:
                 )
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
-                at_duty = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+                at_duty = self.p99(
+                    name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES
+                )
                 action = g.last.action.value if g.last else "hold"
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if r.gpu in self._faulty:

@@ -1298,6 +1298,55 @@ def test_a_guard_paused_by_a_hang_does_not_act_on_its_latencies_once_switched_on
     assert duties == [1.0, 0.5]
 
 
+def test_latencies_a_service_reports_while_the_loop_is_off_do_not_move_its_guard(
+    tmp_path: Path,
+) -> None:
+    """A reload switches co-location off; GPU 0 then hangs under a service and the training
+    beside it, the service reporting 200 ms against its 100 ms SLO through the hang (no
+    tick of the off loop sees it); GPU 0 answers, a reload switches co-location on: the
+    guard does not cut the training for latencies reported while the loop was off, and
+    acts on those reported since it was switched on."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for snap in (hung, hung, snapshot()):  # off: the hang, then GPU 0 answering
+        clock.t += 1
+        svc.report_latency("chat", [0.2] * 100)
+        svc.tick(snap)
+    svc.configure(ColocateConfig())
+    for _ in range(2):  # on again, nothing new reported
+        clock.t += 1
+        svc.tick(snapshot())
+        assert svc.duty("train") == 1.0
+    (g,) = svc.show().guards
+    assert g.p99_ms == pytest.approx(200.0) and g.p99_at_duty_ms is None
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 100)  # the training's doing
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+
+
+def test_a_quiet_service_switched_on_is_guarded_once_twenty_requests_came_since(
+    tmp_path: Path,
+) -> None:
+    """A service of little traffic (8 requests in 5 s) reported 200 ms while co-location
+    was off and GPU 0 hung: switched on again, its guard holds until 20 requests came since
+    (up to 6 latency windows back), then acts on those alone, at the tick that has them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.report_latency("chat", [0.2] * 8)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    svc.configure(ColocateConfig())
+    duties = []
+    for _ in range(3):
+        clock.t += 5
+        svc.report_latency("chat", [0.095] * 8)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+    assert duties == [1.0, 1.0, 0.5]
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
