@@ -1645,12 +1645,19 @@ class ColoService:
                 self._whole_from = state[0]
             finally:
                 self._lock.release()
+            began = threading.Event()
             writer = threading.Thread(
-                target=self._save_at_stop, args=(state,), name="colo-stop-save", daemon=True
+                target=self._save_at_stop,
+                args=(state, began),
+                name="colo-stop-save",
+                daemon=True,
             )
             writer.start()
             why = self._wait_written(
-                state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s, writer=writer
+                state[0],
+                max(0.0, deadline - time.monotonic()),
+                said_s=wait_s,
+                writer=(writer, began),
             )
         if why:
             log.warning(
@@ -1660,12 +1667,13 @@ class ColoService:
                 why,
             )
 
-    def _save_at_stop(self, state: tuple[int, dict[str, Any]]) -> None:
-        """:meth:`_save` on the stop's own thread: a write that raises what a failed write
-        does not (OSError, ValueError) is logged naming the file, as a failed one is, and
-        the stop, told it is done, says it failed and why."""
+    def _save_at_stop(self, state: tuple[int, dict[str, Any]], began: threading.Event) -> None:
+        """:meth:`_save` on the stop's own thread (``began`` set once it writes): a write
+        that raises what a failed write does not (OSError, ValueError) is logged naming
+        the file, as a failed one is, and the stop, told it is done, says it failed and
+        why."""
         try:
-            self._save(state)
+            self._save(state, began)
         except Exception as err:
             log.warning(
                 "co-location state %s not written: %s: %s",
@@ -1675,7 +1683,9 @@ class ColoService:
                 exc_info=True,
             )
 
-    def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
+    def _save(
+        self, state: tuple[int, dict[str, Any]] | None, began: threading.Event | None = None
+    ) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
@@ -1689,7 +1699,9 @@ class ColoService:
         (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
         however little it moved. A write that raises what a failed write does not (not
         OSError nor ValueError) is raised to the caller once the states left to this
-        writer meanwhile are written, as a failed write leaves them written too."""
+        writer meanwhile are written, as a failed write leaves them written too.
+        ``began``: set once this caller holds the write (not once it left ``state`` to
+        another writer)."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
@@ -1704,6 +1716,8 @@ class ColoService:
             # lock, so one left now is written then.
             if not self._save_lock.acquire(blocking=False):
                 break
+            if began is not None:
+                began.set()
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
@@ -1736,27 +1750,34 @@ class ColoService:
         wait_s: float | None = None,
         *,
         said_s: float | None = None,
-        writer: threading.Thread | None = None,
+        writer: tuple[threading.Thread, threading.Event] | None = None,
     ) -> str:
         """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
         ``state`` or a newer one, written by this thread or by the one that held the write
         when it came: "" once it does, else why not (naming ``said_s``, the caller's whole
-        wait, where given, else ``wait_s``). ``writer``: the stop's own write thread, said
-        to be the write still running while it runs (else another writer holds it). Never
-        under the loop's lock."""
+        wait, where given, else ``wait_s``). ``writer``: the stop's own write thread and
+        the event it sets once it holds the write: the stop's write still runs once it
+        does, had not begun while the thread has not come to it (not yet run: the stop's
+        budget spent), else another writer holds it. Never under the loop's lock."""
         wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
             if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
                 said = wait_s if said_s is None else said_s
-                # the stop's thread hands its state to a write under way and ends at once:
-                # still running, it is in a write of its own
-                whose = (
-                    "the stop's write"
-                    if writer is not None and writer.is_alive()
-                    else "another write"
-                )
-                return f"{whose} of it still runs after {said:.1f} s"
+                return f"{self._who_writes(writer)} after {said:.1f} s"
             return "" if self._on_disk_state >= state else self._save_error
+
+    @staticmethod
+    def _who_writes(writer: tuple[threading.Thread, threading.Event] | None) -> str:
+        """What holds up the file's write, by :meth:`_wait_written`'s ``writer``."""
+        if writer is not None:
+            thread, began = writer
+            if began.is_set():
+                return "the stop's write of it still runs"
+            # the stop's thread hands its state to a write under way and ends at once:
+            # still running, it has not come to its write yet
+            if thread.is_alive():
+                return "the stop's write of it had not begun"
+        return "another write of it still runs"
 
     def _holds(self, state: int) -> bool:
         """Whether the state file holds ``state`` or a newer one (a write of it done)."""

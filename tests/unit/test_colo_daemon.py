@@ -1454,6 +1454,37 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
     ) in caplog.text
 
 
+def test_a_stop_whose_write_had_not_begun_by_its_deadline_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop's write thread has not come to its write of colo.json when the time the
+    stop gives the file runs out (held before it, as a thread not yet run is): the log
+    names the file and says the stop's write had not begun, not that it still runs; let
+    go, the thread writes it."""
+    done = threading.Event()
+
+    def write(path: Path, text: str) -> None:
+        write_atomically(path, text)
+        done.set()
+
+    svc = clock_unwritten(tmp_path, Clock(), write)
+    done.clear()
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        svc._pending_lock.release()
+        done.wait(30.0)
+
+    svc._pending_lock.acquire()
+    assert stop_ends_before(svc, 0.2, release)
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (the stop's"
+        " write of it had not begun after 0.2 s): the next start reads what it held before"
+    ) in caplog.text
+    assert "still runs" not in caplog.text
+    assert done.is_set()
+
+
 def stopped_behind_a_hung_tick(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, then: Exception | None = None
 ) -> list[Exception]:
