@@ -15,6 +15,7 @@ fail because its node's gpud is away.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -28,6 +29,11 @@ DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 # served, but a unit mistake or garbage, which would have the guard evict training. A report
 # holding any sample outside [0, MAX_LATENCY_S] (NaN too) is refused whole.
 MAX_LATENCY_S = 3600.0
+# The oldest a latency report may say its requests are: beyond every window gpud reads
+# latencies over (6 windows of at most an hour), so a batch a quiet service held longer is
+# sent saying this much and counts for nothing, as it would at its true age. gpud refuses a
+# report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
+MAX_REPORT_AGE_S = 86400.0
 
 
 class _Channel:
@@ -145,9 +151,11 @@ class Latency:
         flush_every_s: float = 1.0,
         max_batch: int = 4096,
         clock: Callable[[], float] = time.monotonic,
-        send: Callable[[str, list[float]], None] | None = None,
+        send: Callable[[str, list[float], float], None] | None = None,
         token: str | None = None,
     ) -> None:
+        """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
+        to gpud), ``age_s`` the seconds since the earliest of its requests began."""
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
@@ -155,14 +163,15 @@ class Latency:
         self._clock = clock
         self._send = send or self._grpc_send
         self._batch: list[float] = []
+        self._began = math.inf  # when the batch's earliest request began, by ``clock``
         self._last = clock()
         self._lock = threading.Lock()
 
-    def _grpc_send(self, job: str, seconds: list[float]) -> None:
+    def _grpc_send(self, job: str, seconds: list[float], age_s: float) -> None:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
-            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
+            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds, age_s=age_s),
             timeout=1.0,
             metadata=self._channel.metadata,
         )
@@ -170,21 +179,42 @@ class Latency:
     def observe(self, seconds: float) -> None:
         """One request's latency, in seconds. One gpud would refuse (negative: a clock that
         stepped back; NaN; over ``MAX_LATENCY_S``) is dropped here, so that the rest of its
-        batch is not refused with it."""
+        batch is not refused with it. The batch is sent once ``flush_every_s`` passed since
+        the last send; what a quiet service collected before that is sent first, on its
+        own, saying its age: gpud then counts those requests from when they were served,
+        not from this one's arrival (a GPU's hang then, or the loop off, is not read as
+        what the GPU does now)."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
+        now = self._clock()
         with self._lock:
+            quiet = now - self._last >= self._every
+            stale = self._take(now) if quiet else None
             self._batch.append(seconds)
-            due = len(self._batch) >= self._max or self._clock() - self._last >= self._every
-        if due:
-            self.flush()
+            self._began = min(self._began, now - seconds)
+            due = quiet or len(self._batch) >= self._max
+            batch = self._take(now) if due else None
+        for b in (stale, batch):
+            if b is not None:
+                self._deliver(*b)
 
     def flush(self) -> None:
+        """Send what was collected now, saying how old it is."""
         with self._lock:
-            batch, self._batch = self._batch, []
-            self._last = self._clock()
+            taken = self._take(self._clock())
+        self._deliver(*taken)
+
+    def _take(self, now: float) -> tuple[list[float], float]:
+        """The batch and its age (clamped to ``MAX_REPORT_AGE_S``), the batch emptied.
+        Under the lock."""
+        batch, self._batch = self._batch, []
+        age = min(MAX_REPORT_AGE_S, max(0.0, now - self._began)) if batch else 0.0
+        self._began, self._last = math.inf, now
+        return batch, age
+
+    def _deliver(self, batch: list[float], age_s: float) -> None:
         if batch and self.job:
             # The daemon may be away: drop the batch, never fail the job.
             with contextlib.suppress(Exception):
-                self._send(self.job, batch)
+                self._send(self.job, batch, age_s)

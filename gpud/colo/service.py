@@ -47,7 +47,7 @@ from colocate import (
 )
 from gpud.backend.port import GpuIdentity, MigDeviceIdentity, Utilization
 from gpud.backend.products import lookup
-from gpud.client.colo import MAX_LATENCY_S
+from gpud.client.colo import MAX_LATENCY_S, MAX_REPORT_AGE_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
@@ -932,7 +932,11 @@ class ColoService:
             elif config.enabled:
                 self._off_state = 0
                 if not self.config.enabled:
-                    # a report batches up to a period's requests served before it is sent
+                    # A report that says its age is counted from its earliest request, so
+                    # the switch-on itself would do for it; one from a client that says no
+                    # age (a job's own older gpud.client) is counted from its arrival and
+                    # holds up to a period's requests served before: the margin keeps those
+                    # out, at the cost of a second's wait for the rest.
                     self._on_since = self._clock() + REPORT_PERIOD_S
             self.config = config
             self.predictor.scant_memory_s = config.scant_margin_memory_s
@@ -959,7 +963,19 @@ class ColoService:
                 g.retune(self._guard_params)
 
     # -- reports from jobs --------------------------------------------------------------------
-    def report_latency(self, job: str, seconds: Sequence[float]) -> None:
+    def report_latency(
+        self, job: str, seconds: Sequence[float], age_s: float | None = None
+    ) -> None:
+        """An inference service's latencies (the ``ReportLatency`` RPC), counted from
+        ``age_s`` before now: when the earliest of these requests began, by the client
+        (``gpud.client.Latency``), so that a batch a quiet service held is not taken for
+        what its GPU does when it arrives. None (a client that says no age): counted from
+        now."""
+        if age_s is not None and not 0.0 <= age_s <= MAX_REPORT_AGE_S:  # NaN too
+            raise InvalidArgument(
+                f"job {job}: latency report age_s {age_s} s outside "
+                f"[0, {MAX_REPORT_AGE_S:g}] seconds"
+            )
         if len(seconds) > MAX_LATENCY_SAMPLES:
             raise InvalidArgument(
                 f"job {job}: at most {MAX_LATENCY_SAMPLES} latency samples per report, "
@@ -976,7 +992,11 @@ class ColoService:
                 return
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
-            st.latency.extend((now, s) for s in seconds)
+            # the whole batch from its earliest request: one served before a cut reached
+            # the training, or while the loop was off, is never judged as after it
+            served = now - (age_s or 0.0)
+            st.latency.extend((served, s) for s in seconds)
+            # the load counts requests by arrival: each report holds those since the last
             if seconds:
                 st.reports.append((now, len(seconds)))
 
@@ -1063,7 +1083,9 @@ class ColoService:
 
     def rate_at_share(self, r: RunningJob) -> float:
         """An inference service's rate (requests/s) at its share on that device: the one it
-        shows (:meth:`service_rate`, over the window), else its shape's at its share (what
+        shows (:meth:`service_rate`, over the whole window, as its p99 shown is: what the
+        simulated device serves it at, not a guard's judgement, so latencies from before a
+        cut, a hang or the loop's switch-on count too), else its shape's at its share (what
         it declared, or the prior)."""
         measured = self.service_rate(r.name)
         if measured is not None:

@@ -1347,6 +1347,112 @@ def test_a_quiet_service_switched_on_is_guarded_once_twenty_requests_came_since(
     assert duties == [1.0, 1.0, 0.5]
 
 
+def test_latencies_reported_within_a_second_of_the_switch_on_do_not_move_the_guard(
+    tmp_path: Path,
+) -> None:
+    """A report from a client that says no age, half a second after a reload switched
+    co-location on, may hold requests served while it was off: the guard acts on reports
+    from a second after the switch-on only."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.configure(ColocateConfig())
+    clock.t += 0.5
+    svc.report_latency("chat", [0.2] * 100)
+    for step in (0.6, 0.9):
+        clock.t += step
+        svc.tick(snapshot())
+        assert svc.duty("train") == 1.0
+
+
+def test_a_service_switched_on_is_learned_from_its_latencies_since_only(tmp_path: Path) -> None:
+    """A service reported slow requests while co-location was off (a GPU hang, say): once
+    switched on, the speed it is seen at beside the training, and taught to the predictor,
+    comes from the requests it served since."""
+    svc, clock = chat_measured_alone_beside_training(tmp_path)
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig(enabled=False))
+    for _ in range(4):
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(150.0, 100.0))
+        svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    seen = []
+    for _ in range(12):  # past the 10 s window
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(360.0, 100.0))
+        svc.tick(snapshot())
+        seen.append(svc.show().observed_speed.get("chat"))
+    assert seen[-1] == pytest.approx(360.0 / 400.0, rel=1e-3)
+    assert all(s is None or s == pytest.approx(360.0 / 400.0, rel=1e-3) for s in seen)
+    assert svc.duty("train") == 1.0
+
+
+def test_a_quiet_services_batch_held_across_a_switch_on_is_judged_by_when_it_was_served(
+    tmp_path: Path,
+) -> None:
+    """gpud.client sends a batch at the next request a second after its last send: a
+    quiet service's two slow requests, served while co-location was off and GPU 0 hung,
+    wait in it until a request 9 s after the switch-on. Sent first, on their own, with
+    their age, they are no part of what the guard acts on: the 50 ms requests since,
+    within the 100 ms SLO, leave the training at full duty."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 70
+    lat = slow_while_gpu0_hangs(svc, clock)
+    svc.configure(ColocateConfig())
+    clock.t += 9
+    assert quiet_requests(svc, lat, clock) == [1.0] * 18
+    (g,) = svc.show().guards
+    assert g.p99_at_duty_ms is None  # 18 requests since: not yet judged
+
+
+def test_a_quiet_services_batch_held_through_a_hang_is_judged_by_when_it_was_served(
+    tmp_path: Path,
+) -> None:
+    """A quiet service's two slow requests, served while GPU 0 hung under it, wait in its
+    client until a request 3 s after the GPU answers again: sent with their age they count
+    from the hang, before its guard's pause ended, and the guard does not cut the training
+    for them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    lat = slow_while_gpu0_hangs(svc, clock)
+    svc.tick(snapshot())  # answering: the guard acts on what is served from a second on
+    clock.t += 3
+    assert quiet_requests(svc, lat, clock) == [1.0] * 18
+
+
+def slow_while_gpu0_hangs(svc: ColoService, clock: Clock) -> Latency:
+    """A quiet service's client, holding two 200 ms requests served while a tick found GPU
+    0 hung (not sent: none came a second after): a second later."""
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    lat.observe(0.2)
+    lat.observe(0.2)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    clock.t += 1
+    return lat
+
+
+def quiet_requests(svc: ColoService, lat: Latency, clock: Clock) -> list[float]:
+    """18 requests of 50 ms, 1.1 s apart, a tick after each: the training's duties."""
+    duties = []
+    for _ in range(18):
+        lat.observe(0.05)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+        clock.t += 1.1
+    return duties
+
+
+def test_a_latency_report_of_an_impossible_age_is_refused_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    svc, _, _ = chat_beside_training(tmp_path)
+    for age in (-1.0, math.nan, math.inf, 1e9):
+        with pytest.raises(InvalidArgument, match=r"job chat: latency report age_s .* outside"):
+            svc.report_latency("chat", [0.01], age)
+    assert len(svc._latencies("chat", float("-inf"))) == 100  # the helper's own
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
@@ -1764,16 +1870,40 @@ def test_throttle_point_keeps_going_without_a_daemon() -> None:
     assert t.point() == 0.0 and t.duty == 1.0
 
 
-def test_latency_batches() -> None:
+def test_latency_batches_and_says_how_old_each_batch_is() -> None:
+    """A second's requests go in one report, saying when the earliest began; a batch held
+    longer (no request came for a while) goes on its own, before the request that sends
+    it, with its own age."""
     clock = Clock()
-    sent: list[tuple[str, list[float]]] = []
-    lat = Latency("chat", clock=clock, send=lambda j, s: sent.append((j, s)), flush_every_s=1.0)
+    sent: list[tuple[str, list[float], float]] = []
+    lat = Latency(
+        "chat", clock=clock, send=lambda j, s, a: sent.append((j, s, a)), flush_every_s=1.0
+    )
     lat.observe(0.01)
+    clock.t += 0.5
     lat.observe(0.02)
     assert not sent
-    clock.t += 1.5
+    clock.t += 9.5
     lat.observe(0.03)
-    assert sent == [("chat", [0.01, 0.02, 0.03])]
+    assert sent == [
+        ("chat", [0.01, 0.02], pytest.approx(10.01)),
+        ("chat", [0.03], pytest.approx(0.03)),
+    ]
+    clock.t += 0.5
+    lat.observe(0.04)
+    clock.t += 0.25
+    lat.flush()
+    assert sent[2:] == [("chat", [0.04], pytest.approx(0.29))]
+
+
+def test_latency_reports_an_age_of_a_day_at_most() -> None:
+    clock = Clock()
+    sent: list[float] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(a), flush_every_s=1.0)
+    lat.observe(0.01)
+    clock.t += 2 * 86400
+    lat.flush()
+    assert sent == [86400.0]
 
 
 def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
@@ -1969,6 +2099,18 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             colo_pb2.ReportLatencyRequest(job="chat", seconds=[1e300]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "outside [0, 3600] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01], age_s=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency report age_s nan s outside [0, 86400] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01], age_s=-2.0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency report age_s -2.0 s outside",
         ),
         (
             "ReportLatency",
@@ -4238,7 +4380,9 @@ def test_a_services_rate_at_its_share_is_the_measured_one_else_its_shapes(
     assert svc.rate_at_share(chat) == pytest.approx(400.0, rel=1e-3)  # what it shows
 
 
-def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
+def chat_measured_alone_beside_training(tmp_path: Path) -> tuple[ColoService, Clock]:
+    """A service of a 100 ms SLO that served 400 requests/s alone, on GPU 0 with training
+    (not yet ticked)."""
     from gpud.colo.service import _JobState
 
     clock = Clock()
@@ -4250,6 +4394,11 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
     )
     svc._jobs["chat"] = _JobState(alone_rate=400.0)  # as measured alone before
+    return svc, clock
+
+
+def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
+    svc, clock = chat_measured_alone_beside_training(tmp_path)
     svc.tick(snapshot())  # the company is new: measuring starts once it settled (2 s)
     clock.t += 1
     svc.report_latency("chat", [0.095] * 100)  # near the SLO, next to training at full duty
