@@ -151,11 +151,12 @@ class Latency:
         flush_every_s: float = 1.0,
         max_batch: int = 4096,
         clock: Callable[[], float] = time.monotonic,
-        send: Callable[[str, list[float], float], None] | None = None,
+        send: Callable[[str, list[float], float | None], None] | None = None,
         token: str | None = None,
     ) -> None:
         """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
-        to gpud), ``age_s`` the seconds since the earliest of its requests began."""
+        to gpud); ``age_s`` the seconds since the earliest of its requests began, for a
+        batch held through a quiet spell only, else None (gpud counts it from arrival)."""
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
@@ -164,10 +165,11 @@ class Latency:
         self._send = send or self._grpc_send
         self._batch: list[float] = []
         self._began = math.inf  # when the batch's earliest request began, by ``clock``
+        self._newest = -math.inf  # when the batch's newest request finished
         self._last = clock()
         self._lock = threading.Lock()
 
-    def _grpc_send(self, job: str, seconds: list[float], age_s: float) -> None:
+    def _grpc_send(self, job: str, seconds: list[float], age_s: float | None) -> None:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
@@ -179,41 +181,46 @@ class Latency:
     def observe(self, seconds: float) -> None:
         """One request's latency, in seconds. One gpud would refuse (negative: a clock that
         stepped back; NaN; over ``MAX_LATENCY_S``) is dropped here, so that the rest of its
-        batch is not refused with it. The batch is sent once ``flush_every_s`` passed since
-        the last send; what a quiet service collected before that is sent first, on its
-        own, saying its age: gpud then counts those requests from when they were served,
-        not from this one's arrival (a GPU's hang then, or the loop off, is not read as
-        what the GPU does now)."""
+        batch is not refused with it. The batch, this request with it, is sent once
+        ``flush_every_s`` passed since the last send, and gpud counts it from its arrival.
+        Only a batch held through a quiet spell (its newest request finished more than
+        ``flush_every_s`` before this one) goes alone, saying its age: gpud counts it from
+        when its earliest request began, so a GPU's hang then, or the loop off, is not read
+        as what the GPU does now; this request begins the next batch."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
-        now = self._clock()
         with self._lock:
-            quiet = now - self._last >= self._every
-            stale = self._take(now) if quiet else None
+            now = self._clock()
+            if self._batch and now - self._newest > self._every:
+                taken = self._take(now, aged=True)
+            else:
+                taken = None
             self._batch.append(seconds)
             self._began = min(self._began, now - seconds)
-            due = quiet or len(self._batch) >= self._max
-            batch = self._take(now) if due else None
-        for b in (stale, batch):
-            if b is not None:
-                self._deliver(*b)
+            self._newest = now
+            if taken is None and (len(self._batch) >= self._max or now - self._last >= self._every):
+                taken = self._take(now, aged=False)
+        if taken is not None:
+            self._deliver(*taken)
 
     def flush(self) -> None:
-        """Send what was collected now, saying how old it is."""
+        """Send what was collected now: saying its age if it was held through a quiet
+        spell (its newest request finished more than ``flush_every_s`` ago)."""
         with self._lock:
-            taken = self._take(self._clock())
+            now = self._clock()
+            taken = self._take(now, aged=now - self._newest > self._every)
         self._deliver(*taken)
 
-    def _take(self, now: float) -> tuple[list[float], float]:
-        """The batch and its age (clamped to ``MAX_REPORT_AGE_S``), the batch emptied.
-        Under the lock."""
+    def _take(self, now: float, *, aged: bool) -> tuple[list[float], float | None]:
+        """The batch and, where ``aged``, its age (clamped to ``MAX_REPORT_AGE_S``), the
+        batch emptied. Under the lock."""
         batch, self._batch = self._batch, []
-        age = min(MAX_REPORT_AGE_S, max(0.0, now - self._began)) if batch else 0.0
-        self._began, self._last = math.inf, now
+        age = min(MAX_REPORT_AGE_S, max(0.0, now - self._began)) if aged else None
+        self._began, self._newest, self._last = math.inf, -math.inf, now
         return batch, age
 
-    def _deliver(self, batch: list[float], age_s: float) -> None:
+    def _deliver(self, batch: list[float], age_s: float | None) -> None:
         if batch and self.job:
             # The daemon may be away: drop the batch, never fail the job.
             with contextlib.suppress(Exception):

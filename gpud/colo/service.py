@@ -966,11 +966,11 @@ class ColoService:
     def report_latency(
         self, job: str, seconds: Sequence[float], age_s: float | None = None
     ) -> None:
-        """An inference service's latencies (the ``ReportLatency`` RPC), counted from
-        ``age_s`` before now: when the earliest of these requests began, by the client
-        (``gpud.client.Latency``), so that a batch a quiet service held is not taken for
-        what its GPU does when it arrives. None (a client that says no age): counted from
-        now."""
+        """An inference service's latencies (the ``ReportLatency`` RPC), counted from now;
+        a batch held through a quiet spell says its age (``gpud.client.Latency``: seconds
+        since its earliest request began), and is counted from then, so that it is not
+        taken for what its GPU does when it arrives, but never from before the job's
+        newest report (its stamps stay in time order)."""
         if age_s is not None and not 0.0 <= age_s <= MAX_REPORT_AGE_S:  # NaN too
             raise InvalidArgument(
                 f"job {job}: latency report age_s {age_s} s outside "
@@ -992,13 +992,19 @@ class ColoService:
                 return
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
-            # the whole batch from its earliest request: one served before a cut reached
-            # the training, or while the loop was off, is never judged as after it
-            served = now - (age_s or 0.0)
+            served = now
+            if age_s is not None:
+                # A held batch, whole, from its earliest request: one served before a cut
+                # reached the training, or while the loop was off, is never judged as after
+                # it. Not before the job's newest stamp: the window slices, the latest
+                # ``at_least`` and load() read each job's stamps in time order. Only several
+                # replicas under one job report out of order, and they can only make a held
+                # batch count as later, never earlier, than what the job reported.
+                newest = st.latency[-1][0] if st.latency else -math.inf
+                served = max(now - age_s, newest)
             st.latency.extend((served, s) for s in seconds)
-            # the load counts requests by arrival: each report holds those since the last
             if seconds:
-                st.reports.append((now, len(seconds)))
+                st.reports.append((served, len(seconds)))
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
@@ -1102,9 +1108,11 @@ class ColoService:
         first over the time since it: counting the first too, or dividing by the window,
         reads up to one report period per window high or low. Requests are counted per
         report, not from the latencies kept (a service busier than MAX_LATENCY_SAMPLES a
-        second would read as that). The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
-        later: a service that stopped reporting stopped serving. One report alone stands for
-        the report period before it."""
+        second would read as that). The span ends at the last report, or ``REPORT_GAP_S``
+        before now if that is later: a service that stopped reporting stopped serving. It is
+        a report period at least: reports close together (a batch held through a quiet spell,
+        counted from when it was served, and the next) are not ``1/span`` requests a second.
+        One report alone stands for the report period before it."""
         now = self._clock()
         with self._lock:
             st = self._jobs.get(job)
@@ -1120,7 +1128,7 @@ class ColoService:
         if later == 0:
             served = sum(n for _, n in reports)
             return served / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
-        return later / max(end - first, 1e-9)
+        return later / max(end - first, REPORT_PERIOD_S)
 
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:

@@ -560,10 +560,11 @@ class ReportLatencyRequest(_message.Message):
     AGE_S_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     age_s: _builtins.float
-    """Seconds since the earliest of these requests began, by the client's clock, in
-    [0, 86400]: gpud counts the whole report from then, so a batch that waited in a quiet
-    service's client is not taken for what the GPU did when it arrived. Unset (a client
-    from before it): counted from its arrival.
+    """Set only on a batch held through a quiet spell: seconds since the earliest of these
+    requests began, by the client's clock, in [0, 86400]. gpud counts the whole report
+    from then (but not before the job's newest report), so a batch that waited in a quiet
+    service's client is not taken for what the GPU did when it arrived. Unset: counted
+    from its arrival.
     """
     @_builtins.property
     def seconds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:

@@ -1453,6 +1453,83 @@ def test_a_latency_report_of_an_impossible_age_is_refused_naming_the_field(
     assert len(svc._latencies("chat", float("-inf"))) == 100  # the helper's own
 
 
+def test_a_held_batch_and_the_next_report_close_after_it_are_no_surge_in_load(
+    tmp_path: Path,
+) -> None:
+    """A quiet service's two requests, held through 10.5 s of quiet, go when the next
+    comes; the report after it arrives a millisecond later. Its load stays what the
+    requests were, a couple a second, not one request over that millisecond."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        svc.report_latency(job, seconds, age_s)
+        clock.t += 0.001
+
+    lat = Latency("chat", clock=clock, send=send, flush_every_s=1.0)
+    loads = []
+    for t in (0.0, 0.5, 11.0, 11.5, 12.6):
+        clock.t = t0 + t
+        lat.observe(0.01)
+        loads.append(svc.load("chat"))
+    assert max(loads[2:]) <= 2.0
+    assert loads[-1] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_two_reports_a_millisecond_apart_read_as_a_report_periods_requests(
+    tmp_path: Path,
+) -> None:
+    """Reports close together (what several replicas under one job can send) are counted
+    over a report period at least, not over the millisecond between them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    clock.t += 20
+    svc.report_latency("chat", [0.01] * 2)
+    clock.t += 0.001
+    svc.report_latency("chat", [0.01])
+    assert svc.load("chat") == pytest.approx(1.0)
+
+
+def test_a_busy_services_guard_cuts_at_the_pace_of_its_reports(tmp_path: Path) -> None:
+    """100 requests a second through gpud.client, at 300 ms from 2 s on (the SLO is 100
+    ms), a tick a second: each report holds a second's requests, counted from its arrival,
+    so the guard halves the training's duty every other second from the first slow
+    report, as it waits for a report made at the duty it set."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    cuts = []
+    for step in range(1, 1201):
+        clock.t = t0 + step / 100
+        lat.observe(0.3 if step > 200 else 0.01)
+        if step % 100 == 0:
+            before = svc.duty("train")
+            svc.tick(snapshot())
+            if svc.duty("train") < before:
+                cuts.append(step // 100)
+    assert cuts == [3, 5, 7, 9, 11]
+
+
+def test_a_held_batch_from_a_second_replica_is_counted_no_earlier_than_the_jobs_reports(
+    tmp_path: Path,
+) -> None:
+    """Replica A reported a 50 ms request 40 s ago and 19 more from 30 s to 3 s ago;
+    replica B's client then sends one 2 s request held 50 s. The job's latencies stay in
+    time order: B's request counts from A's newest report, so the 20 latest the p99 of a
+    quiet service reads are the 20 stamped last (A's oldest left out), and a guard's
+    judgement from 3.5 s ago holds both requests reported since."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t + 60
+    for ago in [40.0] + [30.0 - 1.5 * i for i in range(19)]:
+        clock.t = t0 - ago
+        svc.report_latency("chat", [0.05])
+    clock.t = t0
+    svc.report_latency("chat", [2.0], 50.0)
+    stamps = [t for t, _ in svc._jobs["chat"].latency]
+    assert stamps == sorted(stamps)
+    assert stamps[-1] == pytest.approx(t0 - 3.0)
+    assert svc.p99("chat", since=t0 - 3.5, min_samples=2) == 2.0
+
+
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
     tmp_path: Path,
 ) -> None:
@@ -1870,30 +1947,47 @@ def test_throttle_point_keeps_going_without_a_daemon() -> None:
     assert t.point() == 0.0 and t.duty == 1.0
 
 
-def test_latency_batches_and_says_how_old_each_batch_is() -> None:
-    """A second's requests go in one report, saying when the earliest began; a batch held
-    longer (no request came for a while) goes on its own, before the request that sends
-    it, with its own age."""
+def test_latency_batches_and_says_the_age_of_a_batch_held_through_a_quiet_spell_only() -> None:
+    """A second's requests go in one report with the request that sends it, saying no age
+    (gpud counts it from its arrival). A batch whose newest request finished more than a
+    second before the next one was held through a quiet spell: it goes alone, saying when
+    its earliest request began, and that next request begins the next batch."""
     clock = Clock()
-    sent: list[tuple[str, list[float], float]] = []
+    sent: list[tuple[str, list[float], float | None]] = []
     lat = Latency(
         "chat", clock=clock, send=lambda j, s, a: sent.append((j, s, a)), flush_every_s=1.0
     )
     lat.observe(0.01)
     clock.t += 0.5
     lat.observe(0.02)
-    assert not sent
-    clock.t += 9.5
+    clock.t += 0.75
     lat.observe(0.03)
-    assert sent == [
-        ("chat", [0.01, 0.02], pytest.approx(10.01)),
-        ("chat", [0.03], pytest.approx(0.03)),
-    ]
+    assert sent == [("chat", [0.01, 0.02, 0.03], None)]
     clock.t += 0.5
     lat.observe(0.04)
+    clock.t += 9.5
+    lat.observe(0.05)
+    assert sent[1:] == [("chat", [0.04], pytest.approx(9.54))]
     clock.t += 0.25
     lat.flush()
-    assert sent[2:] == [("chat", [0.04], pytest.approx(0.29))]
+    assert sent[2:] == [("chat", [0.05], None)]
+
+
+def test_a_busy_service_reports_once_a_second_none_split_off(
+    tmp_path: Path,
+) -> None:
+    """100 requests a second for 5 s make five reports of 100, each counted from its
+    arrival: none of a single request sent apart from the second before it."""
+    clock = Clock()
+    sent: list[tuple[int, float | None]] = []
+    lat = Latency(
+        "chat", clock=clock, send=lambda j, s, a: sent.append((len(s), a)), flush_every_s=1.0
+    )
+    t0 = clock.t
+    for step in range(1, 501):
+        clock.t = t0 + step / 100
+        lat.observe(0.01)
+    assert sent == [(100, None)] * 5
 
 
 def test_latency_reports_an_age_of_a_day_at_most() -> None:
