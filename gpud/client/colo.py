@@ -184,25 +184,27 @@ class Latency:
         batch is not refused with it. The batch, this request with it, is sent once
         ``flush_every_s`` passed since the last send, and gpud counts it from its arrival.
         Only a batch held through a quiet spell (its newest request finished more than
-        ``flush_every_s`` before this one) goes alone, saying its age: gpud counts it from
-        when its earliest request began, so a GPU's hang then, or the loop off, is not read
-        as what the GPU does now; this request begins the next batch."""
+        ``flush_every_s`` before this one) goes on its own, saying its age: gpud counts it
+        from when its earliest request began, so a GPU's hang then, or the loop off, is not
+        read as what the GPU does now; this request follows it at once, counted from its
+        arrival. What is held at exit is lost unless :meth:`flush` is called."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
         with self._lock:
             now = self._clock()
+            held = None
             if self._batch and now - self._newest > self._every:
-                taken = self._take(now, aged=True)
-            else:
-                taken = None
+                held = self._take(now, aged=True)
             self._batch.append(seconds)
             self._began = min(self._began, now - seconds)
             self._newest = now
-            if taken is None and (len(self._batch) >= self._max or now - self._last >= self._every):
+            taken = None
+            if held or len(self._batch) >= self._max or now - self._last >= self._every:
                 taken = self._take(now, aged=False)
-        if taken is not None:
-            self._deliver(*taken)
+        for report in (held, taken):
+            if report is not None:
+                self._deliver(*report)
 
     def flush(self) -> None:
         """Send what was collected now: saying its age if it was held through a quiet

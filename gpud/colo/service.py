@@ -933,11 +933,13 @@ class ColoService:
                 self._off_state = 0
                 if not self.config.enabled:
                     # A report that says its age is counted from its earliest request, so
-                    # the switch-on itself would do for it; one from a client that says no
-                    # age (a job's own older gpud.client) is counted from its arrival and
-                    # holds up to a period's requests served before: the margin keeps those
-                    # out, at the cost of a second's wait for the rest.
-                    self._on_since = self._clock() + REPORT_PERIOD_S
+                    # the switch-on itself would do for it; one that says none (gpud.client
+                    # sends a batch not held through a quiet spell so, as does an older
+                    # client) is counted from its arrival and holds requests served up to
+                    # two periods before (each request within a period of the one before,
+                    # the batch sent at the first a period after the last send): the margin
+                    # keeps those out, at the cost of two seconds' wait for the rest.
+                    self._on_since = self._clock() + REPORT_GAP_S
             self.config = config
             self.predictor.scant_memory_s = config.scant_margin_memory_s
             self._planner = Planner(
@@ -986,22 +988,20 @@ class ColoService:
             raise InvalidArgument(
                 f"job {job}: latency sample {bad} s outside [0, {MAX_LATENCY_S:g}] seconds"
             )
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             if job in self._gone:  # removed: its processes' last reports
                 return
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
-            served = now
-            if age_s is not None:
-                # A held batch, whole, from its earliest request: one served before a cut
-                # reached the training, or while the loop was off, is never judged as after
-                # it. Not before the job's newest stamp: the window slices, the latest
-                # ``at_least`` and load() read each job's stamps in time order. Only several
-                # replicas under one job report out of order, and they can only make a held
-                # batch count as later, never earlier, than what the job reported.
-                newest = st.latency[-1][0] if st.latency else -math.inf
-                served = max(now - age_s, newest)
+            # A held batch, whole, from its earliest request: one served before a cut reached
+            # the training, or while the loop was off, is never judged as after it. Never
+            # before the job's newest report (kept when a switch-off clears the latencies):
+            # the window slices, the latest ``at_least`` and load() read each job's stamps in
+            # time order. Only several replicas under one job report out of order, and they
+            # can only make a held batch count as later, never earlier, than the job's last.
+            newest = st.reports[-1][0] if st.reports else -math.inf
+            served = max(now - (age_s or 0.0), newest)
             st.latency.extend((served, s) for s in seconds)
             if seconds:
                 st.reports.append((served, len(seconds)))
