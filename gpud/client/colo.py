@@ -15,6 +15,7 @@ fail because its node's gpud is away.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -28,6 +29,11 @@ DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 # served, but a unit mistake or garbage, which would have the guard evict training. A report
 # holding any sample outside [0, MAX_LATENCY_S] (NaN too) is refused whole.
 MAX_LATENCY_S = 3600.0
+# The oldest a latency report may say its requests are: beyond every window gpud reads
+# latencies over (6 windows of at most an hour), so a batch a quiet service held longer is
+# sent saying this much and counts for nothing, as it would at its true age. gpud refuses a
+# report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
+MAX_REPORT_AGE_S = 86400.0
 
 
 class _Channel:
@@ -145,9 +151,12 @@ class Latency:
         flush_every_s: float = 1.0,
         max_batch: int = 4096,
         clock: Callable[[], float] = time.monotonic,
-        send: Callable[[str, list[float]], None] | None = None,
+        send: Callable[[str, list[float], float | None], None] | None = None,
         token: str | None = None,
     ) -> None:
+        """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
+        to gpud); ``age_s`` the seconds since the earliest of its requests began, for a
+        batch held through a quiet spell only, else None (gpud counts it from arrival)."""
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
@@ -155,14 +164,16 @@ class Latency:
         self._clock = clock
         self._send = send or self._grpc_send
         self._batch: list[float] = []
+        self._began = math.inf  # when the batch's earliest request began, by ``clock``
+        self._newest = -math.inf  # when the batch's newest request finished
         self._last = clock()
         self._lock = threading.Lock()
 
-    def _grpc_send(self, job: str, seconds: list[float]) -> None:
+    def _grpc_send(self, job: str, seconds: list[float], age_s: float | None) -> None:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
-            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
+            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds, age_s=age_s),
             timeout=1.0,
             metadata=self._channel.metadata,
         )
@@ -170,21 +181,49 @@ class Latency:
     def observe(self, seconds: float) -> None:
         """One request's latency, in seconds. One gpud would refuse (negative: a clock that
         stepped back; NaN; over ``MAX_LATENCY_S``) is dropped here, so that the rest of its
-        batch is not refused with it."""
+        batch is not refused with it. The batch, this request with it, is sent once
+        ``flush_every_s`` passed since the last send, and gpud counts it from its arrival.
+        Only a batch held through a quiet spell (its newest request finished more than
+        ``flush_every_s`` before this one) goes on its own, saying its age: gpud counts it
+        from when its earliest request began, so a GPU's hang then, or the loop off, is not
+        read as what the GPU does now; this request follows it at once, counted from its
+        arrival. What is held at exit is lost unless :meth:`flush` is called."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
         with self._lock:
+            now = self._clock()
+            held = None
+            if self._batch and now - self._newest > self._every:
+                held = self._take(now, aged=True)
             self._batch.append(seconds)
-            due = len(self._batch) >= self._max or self._clock() - self._last >= self._every
-        if due:
-            self.flush()
+            self._began = min(self._began, now - seconds)
+            self._newest = now
+            taken = None
+            if held or len(self._batch) >= self._max or now - self._last >= self._every:
+                taken = self._take(now, aged=False)
+        for report in (held, taken):
+            if report is not None:
+                self._deliver(*report)
 
     def flush(self) -> None:
+        """Send what was collected now: saying its age if it was held through a quiet
+        spell (its newest request finished more than ``flush_every_s`` ago)."""
         with self._lock:
-            batch, self._batch = self._batch, []
-            self._last = self._clock()
+            now = self._clock()
+            taken = self._take(now, aged=now - self._newest > self._every)
+        self._deliver(*taken)
+
+    def _take(self, now: float, *, aged: bool) -> tuple[list[float], float | None]:
+        """The batch and, where ``aged``, its age (clamped to ``MAX_REPORT_AGE_S``), the
+        batch emptied. Under the lock."""
+        batch, self._batch = self._batch, []
+        age = min(MAX_REPORT_AGE_S, max(0.0, now - self._began)) if aged else None
+        self._began, self._newest, self._last = math.inf, -math.inf, now
+        return batch, age
+
+    def _deliver(self, batch: list[float], age_s: float | None) -> None:
         if batch and self.job:
             # The daemon may be away: drop the batch, never fail the job.
             with contextlib.suppress(Exception):
-                self._send(self.job, batch)
+                self._send(self.job, batch, age_s)

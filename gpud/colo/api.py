@@ -233,7 +233,8 @@ class ColoServicer(pb_grpc.ColocationServicer):
         self, request: pb.ReportLatencyRequest, context: Any
     ) -> pb.ReportLatencyResponse:
         job = await self._holding(_job(request.job), context)
-        self._service.report_latency(job, list(request.seconds))
+        age = request.age_s if request.HasField("age_s") else None
+        self._service.report_latency(job, list(request.seconds), age)
         return pb.ReportLatencyResponse()
 
     async def ThrottlePoint(  # noqa: N802

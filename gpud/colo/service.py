@@ -47,7 +47,7 @@ from colocate import (
 )
 from gpud.backend.port import GpuIdentity, MigDeviceIdentity, Utilization
 from gpud.backend.products import lookup
-from gpud.client.colo import MAX_LATENCY_S
+from gpud.client.colo import MAX_LATENCY_S, MAX_REPORT_AGE_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
@@ -826,6 +826,10 @@ class ColoService:
         # its guard's duty again (a restart, back from a pause or from not running) only
         # beside the company it was set in
         self._guarding: set[str] = set()
+        # (under _lock) when a reload last switched the loop on: no tick ran while it was
+        # off, so nothing told a guard that a GPU hung under its service then, and what a
+        # service reported before this is no evidence of the training's doing
+        self._on_since = float("-inf")
         self._directives: dict[str, Directive] = {}
         self._plan: Plan | None = None
         self._plan_at = 0.0
@@ -927,6 +931,15 @@ class ColoService:
                 self._off_state = self._states + 1
             elif config.enabled:
                 self._off_state = 0
+                if not self.config.enabled:
+                    # A report that says its age is counted from its earliest request, so
+                    # the switch-on itself would do for it; one that says none (gpud.client
+                    # sends a batch not held through a quiet spell so, as does an older
+                    # client) is counted from its arrival and holds requests served up to
+                    # two periods before (each request within a period of the one before,
+                    # the batch sent at the first a period after the last send): the margin
+                    # keeps those out, at the cost of two seconds' wait for the rest.
+                    self._on_since = self._clock() + REPORT_GAP_S
             self.config = config
             self.predictor.scant_memory_s = config.scant_margin_memory_s
             self._planner = Planner(
@@ -952,7 +965,19 @@ class ColoService:
                 g.retune(self._guard_params)
 
     # -- reports from jobs --------------------------------------------------------------------
-    def report_latency(self, job: str, seconds: Sequence[float]) -> None:
+    def report_latency(
+        self, job: str, seconds: Sequence[float], age_s: float | None = None
+    ) -> None:
+        """An inference service's latencies (the ``ReportLatency`` RPC), counted from now;
+        a batch held through a quiet spell says its age (``gpud.client.Latency``: seconds
+        since its earliest request began), and is counted from then, so that it is not
+        taken for what its GPU does when it arrives, but never from before the job's
+        newest report (its stamps stay in time order)."""
+        if age_s is not None and not 0.0 <= age_s <= MAX_REPORT_AGE_S:  # NaN too
+            raise InvalidArgument(
+                f"job {job}: latency report age_s {age_s} s outside "
+                f"[0, {MAX_REPORT_AGE_S:g}] seconds"
+            )
         if len(seconds) > MAX_LATENCY_SAMPLES:
             raise InvalidArgument(
                 f"job {job}: at most {MAX_LATENCY_SAMPLES} latency samples per report, "
@@ -963,15 +988,23 @@ class ColoService:
             raise InvalidArgument(
                 f"job {job}: latency sample {bad} s outside [0, {MAX_LATENCY_S:g}] seconds"
             )
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             if job in self._gone:  # removed: its processes' last reports
                 return
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
-            st.latency.extend((now, s) for s in seconds)
+            # A held batch, whole, from its earliest request: one served before a cut reached
+            # the training, or while the loop was off, is never judged as after it. Never
+            # before the job's newest report (kept when a switch-off clears the latencies):
+            # the window slices, the latest ``at_least`` and load() read each job's stamps in
+            # time order. Only several replicas under one job report out of order, and they
+            # can only make a held batch count as later, never earlier, than the job's last.
+            newest = st.reports[-1][0] if st.reports else -math.inf
+            served = max(now - (age_s or 0.0), newest)
+            st.latency.extend((served, s) for s in seconds)
             if seconds:
-                st.reports.append((now, len(seconds)))
+                st.reports.append((served, len(seconds)))
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
@@ -1056,7 +1089,9 @@ class ColoService:
 
     def rate_at_share(self, r: RunningJob) -> float:
         """An inference service's rate (requests/s) at its share on that device: the one it
-        shows (:meth:`service_rate`, over the window), else its shape's at its share (what
+        shows (:meth:`service_rate`, over the whole window, as its p99 shown is: what the
+        simulated device serves it at, not a guard's judgement, so latencies from before a
+        cut, a hang or the loop's switch-on count too), else its shape's at its share (what
         it declared, or the prior)."""
         measured = self.service_rate(r.name)
         if measured is not None:
@@ -1073,9 +1108,11 @@ class ColoService:
         first over the time since it: counting the first too, or dividing by the window,
         reads up to one report period per window high or low. Requests are counted per
         report, not from the latencies kept (a service busier than MAX_LATENCY_SAMPLES a
-        second would read as that). The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
-        later: a service that stopped reporting stopped serving. One report alone stands for
-        the report period before it."""
+        second would read as that). The span ends at the last report, or ``REPORT_GAP_S``
+        before now if that is later: a service that stopped reporting stopped serving. It is
+        a report period at least: reports close together (a batch held through a quiet spell,
+        counted from when it was served, and the next) are not ``1/span`` requests a second.
+        One report alone stands for the report period before it."""
         now = self._clock()
         with self._lock:
             st = self._jobs.get(job)
@@ -1091,7 +1128,7 @@ class ColoService:
         if later == 0:
             served = sum(n for _, n in reports)
             return served / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
-        return later / max(end - first, 1e-9)
+        return later / max(end - first, REPORT_PERIOD_S)
 
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
@@ -1638,12 +1675,19 @@ class ColoService:
                 self._whole_from = state[0]
             finally:
                 self._lock.release()
+            began = threading.Event()
             writer = threading.Thread(
-                target=self._save_at_stop, args=(state,), name="colo-stop-save", daemon=True
+                target=self._save_at_stop,
+                args=(state, began),
+                name="colo-stop-save",
+                daemon=True,
             )
             writer.start()
             why = self._wait_written(
-                state[0], max(0.0, deadline - time.monotonic()), said_s=wait_s, writer=writer
+                state[0],
+                max(0.0, deadline - time.monotonic()),
+                said_s=wait_s,
+                writer=(writer, began),
             )
         if why:
             log.warning(
@@ -1653,12 +1697,13 @@ class ColoService:
                 why,
             )
 
-    def _save_at_stop(self, state: tuple[int, dict[str, Any]]) -> None:
-        """:meth:`_save` on the stop's own thread: a write that raises what a failed write
-        does not (OSError, ValueError) is logged naming the file, as a failed one is, and
-        the stop, told it is done, says it failed and why."""
+    def _save_at_stop(self, state: tuple[int, dict[str, Any]], began: threading.Event) -> None:
+        """:meth:`_save` on the stop's own thread (``began`` set once it writes): a write
+        that raises what a failed write does not (OSError, ValueError) is logged naming
+        the file, as a failed one is, and the stop, told it is done, says it failed and
+        why."""
         try:
-            self._save(state)
+            self._save(state, began)
         except Exception as err:
             log.warning(
                 "co-location state %s not written: %s: %s",
@@ -1668,7 +1713,9 @@ class ColoService:
                 exc_info=True,
             )
 
-    def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
+    def _save(
+        self, state: tuple[int, dict[str, Any]] | None, began: threading.Event | None = None
+    ) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
@@ -1682,7 +1729,9 @@ class ColoService:
         (:meth:`save_at_stop`), and any newer, is written whole: its predictor's clock
         however little it moved. A write that raises what a failed write does not (not
         OSError nor ValueError) is raised to the caller once the states left to this
-        writer meanwhile are written, as a failed write leaves them written too."""
+        writer meanwhile are written, as a failed write leaves them written too.
+        ``began``: set once this caller holds the write (not once it left ``state`` to
+        another writer)."""
         if state is None or self._state_file is None:
             return
         with self._pending_lock:
@@ -1697,6 +1746,8 @@ class ColoService:
             # lock, so one left now is written then.
             if not self._save_lock.acquire(blocking=False):
                 break
+            if began is not None:
+                began.set()
             try:
                 with self._pending_lock:
                     pending, self._pending = self._pending, None
@@ -1729,27 +1780,34 @@ class ColoService:
         wait_s: float | None = None,
         *,
         said_s: float | None = None,
-        writer: threading.Thread | None = None,
+        writer: tuple[threading.Thread, threading.Event] | None = None,
     ) -> str:
         """Wait (up to ``wait_s``, default ``leave_write_s``) until the state file holds
         ``state`` or a newer one, written by this thread or by the one that held the write
         when it came: "" once it does, else why not (naming ``said_s``, the caller's whole
-        wait, where given, else ``wait_s``). ``writer``: the stop's own write thread, said
-        to be the write still running while it runs (else another writer holds it). Never
-        under the loop's lock."""
+        wait, where given, else ``wait_s``). ``writer``: the stop's own write thread and
+        the event it sets once it holds the write: the stop's write still runs once it
+        does, had not begun while the thread has not come to it (not yet run: the stop's
+        budget spent), else another writer holds it. Never under the loop's lock."""
         wait_s = self._leave_write_s if wait_s is None else wait_s
         with self._written:
             if not self._written.wait_for(lambda: self._tried_state >= state, wait_s):
                 said = wait_s if said_s is None else said_s
-                # the stop's thread hands its state to a write under way and ends at once:
-                # still running, it is in a write of its own
-                whose = (
-                    "the stop's write"
-                    if writer is not None and writer.is_alive()
-                    else "another write"
-                )
-                return f"{whose} of it still runs after {said:.1f} s"
+                return f"{self._who_writes(writer)} after {said:.1f} s"
             return "" if self._on_disk_state >= state else self._save_error
+
+    @staticmethod
+    def _who_writes(writer: tuple[threading.Thread, threading.Event] | None) -> str:
+        """What holds up the file's write, by :meth:`_wait_written`'s ``writer``."""
+        if writer is not None:
+            thread, began = writer
+            if began.is_set():
+                return "the stop's write of it still runs"
+            # the stop's thread hands its state to a write under way and ends at once:
+            # still running, it has not come to its write yet
+            if thread.is_alive():
+                return "the stop's write of it had not begun"
+        return "another write of it still runs"
 
     def _holds(self, state: int) -> bool:
         """Whether the state file holds ``state`` or a newer one (a write of it done)."""
@@ -1852,7 +1910,7 @@ class ColoService:
             if kind == "training":
                 rate = self._rate(st, now)
             else:
-                rate = self.service_rate(name, since=max(st.since, st.guard_since))
+                rate = self.service_rate(name, since=max(st.since, self._judged_since(st)))
             shared = [(r, others) for r, others, _, _ in where if others]
             if not shared:
                 for r, _, sample, only in where:
@@ -1997,6 +2055,12 @@ class ColoService:
             st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
         self._paused_services = paused
 
+    def _judged_since(self, st: _JobState) -> float:
+        """Reports after this are what a service's guard acts on: those since its duty last
+        reached the training (or its GPUs answered again) and since the loop was last
+        switched on, whichever is later. Under the lock."""
+        return max(st.guard_since, self._on_since)
+
     def _ensure_guards(self, running: Sequence[RunningJob]) -> None:
         """A guard for each inference service in ``running``, on a faulty GPU too (one
         whose GPUs hung before gpud started too, that `gpuctl colo show` lists), holding
@@ -2071,7 +2135,7 @@ class ColoService:
             self._guarding.add(name)
             # Act on latencies measured at the duty last set, not on the ones the window
             # still holds from before it: else each tick would cut again for the same spike.
-            fresh = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+            fresh = self.p99(name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES)
             if fresh is None and p99 is not None:
                 # still measuring at the new duty: the last decision holds
                 for gpu in gpus:
@@ -2996,7 +3060,9 @@ class ColoService:
                 )
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
-                at_duty = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+                at_duty = self.p99(
+                    name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES
+                )
                 action = g.last.action.value if g.last else "hold"
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if r.gpu in self._faulty:

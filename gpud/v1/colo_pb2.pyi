@@ -557,7 +557,15 @@ class ReportLatencyRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
     job: _builtins.str
+    age_s: _builtins.float
+    """Set only on a batch held through a quiet spell: seconds since the earliest of these
+    requests began, by the client's clock, in [0, 86400]. gpud counts the whole report
+    from then (but not before the job's newest report), so a batch that waited in a quiet
+    service's client is not taken for what the GPU did when it arrived. Unset: counted
+    from its arrival.
+    """
     @_builtins.property
     def seconds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """at most 4096 per report"""
@@ -567,12 +575,15 @@ class ReportLatencyRequest(_message.Message):
         *,
         job: _builtins.str = ...,
         seconds: _abc.Iterable[_builtins.float] | None = ...,
+        age_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_age_s", b"_age_s", "age_s", b"age_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_age_s", b"_age_s", "age_s", b"age_s", "job", b"job", "seconds", b"seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__age_s: _TypeAlias = _typing.Literal["age_s"]  # noqa: Y015
+    _WhichOneofArgType__age_s: _TypeAlias = _typing.Literal["_age_s", b"_age_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__age_s) -> _WhichOneofReturnType__age_s | None: ...
 
 Global___ReportLatencyRequest: _TypeAlias = ReportLatencyRequest  # noqa: Y015
 

@@ -272,12 +272,15 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         _opt(st.floats(0, 1000) | st.floats()),
     ),
     "/gpud.v1.Colocation/ReportLatency": st.builds(
-        lambda job, seconds: colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
+        lambda job, seconds, age: _set(
+            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds), age_s=age
+        ),
         colo_names,
         # mostly sane; NaN, infinities, negatives, 1e308 and over-long batches too
         st.lists(st.floats(0, 10), max_size=20)
         | st.lists(st.floats(), max_size=20)
         | st.integers(4000, 5000).map(lambda n: [0.01] * n),
+        _opt(st.floats(0, 100) | st.floats()),
     ),
     "/gpud.v1.Net/ReportProgress": st.builds(lambda r: r, st.deferred(lambda: progress_report)),
     "/gpud.v1.Net/ReportProgressBatch": st.builds(

@@ -1290,12 +1290,244 @@ def test_a_guard_paused_by_a_hang_does_not_act_on_its_latencies_once_switched_on
     svc.configure(ColocateConfig())
     duties = []
     for reported in (None, 0.095):  # on again: nothing new, then the training's doing
-        clock.t += 1
+        clock.t += 1.5
         if reported is not None:
             svc.report_latency("chat", [reported] * 100)
         svc.tick(snapshot())
         duties.append(svc.duty("train"))
     assert duties == [1.0, 0.5]
+
+
+def test_latencies_a_service_reports_while_the_loop_is_off_do_not_move_its_guard(
+    tmp_path: Path,
+) -> None:
+    """A reload switches co-location off; GPU 0 then hangs under a service and the training
+    beside it, the service reporting 200 ms against its 100 ms SLO through the hang (no
+    tick of the off loop sees it); GPU 0 answers, a reload switches co-location on: the
+    guard does not cut the training for latencies reported while the loop was off, and
+    acts on those reported since it was switched on."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for snap in (hung, hung, snapshot()):  # off: the hang, then GPU 0 answering
+        clock.t += 1
+        svc.report_latency("chat", [0.2] * 100)
+        svc.tick(snap)
+    svc.configure(ColocateConfig())
+    for _ in range(2):  # on again, nothing new reported
+        clock.t += 1
+        svc.tick(snapshot())
+        assert svc.duty("train") == 1.0
+    (g,) = svc.show().guards
+    assert g.p99_ms == pytest.approx(200.0) and g.p99_at_duty_ms is None
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 100)  # the training's doing
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+
+
+def test_a_quiet_service_switched_on_is_guarded_once_twenty_requests_came_since(
+    tmp_path: Path,
+) -> None:
+    """A service of little traffic (8 requests in 5 s) reported 200 ms while co-location
+    was off and GPU 0 hung: switched on again, its guard holds until 20 requests came since
+    (up to 6 latency windows back), then acts on those alone, at the tick that has them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.report_latency("chat", [0.2] * 8)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    svc.configure(ColocateConfig())
+    duties = []
+    for _ in range(3):
+        clock.t += 5
+        svc.report_latency("chat", [0.095] * 8)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+    assert duties == [1.0, 1.0, 0.5]
+
+
+def test_latencies_reported_within_a_second_of_the_switch_on_do_not_move_the_guard(
+    tmp_path: Path,
+) -> None:
+    """A report from a client that says no age, half a second after a reload switched
+    co-location on, may hold requests served while it was off: the guard acts on reports
+    from a second after the switch-on only."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.configure(ColocateConfig())
+    clock.t += 0.5
+    svc.report_latency("chat", [0.2] * 100)
+    for step in (0.6, 0.9):
+        clock.t += step
+        svc.tick(snapshot())
+        assert svc.duty("train") == 1.0
+
+
+def test_a_service_switched_on_is_learned_from_its_latencies_since_only(tmp_path: Path) -> None:
+    """A service reported slow requests while co-location was off (a GPU hang, say): once
+    switched on, the speed it is seen at beside the training, and taught to the predictor,
+    comes from the requests it served since."""
+    svc, clock = chat_measured_alone_beside_training(tmp_path)
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig(enabled=False))
+    for _ in range(4):
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(150.0, 100.0))
+        svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    seen = []
+    for _ in range(12):  # past the 10 s window
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(360.0, 100.0))
+        svc.tick(snapshot())
+        seen.append(svc.show().observed_speed.get("chat"))
+    assert seen[-1] == pytest.approx(360.0 / 400.0, rel=1e-3)
+    assert all(s is None or s == pytest.approx(360.0 / 400.0, rel=1e-3) for s in seen)
+    assert svc.duty("train") == 1.0
+
+
+def test_a_quiet_services_batch_held_across_a_switch_on_is_judged_by_when_it_was_served(
+    tmp_path: Path,
+) -> None:
+    """gpud.client sends a batch at the next request a second after its last send: a
+    quiet service's two slow requests, served while co-location was off and GPU 0 hung,
+    wait in it until a request 9 s after the switch-on. Sent first, on their own, with
+    their age, they are no part of what the guard acts on: the 50 ms requests since,
+    within the 100 ms SLO, leave the training at full duty."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 70
+    lat = slow_while_gpu0_hangs(svc, clock)
+    svc.configure(ColocateConfig())
+    clock.t += 9
+    assert quiet_requests(svc, lat, clock) == [1.0] * 18
+    (g,) = svc.show().guards
+    assert g.p99_at_duty_ms is None  # 18 requests since: not yet judged
+
+
+def test_a_quiet_services_batch_held_through_a_hang_is_judged_by_when_it_was_served(
+    tmp_path: Path,
+) -> None:
+    """A quiet service's two slow requests, served while GPU 0 hung under it, wait in its
+    client until a request 3 s after the GPU answers again: sent with their age they count
+    from the hang, before its guard's pause ended, and the guard does not cut the training
+    for them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    lat = slow_while_gpu0_hangs(svc, clock)
+    svc.tick(snapshot())  # answering: the guard acts on what is served from a second on
+    clock.t += 3
+    assert quiet_requests(svc, lat, clock) == [1.0] * 18
+
+
+def slow_while_gpu0_hangs(svc: ColoService, clock: Clock) -> Latency:
+    """A quiet service's client, holding two 200 ms requests served while a tick found GPU
+    0 hung (not sent: none came a second after): a second later."""
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    lat.observe(0.2)
+    lat.observe(0.2)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    clock.t += 1
+    return lat
+
+
+def quiet_requests(svc: ColoService, lat: Latency, clock: Clock) -> list[float]:
+    """18 requests of 50 ms, 1.1 s apart, a tick after each: the training's duties."""
+    duties = []
+    for _ in range(18):
+        lat.observe(0.05)
+        svc.tick(snapshot())
+        duties.append(svc.duty("train"))
+        clock.t += 1.1
+    return duties
+
+
+def test_a_latency_report_of_an_impossible_age_is_refused_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    svc, _, _ = chat_beside_training(tmp_path)
+    for age in (-1.0, math.nan, math.inf, 1e9):
+        with pytest.raises(InvalidArgument, match=r"job chat: latency report age_s .* outside"):
+            svc.report_latency("chat", [0.01], age)
+    assert len(svc._latencies("chat", float("-inf"))) == 100  # the helper's own
+
+
+def test_a_held_batch_and_the_next_report_close_after_it_are_no_surge_in_load(
+    tmp_path: Path,
+) -> None:
+    """A quiet service's two requests, held through 10.5 s of quiet, go when the next
+    comes; the report after it arrives a millisecond later. Its load stays what the
+    requests were, a couple a second, not one request over that millisecond."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        svc.report_latency(job, seconds, age_s)
+        clock.t += 0.001
+
+    lat = Latency("chat", clock=clock, send=send, flush_every_s=1.0)
+    loads = []
+    for t in (0.0, 0.5, 11.0, 11.5, 12.6):
+        clock.t = t0 + t
+        lat.observe(0.01)
+        loads.append(svc.load("chat"))
+    # two requests a second at the most, never one over the millisecond between reports
+    assert max(loads[2:]) <= 2.0 and loads[-1] > 0.5, loads
+
+
+def test_two_reports_a_millisecond_apart_read_as_a_report_periods_requests(
+    tmp_path: Path,
+) -> None:
+    """Reports close together (what several replicas under one job can send) are counted
+    over a report period at least, not over the millisecond between them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    clock.t += 20
+    svc.report_latency("chat", [0.01] * 2)
+    clock.t += 0.001
+    svc.report_latency("chat", [0.01])
+    assert svc.load("chat") == pytest.approx(1.0)
+
+
+def test_a_busy_services_guard_cuts_at_the_pace_of_its_reports(tmp_path: Path) -> None:
+    """100 requests a second through gpud.client, at 300 ms from 2 s on (the SLO is 100
+    ms), a tick a second: each report holds a second's requests, counted from its arrival,
+    so the guard halves the training's duty every other second from the first slow
+    report, as it waits for a report made at the duty it set."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    cuts = []
+    for step in range(1, 1201):
+        clock.t = t0 + step / 100
+        lat.observe(0.3 if step > 200 else 0.01)
+        if step % 100 == 0:
+            before = svc.duty("train")
+            svc.tick(snapshot())
+            if svc.duty("train") < before:
+                cuts.append(step // 100)
+    assert cuts == [3, 5, 7, 9, 11]
+
+
+def test_a_held_batch_from_a_second_replica_is_counted_no_earlier_than_the_jobs_reports(
+    tmp_path: Path,
+) -> None:
+    """Replica A reported a 50 ms request 40 s ago and 19 more from 30 s to 3 s ago;
+    replica B's client then sends one 2 s request held 50 s. The job's latencies stay in
+    time order: B's request counts from A's newest report, so the 20 latest the p99 of a
+    quiet service reads are the 20 stamped last (A's oldest left out), and a guard's
+    judgement from 3.5 s ago holds both requests reported since."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    t0 = clock.t + 60
+    for ago in [40.0] + [30.0 - 1.5 * i for i in range(19)]:
+        clock.t = t0 - ago
+        svc.report_latency("chat", [0.05])
+    clock.t = t0
+    svc.report_latency("chat", [2.0], 50.0)
+    stamps = [t for t, _ in svc._jobs["chat"].latency]
+    assert stamps == sorted(stamps)
+    assert stamps[-1] == pytest.approx(t0 - 3.0)
+    assert svc.p99("chat", since=t0 - 3.5, min_samples=2) == 2.0
 
 
 def test_a_switch_off_refused_by_a_full_disk_is_written_once_the_disk_has_room(
@@ -1403,6 +1635,37 @@ def test_a_stop_whose_write_hangs_says_so_naming_the_file(
         f"co-location state {tmp_path / 'colo.json'} not written at the stop (the stop's"
         " write of it still runs after 0.3 s): the next start reads what it held before"
     ) in caplog.text
+
+
+def test_a_stop_whose_write_had_not_begun_by_its_deadline_says_so_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop's write thread has not come to its write of colo.json when the time the
+    stop gives the file runs out (held before it, as a thread not yet run is): the log
+    names the file and says the stop's write had not begun, not that it still runs; let
+    go, the thread writes it."""
+    done = threading.Event()
+
+    def write(path: Path, text: str) -> None:
+        write_atomically(path, text)
+        done.set()
+
+    svc = clock_unwritten(tmp_path, Clock(), write)
+    done.clear()
+    caplog.set_level(logging.WARNING)
+
+    def release() -> None:
+        svc._pending_lock.release()
+        done.wait(30.0)
+
+    svc._pending_lock.acquire()
+    assert stop_ends_before(svc, 0.2, release)
+    assert (
+        f"co-location state {tmp_path / 'colo.json'} not written at the stop (the stop's"
+        " write of it had not begun after 0.2 s): the next start reads what it held before"
+    ) in caplog.text
+    assert "still runs" not in caplog.text
+    assert done.is_set()
 
 
 def stopped_behind_a_hung_tick(
@@ -1684,16 +1947,57 @@ def test_throttle_point_keeps_going_without_a_daemon() -> None:
     assert t.point() == 0.0 and t.duty == 1.0
 
 
-def test_latency_batches() -> None:
+def test_latency_batches_and_says_the_age_of_a_batch_held_through_a_quiet_spell_only() -> None:
+    """A second's requests go in one report with the request that sends it, saying no age
+    (gpud counts it from its arrival). A batch whose newest request finished more than a
+    second before the next one was held through a quiet spell: it goes alone, saying when
+    its earliest request began, and that next request goes right after it."""
     clock = Clock()
-    sent: list[tuple[str, list[float]]] = []
-    lat = Latency("chat", clock=clock, send=lambda j, s: sent.append((j, s)), flush_every_s=1.0)
+    sent: list[tuple[str, list[float], float | None]] = []
+    lat = Latency(
+        "chat", clock=clock, send=lambda j, s, a: sent.append((j, s, a)), flush_every_s=1.0
+    )
     lat.observe(0.01)
+    clock.t += 0.5
     lat.observe(0.02)
-    assert not sent
-    clock.t += 1.5
+    clock.t += 0.75
     lat.observe(0.03)
-    assert sent == [("chat", [0.01, 0.02, 0.03])]
+    assert sent == [("chat", [0.01, 0.02, 0.03], None)]
+    clock.t += 0.5
+    lat.observe(0.04)
+    clock.t += 9.5
+    lat.observe(0.05)
+    assert sent[1:] == [("chat", [0.04], pytest.approx(9.54)), ("chat", [0.05], None)]
+    clock.t += 0.25
+    lat.flush()  # nothing held
+    assert len(sent) == 3
+
+
+def test_a_busy_service_reports_once_a_second_none_split_off(
+    tmp_path: Path,
+) -> None:
+    """100 requests a second for 5 s make five reports of 100, each counted from its
+    arrival: none of a single request sent apart from the second before it."""
+    clock = Clock()
+    sent: list[tuple[int, float | None]] = []
+    lat = Latency(
+        "chat", clock=clock, send=lambda j, s, a: sent.append((len(s), a)), flush_every_s=1.0
+    )
+    t0 = clock.t
+    for step in range(1, 501):
+        clock.t = t0 + step / 100
+        lat.observe(0.01)
+    assert sent == [(100, None)] * 5
+
+
+def test_latency_reports_an_age_of_a_day_at_most() -> None:
+    clock = Clock()
+    sent: list[float] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(a), flush_every_s=1.0)
+    lat.observe(0.01)
+    clock.t += 2 * 86400
+    lat.flush()
+    assert sent == [86400.0]
 
 
 def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
@@ -1889,6 +2193,18 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             colo_pb2.ReportLatencyRequest(job="chat", seconds=[1e300]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "outside [0, 3600] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01], age_s=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency report age_s nan s outside [0, 86400] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01], age_s=-2.0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency report age_s -2.0 s outside",
         ),
         (
             "ReportLatency",
@@ -4158,7 +4474,9 @@ def test_a_services_rate_at_its_share_is_the_measured_one_else_its_shapes(
     assert svc.rate_at_share(chat) == pytest.approx(400.0, rel=1e-3)  # what it shows
 
 
-def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
+def chat_measured_alone_beside_training(tmp_path: Path) -> tuple[ColoService, Clock]:
+    """A service of a 100 ms SLO that served 400 requests/s alone, on GPU 0 with training
+    (not yet ticked)."""
     from gpud.colo.service import _JobState
 
     clock = Clock()
@@ -4170,6 +4488,11 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
     )
     svc._jobs["chat"] = _JobState(alone_rate=400.0)  # as measured alone before
+    return svc, clock
+
+
+def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
+    svc, clock = chat_measured_alone_beside_training(tmp_path)
     svc.tick(snapshot())  # the company is new: measuring starts once it settled (2 s)
     clock.t += 1
     svc.report_latency("chat", [0.095] * 100)  # near the SLO, next to training at full duty
@@ -5307,3 +5630,20 @@ def test_a_job_reserved_and_removed_between_two_ticks_stays_removed(tmp_path: Pa
     svc.tick(busy_snapshot({0: (0.3, 0.2), 1: (0.3, 0.2)}))
     assert svc.throttle_point("sweep", 10).reason != "job removed"
     assert "sweep" in svc._jobs
+
+
+def test_a_held_batch_after_a_switch_off_cleared_the_latencies_keeps_the_reports_in_order(
+    tmp_path: Path,
+) -> None:
+    """A switch-off clears what a service paused by a hang reported, not when it reported:
+    a batch held from before that report, arriving after, is counted no earlier than it,
+    so the load still counts its requests."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    clock.t += 1
+    svc.report_latency("chat", [0.2])
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 3
+    svc.report_latency("chat", [0.01], age_s=12.5)
+    stamps = [t for t, _ in svc._jobs["chat"].reports]
+    assert stamps == sorted(stamps), stamps
