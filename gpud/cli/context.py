@@ -243,16 +243,20 @@ def clip_arguments(message: str, words: Sequence[str]) -> str:
     return message
 
 
-def shown_path(path: Path) -> str:
-    """``path`` as a one-line message shows it: a control character (a newline would split
-    the line) or a byte that is not UTF-8 escaped as Python writes it (``\\n``,
-    ``\\udcff``), and a path past :data:`SHOWN_PATH_CHARS` cut, its length said."""
-    text = str(path)
-    if not text.isprintable():
-        text = repr(text)[1:-1]
+def shown_word(word: str) -> str:
+    """``word`` (a path, a command's name) as a one-line message shows it: a control
+    character (a newline would split the line, an escape sequence reach the terminal) or a
+    byte that is not UTF-8 escaped as Python writes it (``\\n``, ``\\udcff``), and a word
+    past :data:`SHOWN_PATH_CHARS` cut, its length said."""
+    text = word if word.isprintable() else repr(word)[1:-1]
     if len(text) > SHOWN_PATH_CHARS:
-        text = f"{text[:SHOWN_PATH_CHARS]}... ({len(str(path))} characters)"
+        text = f"{text[:SHOWN_PATH_CHARS]}... ({len(word)} characters)"
     return text
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a one-line message shows it (:func:`shown_word`)."""
+    return shown_word(str(path))
 
 
 def _not_running(path: Path, why: str) -> CliError:

@@ -88,6 +88,7 @@ from gpud.cli.context import (
     Subparsers,
     given,
     number,
+    shown_word,
 )
 from gpud.cli.jobs import (
     add_placement_options,
@@ -175,8 +176,9 @@ _GATE = (
     " ok=os.read(fd,1)\n"
     " os.close(fd)\n"
     f" ok or sys.exit({EXIT_GATE_CLOSED})\n"
+    # a[5]: the command's name as its error shows it (shown_word, done by gpuctl); a[6:]: it
     "try:\n"
-    " os.execvp(a[5],a[5:])\n"
+    " os.execvp(a[6],a[6:])\n"
     "except OSError as e:\n"
     f" c={EXIT_CANNOT_EXEC} if e.errno==errno.ENOENT else {EXIT_CANNOT_RUN}\n"
     " m=f'cannot run {a[5]}: {e.strerror}'\n"
@@ -1246,7 +1248,14 @@ def _launch(
         gate_r, gate_w = os.pipe()
         ready_r, ready_w = os.pipe()
     # the first process is the gate; a command it cannot run is said there, exiting 127 or 126
-    gate = (str(os.getpid()), str(gate_r), str(ready_w), "json" if json_errors else "text")
+    # with the name its error shows: escaped and clipped, so that the error stays one line
+    gate = (
+        str(os.getpid()),
+        str(gate_r),
+        str(ready_w),
+        "json" if json_errors else "text",
+        shown_word(command[0]),
+    )
     argv = [sys.executable, "-I", "-S", "-c", _GATE, *gate, *command]
     try:
         child = (popen or subprocess.Popen)(
@@ -1264,7 +1273,7 @@ def _launch(
             if after is not None:
                 after.set(stop.signum)
             raise NotStarted() from None
-        said = CliError(f"cannot run {command[0]}: {err.strerror}", EXIT_CANNOT_EXEC)
+        said = CliError(f"cannot run {shown_word(command[0])}: {err.strerror}", EXIT_CANNOT_EXEC)
         said.status = _STATUS_BY_GATE_EXIT[EXIT_CANNOT_EXEC]
         print(json.dumps(said.to_json()) if json_errors else f"gpuctl: {said}", file=sys.stderr)
         return EXIT_CANNOT_EXEC

@@ -191,8 +191,10 @@ class MigConfigFile:
             return self.configs[name]
         except KeyError:
             known = ", ".join(sorted(self.configs)) or "none"
+            # the file too: an operator with several layout files passed the wrong one
+            in_file = f" in {self.path}" if self.path else ""
             raise InvalidArgument(
-                f"no config named {name!r} (the file has: {known})", field="mig-configs"
+                f"no config named {name!r} (the file has: {known})", field=f"mig-configs{in_file}"
             ) from None
 
 

@@ -94,6 +94,39 @@ def test_a_command_found_but_not_executable_exits_126_as_in_a_shell(
     assert f"cannot run {script}: Permission denied" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("place", [None, lambda pid: None], ids=["plain", "gated"])
+def test_a_command_name_that_cannot_run_is_said_on_one_short_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], place: Callable[[int], None] | None
+) -> None:
+    """A 10 000-character name was echoed whole (its reason buried at the end), and a
+    newline or an escape sequence in it split the line or reached the terminal raw."""
+    long = str(tmp_path / ("x" * 10_000))
+    assert _launch([long], dict(os.environ), place) == 126  # ENAMETOOLONG
+    said = capfd.readouterr().err
+    assert said == (
+        f"gpuctl: cannot run {long[:200]}... ({len(long)} characters): File name too long\n"
+    )
+    odd = str(tmp_path / "bad\nname\x1b[31m")
+    assert _launch([odd], dict(os.environ), place) == 127
+    said = capfd.readouterr().err
+    assert said == f"gpuctl: cannot run {tmp_path}/bad\\nname\\x1b[31m: No such file or directory\n"
+
+
+def test_a_command_name_that_cannot_be_started_is_said_clipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def no_fork(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    long = "y" * 300
+    assert _launch([long], dict(os.environ), None, popen=no_fork) == 127
+    said = capsys.readouterr().err
+    assert (
+        said
+        == f"gpuctl: cannot run {'y' * 200}... (300 characters): Resource temporarily unavailable\n"
+    )
+
+
 def test_a_command_that_cannot_run_is_said_as_json_when_asked(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -74,6 +74,17 @@ def test_device_filters_choose_the_entry_per_product() -> None:
     assert set(resolve(h100_only.config("x"), gpus)) == {0}
 
 
+def test_a_config_the_file_lacks_is_refused_naming_the_file() -> None:
+    """`gpuctl mig apply -f FILE -c nope` said `mig-configs: no config named 'nope'`,
+    leaving out which file was read."""
+    cfg = load_config(DATA / "config.yaml")
+    with pytest.raises(InvalidArgument) as unknown:
+        cfg.config("nope")
+    assert str(unknown.value).startswith(
+        f"mig-configs in {DATA / 'config.yaml'}: no config named 'nope' (the file has: "
+    )
+
+
 def test_device_indexes_and_bad_entries() -> None:
     gpus = [identity_for("A100-SXM4-40GB", i) for i in range(8)]
     cfg = load_config(DATA / "config.yaml")
