@@ -343,7 +343,7 @@ def check_socket_file(
         return
     key = "api.socket" if config.api.socket is not None else "daemon.run_dir"
     raise ConfigError(
-        f"{socket} is {_file_kind(mode)}, not a socket: gpud binds its socket there and "
+        f"{socket} is {file_kind(mode)}, not a socket: gpud binds its socket there and "
         "replaces nothing but a stale socket; remove it or choose another path",
         path=source(key, path=path, flags=flags, keys=keys),
         key=key,
@@ -382,7 +382,7 @@ def check_dirs(
                         raise err.in_file(where) from None
                 break
             above = "" if there == directory else f"cannot make {directory}: "
-            kind = _file_kind(mode)
+            kind = file_kind(mode)
             with contextlib.suppress(OSError):
                 if there.is_symlink():  # the link is what the operator finds at the path
                     kind = f"a symbolic link to {kind}"
@@ -393,7 +393,7 @@ def check_dirs(
             )
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     """What ``lstat`` found, in words; a symbolic link is said as one, whatever it points at
     (the socket's path itself must be a socket)."""
     if stat.S_ISDIR(mode):

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -375,13 +375,18 @@ class EventLog:
         once per outage, not once per event, and says at its end how many lines the file
         lacks."""
         assert self._path is not None
+        data = (("\n" if self._torn else "") + line + "\n").encode()
         try:
             self._rotate_if_needed()
-            with open(self._path, "a", encoding="utf-8", opener=_append) as fh:
-                fh.write(("\n" if self._torn else "") + line + "\n")
+            fd = _append(str(self._path), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                _append_whole(fd, data)
+            finally:
+                os.close(fd)
             self._torn = False
         except OSError as err:
-            self._torn = True  # a full disk may have taken part of the line
+            # as the file ends now: as before when the part written was cut off again
+            self._torn = _ends_torn(self._path)
             why, missed = self._outage
             if not missed:
                 log.warning("cannot write the event log %s: %s", self._path, err)
@@ -431,8 +436,27 @@ def _append(path: str, flags: int) -> int:
     return fd
 
 
+def _append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to ``fd`` (opened O_APPEND, by the log's one writer), or none of it.
+    A disk that fills (ENOSPC, EFBIG, EDQUOT) writes what fits before it refuses the rest,
+    and that part of a line would stay in the file as a line no reader parses (``jq``, a
+    log shipper): the file is truncated to its size before the write, which frees what the
+    part took, and the error raised."""
+    size = os.fstat(fd).st_size
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError:
+        if done:
+            with suppress(OSError):  # the next line begins on a line of its own
+                os.ftruncate(fd, size)
+        raise
+
+
 def _ends_torn(path: Path) -> bool:
-    """Whether ``path`` ends in a line without its newline (a write cut by a crash)."""
+    """Whether ``path`` ends in a line without its newline (a write cut by a crash, or
+    one a full disk cut that could not be cut off again)."""
     try:
         with path.open("rb") as fh:
             if fh.seek(0, 2) == 0:

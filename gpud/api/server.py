@@ -35,7 +35,7 @@ from gpud.api import validate
 from gpud.api.access import TcpAccess, guard, tcp_warning
 from gpud.api.gate import CallGate
 from gpud.api.interceptors import ErrorMappingInterceptor
-from gpud.config import MAX_UNIX_PATH, socket_gid
+from gpud.config import MAX_UNIX_PATH, file_kind, socket_gid
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class ApiServer:
         self._at_path = True  # the serving one is bound at the path itself
         self._retired: Any = None  # the one that served until the file was removed last
         self._dir_said = ""  # why keep_socket cannot make the socket's directory, said once
+        self._taken_said: tuple[int, int] | None = None  # what took the socket's path, said
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
         self.tcp_port: int | None = None
@@ -322,7 +323,8 @@ class ApiServer:
         background, with ``RETIRED_GRACE_S`` for its calls to end, so that a cleaner
         removing the file over and over keeps at most one such server (one bound at the
         path itself, see :meth:`_bind`, is kept until gpud stops). Something else in the
-        socket's place (a file, another process's socket) is left alone, and so is a
+        socket's place (a file, a directory, another process's socket) is left alone, said
+        once in the log (``gpuctl`` then says gpud is not running), and so is a
         directory another user could plant files in (:func:`gpud.files.make_dir`: said in
         the log once, False). True when it bound again; OSError or GpudError when it cannot
         (said by the caller, tried again at its next call)."""
@@ -330,10 +332,12 @@ class ApiServer:
             return False
         path = self.socket_path
         try:
-            path.lstat()
-            return False  # ours, or another's to leave alone
+            st = path.lstat()
         except FileNotFoundError:
             pass
+        else:
+            self._say_taken(path, st)
+            return False  # ours, or another's to leave alone
         try:
             # made again as at the start: refused where another user could plant links
             files.make_dir(path.parent, "api.socket", files.RUN_DIR_MODE)
@@ -353,6 +357,7 @@ class ApiServer:
             self._remove_own_socket()
             raise
         previous, self._server = self._server, server
+        self._taken_said = None
         if self._at_path:
             self._kept.append(previous)
         else:
@@ -369,6 +374,22 @@ class ApiServer:
             self.socket_group or "unchanged",
         )
         return True
+
+    def _say_taken(self, path: Path, st: os.stat_result) -> None:
+        """Say once in the log what took the socket's path while gpud ran (a directory, a
+        file, another socket): gpud leaves it alone, and ``gpuctl`` finds no gpud there,
+        so the journal is where an operator learns why."""
+        found = (st.st_dev, st.st_ino)
+        if found in (self._socket_id, self._taken_said):
+            return
+        self._taken_said = found
+        kind = "a socket gpud did not bind" if stat.S_ISSOCK(st.st_mode) else file_kind(st.st_mode)
+        log.warning(
+            "the socket %s was replaced by %s while gpud ran: gpuctl cannot reach gpud (it "
+            "says gpud is not running) until that is removed; gpud then listens there again",
+            path,
+            kind,
+        )
 
     def _stopped(self, task: asyncio.Task[None]) -> None:
         self._stopping.pop(task, None)

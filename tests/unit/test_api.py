@@ -207,6 +207,32 @@ async def test_keep_socket_leaves_another_file_in_its_place(sock_dir: Path) -> N
     assert path.read_text() == "an operator's"
 
 
+async def test_a_directory_made_in_the_sockets_place_is_said_once_in_the_log(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket removed and a directory made at its path while gpud runs: left alone,
+    but said once, for ``gpuctl`` then says gpud is not running; once it is gone the
+    socket is bound again."""
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    try:
+        path.unlink()
+        path.mkdir()
+        with caplog.at_level(logging.WARNING, logger="gpud.api.server"):
+            assert not await server.keep_socket()
+            assert not await server.keep_socket()
+        (said,) = caplog.records
+        assert said.getMessage() == (
+            f"the socket {path} was replaced by a directory while gpud ran: gpuctl cannot "
+            "reach gpud (it says gpud is not running) until that is removed; gpud then "
+            "listens there again"
+        )
+        path.rmdir()
+        assert await server.keep_socket()
+    finally:
+        await server.stop(0)
+
+
 async def test_health_serving_and_not_serving(sock_dir: Path) -> None:
     path = sock_dir / "gpud.sock"
     server = await _serve(path, make_servicer())

@@ -269,3 +269,42 @@ def test_lines_left_behind_by_a_writer_that_raised_are_written_by_the_stop_s_flu
     assert log.flush(1.0)
     lines = [json.loads(x)["message"] for x in path.read_text().splitlines()]
     assert lines == ["queued 1", "queued 2", "later"]
+
+
+def _emit_on_a_disk_that_fills_mid_line(path: Path, room: int) -> int:
+    """Emit one event in a forked child whose files may grow by ``room`` bytes alone
+    (RLIMIT_FSIZE: the kernel writes what fits and then refuses the rest, as a disk that
+    fills in the middle of a line does); the child's exit code: 0 when the event was said
+    and the file counted it as not written."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            import resource
+            import signal
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+            log = EventLog(path)
+            size = path.stat().st_size
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + room, resource.RLIM_INFINITY))
+            log.emit("job.add", "cut by the full disk " + "x" * 200)
+            code = 0 if log.tallies()[1] == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_line_a_full_disk_cut_is_not_left_in_the_file(tmp_path: Path) -> None:
+    """A line whose write the disk took only part of is taken back out: every line of
+    ``events.jsonl`` stays one JSON object (``jq``, a log shipper), and the next event
+    follows the last whole one."""
+    path = tmp_path / "events.jsonl"
+    EventLog(path).emit("daemon.start", "written")
+    assert _emit_on_a_disk_that_fills_mid_line(path, room=40) == 0
+    EventLog(path).emit("job.add", "written once the disk has room")
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["message"] for line in lines] == [
+        "written",
+        "written once the disk has room",
+    ]
