@@ -210,6 +210,9 @@ class _Device:
     daemon: ControlDaemon
     # held while talking to the daemon (seconds when it hangs): never with the manager's lock
     io: threading.RLock = field(default_factory=threading.RLock)
+    # when the command in flight under ``io`` gives up on the daemon (the manager's clock;
+    # None: none is in flight): a stop waits that long for it (:meth:`MpsManager._io_within`)
+    answer_by: float | None = None
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
@@ -1248,15 +1251,50 @@ class MpsManager:
         self._swept = True
 
     @contextlib.contextmanager
-    def _io_within(self, dev: _Device, wait_s: float | None) -> Iterator[bool]:
+    def _io_within(
+        self, dev: _Device, wait_s: float | None, *, past_command: bool = False
+    ) -> Iterator[bool]:
         """Hold ``dev``'s lock, waiting ``wait_s`` at most (None: as long as it takes);
-        yields whether it is held."""
-        held = dev.io.acquire(timeout=-1 if wait_s is None else wait_s)
+        yields whether it is held. ``past_command``: ``wait_s`` counts from when the command
+        in flight to the daemon gives up on it (its own timeout, ``_Device.answer_by``), and
+        from that of each command sent after it under the same hold, when that is later than
+        now: a slow answer to a health check is waited for, while a command past its own
+        timeout whose client has still not returned (one stuck in the driver) is waited on
+        ``wait_s`` at most."""
+        if wait_s is None:
+            held = dev.io.acquire()
+        else:
+            give_up = self._clock() + wait_s
+            while True:
+                answer_by = dev.answer_by if past_command else None
+                if answer_by is not None:
+                    give_up = max(give_up, answer_by + wait_s)
+                held = dev.io.acquire(timeout=max(0.0, give_up - self._clock()))
+                # the holder may have sent another command while this waited
+                if held or not past_command or dev.answer_by in (None, answer_by):
+                    break
         try:
             yield held
         finally:
             if held:
                 dev.io.release()
+
+    @contextlib.contextmanager
+    def _answering(self, dev: _Device, timeout_s: float | None = None) -> Iterator[None]:
+        """A command to ``dev``'s daemon (its lock held) in flight: it gives up on the daemon
+        ``timeout_s`` on (None: the daemon's ``timeout_s``), as a stop waiting for the lock
+        reads (``_Device.answer_by``)."""
+        dev.answer_by = self._clock() + (self._timeout_s if timeout_s is None else timeout_s)
+        try:
+            yield
+        finally:
+            dev.answer_by = None
+
+    def _query(self, dev: _Device, command: str, timeout_s: float | None = None) -> str:
+        """:meth:`ControlDaemon.query` ``command``, its lock held, said in flight
+        (:meth:`_answering`)."""
+        with self._answering(dev, timeout_s):
+            return dev.daemon.query(command, timeout_s=timeout_s)
 
     def _reconcile_device(
         self,
@@ -1482,7 +1520,8 @@ class MpsManager:
         dev.up = False
         try:
             self._record(target.uuid, 0)  # where, before it runs: see _record
-            pid = dev.daemon.start()
+            with self._answering(dev):  # the daemon comes up within its timeout
+                pid = dev.daemon.start()
             self._apply(target, dev, desired, servers=())
         except GpudError as err:
             dev.up = False
@@ -1638,7 +1677,7 @@ class MpsManager:
     def _read(
         self, dev: _Device, timeout_s: float | None = None
     ) -> tuple[float, int | None, list[int]]:
-        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
+        q = functools.partial(self._query, dev, timeout_s=timeout_s)
         cmd = protocol.get_default_active_thread_percentage()
         threads = protocol.parse_percent(cmd, q(cmd))
         cmd = protocol.get_default_device_pinned_mem_limit(0)
@@ -1658,7 +1697,7 @@ class MpsManager:
         timeout_s: float | None = None,
     ) -> None:
         """Write the defaults, push them to running servers, and read them back."""
-        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
+        q = functools.partial(self._query, dev, timeout_s=timeout_s)
         percent, num_bytes = desired.threads_percent or 100, desired.memory_bytes
         # (command, the percentage or bytes it sets: what the daemon may echo back)
         sets: list[tuple[str, int | None, int | None]] = [
@@ -1694,7 +1733,7 @@ class MpsManager:
                     raise DriverTimeout(f"busy for over {wait:g}s", uuid=target.uuid, call=cmd)
                 if not self.enabled or dev.daemon.pid() is None:
                     return
-                answer = dev.daemon.query(cmd, timeout_s=wait)
+                answer = self._query(dev, cmd, timeout_s=wait)
         except DriverTimeout as err:
             raise DriverTimeout(
                 f"the MPS control daemon of {_label(target)} ({target.uuid}) did not answer"
@@ -1723,17 +1762,18 @@ class MpsManager:
         """Stop the device's daemon; ``remove``: its device is gone, and so go its
         directories. The PID of a daemon that would not stop (:meth:`_try_stop`), None when
         none runs: then its record, cgroup and directories are kept, and the next call (a
-        later pass) tries again. ``wait_s``: how long to wait for another command to it
-        (:class:`DriverTimeout` after; None: as long as it takes); ``quit_s``: for its
-        ``quit``."""
+        later pass) tries again. ``wait_s``: how long to wait for another command to it past
+        that command's own timeout (:meth:`_io_within`; :class:`DriverTimeout` after; None: as
+        long as it takes); ``quit_s``: for its ``quit``."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
             return None
-        with self._io_within(dev, wait_s) as held:
+        with self._io_within(dev, wait_s, past_command=True) as held:
             if not held:
                 raise DriverTimeout(
-                    f"busy: another command to it has not returned within {wait_s:g} s",
+                    f"busy: another command to it has not returned within {wait_s:g} s past"
+                    " its own timeout",
                     uuid=uuid,
                     call=protocol.quit_(),
                 )
@@ -1916,10 +1956,16 @@ class MpsManager:
 
         The devices whose daemon would not stop before are tried first; while one still
         runs, no other daemon of the GPU is stopped (the GPU's steps are not taken anyway:
-        the others go on serving their jobs). The stops run at once, each waiting
-        ``request_timeout_s`` at most for a command to its daemon and for its ``quit``
-        (then SIGTERM and SIGKILL, :meth:`ControlDaemon.stop`), so that a hung daemon holds
-        the apply, and the daemon's loop pass behind it, seconds, not minutes."""
+        the others go on serving their jobs). The stops run at once. Each waits for a
+        command in flight to its daemon (a health check's: gpud's loop sends them) until the
+        control client gives up on it, ``timeout_s`` after it was sent, and then
+        ``request_timeout_s`` at most (:meth:`_io_within`): a slow answer under load is
+        waited for, while a command past its own timeout whose client has not returned
+        (stuck in the driver) fails the GPU ``request_timeout_s`` after the stop asked. Its
+        ``quit`` is waited on ``request_timeout_s`` (then SIGTERM and SIGKILL,
+        :meth:`ControlDaemon.stop`), so that a hung daemon holds the apply, and the daemon's
+        loop pass behind it, seconds, not minutes: ``timeout_s`` + ``request_timeout_s`` at
+        most for each command of a check in flight."""
         if not self.enabled:
             yield {}
             return
@@ -1976,9 +2022,9 @@ class MpsManager:
         dev = self._device(target.uuid)
         with dev.io:
             cmd = protocol.start_server(uid)
-            protocol.parse_empty(cmd, dev.daemon.query(cmd))
+            protocol.parse_empty(cmd, self._query(dev, cmd))
             cmd = protocol.get_server_list()
-            servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
+            servers = protocol.parse_server_list(cmd, self._query(dev, cmd))
             dev.servers = tuple(servers)
             return servers
 

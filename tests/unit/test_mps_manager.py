@@ -2555,11 +2555,13 @@ def test_a_daemon_stuck_again_after_it_went_is_said_again(root: Path) -> None:
 
 
 def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Path) -> None:
-    """A daemon a pass is still talking to (hung: a query waits its timeout) holds a MIG
-    apply's stops no longer than ``request_timeout_s``: it is named busy, and the others are
-    stopped meanwhile, not after it."""
-    # the hung query waits a minute, far past the release's 0.3 s: the release is over
-    # while the pass still holds 0:0, and SIGCONT ends that query once it is
+    """A daemon a pass is still talking to past its query's timeout (its client stuck in the
+    driver) holds a MIG apply's stops no longer than ``request_timeout_s``: it is named busy,
+    and the others are stopped meanwhile, not after it."""
+    # the hung query waits a minute, far past the release's 0.3 s, and the manager's clock is
+    # moved past that minute: to the manager the query is past its timeout and has not
+    # returned. The release is over while the pass still holds 0:0, and SIGCONT ends that
+    # query once it is
     clock = Stepped()
     mgr, store, events = make_manager(root, timeout_s=60.0, request_timeout_s=0.3, clock=clock)
     pid = None
@@ -2581,10 +2583,12 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
             ),
             "the pass held on 0:0 alone",
         )
+        clock.ahead = since + 61.0
         with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
             assert list(left) == [mig_uuid(0, 0)]
             assert (
-                "busy: another command to it has not returned within 0.3 s" in left[mig_uuid(0, 0)]
+                "busy: another command to it has not returned within 0.3 s past its own timeout"
+                in left[mig_uuid(0, 0)]
             )
             # the release did not wait for the pass's query to 0:0: it has not returned
             assert held_elsewhere(mgr, mig_uuid(0, 0))
@@ -2595,6 +2599,78 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
             os.kill(pid, signal.SIGCONT)
         if passing is not None:
             passing.join()
+        mgr.stop()
+        store.close()
+
+
+class WatchedLock:
+    """A device's lock that keeps how long each timed wait for it was to last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waits: list[float] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if timeout >= 0:
+            self.waits.append(timeout)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def test_destroying_a_mig_device_waits_for_a_slow_health_check_within_its_timeout(
+    root: Path,
+) -> None:
+    """A health check of a daemon slow to answer (a loaded node), its query still within its
+    own timeout when a MIG apply stops the daemon, holds the stop until it answers, not
+    ``request_timeout_s`` from when the stop asked: the daemon is stopped, the GPU not
+    failed as busy."""
+    mgr, store, events = make_manager(root, timeout_s=60.0, request_timeout_s=0.3)
+    pid = None
+    passing: threading.Thread | None = None
+    stopping: threading.Thread | None = None
+    left: dict[str, str] = {}
+    try:
+        mgr.reconcile(MIG_NODE)
+        pid = {s.target.uuid: s.pid for s in mgr.status()}[mig_uuid(0, 0)]
+        assert pid is not None
+        watched = WatchedLock()
+        mgr._devices[mig_uuid(0, 0)].io = watched  # type: ignore[assignment]
+        os.kill(pid, signal.SIGSTOP)  # its health check's query waits till SIGCONT
+        passing = threading.Thread(target=mgr.reconcile)
+        passing.start()
+        until(lambda: held_elsewhere(mgr, mig_uuid(0, 0)), "the pass in its check of 0:0")
+
+        def release() -> None:
+            with mgr.released([mig_uuid(0, 0)]) as stuck:
+                left.update(stuck)
+
+        stopping = threading.Thread(target=release)
+        stopping.start()
+        # the stop waits past its own 0.3 s (for the check's query, 60 s), or has given up
+        until(
+            lambda: not stopping.is_alive() or any(w > 1.0 for w in watched.waits),
+            "the stop waiting on 0:0",
+        )
+        os.kill(pid, signal.SIGCONT)  # the check's query is answered
+        pid = None
+        stopping.join()
+        assert left == {}
+        stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
+        assert stopped == [mig_uuid(0, 0)]
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        for thread in (stopping, passing):
+            if thread is not None:
+                thread.join()
         mgr.stop()
         store.close()
 
