@@ -211,8 +211,10 @@ class _Device:
     # held while talking to the daemon (seconds when it hangs): never with the manager's lock
     io: threading.RLock = field(default_factory=threading.RLock)
     # when the command in flight under ``io`` gives up on the daemon (the manager's clock;
-    # None: none is in flight): a stop waits that long for it (:meth:`MpsManager._io_within`)
+    # None: none is in flight), and its name: a stop that finds it already past by
+    # ``request_timeout_s`` gives up on the lock early (:meth:`MpsManager._io_for_stop`)
     answer_by: float | None = None
+    command: str = ""
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
@@ -1251,28 +1253,10 @@ class MpsManager:
         self._swept = True
 
     @contextlib.contextmanager
-    def _io_within(
-        self, dev: _Device, wait_s: float | None, *, past_command: bool = False
-    ) -> Iterator[bool]:
+    def _io_within(self, dev: _Device, wait_s: float | None) -> Iterator[bool]:
         """Hold ``dev``'s lock, waiting ``wait_s`` at most (None: as long as it takes);
-        yields whether it is held. ``past_command``: ``wait_s`` counts from when the command
-        in flight to the daemon gives up on it (its own timeout, ``_Device.answer_by``), and
-        from that of each command sent after it under the same hold, when that is later than
-        now: a slow answer to a health check is waited for, while a command past its own
-        timeout whose client has still not returned (one stuck in the driver) is waited on
-        ``wait_s`` at most."""
-        if wait_s is None:
-            held = dev.io.acquire()
-        else:
-            give_up = self._clock() + wait_s
-            while True:
-                answer_by = dev.answer_by if past_command else None
-                if answer_by is not None:
-                    give_up = max(give_up, answer_by + wait_s)
-                held = dev.io.acquire(timeout=max(0.0, give_up - self._clock()))
-                # the holder may have sent another command while this waited
-                if held or not past_command or dev.answer_by in (None, answer_by):
-                    break
+        yields whether it is held."""
+        held = dev.io.acquire(timeout=-1 if wait_s is None else wait_s)
         try:
             yield held
         finally:
@@ -1280,20 +1264,75 @@ class MpsManager:
                 dev.io.release()
 
     @contextlib.contextmanager
-    def _answering(self, dev: _Device, timeout_s: float | None = None) -> Iterator[None]:
-        """A command to ``dev``'s daemon (its lock held) in flight: it gives up on the daemon
-        ``timeout_s`` on (None: the daemon's ``timeout_s``), as a stop waiting for the lock
-        reads (``_Device.answer_by``)."""
+    def _io_for_stop(self, dev: _Device, wait_s: float | None) -> Iterator[str]:
+        """Hold ``dev``'s lock for a stop: yields "" once held, else why it was not (None:
+        it waits as long as it takes).
+
+        The stop waits ``timeout_s`` + ``wait_s`` at most from when it asked, the longest one
+        command to the daemon may take and then ``wait_s``: however many commands the
+        holder sends one after another, and whatever it does between them (its database
+        write, an event, a ``quit``), the wait ends there. It gives up ``wait_s`` after it
+        asked when the command in flight is known hung: sent with a timeout
+        (``_Device.answer_by``) that has passed by ``wait_s`` and still not returned, its
+        control client stuck in the driver."""
+        if wait_s is None:
+            with dev.io:
+                yield ""
+            return
+        asked = self._clock()
+        cap = asked + self._timeout_s + wait_s
+        while True:
+            answer_by = dev.answer_by
+            until = cap if answer_by is None else min(cap, max(asked, answer_by) + wait_s)
+            held = dev.io.acquire(timeout=max(0.0, until - self._clock()))
+            # the wait ran to its end for the command seen (or for none): it is over, unless
+            # the holder went on to another command meanwhile, one not yet past its timeout
+            if held or dev.answer_by == answer_by or self._clock() >= cap:
+                break
+        try:
+            yield "" if held else self._busy(dev, self._clock() - asked)
+        finally:
+            if held:
+                dev.io.release()
+
+    def _busy(self, dev: _Device, waited_s: float) -> str:
+        """Why a stop did not get ``dev``'s lock in ``waited_s``: the command in flight to its
+        daemon, when one is."""
+        answer_by, command = dev.answer_by, dev.command
+        if answer_by is None or not command:
+            return f"busy: another operation on its daemon held it for {waited_s:.3g} s"
+        late = self._clock() - answer_by
+        if late > 0:
+            return (
+                f"busy: its command '{command}' has not returned {late:.3g} s past its own"
+                f" timeout (its control client stuck in the driver); the stop waited"
+                f" {waited_s:.3g} s"
+            )
+        return (
+            f"busy: its command '{command}' was still in flight after the stop waited"
+            f" {waited_s:.3g} s, as long as one command to it may take and"
+            f" {self._request_timeout_s:g} s more"
+        )
+
+    @contextlib.contextmanager
+    def _answering(
+        self, dev: _Device, command: str, timeout_s: float | None = None
+    ) -> Iterator[None]:
+        """``command`` to ``dev``'s daemon (its lock held) in flight: it gives up on the
+        daemon ``timeout_s`` on (None: the daemon's ``timeout_s``), as a stop waiting for the
+        lock reads (``_Device.answer_by``, ``_Device.command``)."""
         dev.answer_by = self._clock() + (self._timeout_s if timeout_s is None else timeout_s)
+        dev.command = command
         try:
             yield
         finally:
             dev.answer_by = None
+            dev.command = ""
 
     def _query(self, dev: _Device, command: str, timeout_s: float | None = None) -> str:
         """:meth:`ControlDaemon.query` ``command``, its lock held, said in flight
         (:meth:`_answering`)."""
-        with self._answering(dev, timeout_s):
+        with self._answering(dev, command, timeout_s):
             return dev.daemon.query(command, timeout_s=timeout_s)
 
     def _reconcile_device(
@@ -1520,7 +1559,8 @@ class MpsManager:
         dev.up = False
         try:
             self._record(target.uuid, 0)  # where, before it runs: see _record
-            with self._answering(dev):  # the daemon comes up within its timeout
+            # `-d`, then its first answer: up to three of its timeouts
+            with self._answering(dev, "nvidia-cuda-mps-control -d", dev.daemon.start_s):
                 pid = dev.daemon.start()
             self._apply(target, dev, desired, servers=())
         except GpudError as err:
@@ -1762,21 +1802,17 @@ class MpsManager:
         """Stop the device's daemon; ``remove``: its device is gone, and so go its
         directories. The PID of a daemon that would not stop (:meth:`_try_stop`), None when
         none runs: then its record, cgroup and directories are kept, and the next call (a
-        later pass) tries again. ``wait_s``: how long to wait for another command to it past
-        that command's own timeout (:meth:`_io_within`; :class:`DriverTimeout` after; None: as
-        long as it takes); ``quit_s``: for its ``quit``."""
+        later pass) tries again. ``wait_s``: the wait for the device's lock, held by another
+        operation on its daemon, is ``timeout_s`` + ``wait_s`` at most, ``wait_s`` for a command
+        known hung (:meth:`_io_for_stop`; :class:`DriverTimeout` naming the command after;
+        None: as long as it takes); ``quit_s``: for its ``quit``."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
             return None
-        with self._io_within(dev, wait_s, past_command=True) as held:
-            if not held:
-                raise DriverTimeout(
-                    f"busy: another command to it has not returned within {wait_s:g} s past"
-                    " its own timeout",
-                    uuid=uuid,
-                    call=protocol.quit_(),
-                )
+        with self._io_for_stop(dev, wait_s) as busy:
+            if busy:
+                raise DriverTimeout(busy, uuid=uuid, call=protocol.quit_())
             pid = dev.daemon.pid()
             stake = f"it was to stop ({reason}); its record is kept"
             how: How | None = None
@@ -1956,16 +1992,17 @@ class MpsManager:
 
         The devices whose daemon would not stop before are tried first; while one still
         runs, no other daemon of the GPU is stopped (the GPU's steps are not taken anyway:
-        the others go on serving their jobs). The stops run at once. Each waits for a
-        command in flight to its daemon (a health check's: gpud's loop sends them) until the
-        control client gives up on it, ``timeout_s`` after it was sent, and then
-        ``request_timeout_s`` at most (:meth:`_io_within`): a slow answer under load is
-        waited for, while a command past its own timeout whose client has not returned
-        (stuck in the driver) fails the GPU ``request_timeout_s`` after the stop asked. Its
-        ``quit`` is waited on ``request_timeout_s`` (then SIGTERM and SIGKILL,
+        the others go on serving their jobs). The stops run at once. Each waits for its
+        daemon's lock, held by another operation on it (a health check: gpud's loop sends
+        its commands one after another), ``timeout_s`` + ``request_timeout_s`` at most from
+        when it asked (12 s by default: the longest one command may take, then
+        ``request_timeout_s``), however many commands that operation sends meanwhile
+        (:meth:`_io_for_stop`): a slow answer under load is waited for, while a command
+        already past its own timeout by ``request_timeout_s`` whose control client has not
+        returned (stuck in the driver) fails the GPU ``request_timeout_s`` after the stop
+        asked. Its ``quit`` is waited on ``request_timeout_s`` (then SIGTERM and SIGKILL,
         :meth:`ControlDaemon.stop`), so that a hung daemon holds the apply, and the daemon's
-        loop pass behind it, seconds, not minutes: ``timeout_s`` + ``request_timeout_s`` at
-        most for each command of a check in flight."""
+        loop pass behind it, seconds, not minutes."""
         if not self.enabled:
             yield {}
             return
