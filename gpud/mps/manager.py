@@ -1985,9 +1985,9 @@ class MpsManager:
         it from a snapshot sampled before it ended (``snapshot_clock``: the clock of
         :attr:`Snapshot.monotonic`), which shows the devices as they were: a GPU still whole
         that the apply put into MIG mode, a MIG device it destroyed. Yields, by
-        UUID, why a device still has one (it would not stop, or another command to it has
-        not returned: its instance must not be destroyed, nor MIG enabled, under it); the
-        others' daemons are gone. With MPS off, none is stopped (and none
+        UUID, why a device still has one (it would not stop, or another operation on it held
+        it past the stop's wait: its instance must not be destroyed, nor MIG enabled, under
+        it); the others' daemons are gone. With MPS off, none is stopped (and none
         started): it yields nothing.
 
         The devices whose daemon would not stop before are tried first; while one still
