@@ -15,7 +15,10 @@ itself waits that long plus a margin.
 A MIG mode change that waits for a GPU reset (A100) is finished by resetting the GPU when
 nothing runs on it (the busy, ``--drain`` and ``--force`` rules apply), and the instances are
 created in the same apply; ``--skip-reset`` leaves it pending for the next reset or reboot.
-An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
+An apply (not a dry run) is waited for 10 minutes at least, whatever ``--timeout`` says: GPUs
+are applied one after another, each may wait for its MPS control daemons to stop, and resets
+take a while. Should that pass while gpud still answers, gpuctl says so and exits 1; a Ctrl-C
+meanwhile says that an apply that had begun goes on in gpud.
 
 ``--dry-run`` makes the apply's checks and changes nothing: it lists each GPU's steps and
 answers with the status words and exit code the apply would (``busy`` and exit 6: refused,
@@ -307,6 +310,14 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         ctx.timeout = max(ctx.timeout, _APPLY_WAIT_S)
     try:
         resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
+    except KeyboardInterrupt:
+        if not args.dry_run:
+            print(
+                f"gpuctl: interrupted: an apply of {args.config} that had begun its changes"
+                " goes on in gpud; see `gpuctl mig show`",
+                file=sys.stderr,
+            )
+        raise
     except CliError as err:
         if err.deadline_s is None or not _answers(ctx):
             raise
@@ -373,14 +384,15 @@ def _answers(ctx: Context) -> bool:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        ctx.call(
+        resp = ctx.call(
             health_pb2_grpc.HealthStub(ctx.channel()).Check,
             health_pb2.HealthCheckRequest(),
             timeout=_HEALTH_WAIT_S,
         )
     except CliError as err:
         return err.deadline_s is None and err.exit_code != EXIT_NOT_RUNNING
-    return True
+    # a gpud that is stopping says NOT_SERVING: the apply ends with it
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def _why_left_alone(o: pb.MigGpuOutcome) -> str:

@@ -210,11 +210,11 @@ class _Device:
     daemon: ControlDaemon
     # held while talking to the daemon (seconds when it hangs): never with the manager's lock
     io: threading.RLock = field(default_factory=threading.RLock)
-    # when the command in flight under ``io`` gives up on the daemon (the manager's clock;
-    # None: none is in flight), and its name: a stop that finds it already past by
+    # the command in flight under ``io``: when it gives up on the daemon (the manager's
+    # clock) and its name, one value so that a reader without the lock sees the two of one
+    # command (None: none is in flight); a stop that finds it already past by
     # ``request_timeout_s`` gives up on the lock early (:meth:`MpsManager._io_for_stop`)
-    answer_by: float | None = None
-    command: str = ""
+    in_flight: tuple[float, str] | None = None
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
@@ -1273,7 +1273,7 @@ class MpsManager:
         holder sends one after another, and whatever it does between them (its database
         write, an event, a ``quit``), the wait ends there. It gives up ``wait_s`` after it
         asked when the command in flight is known hung: sent with a timeout
-        (``_Device.answer_by``) that has passed by ``wait_s`` and still not returned, its
+        (``_Device.in_flight``) that has passed by ``wait_s`` and still not returned, its
         control client stuck in the driver."""
         if wait_s is None:
             with dev.io:
@@ -1282,12 +1282,12 @@ class MpsManager:
         asked = self._clock()
         cap = asked + self._timeout_s + wait_s
         while True:
-            answer_by = dev.answer_by
-            until = cap if answer_by is None else min(cap, max(asked, answer_by) + wait_s)
+            seen = dev.in_flight
+            until = cap if seen is None else min(cap, max(asked, seen[0]) + wait_s)
             held = dev.io.acquire(timeout=max(0.0, until - self._clock()))
             # the wait ran to its end for the command seen (or for none): it is over, unless
             # the holder went on to another command meanwhile, one not yet past its timeout
-            if held or dev.answer_by == answer_by or self._clock() >= cap:
+            if held or dev.in_flight == seen or self._clock() >= cap:
                 break
         try:
             yield "" if held else self._busy(dev, self._clock() - asked)
@@ -1298,9 +1298,10 @@ class MpsManager:
     def _busy(self, dev: _Device, waited_s: float) -> str:
         """Why a stop did not get ``dev``'s lock in ``waited_s``: the command in flight to its
         daemon, when one is."""
-        answer_by, command = dev.answer_by, dev.command
-        if answer_by is None or not command:
+        in_flight = dev.in_flight
+        if in_flight is None:
             return f"busy: another operation on its daemon held it for {waited_s:.3g} s"
+        answer_by, command = in_flight
         late = self._clock() - answer_by
         if late > 0:
             return (
@@ -1310,8 +1311,7 @@ class MpsManager:
             )
         return (
             f"busy: its command '{command}' was still in flight after the stop waited"
-            f" {waited_s:.3g} s, as long as one command to it may take and"
-            f" {self._request_timeout_s:g} s more"
+            f" {waited_s:.3g} s, the longest wait a stop gives one command to it"
         )
 
     @contextlib.contextmanager
@@ -1320,14 +1320,13 @@ class MpsManager:
     ) -> Iterator[None]:
         """``command`` to ``dev``'s daemon (its lock held) in flight: it gives up on the
         daemon ``timeout_s`` on (None: the daemon's ``timeout_s``), as a stop waiting for the
-        lock reads (``_Device.answer_by``, ``_Device.command``)."""
-        dev.answer_by = self._clock() + (self._timeout_s if timeout_s is None else timeout_s)
-        dev.command = command
+        lock reads (``_Device.in_flight``)."""
+        wait = self._timeout_s if timeout_s is None else timeout_s
+        dev.in_flight = (self._clock() + wait, command)
         try:
             yield
         finally:
-            dev.answer_by = None
-            dev.command = ""
+            dev.in_flight = None
 
     def _query(self, dev: _Device, command: str, timeout_s: float | None = None) -> str:
         """:meth:`ControlDaemon.query` ``command``, its lock held, said in flight

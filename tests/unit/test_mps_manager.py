@@ -2583,7 +2583,7 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
         until(
             lambda: (
                 held_elsewhere(mgr, mig_uuid(0, 0))
-                and mgr._devices[mig_uuid(0, 0)].answer_by is not None
+                and mgr._devices[mig_uuid(0, 0)].in_flight is not None
                 and checked_since(mgr, mig_uuid(0, 2), since)
             ),
             "the pass held on 0:0 alone",
@@ -2613,7 +2613,7 @@ class HeldOnAScript:
     """A device's lock that another operation on its daemon holds on a script, on a clock
     (``now[0]``, the manager's) that only waiting for the lock moves. ``steps``, one after
     another from ``start``: (seconds, the command in flight, None between two), each
-    command said in flight as the manager says its own (``_Device.answer_by``, sent with
+    command said in flight as the manager says its own (``_Device.in_flight``, sent with
     ``timeout_s``, and ``command``); the lock is free after the last step."""
 
     def __init__(
@@ -2637,8 +2637,9 @@ class HeldOnAScript:
         now = self._now[0]
         span = next(((b, c) for b, e, c in self._spans if b <= now < e), (None, None))
         begun, command = span
-        self._dev.answer_by = None if begun is None or command is None else begun + self._timeout_s
-        self._dev.command = command or ""
+        self._dev.in_flight = (
+            None if begun is None or command is None else (begun + self._timeout_s, command)
+        )
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         now = self._now[0]
@@ -2686,8 +2687,8 @@ def test_a_stop_waits_one_command_and_request_timeout_s_however_many_commands_fo
     assert ended == 12.0
     assert left[mig_uuid(0, 0)] == (
         f"the MPS control daemon of MIG device ({mig_uuid(0, 0)}) was not stopped: busy: its"
-        " command 'get_server_list' was still in flight after the stop waited 12 s, as long"
-        " as one command to it may take and 2 s more"
+        " command 'get_server_list' was still in flight after the stop waited 12 s, the"
+        " longest wait a stop gives one command to it"
     )
 
 
@@ -2735,19 +2736,19 @@ def test_a_daemon_being_started_is_said_in_flight_as_long_as_its_start_may_take(
     is said in flight that long, so a stop meanwhile does not take it for hung."""
     now = [100.0]
     mgr, store, _ = make_manager(root, timeout_s=10.0, clock=lambda: now[0])
-    seen: list[tuple[float | None, str]] = []
+    seen: list[tuple[float, str] | None] = []
     try:
         dev = mgr._device(mig_uuid(0, 0))
         start = dev.daemon.start
 
         def starting() -> int:
-            seen.append((dev.answer_by, dev.command))
+            seen.append(dev.in_flight)
             return start()
 
         dev.daemon.start = starting  # type: ignore[method-assign]
         mgr.reconcile(MIG_NODE)
         assert seen == [(130.0, "nvidia-cuda-mps-control -d")]
-        assert (dev.answer_by, dev.command) == (None, "")
+        assert dev.in_flight is None
     finally:
         mgr.stop()
         store.close()
