@@ -159,7 +159,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
         type=TIMEOUT,
         metavar="SECONDS",
         default=default(DEFAULT_TIMEOUT),
-        help=f"per-call timeout (default {DEFAULT_TIMEOUT:g})",
+        help=f"per-call timeout (default {DEFAULT_TIMEOUT:g}; `mig apply` waits 600 at least)",
     )
 
 

@@ -15,7 +15,10 @@ itself waits that long plus a margin.
 A MIG mode change that waits for a GPU reset (A100) is finished by resetting the GPU when
 nothing runs on it (the busy, ``--drain`` and ``--force`` rules apply), and the instances are
 created in the same apply; ``--skip-reset`` leaves it pending for the next reset or reboot.
-An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
+An apply (not a dry run) is waited for 10 minutes at least, whatever ``--timeout`` says: GPUs
+are applied one after another, each may wait for its MPS control daemons to stop, and resets
+take a while. Should that pass while gpud still answers, gpuctl says so and exits 1; a Ctrl-C
+meanwhile says that an apply that had begun goes on in gpud.
 
 ``--dry-run`` makes the apply's checks and changes nothing: it lists each GPU's steps and
 answers with the status words and exit code the apply would (``busy`` and exit 6: refused,
@@ -49,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpud.cli.context import (
+    EXIT_NOT_RUNNING,
     EXIT_PARTIAL,
     EXIT_USAGE,
     CliError,
@@ -69,9 +73,16 @@ EXIT_FAILED = 1
 # 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed or a
 # job reserved it; a FailedPrecondition too: another apply is in flight
 EXIT_BUSY = ERROR_TABLE[FailedPrecondition][1]
-# How long an apply that may reset GPUs is waited for: a reset takes seconds to tens of
-# seconds per GPU (nvidia-mig-parted apply blocks as long).
-_RESET_WAIT_S = 600.0
+# How long an apply that changes GPUs is waited for, --skip-reset or not: it takes the GPUs
+# one after another, and a GPU may wait for its reset (seconds to tens of seconds:
+# nvidia-mig-parted apply blocks as long) and, before its changes, for the MPS control
+# daemons on it to stop: a busy one up to its longest command and request_timeout_s (12 s
+# by default), then its quit, SIGTERM and SIGKILL (about 23 s in all, twice where one
+# would not stop before). Ten minutes holds eight GPUs whose daemons all hang.
+_APPLY_WAIT_S = 600.0
+# How long gpuctl asks gpud's health service whether gpud answers at all, once an apply
+# was not answered in time
+_HEALTH_WAIT_S = 5.0
 _CALL_MARGIN_S = 60.0
 
 INSTANCE_HEADERS = (
@@ -295,9 +306,37 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         # The daemon waits up to the drain timeout (its default when not given).
         wait = args.drain_timeout if args.drain_timeout is not None else MAX_DRAIN_SECONDS
         ctx.timeout = max(ctx.timeout, wait + _CALL_MARGIN_S)
-    if not args.dry_run and not args.skip_reset:
-        ctx.timeout = max(ctx.timeout, _RESET_WAIT_S)
-    resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
+    if not args.dry_run:
+        ctx.timeout = max(ctx.timeout, _APPLY_WAIT_S)
+    try:
+        resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
+    except KeyboardInterrupt:
+        if not args.dry_run:
+            print(
+                f"gpuctl: interrupted: an apply of {args.config} that had begun its changes"
+                " goes on in gpud; see `gpuctl mig show`",
+                file=sys.stderr,
+            )
+        raise
+    except CliError as err:
+        if err.deadline_s is None or not _answers(ctx):
+            raise
+        what, then = (
+            ("dry run", " (raise --timeout)")
+            if args.dry_run
+            else (
+                "apply",
+                ": one that had begun its changes goes on in gpud, one that had not is dropped"
+                " (its mig.apply event says which: result not_started); see `gpuctl mig show`",
+            )
+        )
+        raise CliError(
+            f"gpud answers, but the {what} of {args.config} did not end within"
+            f" {err.deadline_s:g} s{then}",
+            EXIT_FAILED,
+            status=err.status,
+            deadline_s=err.deadline_s,
+        ) from None
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:
@@ -337,6 +376,23 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             [_why_left_alone(o) for o in resp.gpus if o.status == "faulty"],
         )
     return EXIT_FAILED if resp.result == "failed" else 0
+
+
+def _answers(ctx: Context) -> bool:
+    """Whether gpud answers a call (its gRPC health service), after one it did not answer
+    in time: then it is running, and busy with that call."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        resp = ctx.call(
+            health_pb2_grpc.HealthStub(ctx.channel()).Check,
+            health_pb2.HealthCheckRequest(),
+            timeout=_HEALTH_WAIT_S,
+        )
+    except CliError as err:
+        return err.deadline_s is None and err.exit_code != EXIT_NOT_RUNNING
+    # a gpud that is stopping says NOT_SERVING: the apply ends with it
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def _why_left_alone(o: pb.MigGpuOutcome) -> str:

@@ -183,6 +183,13 @@ class ControlDaemon:
             return None
         return pid
 
+    @property
+    def start_s(self) -> float:
+        """How long :meth:`start` may take at most: ``nvidia-cuda-mps-control -d`` is waited
+        on ``timeout_s``, the daemon's first answer ``timeout_s``, and the query asked just
+        before that wait ends ``timeout_s`` again."""
+        return 3 * self._timeout_s
+
     def lost(self, pid: int) -> None:
         """``pid`` is this device's daemon, found running with its pipe directory gone (an
         earlier gpud started it): :meth:`orphan` names it from now on, while it runs."""

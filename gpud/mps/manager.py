@@ -210,6 +210,11 @@ class _Device:
     daemon: ControlDaemon
     # held while talking to the daemon (seconds when it hangs): never with the manager's lock
     io: threading.RLock = field(default_factory=threading.RLock)
+    # the command in flight under ``io``: when it gives up on the daemon (the manager's
+    # clock) and its name, one value so that a reader without the lock sees the two of one
+    # command (None: none is in flight); a stop that finds it already past by
+    # ``request_timeout_s`` gives up on the lock early (:meth:`MpsManager._io_for_stop`)
+    in_flight: tuple[float, str] | None = None
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
@@ -1258,6 +1263,77 @@ class MpsManager:
             if held:
                 dev.io.release()
 
+    @contextlib.contextmanager
+    def _io_for_stop(self, dev: _Device, wait_s: float | None) -> Iterator[str]:
+        """Hold ``dev``'s lock for a stop: yields "" once held, else why it was not (None:
+        it waits as long as it takes).
+
+        The stop waits ``timeout_s`` + ``wait_s`` at most from when it asked, the longest one
+        command to the daemon may take and then ``wait_s``: however many commands the
+        holder sends one after another, and whatever it does between them (its database
+        write, an event, a ``quit``), the wait ends there. It gives up ``wait_s`` after it
+        asked when the command in flight is known hung: sent with a timeout
+        (``_Device.in_flight``) that has passed by ``wait_s`` and still not returned, its
+        control client stuck in the driver."""
+        if wait_s is None:
+            with dev.io:
+                yield ""
+            return
+        asked = self._clock()
+        cap = asked + self._timeout_s + wait_s
+        while True:
+            seen = dev.in_flight
+            until = cap if seen is None else min(cap, max(asked, seen[0]) + wait_s)
+            held = dev.io.acquire(timeout=max(0.0, until - self._clock()))
+            # the wait ran to its end for the command seen (or for none): it is over, unless
+            # the holder went on to another command meanwhile, one not yet past its timeout
+            if held or dev.in_flight == seen or self._clock() >= cap:
+                break
+        try:
+            yield "" if held else self._busy(dev, self._clock() - asked)
+        finally:
+            if held:
+                dev.io.release()
+
+    def _busy(self, dev: _Device, waited_s: float) -> str:
+        """Why a stop did not get ``dev``'s lock in ``waited_s``: the command in flight to its
+        daemon, when one is."""
+        in_flight = dev.in_flight
+        if in_flight is None:
+            return f"busy: another operation on its daemon held it for {waited_s:.3g} s"
+        answer_by, command = in_flight
+        late = self._clock() - answer_by
+        if late > 0:
+            return (
+                f"busy: its command '{command}' has not returned {late:.3g} s past its own"
+                f" timeout (its control client stuck in the driver); the stop waited"
+                f" {waited_s:.3g} s"
+            )
+        return (
+            f"busy: its command '{command}' was still in flight after the stop waited"
+            f" {waited_s:.3g} s, the longest wait a stop gives one command to it"
+        )
+
+    @contextlib.contextmanager
+    def _answering(
+        self, dev: _Device, command: str, timeout_s: float | None = None
+    ) -> Iterator[None]:
+        """``command`` to ``dev``'s daemon (its lock held) in flight: it gives up on the
+        daemon ``timeout_s`` on (None: the daemon's ``timeout_s``), as a stop waiting for the
+        lock reads (``_Device.in_flight``)."""
+        wait = self._timeout_s if timeout_s is None else timeout_s
+        dev.in_flight = (self._clock() + wait, command)
+        try:
+            yield
+        finally:
+            dev.in_flight = None
+
+    def _query(self, dev: _Device, command: str, timeout_s: float | None = None) -> str:
+        """:meth:`ControlDaemon.query` ``command``, its lock held, said in flight
+        (:meth:`_answering`)."""
+        with self._answering(dev, command, timeout_s):
+            return dev.daemon.query(command, timeout_s=timeout_s)
+
     def _reconcile_device(
         self,
         target: MpsTarget,
@@ -1482,7 +1558,9 @@ class MpsManager:
         dev.up = False
         try:
             self._record(target.uuid, 0)  # where, before it runs: see _record
-            pid = dev.daemon.start()
+            # `-d`, then its first answer: up to three of its timeouts
+            with self._answering(dev, "nvidia-cuda-mps-control -d", dev.daemon.start_s):
+                pid = dev.daemon.start()
             self._apply(target, dev, desired, servers=())
         except GpudError as err:
             dev.up = False
@@ -1638,7 +1716,7 @@ class MpsManager:
     def _read(
         self, dev: _Device, timeout_s: float | None = None
     ) -> tuple[float, int | None, list[int]]:
-        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
+        q = functools.partial(self._query, dev, timeout_s=timeout_s)
         cmd = protocol.get_default_active_thread_percentage()
         threads = protocol.parse_percent(cmd, q(cmd))
         cmd = protocol.get_default_device_pinned_mem_limit(0)
@@ -1658,7 +1736,7 @@ class MpsManager:
         timeout_s: float | None = None,
     ) -> None:
         """Write the defaults, push them to running servers, and read them back."""
-        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
+        q = functools.partial(self._query, dev, timeout_s=timeout_s)
         percent, num_bytes = desired.threads_percent or 100, desired.memory_bytes
         # (command, the percentage or bytes it sets: what the daemon may echo back)
         sets: list[tuple[str, int | None, int | None]] = [
@@ -1694,7 +1772,7 @@ class MpsManager:
                     raise DriverTimeout(f"busy for over {wait:g}s", uuid=target.uuid, call=cmd)
                 if not self.enabled or dev.daemon.pid() is None:
                     return
-                answer = dev.daemon.query(cmd, timeout_s=wait)
+                answer = self._query(dev, cmd, timeout_s=wait)
         except DriverTimeout as err:
             raise DriverTimeout(
                 f"the MPS control daemon of {_label(target)} ({target.uuid}) did not answer"
@@ -1723,20 +1801,17 @@ class MpsManager:
         """Stop the device's daemon; ``remove``: its device is gone, and so go its
         directories. The PID of a daemon that would not stop (:meth:`_try_stop`), None when
         none runs: then its record, cgroup and directories are kept, and the next call (a
-        later pass) tries again. ``wait_s``: how long to wait for another command to it
-        (:class:`DriverTimeout` after; None: as long as it takes); ``quit_s``: for its
-        ``quit``."""
+        later pass) tries again. ``wait_s``: the wait for the device's lock, held by another
+        operation on its daemon, is ``timeout_s`` + ``wait_s`` at most, ``wait_s`` for a command
+        known hung (:meth:`_io_for_stop`; :class:`DriverTimeout` naming the command after;
+        None: as long as it takes); ``quit_s``: for its ``quit``."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
             return None
-        with self._io_within(dev, wait_s) as held:
-            if not held:
-                raise DriverTimeout(
-                    f"busy: another command to it has not returned within {wait_s:g} s",
-                    uuid=uuid,
-                    call=protocol.quit_(),
-                )
+        with self._io_for_stop(dev, wait_s) as busy:
+            if busy:
+                raise DriverTimeout(busy, uuid=uuid, call=protocol.quit_())
             pid = dev.daemon.pid()
             stake = f"it was to stop ({reason}); its record is kept"
             how: How | None = None
@@ -1909,17 +1984,24 @@ class MpsManager:
         it from a snapshot sampled before it ended (``snapshot_clock``: the clock of
         :attr:`Snapshot.monotonic`), which shows the devices as they were: a GPU still whole
         that the apply put into MIG mode, a MIG device it destroyed. Yields, by
-        UUID, why a device still has one (it would not stop, or another command to it has
-        not returned: its instance must not be destroyed, nor MIG enabled, under it); the
-        others' daemons are gone. With MPS off, none is stopped (and none
+        UUID, why a device still has one (it would not stop, or another operation on it held
+        it past the stop's wait: its instance must not be destroyed, nor MIG enabled, under
+        it); the others' daemons are gone. With MPS off, none is stopped (and none
         started): it yields nothing.
 
         The devices whose daemon would not stop before are tried first; while one still
         runs, no other daemon of the GPU is stopped (the GPU's steps are not taken anyway:
-        the others go on serving their jobs). The stops run at once, each waiting
-        ``request_timeout_s`` at most for a command to its daemon and for its ``quit``
-        (then SIGTERM and SIGKILL, :meth:`ControlDaemon.stop`), so that a hung daemon holds
-        the apply, and the daemon's loop pass behind it, seconds, not minutes."""
+        the others go on serving their jobs). The stops run at once. Each waits for its
+        daemon's lock, held by another operation on it (a health check: gpud's loop sends
+        its commands one after another), ``timeout_s`` + ``request_timeout_s`` at most from
+        when it asked (12 s by default: the longest one command may take, then
+        ``request_timeout_s``), however many commands that operation sends meanwhile
+        (:meth:`_io_for_stop`): a slow answer under load is waited for, while a command
+        already past its own timeout by ``request_timeout_s`` whose control client has not
+        returned (stuck in the driver) fails the GPU ``request_timeout_s`` after the stop
+        asked. Its ``quit`` is waited on ``request_timeout_s`` (then SIGTERM and SIGKILL,
+        :meth:`ControlDaemon.stop`), so that a hung daemon holds the apply, and the daemon's
+        loop pass behind it, seconds, not minutes."""
         if not self.enabled:
             yield {}
             return
@@ -1976,9 +2058,9 @@ class MpsManager:
         dev = self._device(target.uuid)
         with dev.io:
             cmd = protocol.start_server(uid)
-            protocol.parse_empty(cmd, dev.daemon.query(cmd))
+            protocol.parse_empty(cmd, self._query(dev, cmd))
             cmd = protocol.get_server_list()
-            servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
+            servers = protocol.parse_server_list(cmd, self._query(dev, cmd))
             dev.servers = tuple(servers)
             return servers
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -28,6 +30,8 @@ from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
 from gpud.store import StateStore
+from gpud.v1 import mig_pb2 as pb
+from gpud.v1 import mig_pb2_grpc as pb_grpc
 from tests.unit.api_support import ServerThread, short_dir
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
@@ -51,8 +55,10 @@ def serve(
     *,
     read_timeout_s: float = 10.0,
     wrap: Callable[[Any], Any] = lambda backend: backend,
+    servicer_class: type[MigServicer] = MigServicer,
 ) -> Iterator[Node]:
-    """``wrap``: the backend the manager calls, made from the simulated node's."""
+    """``wrap``: the backend the manager calls, made from the simulated node's;
+    ``servicer_class``: the Mig service gpuctl calls."""
     sim = SimNode(spec, state_file=tmp_path / "driver.json")
     store = StateStore(tmp_path / "state")
     jobs: dict[int, str] = {}
@@ -61,7 +67,7 @@ def serve(
     try:
         with short_dir() as d:
             path = d / "gpud.sock"
-            servicer = MigServicer(mig, read_timeout_s=read_timeout_s)
+            servicer = servicer_class(mig, read_timeout_s=read_timeout_s)
             with ServerThread(ApiServer(path, servicers=[servicer.register])):
                 yield Node(sim, mig, str(path), jobs, events)
     finally:
@@ -311,11 +317,10 @@ class _HeldAtItsFirstRead:
         return getattr(self._backend, name)
 
 
-def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """The client's deadline passes while the apply has not started its changes: the same
-    apply made again meanwhile is refused at once, naming the one still in flight; once
-    that one goes on, it finds its client gone and is logged as not started (an apply
-    whose client left during its steps is finished: tests/unit/test_mig_apply.py)."""
+@contextmanager
+def _served_held(tmp_path: Path) -> Iterator[tuple[Node, _HeldAtItsFirstRead]]:
+    """A node whose next apply is held at its first driver call (:class:`_HeldAtItsFirstRead`,
+    armed)."""
     held: list[_HeldAtItsFirstRead] = []
 
     def gated(backend: Any) -> _HeldAtItsFirstRead:
@@ -325,15 +330,104 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], tmp_pa
     with serve(tmp_path, [("H100-SXM5-80GB", 2)], wrap=gated) as node:
         (gate,) = held
         gate.armed.set()
-        # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
-        apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
-        code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
-        assert code == 3 and "did not answer within 1 s" in err
+        yield node, gate
+
+
+def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The client's deadline passes while the apply has not started its changes: the same
+    apply made again meanwhile is refused at once, naming the one still in flight; once
+    that one goes on, it finds its client gone and is logged as not started (an apply
+    whose client left during its steps is finished: tests/unit/test_mig_apply.py)."""
+    with _served_held(tmp_path) as (node, gate):
+        # gpuctl waits minutes for an apply: a client of its own gives up after 1 s
+        source = pb.MigConfigSource(text=Path(CONFIG).read_text(), path=CONFIG, name="all-balanced")
+        with (
+            grpc.insecure_channel(f"unix:{node.socket}") as channel,
+            pytest.raises(grpc.RpcError) as gave_up,
+        ):
+            pb_grpc.MigStub(channel).ApplyMig(
+                pb.ApplyMigRequest(config=source, skip_reset=True), timeout=1
+            )
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert gate.reached.wait(30)  # the apply is in flight, whatever the client's timing
+        apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
         code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
         assert code == 6 and "an apply of all-balanced is in flight (started " in err
         gate.let_go.set()
         _assert_refused_then_not_started(node)
+
+
+class _DeadlineSeen(MigServicer):
+    """The Mig service, keeping the seconds each ApplyMig's caller gave it."""
+
+    deadlines: list[float | None] = []
+
+    async def ApplyMig(self, request: pb.ApplyMigRequest, context: Any) -> pb.ApplyMigResponse:
+        self.deadlines.append(context.time_remaining())
+        return await super().ApplyMig(request, context)
+
+
+def test_an_apply_without_a_reset_waits_for_gpud_to_stop_mps_daemons_gpu_after_gpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An apply with --skip-reset, --drain or not, may wait for the MPS control daemons on
+    each GPU to stop, GPUs one after another (12 s for a busy one): gpuctl gives it
+    minutes, not its 10 s, whatever --timeout says; a dry run stops none and keeps it."""
+    _DeadlineSeen.deadlines = []
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)], servicer_class=_DeadlineSeen) as node:
+        apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
+        for argv in (apply, ("--timeout", "5", *apply), (*apply, "--dry-run")):
+            code, _, err = gpuctl(capsys, node, *argv)
+            assert code == 0, err
+    applied, short, dry = _DeadlineSeen.deadlines
+    assert applied is not None and short is not None and dry is not None
+    # gRPC rounds the deadline it sends up: a dry run's 10 s may read a little over
+    assert applied > 500 and short > 500 and dry < 60
+
+
+def test_an_apply_not_answered_in_time_by_a_running_gpud_says_gpud_answers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """gpuctl's deadline passes while gpud, running, is busy with the apply: gpuctl says
+    gpud answers and the apply was not over, not that gpud did not answer (exit 3, "check
+    systemctl status gpud")."""
+    with _served_held(tmp_path) as (node, gate):
+        try:
+            dry = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--dry-run")
+            code, _, err = gpuctl(capsys, node, "--timeout", "1", *dry)
+        finally:
+            gate.let_go.set()
+    assert (code, err.strip()) == (
+        1,
+        "gpuctl: gpud answers, but the dry run of all-balanced did not end within 1 s"
+        " (raise --timeout)",
+    )
+
+
+def test_an_apply_interrupted_by_ctrl_c_says_it_goes_on_in_gpud(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Ctrl-C while gpuctl waits for an apply (minutes, now): gpuctl exits 130 saying that
+    an apply that had begun goes on in gpud, not silently."""
+    with _served_held(tmp_path) as (node, gate):
+
+        def interrupt_once_held() -> None:
+            if gate.reached.wait(30):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt_once_held, daemon=True)
+        interrupter.start()
+        try:
+            apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
+            code, _, err = gpuctl(capsys, node, *apply)
+        finally:
+            gate.let_go.set()
+            interrupter.join(30)
+    assert code == 130
+    assert (
+        "gpuctl: interrupted: an apply of all-balanced that had begun its changes goes on in"
+        " gpud; see `gpuctl mig show`"
+    ) in err
 
 
 def _assert_refused_then_not_started(node: Node) -> None:

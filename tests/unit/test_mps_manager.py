@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -2555,11 +2556,13 @@ def test_a_daemon_stuck_again_after_it_went_is_said_again(root: Path) -> None:
 
 
 def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Path) -> None:
-    """A daemon a pass is still talking to (hung: a query waits its timeout) holds a MIG
-    apply's stops no longer than ``request_timeout_s``: it is named busy, and the others are
-    stopped meanwhile, not after it."""
-    # the hung query waits a minute, far past the release's 0.3 s: the release is over
-    # while the pass still holds 0:0, and SIGCONT ends that query once it is
+    """A daemon a pass is still talking to past its query's timeout (its client stuck in the
+    driver) holds a MIG apply's stops no longer than ``request_timeout_s``: it is named busy,
+    and the others are stopped meanwhile, not after it."""
+    # the hung query waits a minute, far past the release's 0.3 s, and the manager's clock is
+    # moved past that minute: to the manager the query is past its timeout and has not
+    # returned. The release is over while the pass still holds 0:0, and SIGCONT ends that
+    # query once it is
     clock = Stepped()
     mgr, store, events = make_manager(root, timeout_s=60.0, request_timeout_s=0.3, clock=clock)
     pid = None
@@ -2575,17 +2578,24 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
         passing.start()
         # the pass holds 0:0 in its query, and has checked 0:2 and let it go: 0:2 is free
         # before the pass reaches it too, and then the pass takes it while the release waits
+        # its query said in flight before the clock moves: sent after, it is not past its
+        # timeout, and the stop waits the whole minute for it
         until(
             lambda: (
-                held_elsewhere(mgr, mig_uuid(0, 0)) and checked_since(mgr, mig_uuid(0, 2), since)
+                held_elsewhere(mgr, mig_uuid(0, 0))
+                and mgr._devices[mig_uuid(0, 0)].in_flight is not None
+                and checked_since(mgr, mig_uuid(0, 2), since)
             ),
             "the pass held on 0:0 alone",
         )
+        clock.ahead = since + 61.0
         with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
             assert list(left) == [mig_uuid(0, 0)]
             assert (
-                "busy: another command to it has not returned within 0.3 s" in left[mig_uuid(0, 0)]
+                "was not stopped: busy: its command 'get_default_active_thread_percentage' has"
+                " not returned" in left[mig_uuid(0, 0)]
             )
+            assert "past its own timeout" in left[mig_uuid(0, 0)]
             # the release did not wait for the pass's query to 0:0: it has not returned
             assert held_elsewhere(mgr, mig_uuid(0, 0))
         stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
@@ -2595,6 +2605,223 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
             os.kill(pid, signal.SIGCONT)
         if passing is not None:
             passing.join()
+        mgr.stop()
+        store.close()
+
+
+class HeldOnAScript:
+    """A device's lock that another operation on its daemon holds on a script, on a clock
+    (``now[0]``, the manager's) that only waiting for the lock moves. ``steps``, one after
+    another from ``start``: (seconds, the command in flight, None between two), each
+    command said in flight as the manager says its own (``_Device.in_flight``, sent with
+    ``timeout_s``, and ``command``); the lock is free after the last step."""
+
+    def __init__(
+        self,
+        dev: Any,
+        now: list[float],
+        steps: list[tuple[float, str | None]],
+        *,
+        timeout_s: float,
+        start: float = 0.0,
+    ) -> None:
+        self._dev, self._now, self._timeout_s = dev, now, timeout_s
+        self._spans: list[tuple[float, float, str | None]] = []
+        for seconds, command in steps:
+            self._spans.append((start, start + seconds, command))
+            start += seconds
+        self.free_at = start
+        self._show()
+
+    def _show(self) -> None:
+        now = self._now[0]
+        span = next(((b, c) for b, e, c in self._spans if b <= now < e), (None, None))
+        begun, command = span
+        self._dev.in_flight = (
+            None if begun is None or command is None else (begun + self._timeout_s, command)
+        )
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        now = self._now[0]
+        held = timeout < 0 or self.free_at <= now + timeout
+        self._now[0] = max(now, self.free_at) if held else now + timeout
+        self._show()
+        return held
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def _stop_held_on(
+    root: Path, steps: list[tuple[float, str | None]], *, start: float = 0.0
+) -> tuple[dict[str, str], float]:
+    """A MIG apply's stop of 0:0 asked at 0 while another operation holds its daemon on
+    ``steps`` (:class:`HeldOnAScript`; ``timeout_s`` 10, ``request_timeout_s`` 2): why 0:0
+    still has a daemon (nothing: it got the lock), and when the stop ended its wait."""
+    now = [0.0]
+    mgr, store, _ = make_manager(root, timeout_s=10.0, request_timeout_s=2.0, clock=lambda: now[0])
+    try:
+        dev = mgr._device(mig_uuid(0, 0))
+        dev.io = HeldOnAScript(dev, now, steps, timeout_s=10.0, start=start)  # type: ignore[assignment]
+        with mgr.released([mig_uuid(0, 0)]) as left:
+            return dict(left), now[0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_stop_waits_one_command_and_request_timeout_s_however_many_commands_follow(
+    root: Path,
+) -> None:
+    """A health check of a daemon slow to answer sends six commands, each answered within
+    its 10 s timeout: a MIG apply's stop waits 12 s for the daemon (the longest one command
+    may take, and ``request_timeout_s``), not for the six, and names the command it left
+    in flight."""
+    left, ended = _stop_held_on(root, [(9.0, "get_server_list")] * 6)
+    assert ended == 12.0
+    assert left[mig_uuid(0, 0)] == (
+        f"the MPS control daemon of MIG device ({mig_uuid(0, 0)}) was not stopped: busy: its"
+        " command 'get_server_list' was still in flight after the stop waited 12 s, the"
+        " longest wait a stop gives one command to it"
+    )
+
+
+def test_a_stop_that_asked_while_a_check_is_between_commands_gets_the_daemon(
+    root: Path,
+) -> None:
+    """The stop's wait for a command's timeout ends while the check is between two commands
+    (writing to its database), every command answered within its timeout: the stop goes on
+    waiting, gets the daemon once the check is over, and stops it."""
+    steps: list[tuple[float, str | None]] = [
+        (9.0, "get_default_active_thread_percentage"),
+        (4.0, None),
+        (3.0, "get_server_list"),
+    ]
+    left, ended = _stop_held_on(root, steps, start=-8.0)
+    assert (left, ended) == ({}, 8.0)
+
+
+def test_a_stop_fails_a_command_hung_past_its_timeout_request_timeout_s_after_it_asked(
+    root: Path,
+) -> None:
+    """A command past its own timeout whose control client has not returned (stuck in the
+    driver): the stop gives up ``request_timeout_s`` after it asked, naming the command."""
+    left, ended = _stop_held_on(root, [(1e9, "get_server_list")], start=-20.0)
+    assert ended == 2.0
+    assert left[mig_uuid(0, 0)].endswith(
+        "busy: its command 'get_server_list' has not returned 12 s past its own timeout (its"
+        " control client stuck in the driver); the stop waited 2 s"
+    )
+
+
+def test_a_stop_held_off_by_an_operation_with_no_command_in_flight_says_so(root: Path) -> None:
+    """The daemon held with no command in flight (its ``quit`` by a pass, a reboot of the
+    simulated node) is not taken for hung: the stop waits its whole 12 s, and says that
+    another operation held the daemon, naming no command."""
+    left, ended = _stop_held_on(root, [(1e9, None)])
+    assert ended == 12.0
+    assert left[mig_uuid(0, 0)].endswith("busy: another operation on its daemon held it for 12 s")
+
+
+def test_a_daemon_being_started_is_said_in_flight_as_long_as_its_start_may_take(
+    root: Path,
+) -> None:
+    """A start (``-d``, then its first answer) may take three of the daemon's timeouts: it
+    is said in flight that long, so a stop meanwhile does not take it for hung."""
+    now = [100.0]
+    mgr, store, _ = make_manager(root, timeout_s=10.0, clock=lambda: now[0])
+    seen: list[tuple[float, str] | None] = []
+    try:
+        dev = mgr._device(mig_uuid(0, 0))
+        start = dev.daemon.start
+
+        def starting() -> int:
+            seen.append(dev.in_flight)
+            return start()
+
+        dev.daemon.start = starting  # type: ignore[method-assign]
+        mgr.reconcile(MIG_NODE)
+        assert seen == [(130.0, "nvidia-cuda-mps-control -d")]
+        assert dev.in_flight is None
+    finally:
+        mgr.stop()
+        store.close()
+
+
+class WatchedLock:
+    """A device's lock that keeps how long each timed wait for it was to last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waits: list[float] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if timeout >= 0:
+            self.waits.append(timeout)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def test_destroying_a_mig_device_waits_for_a_slow_health_check_within_its_timeout(
+    root: Path,
+) -> None:
+    """A health check of a daemon slow to answer (a loaded node), its query still within its
+    own timeout when a MIG apply stops the daemon, holds the stop until it answers, not
+    ``request_timeout_s`` from when the stop asked: the daemon is stopped, the GPU not
+    failed as busy."""
+    mgr, store, events = make_manager(root, timeout_s=60.0, request_timeout_s=0.3)
+    pid = None
+    passing: threading.Thread | None = None
+    stopping: threading.Thread | None = None
+    left: dict[str, str] = {}
+    try:
+        mgr.reconcile(MIG_NODE)
+        pid = {s.target.uuid: s.pid for s in mgr.status()}[mig_uuid(0, 0)]
+        assert pid is not None
+        watched = WatchedLock()
+        mgr._devices[mig_uuid(0, 0)].io = watched  # type: ignore[assignment]
+        os.kill(pid, signal.SIGSTOP)  # its health check's query waits till SIGCONT
+        passing = threading.Thread(target=mgr.reconcile)
+        passing.start()
+        until(lambda: held_elsewhere(mgr, mig_uuid(0, 0)), "the pass in its check of 0:0")
+
+        def release() -> None:
+            with mgr.released([mig_uuid(0, 0)]) as stuck:
+                left.update(stuck)
+
+        stopping = threading.Thread(target=release)
+        stopping.start()
+        # the stop waits past its own 0.3 s (for the check's query, 60 s), or has given up
+        until(
+            lambda: not stopping.is_alive() or any(w > 1.0 for w in watched.waits),
+            "the stop waiting on 0:0",
+        )
+        os.kill(pid, signal.SIGCONT)  # the check's query is answered
+        pid = None
+        stopping.join()
+        assert left == {}
+        stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
+        assert stopped == [mig_uuid(0, 0)]
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        for thread in (stopping, passing):
+            if thread is not None:
+                thread.join()
         mgr.stop()
         store.close()
 
