@@ -821,7 +821,7 @@ class AdmissionService:
         if spec.devices or spec.mig_profile is not None:
             return ""
         whole = self._jobs.unhealthy().only({d.gpu for d in fit.devices() if not d.is_mig})
-        return f"{unhealthy_text(whole)}, counted all the same" if whole else ""
+        return f"counted all the same, taking no job now: {unhealthy_text(whole)}" if whole else ""
 
     def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
@@ -1122,7 +1122,7 @@ class AdmissionService:
 
 
 def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:
-    """``down``: the GPUs the verdict counted that take no job now (:meth:`_whole_down`)."""
+    """``down``: the GPUs the verdict counted that take no job now (:meth:`AdmissionService._whole_down`)."""
     remedy = f"; {verdict.remedy}" if verdict.remedy else ""
     counted = f" ({down})" if down else ""
     return FailedPrecondition(

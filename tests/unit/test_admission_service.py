@@ -1896,7 +1896,7 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
         assert str(never.value) == (
             "job 'four' can never start on this node as it is: asks 4 whole GPUs; this node"
             " has 1 GPU not in MIG mode (name a MIG profile: gpuctl run --mig)"
-            " (GPU 1 unhealthy: GPU lost (memory), counted all the same)"
+            " (counted all the same, taking no job now: GPU 1 unhealthy: GPU lost (memory))"
         )
     finally:
         store.close()
