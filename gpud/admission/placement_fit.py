@@ -80,9 +80,11 @@ class PlacementFit:
             devices = [d for d in self._devices if not d.is_mig]
             count = request.gpu_count or 1
             if len(devices) < count:
+                whole = len(devices)
                 return Unfeasible(
-                    f"asks {count} whole GPU{'s' if count > 1 else ''}; this node has "
-                    f"{len(devices)} not in MIG mode (name a MIG profile: gpuctl run --mig)"
+                    f"asks {count} whole GPU{'s' if count > 1 else ''}; this node has {whole}"
+                    f" GPU{'' if whole == 1 else 's'} not in MIG mode (name a MIG profile:"
+                    " gpuctl run --mig)"
                 )
         pool = tuple(d.uuid for d in devices)
         # by device, not by UUID (every GPU never read has the UUID ""); one of unknown size

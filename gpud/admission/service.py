@@ -464,7 +464,7 @@ class AdmissionService:
             spec = _effective(job, request)
             verdict = self.classify(request_of(spec), fit)
             if isinstance(verdict, Unfeasible) and not keep_unfeasible:
-                raise _never(job.name, verdict)
+                raise _never(job.name, verdict, self._whole_down(spec, fit))
             queued = self.entries()
             if len(queued) >= self.config.max_queue:
                 raise ResourceExhausted(
@@ -811,7 +811,17 @@ class AdmissionService:
     def _refuse_never(self, spec: JobSpec, fit: FitCheck) -> None:
         verdict = self.classify(request_of(spec), fit)
         if isinstance(verdict, Unfeasible):
-            raise _never(spec.name, verdict)
+            raise _never(spec.name, verdict, self._whole_down(spec, fit))
+
+    def _whole_down(self, spec: JobSpec, fit: FitCheck) -> str:
+        """For a refusal of ``spec`` as one that can never start, where it asks for whole
+        GPUs: the GPUs not in MIG mode that take no job now (lost, hung, held off), which
+        the refusal counted all the same: each may answer again, yet the node would still
+        lack what the job asks; empty where none is such."""
+        if spec.devices or spec.mig_profile is not None:
+            return ""
+        whole = self._jobs.unhealthy().only({d.gpu for d in fit.devices() if not d.is_mig})
+        return f"counted all the same, taking no job now: {unhealthy_text(whole)}" if whole else ""
 
     def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
@@ -1111,10 +1121,12 @@ class AdmissionService:
         return residual_of_waits(total, self._area, start=start, end=end)
 
 
-def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
+def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:
+    """``down``: the GPUs the verdict counted that take no job now (:meth:`AdmissionService._whole_down`)."""
     remedy = f"; {verdict.remedy}" if verdict.remedy else ""
+    counted = f" ({down})" if down else ""
     return FailedPrecondition(
-        f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}"
+        f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}{counted}"
     )
 
 

@@ -397,9 +397,15 @@ def _answers(ctx: Context) -> bool:
 
 def _why_left_alone(o: pb.MigGpuOutcome) -> str:
     """``GPU N (UUID): why`` of a GPU an apply left alone as faulty, as ``mig show`` names a
-    faulty GPU: its detail (``GPU N (PRODUCT) is faulty, left alone: why``) without the
-    words the line already says."""
-    why = o.detail.partition(" is faulty, left alone: ")[2] or o.detail
+    faulty GPU: its detail without the words the line already says, whether the GPU was
+    found faulty before its steps (``GPU N (PRODUCT) is faulty, left alone: why``) or went
+    so during them (``GPU N (PRODUCT) is faulty: why``: lost in the middle of the apply)."""
+    why = o.detail
+    if why.startswith((f"GPU {o.gpu} ", f"GPU {o.gpu}:")):
+        for said in (" is faulty, left alone: ", " is faulty: "):
+            if said in why:
+                why = why.partition(said)[2]
+                break
     return f"GPU {o.gpu}{f' ({o.uuid})' if o.uuid else ''}: {why}"
 
 

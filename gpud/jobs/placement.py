@@ -129,6 +129,7 @@ def choose_devices(
     uid: int | None = None,
     name_of: Callable[[int], str] = user_name,
     default_threads: Callable[[str], int | None] = lambda _: None,
+    whole_left_out: int = 0,
 ) -> tuple[MpsTarget, ...]:
     """Where ``spec`` goes: its pinned devices, else one MIG device of ``spec.mig_profile``,
     else ``spec.gpu_count`` whole GPUs (default 1). The least loaded fitting devices win.
@@ -146,6 +147,10 @@ def choose_devices(
     at least the job's own ``threads_percent`` and ``memory_bytes`` comes first: an MPS
     client only narrows its server's limits, so on a device with lower defaults the job would
     get those, not what it asks (``gpuctl run`` warns when it lands on one all the same).
+
+    ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
+    hung, or held off by a MIG apply): a refusal for want of whole GPUs counts them, and
+    says how many of them take jobs now.
 
     Raises :class:`NotFound` for devices the node does not have and
     :class:`ResourceExhausted`, with the numbers, when none has room for what it asks.
@@ -230,9 +235,11 @@ def choose_devices(
         pool = [d for d in devices if d.mig is None]
         want = spec.gpu_count or 1
         if len(pool) < want:
+            whole = len(pool) + whole_left_out
+            now = f", {len(pool)} of them taking jobs now" if whole_left_out else ""
             raise ResourceExhausted(
                 f"job {spec.name!r} asks {want} whole GPU{'s' if want > 1 else ''}; this node "
-                f"has {len(pool)} not in MIG mode"
+                f"has {whole} GPU{'' if whole == 1 else 's'} not in MIG mode{now}"
             )
     pool.sort(key=order)
     fitting = [d for d in pool if fits(d)]

@@ -679,6 +679,10 @@ class JobService:
         ``now`` was read with)."""
         sick = self.unhealthy() if sick is None else sick
         targets, loads = now if now is not None else (self.healthy_targets(sick), self.loads())
+        # a whole GPU that does not answer now is still one the node has: a run that asks
+        # for it waits for it, and its refusal counts it as not taking jobs now
+        offered = {t.gpu for t in targets if t.mig is None}
+        left_out = {t.gpu for t in self._mps.targets() if t.mig is None} - offered if sick else ()
         try:
             return choose_devices(
                 spec,
@@ -688,6 +692,7 @@ class JobService:
                 default_memory=self._default_memory,
                 uid=uid,
                 default_threads=self._default_threads,
+                whole_left_out=len(left_out),
             )
         except ResourceExhausted as err:
             if not sick:

@@ -1864,3 +1864,39 @@ def test_the_mig_config_file_is_parsed_and_said_once_for_each_version_of_it(
         for _ in range(5):
             assert layouts() == {}
         assert len(loads) == 3 and len(caplog.records) == 2
+
+
+def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
+    tmp_path: Path,
+) -> None:
+    """GPUs 0, 2 and 3 are in MIG mode and GPU 1, the only whole one, is lost. A run asking
+    for one whole GPU waits for GPU 1 (exit 7): the refusal counts it and says that none
+    takes jobs now, and why. One asking for four can never start, GPU 1 answering or not
+    (exit 6): the refusal says the lost GPU was counted."""
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    split = (("3g.40gb", 40), ("3g.40gb", 40))
+    lost = gpu_sample(1)._replace(healthy=False, reason="GPU lost (memory)")
+    gpus = snapshot(gpu_sample(0, migs=split), lost, *(gpu_sample(i, migs=split) for i in (2, 3)))
+    mps.reconcile(gpus)
+    clock = Clock()
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock", clock=clock)
+    AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    try:
+        jobs.tick(gpus)
+        with pytest.raises(ResourceExhausted) as waits:
+            jobs.reserve(RunRequest(job="one", gpu_count=1))
+        assert str(waits.value) == (
+            "job 'one' asks 1 whole GPU; this node has 1 GPU not in MIG mode, 0 of them taking"
+            " jobs now (GPU 1 unhealthy: GPU lost (memory))"
+        )
+        with pytest.raises(FailedPrecondition) as never:
+            jobs.reserve(RunRequest(job="four", gpu_count=4))
+        assert str(never.value) == (
+            "job 'four' can never start on this node as it is: asks 4 whole GPUs; this node"
+            " has 1 GPU not in MIG mode (name a MIG profile: gpuctl run --mig)"
+            " (counted all the same, taking no job now: GPU 1 unhealthy: GPU lost (memory))"
+        )
+    finally:
+        store.close()

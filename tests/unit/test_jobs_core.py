@@ -902,7 +902,8 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
     # Too few GPUs without the lost one: the refusal says it is left out, and why.
     with pytest.raises(
-        ResourceExhausted, match=r"this node has 1 not in MIG mode \(GPU 1 unhealthy: GPU lost"
+        ResourceExhausted,
+        match=r"this node has 2 GPUs not in MIG mode, 1 of them taking jobs now \(GPU 1 unhealthy: GPU lost",
     ):
         service.reserve(RunRequest("b2", gpu_count=3))
     sick = [g._replace(healthy=False, reason="driver call timed out") for g in NODE.gpus]

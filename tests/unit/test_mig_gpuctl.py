@@ -487,6 +487,76 @@ def test_show_and_assert_name_each_faulty_gpu_on_stderr(
         assert error["exit_code"] == 11 and error["message"].startswith(said), error
 
 
+ONLY_GPU_3 = """version: v1
+mig-configs:
+  gpu3:
+    - devices: [3]
+      mig-enabled: true
+      mig-devices:
+        "3g.40gb": 2
+"""
+
+
+class _LosesGpuAtFirstInstance:
+    """The backend, except that ``lose()`` is called once, right after the first GPU
+    instance is created: a GPU lost in the middle of an apply."""
+
+    def __init__(self, backend: NvmlBackend, lose: Callable[[], None]) -> None:
+        self._backend, self._lose = backend, lose
+        self._lost = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def create_gpu_instance(self, gpu: int, profile_id: int, placement: Any) -> Any:
+        out = self._backend.create_gpu_instance(gpu, profile_id, placement)
+        if not self._lost:
+            self._lost = True
+            self._lose()
+        return out
+
+
+def test_a_gpu_lost_in_the_middle_of_an_apply_is_named_once_on_stderr(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """GPU 3 falls off the bus after its first instance is created: stderr names it once,
+    by index and UUID, and says why, as for a GPU found faulty before the apply."""
+    served: list[Node] = []
+
+    def wrap(backend: NvmlBackend) -> _LosesGpuAtFirstInstance:
+        return _LosesGpuAtFirstInstance(backend, lambda: served[0].sim.faults.lose(3))
+
+    config = tmp_path / "gpu3.yaml"
+    config.write_text(ONLY_GPU_3)
+    with serve(tmp_path, [("H100-SXM5-80GB", 4)], wrap=wrap) as n:
+        served.append(n)
+        code, out, err = gpuctl(capsys, n, "mig", "apply", "-f", str(config), "-c", "gpu3")
+        uuid = n.mig.show()[3].identity.uuid
+    assert code == 11 and "GPU 3: faulty (2 steps did run)" in out, out
+    (line,) = err.splitlines()
+    assert line.startswith(f"gpuctl: faulty, left alone: GPU 3 ({uuid}): GPU lost: "), err
+    # the driver's error names it too ("... failed on GPU 3"): the line's own words once
+    assert line.count("GPU 3 (") == 1 and "is faulty" not in line, err
+    assert line.endswith("GPU is lost"), err
+
+
+def test_assert_and_apply_of_a_config_say_nothing_of_a_lost_gpu_it_does_not_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The config names GPU 3 only; GPU 1 is lost: assert checks what the config names, and
+    apply changes only that, so neither speaks of GPU 1 (``mig show`` does)."""
+    config = tmp_path / "gpu3.yaml"
+    config.write_text(ONLY_GPU_3)
+    with serve(tmp_path, [("H100-SXM5-80GB", 4)]) as n:
+        argv = ("-f", str(config), "-c", "gpu3")
+        assert gpuctl(capsys, n, "mig", "apply", *argv)[0] == 0
+        n.sim.faults.lose(1)
+        assert gpuctl(capsys, n, "mig", "assert", *argv) == (0, "gpu3: the GPUs match\n", "")
+        assert gpuctl(capsys, n, "mig", "apply", *argv) == (0, "GPU 3: ok\ngpu3: noop\n", "")
+        code, _, err = gpuctl(capsys, n, "mig", "show")
+        assert code == 11 and err.startswith("gpuctl: faulty: GPU 1 ("), err
+
+
 def test_show_answers_within_the_telemetry_call_timeout_when_a_gpu_starts_hanging(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
