@@ -16,7 +16,9 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
-a write refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
+so is an endpoint that answers but not as etcd (its peer port, another service: the
+next endpoint is tried); a write refused because etcd is out of space is
+:class:`~gpud.errors.StoreFull`
 (``etcdctl alarm list`` shows ``alarm:NOSPACE``); any other refusal (the login, the user's
 keys) is :class:`~gpud.errors.StoreRefused`.
 """
@@ -57,6 +59,27 @@ def _refusal(err: BaseException) -> str:
         if isinstance(body, dict) and body.get("message"):
             return str(body["message"])
     return str(err)
+
+
+def _not_etcd(err: BaseException, endpoint: str, path: str) -> str:
+    """Why ``endpoint`` is no etcd client port, from the error of a call to it, or "" when
+    etcd itself answered. etcd's gateway says each refusal in a JSON body (``{"code",
+    "message"}``) and its ``/version`` names ``etcdserver``; an answer with neither comes
+    from something else on that port: etcd's peer port (2380), a proxy's error page,
+    another service."""
+    detail = getattr(err, "detail_text", None)
+    if type(err).__name__ != "ApiVersionDiscoveryFailedError":
+        try:
+            body = json.loads(detail) if isinstance(detail, str) else None
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and ("message" in body or "error" in body):
+            return ""
+    said = " ".join(str(err).split()) or type(err).__name__
+    return (
+        f"{endpoint} answered {path} with {said!r}, not as etcd's client API: is it etcd's "
+        "client port (2379 by default; 2380 is the peer port)? check cluster.etcd_endpoints"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +199,10 @@ class EtcdClient:
                 last = err
                 continue
             except self._refused as err:
+                wrong = _not_etcd(err, self._settings.endpoints[index], path)
+                if wrong:  # not etcd: the next endpoint may be
+                    last = Unavailable(wrong)
+                    continue
                 said = _refusal(err)
                 if "invalid auth token" in said and self._settings.username:
                     self._authenticated.discard(index)  # expired: log in again next call
@@ -191,6 +218,8 @@ class EtcdClient:
             with self._lock:
                 self._current = index
             return result
+        if isinstance(last, Unavailable):
+            raise Unavailable(f"etcd unreachable: {last}") from last
         raise Unavailable(
             f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
             f"{type(last).__name__} {last}".rstrip()

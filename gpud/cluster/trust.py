@@ -19,7 +19,10 @@ back)::
 leads, a node asks :meth:`Candidacy.refusal`: its certificate has expired, or more of the
 other recorded nodes trust none of its CAs than trust one of them. Then it does not
 campaign, or steps down. A record not rewritten for :data:`STALE_S` (a node removed for
-good) no longer counts; ``etcdctl del <prefix>/trust/NODE`` drops it at once. With a CA
+good) no longer counts; ``etcdctl del <prefix>/trust/NODE`` drops it at once. A running
+node reads its own record every :data:`CHECK_S` and writes it again when it is gone or names
+other CAs: a new etcd (its data directory lost) or one restored from a snapshot would
+otherwise lack it for up to :data:`REFRESH_S`, and a node of another PKI could lead. With a CA
 bundle (a rotation), a node counts as trusted by a peer that trusts any CA of its bundle.
 """
 
@@ -37,7 +40,7 @@ from gpud.cluster.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
-CHECK_S = 10.0  # a leader reads the records this often
+CHECK_S = 10.0  # a leader reads the records, and every node its own, this often
 REFRESH_S = 3600.0  # a node rewrites its record this often
 STALE_S = 7 * 86400.0  # a record older than this is a node removed for good
 
@@ -85,14 +88,38 @@ class EtcdCandidacy:
         self._expiry = expiry
         self._wall = wall
         self._written_at: float | None = None
+        self._checked_at = 0.0  # (wall) when etcd was last read for this node's record
 
     def record(self) -> None:
         now = self._wall()
         if self._written_at is not None and now - self._written_at < REFRESH_S:
-            return
+            if 0 <= now - self._checked_at < CHECK_S or self._still_recorded():
+                return
+            # a new etcd, one restored from a snapshot, or an etcdctl del: without the
+            # record this node's CAs would not count for an hour, and a node of another
+            # PKI could lead meanwhile
+            log.warning(
+                "cluster: this node's trust record %s%s is gone from etcd or names other "
+                "CAs (a new etcd, or one restored from a snapshot?): written again",
+                self._prefix,
+                self.node,
+            )
         value = json.dumps({"ca_sha256": list(self._trusted), "at": now})
         self._client.put(self._prefix + self.node, value)
-        self._written_at = now
+        self._written_at = self._checked_at = now
+
+    def _still_recorded(self) -> bool:
+        """Whether etcd still holds this node's record with its CAs (read every
+        :data:`CHECK_S`: one read, no revision)."""
+        self._checked_at = self._wall()
+        kv = self._client.get(self._prefix + self.node)
+        if kv is None:
+            return False
+        try:
+            theirs = tuple(sorted(str(f) for f in json.loads(kv.value)["ca_sha256"]))
+        except (ValueError, KeyError, TypeError):
+            return False
+        return theirs == self._trusted
 
     def refusal(self) -> str:
         expired = self._expiry(self._wall())

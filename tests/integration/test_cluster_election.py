@@ -557,3 +557,45 @@ def test_a_refused_gpud_that_loses_the_leader_and_finds_it_again_leaves_its_twin
         assert entries() == []
 
     asyncio.run(scenario())
+
+
+def test_an_endpoint_that_is_not_etcds_client_port_is_said_as_such_and_passed_over(
+    etcd: LocalEtcd,
+) -> None:
+    """etcd's peer port (2380 by default), or another HTTP service, answers every call with
+    a 404 of its own: that is no refusal of etcd's (whose action would be its user and
+    role) but a wrong cluster.etcd_endpoints, and the next endpoint is tried."""
+    import http.server
+    import threading
+
+    from gpud.errors import Unavailable
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        peer = f"http://127.0.0.1:{etcd.peer_port}"
+        service = f"http://127.0.0.1:{other.server_address[1]}"
+        for endpoint in (peer, service):
+            with pytest.raises(Unavailable) as wrong:
+                EtcdClient(EtcdSettings(endpoints=(endpoint,), timeout_s=2.0)).get("/x")
+            assert str(wrong.value).startswith(f"etcd unreachable: {endpoint} answered ")
+            assert "not as etcd's client API" in str(wrong.value)
+            assert "check cluster.etcd_endpoints" in str(wrong.value)
+        election = EtcdElection(
+            EtcdClient(EtcdSettings(endpoints=(peer,), timeout_s=2.0)),
+            node="n1",
+            address="a1",
+            prefix="/gpud",
+            ttl_s=4,
+        )
+        election.step()
+        info = election.state()
+        assert (info.store_ok, info.store_state) == (False, "unreachable")
+        assert "2380 is the peer port" in info.detail
+        both = EtcdClient(EtcdSettings(endpoints=(peer, etcd.endpoint), timeout_s=2.0))
+        both.put("/x", "1")
+        kv = both.get("/x")
+        assert kv is not None and kv.value == b"1"
+    finally:
+        other.shutdown()
+        other.server_close()

@@ -75,24 +75,30 @@ class MemoryEtcd:
 
 
 def _election(
-    etcd: MemoryEtcd, clock: Clock, wall: Clock, expiry: Callable[[float], str], ca: bytes
+    etcd: MemoryEtcd,
+    clock: Clock,
+    wall: Clock,
+    expiry: Callable[[float], str],
+    ca: bytes,
+    *,
+    node: str = "n0",
 ) -> tuple[EtcdElection, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     candidacy = EtcdCandidacy(
         client,
         prefix="/c",
-        node="n0",
+        node=node,
         ca=ca,
         ca_file="/pki/ca.pem",
-        cert_file="/pki/n0.pem",
+        cert_file=f"/pki/{node}.pem",
         expiry=expiry,
         wall=wall,
     )
     election = EtcdElection(
         client,
-        node="n0",
-        address="n0:1",
+        node=node,
+        address=f"{node}:1",
         prefix="/c",
         ttl_s=8,
         notify=lambda kind, message, fields: events.append((kind, message)),
@@ -160,6 +166,34 @@ def test_a_node_trusted_by_as_many_as_refuse_it_may_lead(tmp_path: Path) -> None
     election.step()
     assert election.state().leading
     assert [k for k, _ in events] == ["cluster.elected"]
+
+
+def test_trust_records_lost_from_etcd_are_written_again_by_the_running_nodes(
+    tmp_path: Path,
+) -> None:
+    """A new etcd (its data directory lost) or one restored from a snapshot: the leader and
+    its followers write their records again within a check, not an hour later."""
+    ca, _ = make_ca(tmp_path / "cluster")
+    etcd, clock, wall = MemoryEtcd(), Clock(0.0), Clock(10**6)
+    leader, _ = _election(etcd, clock, wall, lambda now: "", ca.read_bytes(), node="n0")
+    follower, _ = _election(etcd, clock, wall, lambda now: "", ca.read_bytes(), node="n1")
+    leader.step()
+    follower.step()
+    assert leader.state().leading and not follower.state().leading
+    mine = list(ca_fingerprints(ca.read_bytes()))
+    etcd.kv = {k: v for k, v in etcd.kv.items() if not k.startswith("/c/trust/")}
+    clock.now = wall.now = wall.now + CHECK_S
+    leader.step()
+    follower.step()
+    for node in ("n0", "n1"):
+        assert json.loads(etcd.kv[f"/c/trust/{node}"].value)["ca_sha256"] == mine
+    assert leader.state().leading
+    # records in place are read, not written again: an idle cluster makes no revisions
+    written = etcd.revision
+    clock.now = wall.now = wall.now + CHECK_S
+    leader.step()
+    follower.step()
+    assert etcd.revision == written
 
 
 class FailingEtcd(MemoryEtcd):
