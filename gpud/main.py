@@ -105,16 +105,23 @@ def lock_dirs(cfg: config.Config) -> DirLocks:
     return DirLocks.take(dirs)
 
 
-def open_backend(cfg: config.Config, *, nvml: Any = None) -> tuple[GpuBackend, SimNode | None]:
+def open_backend(
+    cfg: config.Config, *, nvml: Any = None, sim_sleep: Callable[[float], None] = time.sleep
+) -> tuple[GpuBackend, SimNode | None]:
     """The GPU backend the config asks for: real NVML (over ``nvml``, a pynvml-shaped module;
-    None: the installed ``pynvml``), or the simulated node."""
+    None: the installed ``pynvml``), or the simulated node, whose injected slow driver calls
+    hang in ``sim_sleep``."""
     if cfg.backend.kind == "sim":
         from gpud.backend.nvml import NvmlBackend
         from gpud.backend.sim import SimNode, parse_simulate_spec
 
         sim_dir = cfg.daemon.run_dir / "sim"
         files.make_dir(sim_dir, "daemon.run_dir", files.ABOVE_MODE)
-        node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
+        node = SimNode(
+            parse_simulate_spec(cfg.backend.simulate),
+            state_file=sim_dir / "node.json",
+            sleep=sim_sleep,
+        )
         return NvmlBackend(node.nvml, reset=node.reset), node
     from gpud.backend.gpureset import nvidia_smi_reset
     from gpud.backend.nvml import open_real_backend

@@ -3,6 +3,7 @@ raising the ``NVMLError`` pynvml raises for a code (NVML_ERROR_NO_PERMISSION, ..
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 from typing import Any
 
@@ -58,3 +59,41 @@ def answering() -> Any:
     from gpud.backend.sim import SimNode
 
     return SimNode([("H100-SXM5-80GB", 1)]).nvml
+
+
+class Sleeps:
+    """The simulated driver's sleep for a slow call (``SimNode(sleep=...)``): each call's
+    seconds recorded in ``calls``, none waited out."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.calls.append(seconds)
+
+
+class HeldSleep:
+    """The simulated driver's sleep for a slow call: each hangs until :meth:`release`, as a
+    driver call that does not answer. ``entered`` and ``returned`` count the calls that went
+    in and came back; ``first`` is set once one went in."""
+
+    HANG_GUARD_S = 30.0  # only so that a caller that waits for the call fails, not hangs
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        self.first = threading.Event()
+        self.entered = 0
+        self.returned = 0
+
+    def __call__(self, seconds: float) -> None:
+        with self._lock:
+            self.entered += 1
+        self.first.set()
+        if not self._released.wait(self.HANG_GUARD_S):
+            self._released.set()  # the rest return at once: the test fails on ``returned``
+        with self._lock:
+            self.returned += 1
+
+    def release(self) -> None:
+        self._released.set()

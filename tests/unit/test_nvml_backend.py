@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import inspect
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -34,7 +34,7 @@ from gpud.errors import (
     NotSupported,
     classify,
 )
-from tests.unit.nvml_doubles import NoNvml, Refusing
+from tests.unit.nvml_doubles import HeldSleep, NoNvml, Refusing, Sleeps
 
 GiB = 2**30
 
@@ -376,14 +376,15 @@ def test_lost_gpu_and_not_supported_field() -> None:
 
 
 def test_slow_gpu_blocks_its_calls() -> None:
-    node, be = _backend([("H100-SXM5-80GB", 2)])
+    sleeps = Sleeps()
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock(), sleep=sleeps)
+    be = NvmlBackend(node.nvml)
     node.faults.slow(0, 0.05)
-    t0 = time.perf_counter()
     be.power_watts(0)
-    assert time.perf_counter() - t0 >= 0.05
-    t0 = time.perf_counter()
+    hung = list(sleeps.calls)
+    assert hung and set(hung) == {0.05}  # the calls on GPU 0 hung for their time
     be.power_watts(1)
-    assert time.perf_counter() - t0 < 0.05
+    assert sleeps.calls == hung  # GPU 1's did not
 
 
 def test_xid_events() -> None:
@@ -434,24 +435,29 @@ def test_a_lost_gpu_holds_up_no_other_gpus_events() -> None:
 
 
 def test_a_gpu_that_does_not_answer_holds_up_no_other_gpus_events() -> None:
-    node = SimNode([("A100-SXM4-40GB", 3)], clock=FakeClock())
+    held = HeldSleep()
+    node = SimNode([("A100-SXM4-40GB", 3)], clock=FakeClock(), sleep=held)
     be = NvmlBackend(node.nvml, reset=node.reset)
-    node.faults.slow(1, 0.4)  # each call on GPU 1 takes 0.4 s: registering it, 1.2 s
-    t0 = time.perf_counter()
+    node.faults.slow(1, 0.4)  # each call on GPU 1 hangs until released
     assert be.wait_events(0.0) == []
-    assert time.perf_counter() - t0 < 1.0
+    returned = held.returned  # as the wait came back
+    assert held.first.wait(HeldSleep.HANG_GUARD_S)
+    assert returned == 0  # GPU 1's registration was still in the driver: not waited for
     node.faults.xid(0, 48)
     assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(0, 48)]
     # A reset of another GPU makes a new event set; GPU 1, still registering on the old
     # one, moves to the new one when it answers.
-    t0 = time.perf_counter()
     be.reset_gpu(2)
     assert be.wait_events(0.0) == []
-    assert time.perf_counter() - t0 < 1.0
+    assert (held.entered, held.returned) == (1, 0)  # not waited for, nor registered anew
     node.faults.xid(2, 31)
     assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(2, 31)]
     node.faults.clear(1)
-    time.sleep(1.5)  # the registration's call in progress ends, the rest are quick
+    held.release()  # the registration's call in progress ends, the rest are quick
+    for t in threading.enumerate():
+        if t.name == "gpud-events-1":
+            t.join(HeldSleep.HANG_GUARD_S)  # a hang guard: it ends once the call returns
+            assert not t.is_alive()
     node.faults.xid(1, 43)
     assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(1, 43)]
     be.close()

@@ -87,6 +87,7 @@ class SimNode:
         *,
         state_file: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
         seed: int = 0,
         proc_root: Path = Path("/proc"),
     ) -> None:
@@ -99,7 +100,7 @@ class SimNode:
                 )
             gpus.extend([product] * count)
         self.spec = [(p, n) for p, n in spec]
-        self.nvml = FakeNvml(gpus, state_file=state_file, clock=clock, seed=seed)
+        self.nvml = FakeNvml(gpus, state_file=state_file, clock=clock, sleep=sleep, seed=seed)
         self.faults = FaultInjector(self.nvml)
         self.workloads = Workloads(self.nvml, proc_root=proc_root)
         self.jobs = JobWorkloads(self.workloads, proc_root=proc_root)

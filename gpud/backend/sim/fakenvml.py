@@ -556,10 +556,12 @@ class FakeNvml:
         *,
         state_file: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
         seed: int = 0,
         driver_version: str = "550.90.07",
     ) -> None:
         self._clock = clock
+        self._sleep = sleep  # how an injected slow call hangs, as the driver's ioctl would
         self._state_file = state_file
         self._driver_version = driver_version
         self._driver_major = int(driver_version.split(".", maxsplit=1)[0])
@@ -744,7 +746,7 @@ class FakeNvml:
         if f is None:
             return
         if f.slow_s:
-            time.sleep(f.slow_s)  # a driver call that hangs for a while
+            self._sleep(f.slow_s)  # a driver call that hangs for a while
         if f.lost:
             raise NVMLError_GpuIsLost()
         if f.reset_required and what not in _KEPT_WHILE_RESET_REQUIRED:
@@ -757,7 +759,7 @@ class FakeNvml:
         its injected time, outside the lock: reads of the GPU meanwhile answer at once."""
         f = self._faults.get(gpu.index)
         if f is not None and f.slow_mig_s:
-            time.sleep(f.slow_mig_s)
+            self._sleep(f.slow_mig_s)
 
     def _gpu(self, handle: object, what: str) -> _Gpu:
         """A whole-GPU handle; MIG device handles are NotSupported for ``what``."""
@@ -830,7 +832,7 @@ class FakeNvml:
         gpu = self._gpus[index]
         f = self._faults.get(index)
         if f is not None and f.slow_s:
-            time.sleep(f.slow_s)
+            self._sleep(f.slow_s)
         # A lost GPU still has a handle: the first query on it answers GPU_IS_LOST, as the
         # real driver does (``nvmlDeviceGetUUID failed on GPU 2: GPU is lost``).
         return gpu
