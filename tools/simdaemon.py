@@ -14,9 +14,9 @@ running killed: :func:`kill_mps_daemons`). The daemon runs in a process group of
 that a Ctrl-C at the terminal, or ``timeout``'s SIGTERM to its group, reaches the tool alone,
 which then stops it.
 
-A tool that runs for long stops cleanly on SIGTERM or SIGINT inside :func:`stop_on_signals`:
-either raises KeyboardInterrupt (SIGTERM as :class:`Terminated`), the daemon is stopped and
-the directories removed as the ``with`` unwinds, and the tool prints what it has so far::
+While it runs (from the main thread), SIGTERM and SIGINT raise KeyboardInterrupt (SIGTERM as
+:class:`Terminated`): the daemon is stopped and the directories removed as the ``with``
+unwinds. A tool that prints what it has so far takes them itself, :func:`stop_on_signals`::
 
     with stop_on_signals() as received:
         try:
@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -163,47 +164,51 @@ def simulated_gpud(
     driver's state (``<run_dir>/sim/node.json``) as a node that already has MIG instances.
     ``env``: the daemon's environment (default: this process's).
     """
-    # removed by hand, in the cleanup a signal does not cut short (_held)
-    work = Path(tempfile.mkdtemp(prefix="gpud-sim-"))
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        if prepare is not None:
-            prepare(work / "run")
-        sock = work / "run" / "gpud.sock"
-        port = free_port()
-        (work / "gpud.toml").write_text(config_text)
-        cmd = [
-            sys.executable, "-m", "gpud.main",
-            "--simulate", spec,
-            "--config", str(work / "gpud.toml"),
-            "--state-dir", str(work / "state"),
-            "--run-dir", str(work / "run"),
-            "--socket", str(sock),
-            "--metrics-address", f"127.0.0.1:{port}",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        log_path = work / "gpud.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
-            )
-        deadline = time.monotonic() + start_timeout_s
-        while not sock.exists():
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"gpud exited with {proc.returncode}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gpud did not open {sock} within {start_timeout_s:g} s")
-            time.sleep(0.1)
-        yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
-    finally:
-        with _held():
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-            kill_mps_daemons(work / "run")
-            shutil.rmtree(work, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        # a tool's SIGTERM (timeout) cleans up as its Ctrl-C does, unless it chose its own
+        if _signals is None and threading.current_thread() is threading.main_thread():
+            stack.enter_context(stop_on_signals())
+        # removed by hand, in the cleanup a signal does not cut short (_held)
+        work = Path(tempfile.mkdtemp(prefix="gpud-sim-"))
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            if prepare is not None:
+                prepare(work / "run")
+            sock = work / "run" / "gpud.sock"
+            port = free_port()
+            (work / "gpud.toml").write_text(config_text)
+            cmd = [
+                sys.executable, "-m", "gpud.main",
+                "--simulate", spec,
+                "--config", str(work / "gpud.toml"),
+                "--state-dir", str(work / "state"),
+                "--run-dir", str(work / "run"),
+                "--socket", str(sock),
+                "--metrics-address", f"127.0.0.1:{port}",
+                "--log-level", "warning",
+            ]  # fmt: skip
+            log_path = work / "gpud.log"
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
+                )
+            deadline = time.monotonic() + start_timeout_s
+            while not sock.exists():
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"gpud exited with {proc.returncode}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gpud did not open {sock} within {start_timeout_s:g} s")
+                time.sleep(0.1)
+            yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
+        finally:
+            with _held():
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(20)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(5)
+                kill_mps_daemons(work / "run")
+                shutil.rmtree(work, ignore_errors=True)
