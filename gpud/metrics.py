@@ -299,8 +299,12 @@ class Collector(_CollectorBase):
             if s.last_xid is not None:
                 last_xid.add_metric(labels, s.last_xid)
             for c in s.critical_xids:
-                # a GPU not read since gpud started: the UUID it had when it raised the XID
-                where = labels if ident.uuid or not c.uuid else (index, c.uuid, known.name)
+                # a GPU not read since gpud started: the UUID and model it had when it raised
+                # the XID, the series it had then, even with a state database that never saw
+                # it (an xid_state an older gpud wrote has no model: the last seen one's, if
+                # that is the same board)
+                model = c.model or (known.name if known.uuid == c.uuid else "")
+                where = labels if ident.uuid or not c.uuid else (index, c.uuid, model)
                 critical_xid.add_metric((*where, str(c.xid)), c.count)
             if s.memory is not None:
                 mem_total.add_metric(labels, s.memory.total_bytes)

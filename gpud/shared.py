@@ -43,6 +43,10 @@ from gpud.errors import InvalidArgument
 # in the hundreds at most): one a config could not name would be one it could not ignore.
 MAX_XID = 999
 
+# The most events one ListEvents or WatchEvents may ask for (`gpuctl events --limit`): gpud
+# refuses a larger limit, and gpuctl does before asking, in the same range.
+MAX_EVENT_LIMIT = 10_000
+
 # QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it
 WAITING_ON_COLOCATION = "co-location"

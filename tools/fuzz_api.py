@@ -16,7 +16,9 @@ and waited out, not cut short by an unknown id.
 
 Prints the outcome codes and the daemon's resident set: after start, after a warm-up that
 calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
-UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state.
+UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
+or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
+removed, what was measured so far printed, "cut short by SIGNAL", exit 128 + its number.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import signal
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,7 +46,7 @@ from gpud.v1 import (
     node_pb2,
     queue_pb2,
 )
-from tools.simdaemon import simulated_gpud
+from tools.simdaemon import SimDaemon, simulated_gpud, stop_on_signals
 
 MB = 1_000_000
 SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
@@ -185,6 +189,137 @@ def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
+@dataclass
+class Run:
+    """What a run measured so far: all of it at its end, a part when cut short."""
+
+    requests: int
+    big: int
+    seed: int
+    methods: int
+    sent: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)  # each answered GetEntry of the queued one
+    rss_start: float | None = None
+    rss_warm: float | None = None
+    rss_end: float | None = None
+    alive: bool | None = None  # None: not asked (cut short)
+    cut_by: str = ""  # the signal that cut it short, e.g. "SIGTERM"
+
+
+def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
+    """Warm ``daemon`` up, then send it ``run.requests`` fuzzed requests, recording into
+    ``run`` as it goes."""
+    fuzzer = Fuzzer(rng)
+    rpcs = methods()
+    big_at = set(rng.sample(range(run.requests), run.big))
+    channel = grpc.insecure_channel(
+        f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
+    )
+
+    def serialize(m: Any) -> bytes:
+        return m if isinstance(m, bytes) else bytes(m.SerializeToString())
+
+    def unary(path: str, response: Any) -> Any:
+        return channel.unary_unary(
+            path, request_serializer=serialize, response_deserializer=response.FromString
+        )
+
+    def first_of_stream(path: str, response: Any) -> Any:
+        call = channel.unary_stream(
+            path, request_serializer=serialize, response_deserializer=response.FromString
+        )
+
+        def first(request: Any, timeout: float) -> Any:
+            stream = call(request, timeout=timeout)
+            try:
+                return next(stream, None)
+            finally:
+                stream.cancel()
+
+        return first
+
+    try:
+        calls = {
+            path: (first_of_stream if stream else unary)(path, response)
+            for path, _, response, stream in rpcs
+        }
+        run.rss_start = rss_mb(daemon.pid)
+        for path, empty, _, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
+            with contextlib.suppress(grpc.RpcError):
+                calls[path](empty(), timeout=30)
+        queued = _queued_entry(calls)
+        run.rss_warm = rss_mb(daemon.pid)
+        print(f"fuzzing: {run.requests} requests", flush=True)
+        for i in range(run.requests):
+            path, request_cls, _, _ = rng.choice(rpcs)
+            if i in big_at:
+                request: Any = fuzzer.fill(request_cls())
+                if not fuzzer.plant_big(request):
+                    request = fuzzer.string().encode() + b"x" * MB  # no string field: raw bytes
+            elif rng.random() < 0.05:
+                request = rng.randbytes(rng.randint(1, 300))
+            else:
+                request = fuzzer.fill(request_cls())
+                if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
+                    request.id = queued
+            asked = time.monotonic()
+            try:
+                calls[path](request, timeout=30)
+                run.outcomes["OK"] += 1
+                if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
+                    run.held.append(time.monotonic() - asked)
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                run.outcomes[code.name] += 1
+                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    run.failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
+            run.sent = i + 1
+        try:
+            calls["/gpud.v1.Node/GetStatus"](node_pb2.GetStatusRequest(), timeout=30)
+            run.alive = True
+        except grpc.RpcError:
+            run.alive = False
+        run.rss_end = rss_mb(daemon.pid)
+    finally:
+        channel.close()
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} MiB"
+
+
+def report(run: Run, max_growth_mb: float) -> int:
+    """Print what ``run`` measured; the exit status: 0 if it passed, 1 if it failed, 128 +
+    the signal's number if it was cut short."""
+    sent = f"{run.sent} of {run.requests}" if run.cut_by else str(run.requests)
+    print(f"{sent} fuzzed requests ({run.big} with a 1 MB string) to {run.methods} "
+          f"methods of gpud --simulate {SPEC}, seed {run.seed}")  # fmt: skip
+    print("outcomes: " + (", ".join(f"{k} {v}" for k, v in run.outcomes.most_common()) or "-"))
+    print(f"GetEntry of the queued entry: {len(run.held)} answered, "
+          f"{len([h for h in run.held if h >= 0.1])} after waiting, "
+          f"longest {max(run.held, default=0.0):.1f} s")  # fmt: skip
+    growth = None if run.rss_end is None or run.rss_warm is None else run.rss_end - run.rss_warm
+    print(f"RSS: {_mib(run.rss_start)} at start, {_mib(run.rss_warm)} after the warm-up, "
+          f"{_mib(run.rss_end)} after fuzzing: "
+          + ("-" if growth is None else f"{growth:+.1f} MiB")
+          + f" (target within {max_growth_mb:g} MiB)")  # fmt: skip
+    for line in run.failures[:10]:
+        print("  " + line[:300])
+    if run.cut_by:
+        print(f"cut short by {run.cut_by} after {run.sent} of {run.requests} requests; gpud"
+              " stopped, its directory removed; FAILED")  # fmt: skip
+        return 128 + signal.Signals[run.cut_by].value
+    ok = bool(run.alive) and not run.failures and growth is not None and growth <= max_growth_mb
+    print(
+        "daemon "
+        + ("still serving" if run.alive else "NOT SERVING")
+        + ("; ok" if ok else "; FAILED")
+    )
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
@@ -192,97 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-growth-mb", type=float, default=20.0)
     args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    fuzz = Fuzzer(rng)
-    rpcs = methods()
-    big_at = set(rng.sample(range(args.requests), args.big))
-    outcomes: Counter[str] = Counter()
-    failures: list[str] = []
-    held: list[float] = []  # how long each GetEntry of the queued entry took (answered)
-    with simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon:
-        channel = grpc.insecure_channel(
-            f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
-        )
-
-        def serialize(m: Any) -> bytes:
-            return m if isinstance(m, bytes) else bytes(m.SerializeToString())
-
-        def unary(path: str, response: Any) -> Any:
-            return channel.unary_unary(
-                path, request_serializer=serialize, response_deserializer=response.FromString
-            )
-
-        def first_of_stream(path: str, response: Any) -> Any:
-            call = channel.unary_stream(
-                path, request_serializer=serialize, response_deserializer=response.FromString
-            )
-
-            def first(request: Any, timeout: float) -> Any:
-                stream = call(request, timeout=timeout)
-                try:
-                    return next(stream, None)
-                finally:
-                    stream.cancel()
-
-            return first
-
-        calls = {
-            path: (first_of_stream if stream else unary)(path, response)
-            for path, _, response, stream in rpcs
-        }
-        rss_start = rss_mb(daemon.pid)
-        for path, request, _, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
-            with contextlib.suppress(grpc.RpcError):
-                calls[path](request(), timeout=30)
-        queued = _queued_entry(calls)
-        rss_warm = rss_mb(daemon.pid)
-        for i in range(args.requests):
-            path, request_cls, _, _ = rng.choice(rpcs)
-            if i in big_at:
-                request: Any = fuzz.fill(request_cls())
-                if not fuzz.plant_big(request):
-                    request = fuzz.string().encode() + b"x" * MB  # no string field: raw bytes
-            elif rng.random() < 0.05:
-                request = rng.randbytes(rng.randint(1, 300))
-            else:
-                request = fuzz.fill(request_cls())
-                if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
-                    request.id = queued
-            asked = time.monotonic()
-            try:
-                calls[path](request, timeout=30)
-                outcomes["OK"] += 1
-                if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
-                    held.append(time.monotonic() - asked)
-            except grpc.RpcError as err:
-                code = err.code()  # type: ignore[attr-defined]
-                outcomes[code.name] += 1
-                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                    failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
-        alive = True
+    run = Run(args.requests, args.big, args.seed, len(methods()))
+    with stop_on_signals() as received:
         try:
-            calls["/gpud.v1.Node/GetStatus"](node_pb2.GetStatusRequest(), timeout=30)
-        except grpc.RpcError:
-            alive = False
-        rss_end = rss_mb(daemon.pid)
-        channel.close()
-    growth = rss_end - rss_warm
-    print(f"{args.requests} fuzzed requests ({args.big} with a 1 MB string) to {len(rpcs)} "
-          f"methods of gpud --simulate {SPEC}, seed {args.seed}")  # fmt: skip
-    print("outcomes: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
-    print(f"GetEntry of the queued entry: {len(held)} answered, "
-          f"{len([h for h in held if h >= 0.1])} after waiting, "
-          f"longest {max(held, default=0.0):.1f} s")  # fmt: skip
-    print(f"RSS: {rss_start:.1f} MiB at start, {rss_warm:.1f} MiB after the warm-up, "
-          f"{rss_end:.1f} MiB after fuzzing: {growth:+.1f} MiB "
-          f"(target within {args.max_growth_mb:g} MiB)")  # fmt: skip
-    for line in failures[:10]:
-        print("  " + line[:300])
-    ok = alive and not failures and growth <= args.max_growth_mb
-    print(
-        "daemon " + ("still serving" if alive else "NOT SERVING") + ("; ok" if ok else "; FAILED")
-    )
-    return 0 if ok else 1
+            with simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon:
+                print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
+                fuzz(daemon, random.Random(args.seed), run)
+        except KeyboardInterrupt:
+            # its daemon stopped and its directory removed as the with unwound
+            run.cut_by = signal.Signals(received[0] if received else signal.SIGINT).name
+    return report(run, args.max_growth_mb)
 
 
 if __name__ == "__main__":

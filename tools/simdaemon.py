@@ -10,18 +10,33 @@
 Runs ``python -m gpud.main`` with this interpreter, a config file of its own, and its own state
 and run directories under a fresh temporary directory (removed afterwards, with the daemon
 stopped by SIGTERM, or killed if it does not stop, and the MPS control daemons it left
-running killed: :func:`kill_mps_daemons`).
+running killed: :func:`kill_mps_daemons`). The daemon runs in a process group of its own, so
+that a Ctrl-C at the terminal, or ``timeout``'s SIGTERM to its group, reaches the tool alone,
+which then stops it.
+
+While it runs (from the main thread), SIGTERM and SIGINT raise KeyboardInterrupt (SIGTERM as
+:class:`Terminated`): the daemon is stopped and the directories removed as the ``with``
+unwinds. A tool that prints what it has so far takes them itself, :func:`stop_on_signals`::
+
+    with stop_on_signals() as received:
+        try:
+            with simulated_gpud(spec) as daemon:
+                ...
+        except KeyboardInterrupt:
+            ...  # received[0]: the signal
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,6 +82,66 @@ def kill_mps_daemons(root: Path, *, quit_first: bool = False) -> list[int]:
     return stopped
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C's KeyboardInterrupt is, so that the same cleanup runs."""
+
+
+class _Signals:
+    """SIGTERM and SIGINT as received under :func:`stop_on_signals`: the first is raised in
+    the main thread, unless a daemon is being stopped (:func:`_held`), then once it is; any
+    after it are only noted, so that the cleanup the first one began is not cut short."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.holding = 0
+        self.raised = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        if not self.holding:
+            self.raise_first()
+
+    def raise_first(self) -> None:
+        if self.received and not self.raised:
+            self.raised = True
+            raise Terminated() if self.received[0] == signal.SIGTERM else KeyboardInterrupt()
+
+
+_signals: _Signals | None = None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[list[int]]:
+    """SIGTERM and SIGINT raise KeyboardInterrupt (SIGTERM: :class:`Terminated`) in the
+    main thread, the first only; yields the signals received, in order. The handlers before
+    are back on exit."""
+    global _signals  # noqa: PLW0603 (one per process: signal handlers are)
+    signals = _signals = _Signals()
+    previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield signals.received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _signals = None
+
+
+@contextmanager
+def _held() -> Iterator[None]:
+    """A daemon being stopped: a signal arriving meanwhile is raised once it is stopped."""
+    signals = _signals
+    if signals is None:
+        yield
+        return
+    signals.holding += 1
+    try:
+        yield
+    finally:
+        signals.holding -= 1
+    if not signals.holding:
+        signals.raise_first()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -89,27 +164,34 @@ def simulated_gpud(
     driver's state (``<run_dir>/sim/node.json``) as a node that already has MIG instances.
     ``env``: the daemon's environment (default: this process's).
     """
-    with tempfile.TemporaryDirectory(prefix="gpud-sim-") as tmp:
-        work = Path(tmp)
-        if prepare is not None:
-            prepare(work / "run")
-        sock = work / "run" / "gpud.sock"
-        port = free_port()
-        (work / "gpud.toml").write_text(config_text)
-        cmd = [
-            sys.executable, "-m", "gpud.main",
-            "--simulate", spec,
-            "--config", str(work / "gpud.toml"),
-            "--state-dir", str(work / "state"),
-            "--run-dir", str(work / "run"),
-            "--socket", str(sock),
-            "--metrics-address", f"127.0.0.1:{port}",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        log_path = work / "gpud.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with contextlib.ExitStack() as stack:
+        # a tool's SIGTERM (timeout) cleans up as its Ctrl-C does, unless it chose its own
+        if _signals is None and threading.current_thread() is threading.main_thread():
+            stack.enter_context(stop_on_signals())
+        # removed by hand, in the cleanup a signal does not cut short (_held)
+        work = Path(tempfile.mkdtemp(prefix="gpud-sim-"))
+        proc: subprocess.Popen[bytes] | None = None
         try:
+            if prepare is not None:
+                prepare(work / "run")
+            sock = work / "run" / "gpud.sock"
+            port = free_port()
+            (work / "gpud.toml").write_text(config_text)
+            cmd = [
+                sys.executable, "-m", "gpud.main",
+                "--simulate", spec,
+                "--config", str(work / "gpud.toml"),
+                "--state-dir", str(work / "state"),
+                "--run-dir", str(work / "run"),
+                "--socket", str(sock),
+                "--metrics-address", f"127.0.0.1:{port}",
+                "--log-level", "warning",
+            ]  # fmt: skip
+            log_path = work / "gpud.log"
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
+                )
             deadline = time.monotonic() + start_timeout_s
             while not sock.exists():
                 if proc.poll() is not None:
@@ -120,11 +202,13 @@ def simulated_gpud(
                 time.sleep(0.1)
             yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-            kill_mps_daemons(work / "run")
+            with _held():
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(20)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(5)
+                kill_mps_daemons(work / "run")
+                shutil.rmtree(work, ignore_errors=True)

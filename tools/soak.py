@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.simdaemon import SimDaemon, simulated_gpud
+from tools.simdaemon import SimDaemon, simulated_gpud, stop_on_signals
 
 CONFIG = """\
 [mps]
@@ -303,10 +303,6 @@ def summary(samples: list[Sample]) -> str:
     return "\n".join(lines)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does
-
-
 def stray_mps_daemons(run_dir: Path, proc_root: Path = Path("/proc")) -> list[int]:
     """PIDs of MPS control daemons whose pipe directory is under ``run_dir`` (gpud quits
     them when it stops; one it could not stop would outlive the temporary directory)."""
@@ -362,7 +358,11 @@ def drive(driver: Driver, minutes: float, rate: float, report_every: float) -> l
 
 
 def soak(ns: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
+    with stop_on_signals():  # SIGTERM cleans up as Ctrl-C does
+        return _soak(ns)
+
+
+def _soak(ns: argparse.Namespace) -> int:
     env = dict(os.environ)
     for item in ns.gpud_env:
         key, _, value = item.partition("=")

@@ -36,13 +36,12 @@ from gpud.errors import (
 )
 from gpud.events import DEFAULT_WATCH_BUFFER
 from gpud.mps.procs import PID_MAX
-from gpud.shared import WATCHING_KEY, format_number
+from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, format_number
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 DEFAULT_EVENT_LIMIT = 100
-MAX_EVENT_LIMIT = 10_000
 # WatchEvents streams open at once (`gpuctl events --follow`) on the unix socket, and as many
 # over TCP (api.tcp_address), counted apart: TCP callers never take the socket's. Each holds a
 # buffer of at most DEFAULT_WATCH_BUFFER events, so that watchers bound gpud's memory.

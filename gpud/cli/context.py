@@ -29,7 +29,13 @@ from gpud.errors import (
     Partial,
     Unavailable,
 )
-from gpud.shared import MAX_THREADS_PERCENT, MIN_THREADS_PERCENT, check_slo_ms, parse_size
+from gpud.shared import (
+    MAX_THREADS_PERCENT,
+    MAX_XID,
+    MIN_THREADS_PERCENT,
+    check_slo_ms,
+    parse_size,
+)
 
 T = TypeVar("T")
 
@@ -156,6 +162,8 @@ UINT64 = integer(0, 2**64 - 1)
 # question to gpud
 THREADS_PERCENT = integer(MIN_THREADS_PERCENT, MAX_THREADS_PERCENT)
 THREADS_RANGE = f"{MIN_THREADS_PERCENT}..{MAX_THREADS_PERCENT}"
+# an XID code as gpud takes it (telemetry.ignored_xids, a clear, an injection)
+XID_CODE = integer(1, MAX_XID)
 _INDEX = integer(0, 2**31 - 1)  # the int32 field a GPU index goes in; no GPU is numbered below 0
 
 

@@ -12,16 +12,16 @@ from typing import Any
 
 from gpud.cli.context import (
     EXIT_NOT_RUNNING,
-    INT32,
     JOB_NAME,
     CliError,
     Context,
     Subparsers,
     given,
+    integer,
 )
 from gpud.cli.output import json_text, message_to_dict
 from gpud.cli.pipes import when_reader_goes
-from gpud.shared import WATCHING_KEY, is_about
+from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, is_about
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -60,7 +60,12 @@ def register(subparsers: Subparsers) -> None:
         # None: the option left out (a default of "" would go through its type and be refused)
         parser.add_argument(flag, default=None, type=parse, metavar=metavar, help=help_text)
     parser.add_argument(
-        "--limit", type=INT32, default=0, metavar="N", help="the newest N (default 100)"
+        "--limit",
+        # the range gpud takes, so that -1 and 10**11 are refused alike, before asking
+        type=integer(0, MAX_EVENT_LIMIT),
+        default=0,
+        metavar="N",
+        help=f"the newest N, at most {MAX_EVENT_LIMIT} (default and 0: 100)",
     )
     parser.add_argument(
         "-f",

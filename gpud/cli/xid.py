@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, gpu_index, integer
+from gpud.cli.context import EXIT_USAGE, XID_CODE, CliError, Context, Subparsers, gpu_index
 from gpud.cli.output import NA
-from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 HEADERS = ("GPU", "UUID", "XID", "COUNT", "FIRST SEEN", "LAST SEEN")
-XID_CODE = integer(1, MAX_XID)  # as telemetry.ignored_xids takes them
 
 
 def register(subparsers: Subparsers) -> None:

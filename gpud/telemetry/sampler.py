@@ -383,7 +383,8 @@ class Sampler:
     def _take_event(self, event: GpuEvent) -> None:
         slots = self._slots or []
         slot = next((s for s in slots if s.reader.index == event.gpu), None)
-        uuid = slot.reader.identity.uuid if slot and slot.reader.identity else ""
+        read = slot.reader.identity if slot else None
+        uuid, model = (read.uuid, read.name) if read else ("", "")
         fields: dict[str, object] = {"gpu": event.gpu, "uuid": uuid}
         if event.gpu_instance_id is not None:
             fields["gpu_instance_id"] = event.gpu_instance_id
@@ -413,13 +414,18 @@ class Sampler:
                         else self._unslotted_xids.setdefault(event.gpu, {})
                     )
                     known = table.get(event.xid)
-                    table[event.xid] = (
-                        CriticalXid(event.xid, 1, now, now, uuid)
-                        if known is None
-                        else dataclasses.replace(
-                            known, count=known.count + 1, last_seen=now, uuid=known.uuid or uuid
+                    if known is None:
+                        table[event.xid] = CriticalXid(event.xid, 1, now, now, uuid, model)
+                    else:
+                        # the board it was first raised on, once known: UUID and model together
+                        named = (known.uuid, known.model) if known.uuid else (uuid, model)
+                        table[event.xid] = dataclasses.replace(
+                            known,
+                            count=known.count + 1,
+                            last_seen=now,
+                            uuid=named[0],
+                            model=named[1],
                         )
-                    )
             if critical:
                 self._save_xids()
             log.warning(
@@ -621,6 +627,7 @@ def parse_xid_state(raw: Any) -> dict[int, dict[int, CriticalXid]]:
                 float(x["first_seen"]),
                 float(x["last_seen"]),
                 str(x.get("uuid", "")),
+                str(x.get("model", "")),  # absent from a file an older gpud wrote
             )
             table[c.xid] = c
     return state

@@ -46,6 +46,9 @@ class CriticalXid:
     first_seen: float  # Unix time; 0.0 when unknown (kept by a gpud that did not record it)
     last_seen: float  # never before first_seen, whatever the wall clock did in between
     uuid: str = ""  # the GPU's UUID when it was raised; "" when it could not be read then
+    # the GPU's model (NVML's name) with that UUID: the metrics name the board by the pair,
+    # the same series after a restart that cannot read the GPU
+    model: str = ""
 
     def __post_init__(self) -> None:
         # a wall clock stepped back between two raises (or in a state file read back)

@@ -695,7 +695,7 @@ def test_events_refuses_a_filter_that_would_not_filter(
 
 def test_events_invalid_limit(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
     code, _, err = run(capsys, "--socket", sim_socket, "events", "--limit", "-3")
-    assert code == 2 and "limit: must be in [0, 10000]" in err
+    assert code == 2 and "--limit: -3 is not in 0..10000" in err
 
 
 def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: FakeFaults) -> None:

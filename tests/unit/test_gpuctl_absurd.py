@@ -76,7 +76,6 @@ REFUSED = [
         ("sim", "workload", "start", "--gpu", "0", "--pid", "99999999"),
         "pid: must be in [1, 4194304], got 99999999",
     ),
-    (("sim", "fault", "--gpu", "1", "xid", "99999"), "xid: must be an XID code in 1..999"),
     (("cluster", "attributes", "--job", "a\nb"), "jobs[0]: 'a\\nb': letters, digits"),
     (("cluster", "attributes", "--job", "ok", "--job", "a b"), "jobs[1]: 'a b': letters"),
 ]
@@ -187,6 +186,45 @@ def test_an_empty_value_is_a_usage_error_naming_its_option(  # noqa: PLR0917 (fi
     assert said.startswith(f"{prog}: error: argument {message}"), err
     assert node.jobs.registry.all() == []
     assert sim.workloads.list() == []
+    assert faults.calls == []
+
+
+# (command, argv before the value, the option as argparse names it, the range it takes):
+# a number just out of it and one past any integer field gpud has are refused alike
+OUT_OF_RANGE = [
+    ("events", ("--limit",), "--limit", "0..10000"),
+    ("sim fault", ("--gpu", "1", "xid"), "code", "1..999"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "head", "option", "span", "value"),
+    [
+        (*case, value)
+        for case in OUT_OF_RANGE
+        for value in (
+            str(int(case[3].split("..")[0]) - 1),
+            str(int(case[3].split("..")[1]) + 1),
+            "99999999999",
+        )
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
+)
+def test_a_number_out_of_range_is_refused_saying_the_range_the_command_takes(  # noqa: PLR0917 (fixtures)
+    node: Node,
+    faults: FakeFaults,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    head: tuple[str, ...],
+    option: str,
+    span: str,
+    value: str,
+) -> None:
+    code = node.ctl(*command.split(), *head, value)
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, ""), err
+    said = err.splitlines()[0]
+    assert said.endswith(f": error: argument {option}: {value} is not in {span}"), err
     assert faults.calls == []
 
 

@@ -17,6 +17,8 @@ import gpud.build
 from gpud.backend.port import (
     Clocks,
     EccCounts,
+    EventKind,
+    GpuEvent,
     GpuIdentity,
     MemoryInfo,
     MigDeviceIdentity,
@@ -29,7 +31,9 @@ from gpud.events import EventLog
 from gpud.metrics import Collector, build_registry
 from gpud.metrics_http import start_metrics_server, stop_metrics_server
 from gpud.telemetry.reader import placeholder_identity
+from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, SeenIdentity, Snapshot
+from tests.unit.test_sampler import FakeBackend
 
 GIB = 1 << 30
 NAME = "NVIDIA H100 80GB HBM3"
@@ -238,6 +242,43 @@ def test_every_uncleared_critical_xid_is_a_series_of_its_own() -> None:
     assert v("gpud_gpu_critical_xid_uncleared", unread_labels) == 1
     (family,) = [m for m in registry.collect() if m.name == "gpud_gpu_critical_xid_uncleared"]
     assert len(family.samples) == 3
+
+
+def test_a_critical_xid_of_a_gpu_lost_before_start_keeps_the_model_it_was_raised_with(
+    tmp_path: Path,
+) -> None:
+    """A GPU that raised a critical XID, then was lost before gpud restarted with a state
+    database that never saw it: the XID's series is the one it had before the restart, the
+    UUID and model of the board that raised it, not that UUID beside an empty model."""
+    backend = FakeBackend(gpus=2)
+    state = tmp_path / "xid-faults.json"
+
+    def sampler() -> Sampler:
+        return Sampler(backend, event_wait_s=0.05, xid_state=state)  # type: ignore[arg-type]
+
+    first = sampler()
+    try:
+        first.tick()
+        first.start()
+        backend.events.append(GpuEvent(gpu=1, kind=EventKind.XID, xid=79))
+        assert first.wait_events_handled(1, timeout_s=30)
+        read = first.tick()
+    finally:
+        first.close()
+    before = build_registry(Collector(lambda: read, clock=time.monotonic), process=False)
+    raised = {"gpu": "1", "uuid": "GPU-00000001", "model": NAME, "xid": "79"}
+    assert before.get_sample_value("gpud_gpu_critical_xid_uncleared", raised) == 1
+    backend.lost.add(1)
+    restarted = sampler()  # no last_seen: a fresh state directory
+    try:
+        lost = restarted.tick()
+    finally:
+        restarted.close()
+    assert not lost.gpus[1].identity.uuid
+    after = build_registry(Collector(lambda: lost, clock=time.monotonic), process=False)
+    assert after.get_sample_value("gpud_gpu_critical_xid_uncleared", raised) == 1
+    (family,) = [m for m in after.collect() if m.name == "gpud_gpu_critical_xid_uncleared"]
+    assert len(family.samples) == 1
 
 
 def test_a_gpu_lost_before_start_is_labelled_as_last_seen() -> None:

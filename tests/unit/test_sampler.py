@@ -971,10 +971,10 @@ def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
         raise_xids((1, 48), (2, 31), (1, 79))
         snap = s.tick()
         one, two = snap.gpus[1], snap.gpus[2]
-        uuid1 = one.identity.uuid
+        uuid1, model = one.identity.uuid, one.identity.name
         assert one.critical_xids == (
-            CriticalXid(79, 2, 1_700_000_000.0, 1_700_000_060.0, uuid1),
-            CriticalXid(48, 1, 1_700_000_060.0, 1_700_000_060.0, uuid1),
+            CriticalXid(79, 2, 1_700_000_000.0, 1_700_000_060.0, uuid1, model),
+            CriticalXid(48, 1, 1_700_000_060.0, 1_700_000_060.0, uuid1, model),
         )
         assert one.reason.startswith("critical Xids 79, 48: ") and not one.healthy
         assert one.last_xid == 79
@@ -995,8 +995,9 @@ def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
     try:
         snap = s.tick()
         assert [c.xid for c in snap.gpus[1].critical_xids] == [48]
+        two = snap.gpus[2].identity
         assert snap.gpus[2].critical_xids == (
-            CriticalXid(48, 1, 1_700_000_000.0, 1_700_000_000.0, snap.gpus[2].identity.uuid),
+            CriticalXid(48, 1, 1_700_000_000.0, 1_700_000_000.0, two.uuid, two.name),
         )
         assert s.clear_xid(2) == ClearedXids((48,), ())
         s.gpu_reset(1)
