@@ -63,6 +63,8 @@ def quote_text(entry: pb.QueueEntry) -> str:
         return "unbounded"
     if entry.overdue:
         return "overdue"
+    if entry.unhealthy:  # WHY NOT names the GPUs it waits for
+        return "no quote"
     if entry.HasField("quote_seconds"):
         return seconds(entry.quote_seconds)
     return "no history"
