@@ -122,6 +122,7 @@ def entry_message(v: EntryView, name_of: Callable[[int], str] = user_name) -> pb
         msg.holder_uid = e.holder_uid
         msg.holder_user = name_of(e.holder_uid)
     msg.waiting_on = v.waiting_on
+    msg.unhealthy = v.unhealthy
     for r in v.overdue:
         msg.overdue.add(job=r.job, ran_seconds=r.ran_s, estimate_seconds=r.estimate_s or 0.0)
     return msg

@@ -164,6 +164,9 @@ class EntryView:
     # the runs holding its devices, where every one has run past its estimated run time:
     # no wait is quoted (quote_s None), these are named instead
     overdue: tuple[Running, ...] = ()
+    # the unhealthy GPUs of its pool, where too few healthy devices are left in it: it
+    # waits for them to answer again, which no run time tells, so no wait is quoted
+    unhealthy: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,12 +494,16 @@ class AdmissionService:
                 else (None, None)
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
-            quote, _ = self._quote(
-                views,
-                request_of(spec),
-                _classes(queued),
-                waited_s=0.0,
-                running=self._running(views, now),
+            quote, _ = (
+                (None, ())
+                if isinstance(verdict, Demand) and self._waits_for_sick(verdict)
+                else self._quote(
+                    views,
+                    request_of(spec),
+                    _classes(queued),
+                    waited_s=0.0,
+                    running=self._running(views, now),
+                )
             )
             with self._store.transaction() as conn:
                 if new:
@@ -528,6 +535,11 @@ class AdmissionService:
             quote_s=quote if quote is not None and math.isfinite(quote) else None,
         )
         return entry_id
+
+    def _waits_for_sick(self, demand: Demand) -> bool:
+        """Whether ``demand``'s pool has too few healthy devices left (no quote holds)."""
+        sick = self._jobs.unhealthy()
+        return bool(sick) and bool(_unhealthy_in(demand, sick, self._mps.targets()))
 
     def leave(self, entry_id: str, *, stopped_by: str | None = None) -> EntryView:
         """Take a queued entry out. ``stopped_by``: its own ``gpuctl run`` leaves as it
@@ -621,8 +633,13 @@ class AdmissionService:
             if isinstance(verdict, Unfeasible):
                 unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            quote, late = self._quote(
-                views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+            down = _unhealthy_in(verdict, sick, targets)
+            quote, late = (
+                (None, ())
+                if down
+                else self._quote(
+                    views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+                )
             )
             out.append(
                 EntryView(
@@ -633,10 +650,9 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=_unhealthy_in(verdict, sick, targets)
-                    or self._start_failures.get(e.id, "")
-                    or held.why(e, head),
+                    waiting_on=down or self._start_failures.get(e.id, "") or held.why(e, head),
                     overdue=late,
+                    unhealthy=down,
                 )
             )
             head = head or e

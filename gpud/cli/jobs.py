@@ -403,7 +403,9 @@ def queued_line(entry: queue_pb2.QueueEntry) -> str:
     if entry.unfeasible_reason:
         remedy = f"; {entry.remedy}" if entry.remedy else ""
         return f"job {entry.job} queued ({entry.id}) but cannot start here: {entry.unfeasible_reason}{remedy}"
-    if entry.unbounded:
+    if entry.unhealthy:
+        quote = f"no wait can be quoted: it waits for its GPUs to answer again ({entry.unhealthy})"
+    elif entry.unbounded:
         quote = "no bound on the wait (its devices are overloaded)"
     elif entry.overdue:
         runs = ", ".join(

@@ -10,6 +10,7 @@
                                  arrival rate, service time, utilisation, packing
                                  efficiency, mean wait
     gpuctl queue --leave ID      take a queued entry, or a run waiting for co-location, out
+                                 (one that started already is refused, exit 6: it runs on)
     gpuctl queue --json
 """
 
@@ -62,6 +63,8 @@ def quote_text(entry: pb.QueueEntry) -> str:
         return "unbounded"
     if entry.overdue:
         return "overdue"
+    if entry.unhealthy:  # WHY NOT names the GPUs it waits for
+        return "no quote"
     if entry.HasField("quote_seconds"):
         return seconds(entry.quote_seconds)
     return "no history"
@@ -125,6 +128,8 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.QueueStub)
     if args.leave is not None:  # an empty ID is an error to report, not the listing
         left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
+        if left.state == pb.ENTRY_STATE_STARTED:
+            raise CliError(started_not_left(left), 6)
         if ctx.out.json:
             ctx.out.print_json(left)
         elif left.waiting_on == WAITING_ON_COLOCATION:
@@ -152,6 +157,20 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])
     return 0
+
+
+def started_not_left(entry: pb.QueueEntry) -> str:
+    """Why ``--leave`` of an entry that started took nothing out: gpud answers a leave of a
+    started entry with the entry as it is (its own ``gpuctl run``, stopped as it started,
+    then releases the reservation), so the job runs on unless its run is stopped."""
+    said = f"job {entry.job} ({entry.id}) did not leave the queue: it had started"
+    if not entry.reservation.id:
+        return f"{said}, and its run has ended (gpuctl jobs history)"
+    on = ", ".join(entry.reservation.devices)
+    return (
+        f"{said} (reservation {entry.reservation.id} on {on}): stop its gpuctl run, or"
+        f" gpuctl jobs rm --force {entry.job}"
+    )
 
 
 def colo_waiters(ctx: Context) -> list[colo_pb2.ColoWaiter]:

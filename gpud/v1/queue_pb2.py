@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gpud.v1 import jobs_pb2 as gpud_dot_v1_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13gpud/v1/queue.proto\x12\x07gpud.v1\x1a\x12gpud/v1/jobs.proto\"S\n\x0e\x45nqueueRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.gpud.v1.ReserveRequest\x12\x17\n\x0fkeep_unfeasible\x18\x02 \x01(\x08\"\xb3\x04\n\nQueueEntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0f\n\x07request\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.gpud.v1.EntryState\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x1d\n\x15\x65nqueued_unix_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x07 \x01(\x01\x12\x1a\n\rquote_seconds\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tunbounded\x18\t \x01(\x08\x12\x19\n\x11unfeasible_reason\x18\n \x01(\t\x12\x0e\n\x06remedy\x18\x0b \x01(\t\x12,\n\x0breservation\x18\x0c \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12)\n\x03\x65nv\x18\r \x03(\x0b\x32\x1c.gpud.v1.QueueEntry.EnvEntry\x12\x17\n\nholder_pid\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x12\n\nwaiting_on\x18\x0f \x01(\t\x12$\n\x07overdue\x18\x10 \x03(\x0b\x32\x13.gpud.v1.OverdueRun\x12\x17\n\nholder_uid\x18\x11 \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0bholder_user\x18\x12 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_quote_secondsB\r\n\x0b_holder_pidB\r\n\x0b_holder_uid\"H\n\nOverdueRun\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0bran_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x65stimate_seconds\x18\x03 \x01(\x01\"=\n\x0fGetEntryRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x06wait_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_wait_s\"B\n\x0cLeaveRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x17\n\nstopped_by\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_stopped_by\"#\n\x10ListQueueRequest\x12\x0f\n\x07\x65xplain\x18\x01 \x01(\x08\"$\n\tDimension\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\"\x81\x03\n\nClassModel\x12\x0f\n\x07request\x18\x01 \x01(\t\x12\x12\n\x05k_eff\x18\x02 \x01(\rH\x00\x88\x01\x01\x12&\n\ndimensions\x18\x03 \x03(\x0b\x32\x12.gpud.v1.Dimension\x12\x0f\n\x07\x62inding\x18\x04 \x01(\t\x12\x14\n\x0cpool_devices\x18\x05 \x01(\r\x12\x1f\n\x17\x61rrival_rate_per_second\x18\x06 \x01(\x01\x12\x1c\n\x14mean_service_seconds\x18\x07 \x01(\x01\x12\x13\n\x0bscv_service\x18\x08 \x01(\x01\x12\x13\n\x0butilization\x18\t \x01(\x01\x12\x1a\n\rquote_seconds\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tunbounded\x18\x0b \x01(\x08\x12\x19\n\x11unfeasible_reason\x18\x0c \x01(\t\x12\x14\n\x0chistory_runs\x18\r \x01(\r\x12\x1a\n\x12packing_efficiency\x18\x0e \x01(\x01\x42\x08\n\x06_k_effB\x10\n\x0e_quote_seconds\"l\n\x11ListQueueResponse\x12$\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x13.gpud.v1.QueueEntry\x12$\n\x07\x63lasses\x18\x02 \x03(\x0b\x32\x13.gpud.v1.ClassModel\x12\x0b\n\x03off\x18\x03 \x01(\t\"t\n\x0eHistoryRequest\x12\x12\n\x05limit\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tpage_size\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06\x62\x65\x66ore\x18\x03 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_limitB\x0c\n\n_page_sizeB\t\n\x07_before\"\xed\x03\n\rHistoryRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\t\x12\x13\n\x0breservation\x18\x03 \x01(\t\x12\x1b\n\x13queued_unix_seconds\x18\x04 \x01(\x01\x12\x1c\n\x14started_unix_seconds\x18\x05 \x01(\x01\x12\x1f\n\x12\x65nded_unix_seconds\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rquote_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12*\n\tplacement\x18\x08 \x01(\x0b\x32\x17.gpud.v1.ReserveRequest\x12\x16\n\texit_code\x18\t \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0b\x65xit_signal\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x11\n\tend_cause\x18\x0b \x01(\t\x12\"\n\x15reported_unix_seconds\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x17\n\nholder_uid\x18\r \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0bholder_user\x18\x0e \x01(\tB\x15\n\x13_ended_unix_secondsB\x10\n\x0e_quote_secondsB\x0c\n\n_exit_codeB\x0e\n\x0c_exit_signalB\x18\n\x16_reported_unix_secondsB\r\n\x0b_holder_uid\"d\n\x0fHistoryResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.gpud.v1.HistoryRecord\x12\x18\n\x0bnext_before\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_next_before*p\n\nEntryState\x12\x1b\n\x17\x45NTRY_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NTRY_STATE_QUEUED\x10\x01\x12\x17\n\x13\x45NTRY_STATE_STARTED\x10\x02\x12\x14\n\x10\x45NTRY_STATE_LEFT\x10\x03\x32\xb2\x02\n\x05Queue\x12\x37\n\x07\x45nqueue\x12\x17.gpud.v1.EnqueueRequest\x1a\x13.gpud.v1.QueueEntry\x12\x39\n\x08GetEntry\x12\x18.gpud.v1.GetEntryRequest\x1a\x13.gpud.v1.QueueEntry\x12\x33\n\x05Leave\x12\x15.gpud.v1.LeaveRequest\x1a\x13.gpud.v1.QueueEntry\x12\x42\n\tListQueue\x12\x19.gpud.v1.ListQueueRequest\x1a\x1a.gpud.v1.ListQueueResponse\x12<\n\x07History\x12\x17.gpud.v1.HistoryRequest\x1a\x18.gpud.v1.HistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13gpud/v1/queue.proto\x12\x07gpud.v1\x1a\x12gpud/v1/jobs.proto\"S\n\x0e\x45nqueueRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.gpud.v1.ReserveRequest\x12\x17\n\x0fkeep_unfeasible\x18\x02 \x01(\x08\"\xc6\x04\n\nQueueEntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0f\n\x07request\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.gpud.v1.EntryState\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x1d\n\x15\x65nqueued_unix_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x07 \x01(\x01\x12\x1a\n\rquote_seconds\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tunbounded\x18\t \x01(\x08\x12\x19\n\x11unfeasible_reason\x18\n \x01(\t\x12\x0e\n\x06remedy\x18\x0b \x01(\t\x12,\n\x0breservation\x18\x0c \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12)\n\x03\x65nv\x18\r \x03(\x0b\x32\x1c.gpud.v1.QueueEntry.EnvEntry\x12\x17\n\nholder_pid\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x12\n\nwaiting_on\x18\x0f \x01(\t\x12$\n\x07overdue\x18\x10 \x03(\x0b\x32\x13.gpud.v1.OverdueRun\x12\x17\n\nholder_uid\x18\x11 \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0bholder_user\x18\x12 \x01(\t\x12\x11\n\tunhealthy\x18\x13 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_quote_secondsB\r\n\x0b_holder_pidB\r\n\x0b_holder_uid\"H\n\nOverdueRun\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0bran_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x65stimate_seconds\x18\x03 \x01(\x01\"=\n\x0fGetEntryRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x06wait_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_wait_s\"B\n\x0cLeaveRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x17\n\nstopped_by\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_stopped_by\"#\n\x10ListQueueRequest\x12\x0f\n\x07\x65xplain\x18\x01 \x01(\x08\"$\n\tDimension\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\"\x81\x03\n\nClassModel\x12\x0f\n\x07request\x18\x01 \x01(\t\x12\x12\n\x05k_eff\x18\x02 \x01(\rH\x00\x88\x01\x01\x12&\n\ndimensions\x18\x03 \x03(\x0b\x32\x12.gpud.v1.Dimension\x12\x0f\n\x07\x62inding\x18\x04 \x01(\t\x12\x14\n\x0cpool_devices\x18\x05 \x01(\r\x12\x1f\n\x17\x61rrival_rate_per_second\x18\x06 \x01(\x01\x12\x1c\n\x14mean_service_seconds\x18\x07 \x01(\x01\x12\x13\n\x0bscv_service\x18\x08 \x01(\x01\x12\x13\n\x0butilization\x18\t \x01(\x01\x12\x1a\n\rquote_seconds\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tunbounded\x18\x0b \x01(\x08\x12\x19\n\x11unfeasible_reason\x18\x0c \x01(\t\x12\x14\n\x0chistory_runs\x18\r \x01(\r\x12\x1a\n\x12packing_efficiency\x18\x0e \x01(\x01\x42\x08\n\x06_k_effB\x10\n\x0e_quote_seconds\"l\n\x11ListQueueResponse\x12$\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x13.gpud.v1.QueueEntry\x12$\n\x07\x63lasses\x18\x02 \x03(\x0b\x32\x13.gpud.v1.ClassModel\x12\x0b\n\x03off\x18\x03 \x01(\t\"t\n\x0eHistoryRequest\x12\x12\n\x05limit\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tpage_size\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06\x62\x65\x66ore\x18\x03 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_limitB\x0c\n\n_page_sizeB\t\n\x07_before\"\xed\x03\n\rHistoryRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\t\x12\x13\n\x0breservation\x18\x03 \x01(\t\x12\x1b\n\x13queued_unix_seconds\x18\x04 \x01(\x01\x12\x1c\n\x14started_unix_seconds\x18\x05 \x01(\x01\x12\x1f\n\x12\x65nded_unix_seconds\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rquote_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12*\n\tplacement\x18\x08 \x01(\x0b\x32\x17.gpud.v1.ReserveRequest\x12\x16\n\texit_code\x18\t \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0b\x65xit_signal\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x11\n\tend_cause\x18\x0b \x01(\t\x12\"\n\x15reported_unix_seconds\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x17\n\nholder_uid\x18\r \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0bholder_user\x18\x0e \x01(\tB\x15\n\x13_ended_unix_secondsB\x10\n\x0e_quote_secondsB\x0c\n\n_exit_codeB\x0e\n\x0c_exit_signalB\x18\n\x16_reported_unix_secondsB\r\n\x0b_holder_uid\"d\n\x0fHistoryResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.gpud.v1.HistoryRecord\x12\x18\n\x0bnext_before\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_next_before*p\n\nEntryState\x12\x1b\n\x17\x45NTRY_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NTRY_STATE_QUEUED\x10\x01\x12\x17\n\x13\x45NTRY_STATE_STARTED\x10\x02\x12\x14\n\x10\x45NTRY_STATE_LEFT\x10\x03\x32\xb2\x02\n\x05Queue\x12\x37\n\x07\x45nqueue\x12\x17.gpud.v1.EnqueueRequest\x1a\x13.gpud.v1.QueueEntry\x12\x39\n\x08GetEntry\x12\x18.gpud.v1.GetEntryRequest\x1a\x13.gpud.v1.QueueEntry\x12\x33\n\x05Leave\x12\x15.gpud.v1.LeaveRequest\x1a\x13.gpud.v1.QueueEntry\x12\x42\n\tListQueue\x12\x19.gpud.v1.ListQueueRequest\x1a\x1a.gpud.v1.ListQueueResponse\x12<\n\x07History\x12\x17.gpud.v1.HistoryRequest\x1a\x18.gpud.v1.HistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_QUEUEENTRY_ENVENTRY']._loaded_options = None
   _globals['_QUEUEENTRY_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_ENTRYSTATE']._serialized_start=2197
-  _globals['_ENTRYSTATE']._serialized_end=2309
+  _globals['_ENTRYSTATE']._serialized_start=2216
+  _globals['_ENTRYSTATE']._serialized_end=2328
   _globals['_ENQUEUEREQUEST']._serialized_start=52
   _globals['_ENQUEUEREQUEST']._serialized_end=135
   _globals['_QUEUEENTRY']._serialized_start=138
-  _globals['_QUEUEENTRY']._serialized_end=701
-  _globals['_QUEUEENTRY_ENVENTRY']._serialized_start=611
-  _globals['_QUEUEENTRY_ENVENTRY']._serialized_end=653
-  _globals['_OVERDUERUN']._serialized_start=703
-  _globals['_OVERDUERUN']._serialized_end=775
-  _globals['_GETENTRYREQUEST']._serialized_start=777
-  _globals['_GETENTRYREQUEST']._serialized_end=838
-  _globals['_LEAVEREQUEST']._serialized_start=840
-  _globals['_LEAVEREQUEST']._serialized_end=906
-  _globals['_LISTQUEUEREQUEST']._serialized_start=908
-  _globals['_LISTQUEUEREQUEST']._serialized_end=943
-  _globals['_DIMENSION']._serialized_start=945
-  _globals['_DIMENSION']._serialized_end=981
-  _globals['_CLASSMODEL']._serialized_start=984
-  _globals['_CLASSMODEL']._serialized_end=1369
-  _globals['_LISTQUEUERESPONSE']._serialized_start=1371
-  _globals['_LISTQUEUERESPONSE']._serialized_end=1479
-  _globals['_HISTORYREQUEST']._serialized_start=1481
-  _globals['_HISTORYREQUEST']._serialized_end=1597
-  _globals['_HISTORYRECORD']._serialized_start=1600
-  _globals['_HISTORYRECORD']._serialized_end=2093
-  _globals['_HISTORYRESPONSE']._serialized_start=2095
-  _globals['_HISTORYRESPONSE']._serialized_end=2195
-  _globals['_QUEUE']._serialized_start=2312
-  _globals['_QUEUE']._serialized_end=2618
+  _globals['_QUEUEENTRY']._serialized_end=720
+  _globals['_QUEUEENTRY_ENVENTRY']._serialized_start=630
+  _globals['_QUEUEENTRY_ENVENTRY']._serialized_end=672
+  _globals['_OVERDUERUN']._serialized_start=722
+  _globals['_OVERDUERUN']._serialized_end=794
+  _globals['_GETENTRYREQUEST']._serialized_start=796
+  _globals['_GETENTRYREQUEST']._serialized_end=857
+  _globals['_LEAVEREQUEST']._serialized_start=859
+  _globals['_LEAVEREQUEST']._serialized_end=925
+  _globals['_LISTQUEUEREQUEST']._serialized_start=927
+  _globals['_LISTQUEUEREQUEST']._serialized_end=962
+  _globals['_DIMENSION']._serialized_start=964
+  _globals['_DIMENSION']._serialized_end=1000
+  _globals['_CLASSMODEL']._serialized_start=1003
+  _globals['_CLASSMODEL']._serialized_end=1388
+  _globals['_LISTQUEUERESPONSE']._serialized_start=1390
+  _globals['_LISTQUEUERESPONSE']._serialized_end=1498
+  _globals['_HISTORYREQUEST']._serialized_start=1500
+  _globals['_HISTORYREQUEST']._serialized_end=1616
+  _globals['_HISTORYRECORD']._serialized_start=1619
+  _globals['_HISTORYRECORD']._serialized_end=2112
+  _globals['_HISTORYRESPONSE']._serialized_start=2114
+  _globals['_HISTORYRESPONSE']._serialized_end=2214
+  _globals['_QUEUE']._serialized_start=2331
+  _globals['_QUEUE']._serialized_end=2637
 # @@protoc_insertion_point(module_scope)

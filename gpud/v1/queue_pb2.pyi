@@ -114,6 +114,7 @@ class QueueEntry(_message.Message):
     OVERDUE_FIELD_NUMBER: _builtins.int
     HOLDER_UID_FIELD_NUMBER: _builtins.int
     HOLDER_USER_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     request: _builtins.str
@@ -142,6 +143,10 @@ class QueueEntry(_message.Message):
     queued by an earlier gpud version)
     """
     holder_user: _builtins.str
+    unhealthy: _builtins.str
+    """set: too few healthy devices are left in its pool: the unhealthy GPUs it waits for to
+    answer again ("GPU 1 unhealthy: GPU lost"); no wait is quoted (quote_seconds absent)
+    """
     @_builtins.property
     def reservation(self) -> _jobs_pb2.JobReservation:
         """once started"""
@@ -177,10 +182,11 @@ class QueueEntry(_message.Message):
         overdue: _abc.Iterable[Global___OverdueRun] | None = ...,
         holder_uid: _builtins.int | None = ...,
         holder_user: _builtins.str = ...,
+        unhealthy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "quote_seconds", b"quote_seconds", "reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "id", b"id", "job", b"job", "overdue", b"overdue", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "id", b"id", "job", b"job", "overdue", b"overdue", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "unhealthy", b"unhealthy", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015

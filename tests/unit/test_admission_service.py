@@ -28,6 +28,8 @@ from gpud.admission.service import (
     mig_file_layouts,
     run_request_to_json,
 )
+from gpud.cli.jobs import queued_line
+from gpud.cli.queue import quote_text
 from gpud.config import AdmissionConfig, from_dict
 from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from gpud.events import EventLog
@@ -377,6 +379,43 @@ def test_a_queued_job_waiting_on_gpus_an_apply_holds_calls_them_held_as_read(
         assert view.waiting_on == f"GPU 0 held: {why}; GPU 1 held: {why}"
     finally:
         node.store.close()
+
+
+def test_a_job_that_waits_for_a_lost_gpu_is_quoted_no_wait(node: Node) -> None:
+    """Two GPUs, one lost: a job asking both can start only once it answers again, which
+    no run time in the history says anything of. It was quoted a finite wait all the same
+    (`gpuctl run` said `expected wait 1m 31s`, and the history kept it as its quote); it
+    gets none, and says which GPUs it waits for (``unhealthy``)."""
+    for _ in range(3):  # a history of the class, so that a quote could be made
+        run = node.jobs.reserve(whole("pair", 2)).reservation
+        node.clock.now += 30.0
+        node.jobs.release(run.id)
+        node.clock.now += 30.0
+    lost = gpu_sample(1)._replace(healthy=False, reason="GPU lost (memory)")
+    node.jobs.tick(snapshot(gpu_sample(0), lost))
+    entry = node.admission.enqueue(whole("pair", 2))
+    view = node.admission.view(entry.entry.id)
+    assert view.entry.state == QUEUED
+    assert view.quote_s is None and view.overdue == ()
+    assert view.unhealthy == "GPU 1 unhealthy: GPU lost (memory)"
+    assert view.waiting_on == view.unhealthy
+    (listed,) = node.admission.queue_views()
+    assert listed.quote_s is None and listed.unhealthy == view.unhealthy
+    said = entry_message(view)
+    assert said.unhealthy == view.unhealthy and not said.HasField("quote_seconds")
+    assert queued_line(said).endswith(
+        "position 1, no wait can be quoted: it waits for its GPUs to answer again"
+        " (GPU 1 unhealthy: GPU lost (memory))"
+    )
+    assert quote_text(said) == "no quote"
+    assert view.entry.quote_s is None  # what its history row would keep as quoted
+    node.admission.leave(entry.entry.id)
+    # once it answers again, a wait is quoted
+    node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
+    a = node.jobs.reserve(whole("a")).reservation
+    again = node.admission.enqueue(whole("pair", 2))
+    assert again.unhealthy == "" and again.quote_s is not None
+    node.jobs.release(a.id)
 
 
 def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(

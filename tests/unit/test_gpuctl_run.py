@@ -1721,6 +1721,47 @@ def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
     assert not marker.exists()
 
 
+def test_leaving_an_entry_that_started_is_refused_naming_its_reservation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpuctl queue --leave ID` of an entry that started before the call (the devices it
+    waited for freed a moment earlier) took nothing out, yet said "left the queue" and
+    exited 0: the job runs on. It is refused (exit 6) naming the reservation it runs under
+    and how to stop it; an entry whose run has since ended says so."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+    from gpud.jobs.service import RunRequest
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    with serving(queue.register) as n:
+        svc = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        queue._service = svc
+        held = n.jobs.reserve(RunRequest(job="a", gpu_count=1, memory_bytes=60 * GIB))
+        entry = svc.enqueue(RunRequest(job="b", gpu_count=1, memory_bytes=60 * GIB)).entry
+        n.jobs.release(held.reservation.id)
+        svc.tick()
+        (started,) = [r for r in n.jobs.reservations.held() if r.job == "b"]
+        capsys.readouterr()
+        assert n.ctl("queue", "--leave", entry.id) == 6
+        out, err = capsys.readouterr()
+        assert "left the queue" not in out
+        assert (
+            f"job b ({entry.id}) did not leave the queue: it had started (reservation"
+            f" {started.id} on {started.devices[0]})"
+        ) in err
+        assert "gpuctl jobs rm --force b" in err
+        assert [r.id for r in n.jobs.reservations.held() if r.job == "b"] == [started.id]
+        n.jobs.release(started.id)
+        assert n.ctl("queue", "--leave", entry.id) == 6
+        assert (
+            f"job b ({entry.id}) did not leave the queue: it had started, and its run has"
+            " ended (gpuctl jobs history)"
+        ) in capsys.readouterr().err
+
+
 def test_two_runs_of_one_job_waiting_for_co_location_are_two_entries(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
