@@ -704,10 +704,9 @@ class TcNetlink:
                 f"no such network interface (renamed to {renamed}: gpud leaves {renamed} alone)",
                 errno=errno_mod.ENODEV,
             ) from err
-        if self._cache.get(iface) is not None and self._cache_index.get(iface) != idx:
-            self._cache.pop(iface, None)
         was = self._cache_index.get(iface)
         if was is not None and was != idx:
+            self._cache.pop(iface, None)
             self._replaced[iface] = f"ifindex {idx}, was {was}"
         self._cache_index[iface] = idx
         return idx
@@ -859,7 +858,12 @@ class TcNetlink:
         if not stale:
             return first
         retry = self._apply(TcPlan(tuple(stale), plan.job_classes), reread=True)
-        return SyncResult({**first.interfaces, **retry.interfaces})
+        # the first try took the replacement it found: the retry's result must still say it
+        retried = {
+            iface: replace(res, replaced=res.replaced or first.interfaces[iface].replaced)
+            for iface, res in retry.interfaces.items()
+        }
+        return SyncResult({**first.interfaces, **retried})
 
     def drift(self, plan: TcPlan) -> SyncResult:
         """Re-read every interface, restore whatever differs from the plan.

@@ -131,7 +131,8 @@ class ApiServer:
         self._at_path = True  # the serving one is bound at the path itself
         self._retired: Any = None  # the one that served until the file was removed last
         self._dir_said = ""  # why keep_socket cannot make the socket's directory, said once
-        self._taken_said: tuple[int, int] | None = None  # what took the socket's path, said
+        # what took the socket's path (st_dev, st_ino, S_IFMT), said
+        self._taken_said: tuple[int, int, int] | None = None
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
         self.tcp_port: int | None = None
@@ -377,18 +378,33 @@ class ApiServer:
 
     def _say_taken(self, path: Path, st: os.stat_result) -> None:
         """Say once in the log what took the socket's path while gpud ran (a directory, a
-        file, another socket): gpud leaves it alone, and ``gpuctl`` finds no gpud there,
-        so the journal is where an operator learns why."""
-        found = (st.st_dev, st.st_ino)
-        if found in (self._socket_id, self._taken_said):
+        file, another socket): gpud leaves it alone, and ``gpuctl`` reaches no gpud there,
+        so the journal is where an operator learns why. Known by its inode and its kind:
+        ext4 gives a freed inode to the next file made, so a directory removed and a file
+        made in its place can share the inode, and each is said."""
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._socket_id:
+            # gpud's own socket put back (moved away and back): what takes its place
+            # later is said again, on whatever inode
+            self._taken_said = None
+            return
+        found = (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode))
+        if found == self._taken_said:
             return
         self._taken_said = found
-        kind = "a socket gpud did not bind" if stat.S_ISSOCK(st.st_mode) else file_kind(st.st_mode)
+        if stat.S_ISSOCK(st.st_mode):
+            log.warning(
+                "the socket %s was replaced by a socket gpud did not bind while gpud ran: "
+                "gpuctl reaches whatever listens on that one, not this gpud (with nothing "
+                "listening, it says gpud is not running), until that is removed; gpud then "
+                "listens there again",
+                path,
+            )
+            return
         log.warning(
             "the socket %s was replaced by %s while gpud ran: gpuctl cannot reach gpud (it "
             "says gpud is not running) until that is removed; gpud then listens there again",
             path,
-            kind,
+            file_kind(st.st_mode),
         )
 
     def _stopped(self, task: asyncio.Task[None]) -> None:

@@ -1496,10 +1496,12 @@ class TrafficService:
             found = self._found.pop(iface, None)
             if found is not None:
                 self._say_adopted_tc(iface, found, res.tc_ops)
-            elif unchanged and res.ops:
+            elif res.ops and (unchanged or (res.replaced and not status.error)):
                 status.repairs += 1
                 # a netdev deleted and created again between two passes (a driver reset,
-                # a runtime re-making it) lost gpud's tree with it: not another tool's change
+                # a runtime re-making it) lost gpud's tree with it: not another tool's change.
+                # Said whether or not the plan moved in that pass; one a pass saw missing
+                # (status.error) is said by net.interface alone, as enforced again.
                 why = (
                     f"another netdev by that name ({res.replaced}): gpud's tree built on it"
                     f" again, {len(res.ops)} tc object(s)"

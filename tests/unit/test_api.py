@@ -207,6 +207,15 @@ async def test_keep_socket_leaves_another_file_in_its_place(sock_dir: Path) -> N
     assert path.read_text() == "an operator's"
 
 
+async def _said_once(server: ApiServer, caplog: pytest.LogCaptureFixture) -> str:
+    """What two passes that find the socket's path taken say in the log: one line."""
+    with caplog.at_level(logging.WARNING, logger="gpud.api.server"):
+        assert not await server.keep_socket()
+        assert not await server.keep_socket()
+    (said,) = caplog.records
+    return said.getMessage()
+
+
 async def test_a_directory_made_in_the_sockets_place_is_said_once_in_the_log(
     sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,11 +227,7 @@ async def test_a_directory_made_in_the_sockets_place_is_said_once_in_the_log(
     try:
         path.unlink()
         path.mkdir()
-        with caplog.at_level(logging.WARNING, logger="gpud.api.server"):
-            assert not await server.keep_socket()
-            assert not await server.keep_socket()
-        (said,) = caplog.records
-        assert said.getMessage() == (
+        assert await _said_once(server, caplog) == (
             f"the socket {path} was replaced by a directory while gpud ran: gpuctl cannot "
             "reach gpud (it says gpud is not running) until that is removed; gpud then "
             "listens there again"
@@ -231,6 +236,85 @@ async def test_a_directory_made_in_the_sockets_place_is_said_once_in_the_log(
         assert await server.keep_socket()
     finally:
         await server.stop(0)
+
+
+def _on_inode(st: os.stat_result, kind: int) -> os.stat_result:
+    """``st`` as ``lstat`` gives it once ext4 handed its inode to a file of another ``kind``
+    (``stat.S_IFDIR``, ``stat.S_IFREG``): no test filesystem can be made to reuse one."""
+    fields = list(st[:10])
+    fields[0] = kind | 0o644
+    return os.stat_result(fields)
+
+
+async def test_what_takes_the_sockets_place_on_one_inode_is_said_for_each_kind(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory made at the socket's path, removed, and a file made there on the same
+    inode before a pass saw the path empty: each is said."""
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    try:
+        path.unlink()
+        path.mkdir()
+        with caplog.at_level(logging.WARNING, logger="gpud.api.server"):
+            assert not await server.keep_socket()
+            server._say_taken(path, _on_inode(path.lstat(), stat.S_IFREG))
+        said = [r.getMessage() for r in caplog.records]
+        assert [m.split(" while ")[0] for m in said] == [
+            f"the socket {path} was replaced by a directory",
+            f"the socket {path} was replaced by a regular file",
+        ]
+        path.rmdir()
+    finally:
+        await server.stop(0)
+
+
+async def test_gpuds_socket_put_back_lets_what_takes_its_place_later_be_said(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpud's socket moved away, a directory made at its path, removed, the socket moved
+    back; later a directory on that same inode takes the path again: said again."""
+    path, away = sock_dir / "gpud.sock", sock_dir / "moved.sock"
+    server = await _serve(path, make_servicer())
+    try:
+        path.rename(away)
+        path.mkdir()
+        with caplog.at_level(logging.WARNING, logger="gpud.api.server"):
+            assert not await server.keep_socket()
+            directory = path.lstat()
+            path.rmdir()
+            away.rename(path)
+            assert not await server.keep_socket()  # gpud's own, left as it is
+            server._say_taken(path, directory)  # the next directory, on the same inode
+        assert len(caplog.records) == 2
+        assert caplog.records[1].getMessage() == caplog.records[0].getMessage()
+    finally:
+        await server.stop(0)
+
+
+async def test_a_socket_of_another_process_in_the_sockets_place_is_said_as_such(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process's socket bound at the path: gpuctl reaches that process, which
+    the warning says (not that gpud seems to be down)."""
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        path.unlink()
+        other.bind(os.fsencode(path))
+        other.listen()
+        assert await _said_once(server, caplog) == (
+            f"the socket {path} was replaced by a socket gpud did not bind while gpud ran: "
+            "gpuctl reaches whatever listens on that one, not this gpud (with nothing "
+            "listening, it says gpud is not running), until that is removed; gpud then "
+            "listens there again"
+        )
+    finally:
+        other.close()
+        await server.stop(0)
+    assert path.exists()  # gpud's stop leaves the other process's socket alone
+    path.unlink()
 
 
 async def test_health_serving_and_not_serving(sock_dir: Path) -> None:

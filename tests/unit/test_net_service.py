@@ -287,19 +287,45 @@ def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
     assert "net.drift" in rig.kinds()
 
 
-def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(rig: Rig) -> None:
+@pytest.mark.parametrize(
+    "then_active",
+    [{"a"}, {"a", "b"}],  # the plan unchanged; a job started in that same tick
+    ids=["plan_unchanged", "plan_moved"],
+)
+def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(
+    rig: Rig, then_active: set[str]
+) -> None:
     rig.active = {"a"}
     rig.service.tick()
     rig.service.tick()
     del rig.tc.states["eth0"]  # eth0 deleted and created again: a bare netdev, no tree
     rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+    rig.active = then_active
     rig.service.tick()
     (drift,) = [e for e in rig.events.recent(100) if e.kind == "net.drift"]
     assert drift.message.startswith(
         "eth0: another netdev by that name (ifindex 9, was 4): gpud's tree built on it again,"
     )
     assert "changed outside gpud" not in drift.message
+    assert "net.interface" not in rig.kinds()
+    assert rig.service.view().interfaces[0].repairs == 1
     assert rig.service.view().interfaces[0].enforced
+
+
+def test_a_netdev_seen_missing_then_made_again_is_enforced_again_not_drift(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.tc.missing.add("eth0")
+    rig.service.tick()
+    rig.tc.missing.discard("eth0")
+    del rig.tc.states["eth0"]
+    rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    assert "net.drift" not in rig.kinds()
+    (back,) = [e for e in rig.events.recent(100) if e.kind == "net.interface"]
+    assert back.message.startswith("eth0: enforced again")
+    assert rig.service.view().interfaces[0].repairs == 0
 
 
 def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:

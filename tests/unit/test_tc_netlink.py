@@ -186,3 +186,32 @@ def test_drift_lines_name_filters_and_qdiscs_as_tc_shows_them() -> None:
         "removed a root qdisc that held gpud's handle 6764:",
         "re-installed HTB root 6764:",
     )
+
+
+@dataclass
+class RaceOnFirstBatch(RenamingLinks):
+    """The first tc batch after ``race`` is set fails (another tool wrote the interface
+    between gpud's read and its batch); the retry succeeds."""
+
+    race: bool = False
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        acks = super().request(msgs)
+        if self.race:
+            self.race = False
+            return [Ack(0, errno.EEXIST, "Exclusivity flag on, cannot modify."), *acks[1:]]
+        return acks
+
+
+def test_a_netdev_made_again_is_still_named_when_its_batch_was_tried_twice() -> None:
+    nl = RaceOnFirstBatch()
+    tc = TcNetlink(transport=nl)
+    assert tc.sync(tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)).ok
+    nl.links = {"eth0": 7}  # deleted and created again between two passes
+    nl.race = True
+    moved = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 2}, [0.1] * 4)
+    result = tc.sync(moved)
+    assert result.ok, result.errors
+    assert not nl.race  # the first batch failed, and a second went out
+    assert result.interfaces["eth0"].replaced == "ifindex 7, was 1"
+    tc.close()
