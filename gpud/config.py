@@ -770,9 +770,11 @@ def _validate_etcd_auth(c: ClusterConfig, *, path: str) -> None:
 
 def _validate_etcd_endpoints(value: str, *, path: str) -> None:
     key = "cluster.etcd_endpoints"
-    endpoints = [e.strip() for e in value.split(",") if e.strip()]
-    if not endpoints:
+    endpoints = [e.strip() for e in value.split(",")]
+    if not any(endpoints):
         raise ConfigError("no endpoint", path=path, key=key)
+    if "" in endpoints:  # a list cut short, or an endpoint lost in an edit
+        raise ConfigError(f"{value!r}: an empty endpoint between commas", path=path, key=key)
     for endpoint in endpoints:
         scheme, sep, rest = endpoint.partition("://")
         if scheme not in ("http", "https") or not sep:
@@ -795,7 +797,13 @@ def _validate_etcd_endpoints(value: str, *, path: str) -> None:
                 path=path,
                 key=key,
             )
-        parse_address(address, path=path, key=key)
+        _, port = parse_address(address, path=path, key=key)
+        if address.startswith(":") or port == 0:
+            raise ConfigError(
+                f"{endpoint!r}: etcd's client address needs its host and port (no port 0)",
+                path=path,
+                key=key,
+            )
 
 
 def _validate_traffic(t: TrafficConfig, *, path: str) -> None:

@@ -189,6 +189,26 @@ _ETCD = (
             "cluster.etcd_endpoints",
             "no path: the client finds etcd's API path itself",
         ),
+        (
+            _ETCD + 'etcd_endpoints = "http://10.0.0.1:2379,,http://10.0.0.2:2379"\n',
+            "cluster.etcd_endpoints",
+            "an empty endpoint between commas",
+        ),
+        (
+            _ETCD + 'etcd_endpoints = "http://10.0.0.1:2379,"\n',
+            "cluster.etcd_endpoints",
+            "an empty endpoint between commas",
+        ),
+        (
+            _ETCD + 'etcd_endpoints = "http://127.0.0.1:0"\n',
+            "cluster.etcd_endpoints",
+            "needs its host and port",
+        ),
+        (
+            _ETCD + 'etcd_endpoints = "http://:2379"\n',
+            "cluster.etcd_endpoints",
+            "needs its host and port",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why: str) -> None:
