@@ -77,6 +77,26 @@ class MemoryEtcd:
         return False
 
 
+def _candidacy(
+    etcd: MemoryEtcd,
+    wall: Clock,
+    ca: bytes,
+    node: str = "n0",
+    expiry: Callable[[float], str] = lambda now: "",
+) -> EtcdCandidacy:
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    return EtcdCandidacy(
+        client,
+        prefix="/c",
+        node=node,
+        ca=ca,
+        ca_file="/pki/ca.pem",
+        cert_file=f"/pki/{node}.pem",
+        expiry=expiry,
+        wall=wall,
+    )
+
+
 def _election(
     etcd: MemoryEtcd,
     clock: Clock,
@@ -88,16 +108,7 @@ def _election(
 ) -> tuple[EtcdElection, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
-    candidacy = EtcdCandidacy(
-        client,
-        prefix="/c",
-        node=node,
-        ca=ca,
-        ca_file="/pki/ca.pem",
-        cert_file=f"/pki/{node}.pem",
-        expiry=expiry,
-        wall=wall,
-    )
+    candidacy = _candidacy(etcd, wall, ca, node, expiry)
     election = EtcdElection(
         client,
         node=node,
@@ -197,20 +208,6 @@ def test_trust_records_lost_from_etcd_are_written_again_by_the_running_nodes(
     leader.step()
     follower.step()
     assert etcd.revision == written
-
-
-def _candidacy(etcd: MemoryEtcd, wall: Clock, ca: bytes, node: str = "n0") -> EtcdCandidacy:
-    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
-    return EtcdCandidacy(
-        client,
-        prefix="/c",
-        node=node,
-        ca=ca,
-        ca_file="/pki/ca.pem",
-        cert_file=f"/pki/{node}.pem",
-        expiry=lambda now: "",
-        wall=wall,
-    )
 
 
 def test_two_gpuds_under_one_node_name_with_other_cas_warn_once_each_until_it_holds(
