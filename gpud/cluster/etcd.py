@@ -17,10 +17,12 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
 so is an endpoint that answers but not as etcd (its peer port, another service: the
-next endpoint is tried); a write refused because etcd is out of space is
-:class:`~gpud.errors.StoreFull`
+next endpoint is tried, and the error names each such endpoint, logged once); a write
+refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
 (``etcdctl alarm list`` shows ``alarm:NOSPACE``); any other refusal (the login, the user's
-keys) is :class:`~gpud.errors.StoreRefused`.
+keys, a proxy in front of etcd answering 401, 403 or 413) is
+:class:`~gpud.errors.StoreRefused`, naming the request refused (``/version``,
+``/auth/authenticate`` or the v3 path).
 """
 
 from __future__ import annotations
@@ -47,38 +49,56 @@ NOSPACE_ADVICE = (
 )
 
 
-def _refusal(err: BaseException) -> str:
-    """What etcd said: etcd3gw keeps the gateway's JSON body (``{"message": ...}``) apart
-    from the HTTP reason, which alone says only "Too Many Requests"."""
+def _gateway_body(err: BaseException) -> dict[str, Any] | None:
+    """The JSON object etcd's gateway says a refusal in (``{"code", "message"}``, or
+    ``{"error"}`` on a stream), which etcd3gw keeps apart from the HTTP reason; None when
+    the answer carried none (an HTML page, a proxy's words)."""
     detail = getattr(err, "detail_text", None)
-    if isinstance(detail, str):
-        try:
-            body = json.loads(detail)
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and body.get("message"):
-            return str(body["message"])
+    try:
+        body = json.loads(detail) if isinstance(detail, str) else None
+    except ValueError:
+        return None
+    if isinstance(body, dict) and ("message" in body or "error" in body):
+        return body
+    return None
+
+
+def _refusal(err: BaseException) -> str:
+    """What etcd said: its gateway's message, as the HTTP reason alone says only "Too Many
+    Requests"; the reason when another server (a proxy in front of etcd) refused."""
+    body = _gateway_body(err)
+    if body is not None and body.get("message"):
+        return str(body["message"])
     return str(err)
 
 
-def _not_etcd(err: BaseException, endpoint: str, path: str) -> str:
-    """Why ``endpoint`` is no etcd client port, from the error of a call to it, or "" when
-    etcd itself answered. etcd's gateway says each refusal in a JSON body (``{"code",
-    "message"}``) and its ``/version`` names ``etcdserver``; an answer with neither comes
-    from something else on that port: etcd's peer port (2380), a proxy's error page,
-    another service."""
-    detail = getattr(err, "detail_text", None)
+# HTTP reasons that say the server has no such API: etcd's peer port (2380) and other
+# services answer etcd's paths so; a 401, 403 or 413 from a proxy in front of etcd is a
+# refusal instead
+_NO_SUCH_API = frozenset({"Not Found", "Method Not Allowed", "Not Implemented"})
+_AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication Required"})
+VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
+
+
+def _not_etcd(err: BaseException, endpoint: str, request: str) -> str:
+    """Why ``endpoint`` is no etcd client port, from the error of ``request`` to it
+    (:data:`VERSION_PATH`, ``/auth/authenticate`` or a v3 path), or "" when etcd, or a
+    proxy in front of it, refused. etcd answers ``/version`` with ``{"etcdserver": ...}``
+    and each refusal with a JSON body; an answer without one comes from something else
+    when it says there is no such API (404, 405, 501) or ``/version`` fails other than
+    for a login a proxy asks (401, 403, 407)."""
     if type(err).__name__ != "ApiVersionDiscoveryFailedError":
-        try:
-            body = json.loads(detail) if isinstance(detail, str) else None
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and ("message" in body or "error" in body):
+        if _gateway_body(err) is not None:
+            return ""
+        reason = " ".join(str(err).split())
+        discovery = request == VERSION_PATH and reason not in _AUTH_REFUSALS
+        if not discovery and reason not in _NO_SUCH_API:
             return ""
     said = " ".join(str(err).split()) or type(err).__name__
     return (
-        f"{endpoint} answered {path} with {said!r}, not as etcd's client API: is it etcd's "
-        "client port (2379 by default; 2380 is the peer port)? check cluster.etcd_endpoints"
+        f"{endpoint} answered {request} with {said!r}, not as etcd's client API: is it "
+        "etcd's client port (2379 by default; 2380 is the peer port)? check "
+        "cluster.etcd_endpoints"
     )
 
 
@@ -177,6 +197,7 @@ class EtcdClient:
         self._current = 0
         self._lock = threading.Lock()
         self._authenticated: set[int] = set()
+        self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
 
     @property
     def timeout_s(self) -> float:
@@ -187,21 +208,31 @@ class EtcdClient:
     def _post(self, path: str, body: Mapping[str, Any]) -> Any:
         """POST to the current endpoint, moving on to the next on failure."""
         last: BaseException | None = None
+        wrong: list[str] = []  # endpoints that answered, but not as etcd
         with self._lock:
             start = self._current
         for i in range(len(self._clients)):
             index = (start + i) % len(self._clients)
             client = self._clients[index]
+            endpoint = self._settings.endpoints[index]
+            request = VERSION_PATH  # get_url asks the endpoint's version the first time
             try:
+                url = client.get_url(path)
+                request = "/auth/authenticate"
                 self._authenticate(index, client)
-                result = client.post(client.get_url(path), data=json.dumps(body))
+                request = path
+                result = client.post(url, data=json.dumps(body))
             except self._unreachable as err:
                 last = err
                 continue
             except self._refused as err:
-                wrong = _not_etcd(err, self._settings.endpoints[index], path)
-                if wrong:  # not etcd: the next endpoint may be
-                    last = Unavailable(wrong)
+                not_etcd = _not_etcd(err, endpoint, request)
+                if not_etcd:  # the next endpoint may be etcd
+                    if endpoint not in self._said_not_etcd:
+                        # once, even while another endpoint works: the list is wrong
+                        self._said_not_etcd.add(endpoint)
+                        log.warning("cluster: %s", not_etcd)
+                    wrong.append(not_etcd)
                     continue
                 said = _refusal(err)
                 if "invalid auth token" in said and self._settings.username:
@@ -214,16 +245,20 @@ class EtcdClient:
                 if "database space exceeded" in said:
                     # the alarm is the cluster's: no other endpoint takes the write either
                     raise StoreFull(f"etcd refused {path}: {NOSPACE_ADVICE} ({said})") from err
-                raise StoreRefused(f"etcd refused {path}: {said}") from err
+                if _gateway_body(err) is None:  # a proxy's words, or another server's
+                    said = f"{said} (answered by {endpoint} without etcd's error body)"
+                raise StoreRefused(f"etcd refused {request}: {said}") from err
             with self._lock:
                 self._current = index
             return result
-        if isinstance(last, Unavailable):
-            raise Unavailable(f"etcd unreachable: {last}") from last
-        raise Unavailable(
+        # every endpoint named wrong is said, whichever was tried last
+        if last is None:
+            raise Unavailable(f"etcd unreachable: {'; '.join(wrong)}")
+        unreachable = (
             f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
             f"{type(last).__name__} {last}".rstrip()
-        ) from last
+        )
+        raise Unavailable("; ".join([unreachable, *wrong])) from last
 
     def _login_refusal(self, said: str) -> str:
         """What to change when etcd refused this node's login, a call without one or the

@@ -20,10 +20,11 @@ leads, a node asks :meth:`Candidacy.refusal`: its certificate has expired, or mo
 other recorded nodes trust none of its CAs than trust one of them. Then it does not
 campaign, or steps down. A record not rewritten for :data:`STALE_S` (a node removed for
 good) no longer counts; ``etcdctl del <prefix>/trust/NODE`` drops it at once. A running
-node reads its own record every :data:`CHECK_S` and writes it again when it is gone or names
-other CAs: a new etcd (its data directory lost) or one restored from a snapshot would
-otherwise lack it for up to :data:`REFRESH_S`, and a node of another PKI could lead. With a CA
-bundle (a rotation), a node counts as trusted by a peer that trusts any CA of its bundle.
+node reads its own record every :data:`CHECK_S` and writes it again when it is gone, names
+other CAs or is older than the one it wrote: a new etcd (its data directory lost) or one
+restored from a snapshot (whose ``at`` may be near :data:`STALE_S`) would otherwise lack it
+for up to :data:`REFRESH_S`, and a node of another PKI could lead. With a CA bundle (a
+rotation), a node counts as trusted by a peer that trusts any CA of its bundle.
 """
 
 from __future__ import annotations
@@ -89,37 +90,55 @@ class EtcdCandidacy:
         self._wall = wall
         self._written_at: float | None = None
         self._checked_at = 0.0  # (wall) when etcd was last read for this node's record
+        self._lost_said = False  # a warning said the record was lost, none found it since
 
     def record(self) -> None:
         now = self._wall()
         if self._written_at is not None and now - self._written_at < REFRESH_S:
-            if 0 <= now - self._checked_at < CHECK_S or self._still_recorded():
+            if 0 <= now - self._checked_at < CHECK_S:
+                return
+            lost = self._record_lost(self._written_at)
+            if not lost:
+                self._lost_said = False
                 return
             # a new etcd, one restored from a snapshot, or an etcdctl del: without the
             # record this node's CAs would not count for an hour, and a node of another
-            # PKI could lead meanwhile
-            log.warning(
-                "cluster: this node's trust record %s%s is gone from etcd or names other "
-                "CAs (a new etcd, or one restored from a snapshot?): written again",
+            # PKI could lead meanwhile. A second gpud under this node's name with other
+            # CAs rewrites it back every check: said once, until a check finds it intact.
+            say = log.debug if self._lost_said else log.warning
+            say(
+                "cluster: this node's trust record %s%s %s (a new etcd, one restored from a "
+                "snapshot, or a second gpud under this node name?): written again",
                 self._prefix,
                 self.node,
+                lost,
             )
+            self._lost_said = True
         value = json.dumps({"ca_sha256": list(self._trusted), "at": now})
         self._client.put(self._prefix + self.node, value)
         self._written_at = self._checked_at = now
 
-    def _still_recorded(self) -> bool:
-        """Whether etcd still holds this node's record with its CAs (read every
-        :data:`CHECK_S`: one read, no revision)."""
+    def _record_lost(self, written_at: float) -> str:
+        """ "" while etcd still holds this node's record as written at ``written_at``
+        (read every :data:`CHECK_S`: one read, no revision), else how it is not."""
         self._checked_at = self._wall()
         kv = self._client.get(self._prefix + self.node)
         if kv is None:
-            return False
+            return "is gone from etcd"
         try:
-            theirs = tuple(sorted(str(f) for f in json.loads(kv.value)["ca_sha256"]))
+            data = json.loads(kv.value)
+            theirs = tuple(sorted(str(f) for f in data["ca_sha256"]))
+            at = float(data["at"])
         except (ValueError, KeyError, TypeError):
-            return False
-        return theirs == self._trusted
+            return "is unreadable in etcd"
+        if theirs != self._trusted:
+            return "names other CAs in etcd"
+        # written with repr(float): it reads back equal. Only an older one is rewritten:
+        # a second gpud under this name with the same CAs writes a newer one, and both
+        # rewriting any other would make a revision every check
+        if at < written_at:
+            return f"is older in etcd than written (at {at:.0f}, written at {written_at:.0f})"
+        return ""
 
     def refusal(self) -> str:
         expired = self._expiry(self._wall())

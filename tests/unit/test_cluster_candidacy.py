@@ -4,8 +4,11 @@ that say whether the other nodes accept this node's certificate."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from gpud.cluster.election import (
     STORE_FULL,
@@ -74,6 +77,26 @@ class MemoryEtcd:
         return False
 
 
+def _candidacy(
+    etcd: MemoryEtcd,
+    wall: Clock,
+    ca: bytes,
+    node: str = "n0",
+    expiry: Callable[[float], str] = lambda now: "",
+) -> EtcdCandidacy:
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    return EtcdCandidacy(
+        client,
+        prefix="/c",
+        node=node,
+        ca=ca,
+        ca_file="/pki/ca.pem",
+        cert_file=f"/pki/{node}.pem",
+        expiry=expiry,
+        wall=wall,
+    )
+
+
 def _election(
     etcd: MemoryEtcd,
     clock: Clock,
@@ -85,16 +108,7 @@ def _election(
 ) -> tuple[EtcdElection, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
-    candidacy = EtcdCandidacy(
-        client,
-        prefix="/c",
-        node=node,
-        ca=ca,
-        ca_file="/pki/ca.pem",
-        cert_file=f"/pki/{node}.pem",
-        expiry=expiry,
-        wall=wall,
-    )
+    candidacy = _candidacy(etcd, wall, ca, node, expiry)
     election = EtcdElection(
         client,
         node=node,
@@ -194,6 +208,66 @@ def test_trust_records_lost_from_etcd_are_written_again_by_the_running_nodes(
     leader.step()
     follower.step()
     assert etcd.revision == written
+
+
+def test_two_gpuds_under_one_node_name_with_other_cas_warn_once_each_until_it_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-imaged host beside the old one, each with its own CA: each finds the record
+    naming other CAs at every check and writes its own back, warning the first time only,
+    and again once a check has found it intact in between."""
+    ours, _ = make_ca(tmp_path / "ours")
+    theirs, _ = make_ca(tmp_path / "theirs")
+    etcd, wall = MemoryEtcd(), Clock(10**6)
+    old, new = (
+        _candidacy(etcd, wall, ours.read_bytes()),
+        _candidacy(etcd, wall, theirs.read_bytes()),
+    )
+    caplog.set_level(logging.DEBUG, logger="gpud.cluster.trust")
+    old.record()
+    new.record()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    for _ in range(5):
+        wall.now += CHECK_S
+        old.record()
+        new.record()
+    said = warnings()
+    assert len(said) == 2, said
+    assert all("/c/trust/n0 names other CAs" in m for m in said)
+    # the twin goes: the record written back holds at the next check, and a later loss
+    # is said again
+    for _ in range(2):
+        wall.now += CHECK_S
+        old.record()
+    assert len(warnings()) == 2
+    etcd.kv.clear()
+    wall.now += CHECK_S
+    old.record()
+    assert len(warnings()) == 3 and "/c/trust/n0 is gone from etcd" in warnings()[-1]
+
+
+def test_a_trust_record_restored_with_an_old_time_is_written_again(tmp_path: Path) -> None:
+    """A snapshot taken days ago brings back this node's record with its CAs but its old
+    ``at``: the leader would drop it as stale before the hourly rewrite."""
+    ca, _ = make_ca(tmp_path / "cluster")
+    etcd, wall = MemoryEtcd(), Clock(10**6 + 0.123456789)
+    candidacy = _candidacy(etcd, wall, ca.read_bytes())
+    wall.now -= STALE_S - CHECK_S
+    candidacy.record()
+    snapshot = dict(etcd.kv)
+    wall.now += STALE_S - CHECK_S
+    candidacy.record()  # due: an old record is rewritten hourly anyway
+    written = etcd.revision
+    wall.now += CHECK_S
+    candidacy.record()
+    assert etcd.revision == written  # its own time reads back equal: nothing to write
+    etcd.kv = snapshot
+    wall.now += CHECK_S
+    candidacy.record()
+    assert json.loads(etcd.kv["/c/trust/n0"].value)["at"] == wall.now
 
 
 class FailingEtcd(MemoryEtcd):

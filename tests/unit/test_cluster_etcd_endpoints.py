@@ -1,0 +1,141 @@
+"""Which etcd endpoint answered how: HTTP servers on loopback that answer as etcd's gateway,
+as another service, or as a proxy in front of etcd that refuses, and a port nobody
+listens on."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.errors import StoreRefused, Unavailable
+
+
+@dataclass
+class Answers:
+    """What the server says to each path: (status, body); a path not listed gets 404."""
+
+    by_path: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+ETCD = {
+    "/version": (200, json.dumps({"etcdserver": "3.5.0", "etcdcluster": "3.5.0"})),
+    "/v3/kv/range": (200, json.dumps({"header": {"revision": "1"}})),
+}
+
+
+def _serve(answers: Answers) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.do_POST()
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            status, body = answers.by_path.get(self.path, (404, "404 page not found\n"))
+            raw = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def servers() -> Iterator[list[http.server.ThreadingHTTPServer]]:
+    started: list[http.server.ThreadingHTTPServer] = []
+    yield started
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def _endpoint(servers: list[http.server.ThreadingHTTPServer], answers: Answers) -> str:
+    server = _serve(answers)
+    servers.append(server)
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _nobody() -> str:
+    """An endpoint nobody listens on: connections to it are refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _client(*endpoints: str) -> EtcdClient:
+    return EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=2.0))
+
+
+def test_an_endpoint_not_etcd_is_named_whichever_endpoint_fails_last(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """etcd's peer port beside a client port that is down: the error names both, in either
+    order, not only the one tried last."""
+    peer = _endpoint(servers, Answers({"/version": ETCD["/version"]}))
+    down = _nobody()
+    for endpoints in ((peer, down), (down, peer)):
+        with pytest.raises(Unavailable) as unreachable:
+            _client(*endpoints).get("/x")
+        said = str(unreachable.value)
+        assert said.startswith(f"etcd unreachable at {', '.join(endpoints)}: Connection"), said
+        assert f"{peer} answered /kv/range with 'Not Found', not as etcd's client API" in said
+
+
+def test_an_endpoint_not_etcd_is_logged_once_while_the_next_one_answers(
+    servers: list[http.server.ThreadingHTTPServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    other = _endpoint(servers, Answers())
+    etcd = _endpoint(servers, Answers(dict(ETCD)))
+    client = _client(other, etcd)
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        for _ in range(2):
+            assert client.get("/x") is None
+        assert _client(other, etcd).get("/x") is None  # gpud started again: said again
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all(other in m and "check cluster.etcd_endpoints" in m for m in said)
+
+
+@pytest.mark.parametrize(
+    ("reason", "request_path", "answers"),
+    [
+        ("Request Entity Too Large", "/kv/range", {**ETCD, "/v3/kv/range": (413, "<html>")}),
+        ("Unauthorized", "/version", {"/version": (401, "<html>")}),
+        ("Forbidden", "/kv/range", {**ETCD, "/v3/kv/range": (403, "denied")}),
+    ],
+)
+def test_a_proxy_that_refuses_is_a_refusal_naming_the_request_not_a_wrong_port(
+    servers: list[http.server.ThreadingHTTPServer],
+    reason: str,
+    request_path: str,
+    answers: dict[str, tuple[int, str]],
+) -> None:
+    proxy = _endpoint(servers, Answers(answers))
+    with pytest.raises(StoreRefused) as refused:
+        _client(proxy).get("/x")
+    assert str(refused.value) == (
+        f"etcd refused {request_path}: {reason} (answered by {proxy} without etcd's error body)"
+    )
+
+
+def test_etcds_own_refusal_is_said_in_its_words(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    body = json.dumps({"code": 3, "message": "etcdserver: request is too large"})
+    etcd = _endpoint(servers, Answers({**ETCD, "/v3/kv/put": (400, body)}))
+    with pytest.raises(StoreRefused) as refused:
+        _client(etcd).put("/x", "1")
+    assert str(refused.value) == "etcd refused /kv/put: etcdserver: request is too large"
