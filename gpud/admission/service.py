@@ -493,10 +493,11 @@ class AdmissionService:
                 if request.holder_pid
                 else (None, None)
             )
-            views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
+            sick = self._jobs.unhealthy()
+            views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)], sick)
             quote, _ = (
                 (None, ())
-                if isinstance(verdict, Demand) and self._waits_for_sick(verdict)
+                if isinstance(verdict, Demand) and self._waits_for_sick(verdict, sick)
                 else self._quote(
                     views,
                     request_of(spec),
@@ -536,9 +537,8 @@ class AdmissionService:
         )
         return entry_id
 
-    def _waits_for_sick(self, demand: Demand) -> bool:
+    def _waits_for_sick(self, demand: Demand, sick: NotPlacedOn) -> bool:
         """Whether ``demand``'s pool has too few healthy devices left (no quote holds)."""
-        sick = self._jobs.unhealthy()
         return bool(sick) and bool(_unhealthy_in(demand, sick, self._mps.targets()))
 
     def leave(self, entry_id: str, *, stopped_by: str | None = None) -> EntryView:
@@ -619,8 +619,8 @@ class AdmissionService:
                 EntryView(e, i + 1, _waited(now, e), None, None, None, {})
                 for i, e in enumerate(queued)
             ]
-        views = self._views(fit, queued)
-        sick = self._jobs.unhealthy()
+        sick = self._jobs.unhealthy()  # once: the class models and the WHY NOT agree
+        views = self._views(fit, queued, sick)
         targets = self._mps.targets() if sick else []
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
@@ -677,20 +677,26 @@ class AdmissionService:
             return []
         return list(self._views(fit, self.entries()).values())
 
-    def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
-        """The class models; made again when the history, the queue's classes, the devices
-        or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
+    def _views(
+        self, fit: FitCheck, queued: Sequence[Entry], sick: NotPlacedOn | None = None
+    ) -> dict[str, ClassView]:
+        """The class models, over the GPUs that answer (a GPU lost, hung or held by a MIG
+        apply serves no job now); made again when the history, the queue's classes, the
+        devices, the GPUs no job is placed on or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
         history is read from :class:`HistoryMirror` (only what changed since the last time)
         and what does not move with the time is kept while the window holds the same runs
         (:class:`ClassViews`): a second's quotes cost the runs still running, not every run
-        in the window."""
+        in the window. ``sick``: :meth:`JobService.unhealthy`, where the caller read it."""
         with self._kept_lock:  # asked from every thread: the kept history moves on in place
             now = self._clock()
             window_s = self.config.history_window_s
             with self._store.transaction() as conn:
                 self._mirror.refresh(conn)
             members = self._mirror.members(now - window_s, now)
-            key = (members, _classes_of(queued), id(fit), int(now), window_s)
+            # a GPU that does not answer serves no class: K_EFF counts the others
+            sick = self._jobs.unhealthy() if sick is None else sick
+            down = {gpu: unhealthy_text(sick.only({gpu})) for gpu in sick}
+            key = (members, _classes_of(queued), id(fit), int(now), window_s, tuple(down.items()))
             if self._views_cache is not None and self._views_cache[0] == key:
                 return self._views_cache[1]
             window = self._window
@@ -710,7 +716,7 @@ class AdmissionService:
             requests = dict(requests)
             for e in queued:
                 requests[e.request_class] = e.placement
-            views = made.at(fit, requests, now=now)
+            views = made.at(fit, requests, now=now, down=down)
             self._views_cache = (key, views)
             return views
 

@@ -1939,3 +1939,39 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
         )
     finally:
         store.close()
+
+
+def test_a_lost_gpu_is_no_server_of_the_class_model_and_explain_says_so(node: Node) -> None:
+    """Two GPUs, GPU 0 lost: one-GPU runs are served by GPU 1 alone. The class model
+    counted the lost GPU as a server all the same (K_EFF 2, `memory=2 gpus=2`), so queued
+    one-GPU runs were quoted as if two GPUs served them; it counts the GPUs that answer,
+    and `gpuctl queue --explain` says which it left out and why."""
+    from gpud.cli.queue import class_row, left_out_lines
+
+    for _ in range(3):  # a history of the class
+        run = node.jobs.reserve(whole("one")).reservation
+        node.clock.now += 30.0
+        node.jobs.release(run.id)
+        node.clock.now += 30.0
+    (before,) = node.admission.explain()
+    assert before.packing is not None and before.packing.k_eff == 2 and before.left_out == ""
+    lost = gpu_sample(0)._replace(healthy=False, reason="GPU lost (memory)")
+    node.jobs.tick(snapshot(lost, gpu_sample(1)))
+    node.jobs.reserve(whole("a"))  # on GPU 1, the one that answers
+    node.admission.enqueue(whole("b"))
+    (view,) = node.admission.explain()
+    assert view.packing is not None and view.packing.k_eff == 1
+    assert view.packing.vector == {"memory": 1, "gpus": 1} and view.packing.pool_size == 1
+    assert view.left_out == "GPU 0 unhealthy: GPU lost (memory)"
+    assert view.quote is not None and view.quote.servers == 1  # b's wait is one GPU's
+    msg = class_message(view)
+    assert msg.k_eff == 1 and msg.pool_devices == 1 and msg.left_out == view.left_out
+    assert class_row(msg)[1:3] == ("1", "memory=1 gpus=1")
+    assert left_out_lines([msg]) == [
+        "1 GPU 60GiB: K_EFF counts the GPUs that answer, leaving out"
+        " GPU 0 unhealthy: GPU lost (memory)"
+    ]
+    # once it answers again, it serves again
+    node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
+    (again,) = node.admission.explain()
+    assert again.packing is not None and again.packing.k_eff == 2 and again.left_out == ""
