@@ -42,6 +42,7 @@ from gpud.admission.model import (
     Device,
     FitCheck,
     Holding,
+    Loads,
     Request,
     Unfeasible,
     Vec,
@@ -873,7 +874,19 @@ class AdmissionService:
         if uid is not None and any(h.uid not in (None, uid) for h in holdings):
             # the reservation's own placement names the other user, where that is why
             self._jobs.choose(spec, uid=uid)
-        waiting = len([e for e in queued if e.id not in result.unfeasible])
+        free = self._free_for(request, fit, holdings)
+        if not free:
+            # it fits on none of its devices, queue or not: what holds them is why, which
+            # the reservation's own placement names
+            self._jobs.choose(spec, uid=uid)
+        waiting = len(
+            [
+                e
+                for e in queued
+                if e.id not in result.unfeasible
+                and _needs_any(self._demands.get(e.placement), free)
+            ]
+        ) or len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
                 f"job {spec.name!r} ({request.label()}) waits behind {waiting} queued"
@@ -885,6 +898,28 @@ class AdmissionService:
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
             " the MPS thread shares on them would add up to over 100%"
         )
+
+    def _free_for(
+        self, request: Request, fit: FitCheck, holdings: Sequence[Holding]
+    ) -> frozenset[str]:
+        """The devices ``request`` would start on now were nothing queued (empty: it fits
+        nowhere, whatever waits): with the devices a pass alone with it places it on, every
+        device of its pool with room for its demand (what it may wait behind)."""
+        alone = admission_pass(
+            [Queued("\0alone", request, 0, 0.0)], fit, holdings, demands=self._demands
+        )
+        if not alone.starts:
+            return frozenset()
+        demand = self._demands.get(request)
+        loads = Loads.of(holdings)
+        room = {
+            d.uuid
+            for d in fit.devices()
+            if isinstance(demand, Demand)
+            and d.uuid in demand.pool
+            and (loads.get(d.uuid) + demand.on(d.uuid)).fits_in(d.capacity)
+        }
+        return frozenset(alone.starts[0].devices) | room
 
     def _queued(self, e: Entry) -> Queued:
         """``e`` for a pass, with its user where MPS is on (its holder's real UID, as read
@@ -1141,6 +1176,11 @@ class AdmissionService:
                 (end, start, start, end, start),
             ).fetchone()
         return residual_of_waits(total, self._area, start=start, end=end)
+
+
+def _needs_any(demand: Demand | Unfeasible | None, devices: frozenset[str]) -> bool:
+    """Whether a queued run of ``demand`` may take any of ``devices`` (not known: it may)."""
+    return not isinstance(demand, Demand) or not devices.isdisjoint(demand.pool)
 
 
 def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:

@@ -1975,3 +1975,37 @@ def test_a_lost_gpu_is_no_server_of_the_class_model_and_explain_says_so(node: No
     node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
     (again,) = node.admission.explain()
     assert again.packing is not None and again.packing.k_eff == 2 and again.left_out == ""
+
+
+def pinned(job: str, device: str) -> RunRequest:
+    return RunRequest(job=job, devices=(device,), memory_bytes=60 * GIB)
+
+
+def test_a_run_refused_for_its_devices_memory_is_not_said_to_wait_behind_other_devices_jobs(
+    node: Node,
+) -> None:
+    """GPU 0 holds a and a run pinned there waits for it; GPU 1 holds x. A one-GPU run
+    could go on either, and fits on neither: it was told it waited behind the run pinned
+    to GPU 0, when GPU 1's memory was why. It is told what holds its devices; where it
+    fits but the queue holds it back, only the queued runs that need the devices it fits on
+    are counted."""
+    first, second = (t.uuid for t in node.mps.targets())
+    node.jobs.reserve(pinned("a", first))
+    x = node.jobs.reserve(pinned("x", second)).reservation
+    waiting = node.admission.enqueue(pinned("p", first))
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(whole("b"))
+    assert "queued job" not in str(refused.value)
+    # as a refused run says when nothing is queued: the memory reserved on its devices
+    assert "60GiB reserved by" in str(refused.value) and "20GiB free" in str(refused.value)
+    # GPU 1 frees and a run that needs both GPUs queues ahead of one pinned to GPU 0: a
+    # one-GPU run that fits on GPU 1 waits behind the first alone
+    node.admission.leave(waiting.entry.id)
+    node.jobs.release(x.id)
+    node.admission.enqueue(whole("pair", 2))
+    node.admission.enqueue(pinned("p2", first))
+    with pytest.raises(ResourceExhausted) as behind:
+        node.jobs.reserve(whole("c"))
+    assert str(behind.value) == (
+        "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s) that need its devices"
+    )
