@@ -63,6 +63,7 @@ from gpud.jobs.service import JobService, NotPlacedOn, RunRequest, unhealthy_tex
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
+from gpud.shared import user_name, user_names
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -627,7 +628,7 @@ class AdmissionService:
         unfeasible: list[EntryView] = []
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
-        held = _Held(self._jobs, sick)
+        held = _Held(self._jobs, sick, user_names())  # each user looked up once
         running = self._running(views, now, held.loads()) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
@@ -1202,11 +1203,16 @@ class _Held:
     with each entry's own)."""
 
     STAND_IN = "\0job"
+    NAMED = 4  # the held devices named in full; past them, how many more
 
-    def __init__(self, jobs: JobService, sick: NotPlacedOn) -> None:
-        """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry."""
+    def __init__(
+        self, jobs: JobService, sick: NotPlacedOn, name_of: Callable[[int], str] = user_name
+    ) -> None:
+        """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry;
+        ``name_of``: a user's name by UID, for the holders it names."""
         self._jobs = jobs
         self._sick = sick
+        self._name_of = name_of
         self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
         self._loads: dict[str, DeviceLoad] | None = None
         self._refused: dict[tuple[object, ...], str | None] = {}
@@ -1229,12 +1235,43 @@ class _Held:
                 self._jobs.choose(spec, self._now, uid=uid, sick=self._sick)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
-                self._refused[shape] = str(err)
+                held = self._holders(spec)
+                self._refused[shape] = f"{err}; {held}" if held else str(err)
         refused = self._refused[shape]
         if refused is not None:
             named = refused.replace(repr(self.STAND_IN), repr(e.job))
             return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
+
+    def _holders(self, spec: JobSpec) -> str:
+        """Where more than one device ``spec`` could take is held, each with its holders
+        (``GPU 0 held by a (alice), GPU 1 held by b (bob)``; past :attr:`NAMED`, ``and N
+        more``): a refusal's numbers name one device, and the job waits for any of them."""
+        assert self._now is not None
+        targets, loads = self._now
+        if spec.devices:
+            pool = [t for t in targets if t.uuid in spec.devices]
+        elif spec.mig_profile is not None:
+            pool = [t for t in targets if t.mig is not None and t.profile == spec.mig_profile]
+        else:
+            pool = [t for t in targets if t.mig is None]
+        held = [
+            (t, loads[t.uuid])
+            for t in sorted(pool, key=lambda t: (t.gpu, t.mig or 0))
+            if t.uuid in loads and loads[t.uuid].jobs
+        ]
+        if len(held) < 2:
+            return ""
+        named = []
+        for t, load in held[: self.NAMED]:
+            users = dict((job, uid) for uid, job in load.users)
+            jobs = " and ".join(
+                f"{job} ({self._name_of(users[job])})" if job in users else job for job in load.jobs
+            )
+            where = f"GPU {t.gpu}" if t.mig is None else f"GPU {t.gpu} MIG {t.mig}"
+            named.append(f"{where} held by {jobs}")
+        more = f" and {len(held) - self.NAMED} more" if len(held) > self.NAMED else ""
+        return ", ".join(named) + more
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

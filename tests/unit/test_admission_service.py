@@ -2009,3 +2009,34 @@ def test_a_run_refused_for_its_devices_memory_is_not_said_to_wait_behind_other_d
     assert str(behind.value) == (
         "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s) that need its devices"
     )
+
+
+def test_a_queued_job_names_each_held_gpu_and_its_holder(tmp_path: Path) -> None:
+    """Both GPUs held, by runs of two users: the queued one-GPU job's WHY NOT named one GPU
+    and its holder, as if the other were free; it names each (a few, then how many more)."""
+    proc = tmp_path / "proc"
+    alice, bob = os.getpid(), os.getppid()
+    fake_proc(proc, alice, 1000)
+    fake_proc(proc, bob, 1001)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        node.jobs.reserve(whole("a", holder=alice))
+        node.jobs.reserve(whole("b", holder=bob))
+        c = node.admission.enqueue(whole("c"))
+        (view,) = node.admission.queue_views()
+        assert view.waiting_on.endswith(
+            f"; GPU 0 held by a ({user_name(1000)}), GPU 1 held by b ({user_name(1001)})"
+        )
+        # six GPUs, each held: four are named, then how many more
+        node.admission.leave(c.entry.id)
+        node.mps.reconcile(snapshot(*(gpu_sample(i) for i in range(6))))
+        for i in range(2, 6):
+            node.jobs.reserve(whole(f"r{i}"))
+        node.admission.enqueue(whole("c"))
+        (view,) = node.admission.queue_views()
+        assert view.waiting_on.endswith(
+            f"; GPU 0 held by a ({user_name(1000)}), GPU 1 held by b ({user_name(1001)}),"
+            " GPU 2 held by r2, GPU 3 held by r3 and 2 more"
+        )
+    finally:
+        node.store.close()
