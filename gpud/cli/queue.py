@@ -8,7 +8,8 @@
                                  queue: no position, no quote), with their ids
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
                                  arrival rate, service time, utilisation, packing
-                                 efficiency, mean wait
+                                 efficiency, mean wait; under it, the GPUs each class's
+                                 k_eff left out (lost, hung, held by a MIG apply)
     gpuctl queue --leave ID      take a queued entry, or a run waiting for co-location, out
                                  (one that started already is refused, exit 6: it runs on)
     gpuctl queue --json
