@@ -1975,6 +1975,11 @@ def test_a_lost_gpu_is_no_server_of_the_class_model_and_explain_says_so(node: No
     node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
     (again,) = node.admission.explain()
     assert again.packing is not None and again.packing.k_eff == 2 and again.left_out == ""
+    # nor does one a MIG apply holds serve, while it holds it
+    with node.jobs.placing_none_on({0: "a MIG apply is changing its instances"}):
+        (held,) = node.admission.explain()
+    assert held.packing is not None and held.packing.k_eff == 1
+    assert held.left_out == "GPU 0 held: a MIG apply is changing its instances"
 
 
 def pinned(job: str, device: str) -> RunRequest:
