@@ -129,7 +129,7 @@ def entry_message(v: EntryView, name_of: Callable[[int], str] = user_name) -> pb
 
 
 def class_message(v: ClassView) -> pb.ClassModel:
-    msg = pb.ClassModel(request=v.request.label())
+    msg = pb.ClassModel(request=v.request.label(), left_out=v.left_out)
     if isinstance(v.demand, Unfeasible):
         msg.unfeasible_reason = v.demand.reason
     if v.packing is not None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpud.admission.estimate import ClassStats, Estimate, Record
-from gpud.admission.model import Demand, FitCheck, Request, Unfeasible
+from gpud.admission.model import Demand, Device, FitCheck, Request, Unfeasible
 from gpud.admission.packing import Packing, pack
 from gpud.admission.quote import (
     ClassModel,
@@ -28,6 +28,9 @@ class ClassView:
     packing: Packing | None  # None when unfeasible
     stats: ClassStats | None  # None: not in the history window
     quote: ClassQuote | None  # None: unfeasible, never waits, or nothing known loads its pool
+    # the GPUs of its pool that serve no job now (lost, hung, held by a MIG apply), as
+    # ``down`` of :meth:`ClassViews.at` names them: ``packing`` counts only the others
+    left_out: str = ""
 
 
 def class_views(
@@ -37,9 +40,11 @@ def class_views(
     *,
     now: float,
     window_s: float | None = None,
+    down: Mapping[int, str] | None = None,
 ) -> dict[str, ClassView]:
-    """``requests`` maps class keys (as in the records) to their request."""
-    return ClassViews(records, now=now, window_s=window_s).at(fit, requests, now=now)
+    """``requests`` maps class keys (as in the records) to their request; ``down``: as
+    :meth:`ClassViews.at` takes it."""
+    return ClassViews(records, now=now, window_s=window_s).at(fit, requests, now=now, down=down)
 
 
 class ClassViews:
@@ -216,18 +221,36 @@ class ClassViews:
                         sweep.add(_job(new, share), (rank, index))
 
     def at(
-        self, fit: FitCheck, requests: Mapping[str, Request], *, now: float
+        self,
+        fit: FitCheck,
+        requests: Mapping[str, Request],
+        *,
+        now: float,
+        down: Mapping[int, str] | None = None,
     ) -> dict[str, ClassView]:
+        """``down``: GPU index -> how to name it (``GPU 0 unhealthy: GPU lost``), of each GPU
+        no job is placed on now (:meth:`~gpud.jobs.service.JobService.unhealthy`): it serves
+        no class while it does not answer, so each class is packed (``k_eff``) and modelled
+        on the devices of its pool on the others alone, and names those it left out."""
         devices = {d.uuid: d for d in fit.devices()}
         stats = self._estimate.at(now)
         demands = {key: fit.demand(r) for key, r in requests.items()}
-        packings = {key: pack(d, devices) for key, d in demands.items() if isinstance(d, Demand)}
+        serving: dict[str, Demand] = {}
+        left_out: dict[str, str] = {}
+        for key, d in demands.items():
+            if isinstance(d, Demand):
+                serving[key], left_out[key] = _serving(d, devices, fit, down or {})
+        # a pool none of whose devices answers serves none of its class now, whatever it asks
+        packings = {
+            key: pack(d, devices) if d.pool else Packing(0, {}, None, 0)
+            for key, d in serving.items()
+        }
         models = []
         unseen = []  # no run in the window: quoted from the load of the others on its pool
         for key, p in packings.items():
             s = stats.get(key)
-            d = demands[key]
-            if not p.k_eff or not isinstance(d, Demand):
+            d = serving[key]
+            if not p.k_eff:
                 continue
             if s is not None and s.mean_service_s is not None:
                 models.append(
@@ -247,7 +270,15 @@ class ClassViews:
         unseen = self._with_efficiency(unseen, now=now, among=models)
         quotes = class_quotes(models, horizon_s=self._window_s, unseen=unseen)
         return {
-            key: ClassView(key, r, demands[key], packings.get(key), stats.get(key), quotes.get(key))
+            key: ClassView(
+                key,
+                r,
+                demands[key],
+                packings.get(key),
+                stats.get(key),
+                quotes.get(key),
+                left_out.get(key, ""),
+            )
             for key, r in sorted(requests.items())
         }
 
@@ -289,6 +320,33 @@ class ClassViews:
             efficiency = sweep.at(now)
             out.append(replace(c, efficiency=efficiency))
         return out
+
+
+def _serving(
+    demand: Demand, devices: Mapping[str, Device], fit: FitCheck, down: Mapping[int, str]
+) -> tuple[Demand, str]:
+    """``demand`` on the devices of its pool that answer now, and how the GPUs it left out
+    (``down``) are named. A device of UUID "" stands for every GPU never read since gpud
+    started: no job is placed there until its UUID is known, so it is always left out."""
+    if not down and "" not in demand.pool:
+        return demand, ""
+    unread = {d.gpu for d in fit.devices() if not d.uuid}
+    gone: set[int] = set()
+    kept = []
+    for u in demand.pool:
+        gpus = unread if not u else {devices[u].gpu}
+        if not u or gpus & down.keys():
+            gone |= gpus & down.keys()
+        else:
+            kept.append(u)
+    if len(kept) == len(demand.pool):
+        return demand, ""
+    serving = replace(
+        demand,
+        pool=tuple(kept),
+        by_device=tuple((u, v) for u, v in demand.by_device if u in kept),
+    )
+    return serving, "; ".join(down[g] for g in sorted(gone))
 
 
 def _queued(entry: tuple[float, int, Record]) -> float:

@@ -42,6 +42,7 @@ from gpud.admission.model import (
     Device,
     FitCheck,
     Holding,
+    Loads,
     Request,
     Unfeasible,
     Vec,
@@ -62,6 +63,7 @@ from gpud.jobs.service import JobService, NotPlacedOn, RunRequest, unhealthy_tex
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
+from gpud.shared import user_name, user_names
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -493,10 +495,11 @@ class AdmissionService:
                 if request.holder_pid
                 else (None, None)
             )
-            views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
+            sick = self._jobs.unhealthy()
+            views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)], sick)
             quote, _ = (
                 (None, ())
-                if isinstance(verdict, Demand) and self._waits_for_sick(verdict)
+                if isinstance(verdict, Demand) and self._waits_for_sick(verdict, sick)
                 else self._quote(
                     views,
                     request_of(spec),
@@ -536,9 +539,8 @@ class AdmissionService:
         )
         return entry_id
 
-    def _waits_for_sick(self, demand: Demand) -> bool:
+    def _waits_for_sick(self, demand: Demand, sick: NotPlacedOn) -> bool:
         """Whether ``demand``'s pool has too few healthy devices left (no quote holds)."""
-        sick = self._jobs.unhealthy()
         return bool(sick) and bool(_unhealthy_in(demand, sick, self._mps.targets()))
 
     def leave(self, entry_id: str, *, stopped_by: str | None = None) -> EntryView:
@@ -619,14 +621,14 @@ class AdmissionService:
                 EntryView(e, i + 1, _waited(now, e), None, None, None, {})
                 for i, e in enumerate(queued)
             ]
-        views = self._views(fit, queued)
-        sick = self._jobs.unhealthy()
+        sick = self._jobs.unhealthy()  # once: the class models and the WHY NOT agree
+        views = self._views(fit, queued, sick)
         targets = self._mps.targets() if sick else []
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
-        held = _Held(self._jobs, sick)
+        held = _Held(self._jobs, sick, user_names())  # each user looked up once
         running = self._running(views, now, held.loads()) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
@@ -677,20 +679,26 @@ class AdmissionService:
             return []
         return list(self._views(fit, self.entries()).values())
 
-    def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
-        """The class models; made again when the history, the queue's classes, the devices
-        or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
+    def _views(
+        self, fit: FitCheck, queued: Sequence[Entry], sick: NotPlacedOn | None = None
+    ) -> dict[str, ClassView]:
+        """The class models, over the GPUs that answer (a GPU lost, hung or held by a MIG
+        apply serves no job now); made again when the history, the queue's classes, the
+        devices, the GPUs no job is placed on or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
         history is read from :class:`HistoryMirror` (only what changed since the last time)
         and what does not move with the time is kept while the window holds the same runs
         (:class:`ClassViews`): a second's quotes cost the runs still running, not every run
-        in the window."""
+        in the window. ``sick``: :meth:`JobService.unhealthy`, where the caller read it."""
         with self._kept_lock:  # asked from every thread: the kept history moves on in place
             now = self._clock()
             window_s = self.config.history_window_s
             with self._store.transaction() as conn:
                 self._mirror.refresh(conn)
             members = self._mirror.members(now - window_s, now)
-            key = (members, _classes_of(queued), id(fit), int(now), window_s)
+            # a GPU that does not answer serves no class: K_EFF counts the others
+            sick = self._jobs.unhealthy() if sick is None else sick
+            down = {gpu: unhealthy_text(sick.only({gpu})) for gpu in sick}
+            key = (members, _classes_of(queued), id(fit), int(now), window_s, tuple(down.items()))
             if self._views_cache is not None and self._views_cache[0] == key:
                 return self._views_cache[1]
             window = self._window
@@ -710,7 +718,7 @@ class AdmissionService:
             requests = dict(requests)
             for e in queued:
                 requests[e.request_class] = e.placement
-            views = made.at(fit, requests, now=now)
+            views = made.at(fit, requests, now=now, down=down)
             self._views_cache = (key, views)
             return views
 
@@ -867,7 +875,19 @@ class AdmissionService:
         if uid is not None and any(h.uid not in (None, uid) for h in holdings):
             # the reservation's own placement names the other user, where that is why
             self._jobs.choose(spec, uid=uid)
-        waiting = len([e for e in queued if e.id not in result.unfeasible])
+        free = self._free_for(request, fit, holdings)
+        if not free:
+            # it fits on none of its devices, queue or not: what holds them is why, which
+            # the reservation's own placement names
+            self._jobs.choose(spec, uid=uid)
+        waiting = len(
+            [
+                e
+                for e in queued
+                if e.id not in result.unfeasible
+                and _needs_any(self._demands.get(e.placement), free)
+            ]
+        ) or len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
                 f"job {spec.name!r} ({request.label()}) waits behind {waiting} queued"
@@ -879,6 +899,28 @@ class AdmissionService:
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
             " the MPS thread shares on them would add up to over 100%"
         )
+
+    def _free_for(
+        self, request: Request, fit: FitCheck, holdings: Sequence[Holding]
+    ) -> frozenset[str]:
+        """The devices ``request`` would start on now were nothing queued (empty: it fits
+        nowhere, whatever waits): with the devices a pass alone with it places it on, every
+        device of its pool with room for its demand (what it may wait behind)."""
+        alone = admission_pass(
+            [Queued("\0alone", request, 0, 0.0)], fit, holdings, demands=self._demands
+        )
+        if not alone.starts:
+            return frozenset()
+        demand = self._demands.get(request)
+        loads = Loads.of(holdings)
+        room = {
+            d.uuid
+            for d in fit.devices()
+            if isinstance(demand, Demand)
+            and d.uuid in demand.pool
+            and (loads.get(d.uuid) + demand.on(d.uuid)).fits_in(d.capacity)
+        }
+        return frozenset(alone.starts[0].devices) | room
 
     def _queued(self, e: Entry) -> Queued:
         """``e`` for a pass, with its user where MPS is on (its holder's real UID, as read
@@ -1137,6 +1179,11 @@ class AdmissionService:
         return residual_of_waits(total, self._area, start=start, end=end)
 
 
+def _needs_any(demand: Demand | Unfeasible | None, devices: frozenset[str]) -> bool:
+    """Whether a queued run of ``demand`` may take any of ``devices`` (not known: it may)."""
+    return not isinstance(demand, Demand) or not devices.isdisjoint(demand.pool)
+
+
 def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:
     """``down``: the GPUs the verdict counted that take no job now (:meth:`AdmissionService._whole_down`)."""
     remedy = f"; {verdict.remedy}" if verdict.remedy else ""
@@ -1156,11 +1203,16 @@ class _Held:
     with each entry's own)."""
 
     STAND_IN = "\0job"
+    NAMED = 4  # the held devices named in full; past them, how many more
 
-    def __init__(self, jobs: JobService, sick: NotPlacedOn) -> None:
-        """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry."""
+    def __init__(
+        self, jobs: JobService, sick: NotPlacedOn, name_of: Callable[[int], str] = user_name
+    ) -> None:
+        """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry;
+        ``name_of``: a user's name by UID, for the holders it names."""
         self._jobs = jobs
         self._sick = sick
+        self._name_of = name_of
         self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
         self._loads: dict[str, DeviceLoad] | None = None
         self._refused: dict[tuple[object, ...], str | None] = {}
@@ -1183,12 +1235,43 @@ class _Held:
                 self._jobs.choose(spec, self._now, uid=uid, sick=self._sick)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
-                self._refused[shape] = str(err)
+                held = self._holders(spec)
+                self._refused[shape] = f"{err}; {held}" if held else str(err)
         refused = self._refused[shape]
         if refused is not None:
             named = refused.replace(repr(self.STAND_IN), repr(e.job))
             return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
+
+    def _holders(self, spec: JobSpec) -> str:
+        """Where more than one device ``spec`` could take is held, each with its holders
+        (``GPU 0 held by a (alice), GPU 1 held by b (bob)``; past :attr:`NAMED`, ``and N
+        more``): a refusal's numbers name one device, and the job waits for any of them."""
+        assert self._now is not None
+        targets, loads = self._now
+        if spec.devices:
+            pool = [t for t in targets if t.uuid in spec.devices]
+        elif spec.mig_profile is not None:
+            pool = [t for t in targets if t.mig is not None and t.profile == spec.mig_profile]
+        else:
+            pool = [t for t in targets if t.mig is None]
+        held = [
+            (t, loads[t.uuid])
+            for t in sorted(pool, key=lambda t: (t.gpu, t.mig or 0))
+            if t.uuid in loads and loads[t.uuid].jobs
+        ]
+        if len(held) < 2:
+            return ""
+        named = []
+        for t, load in held[: self.NAMED]:
+            users = dict((job, uid) for uid, job in load.users)
+            jobs = " and ".join(
+                f"{job} ({self._name_of(users[job])})" if job in users else job for job in load.jobs
+            )
+            where = f"GPU {t.gpu}" if t.mig is None else f"GPU {t.gpu} MIG {t.mig}"
+            named.append(f"{where} held by {jobs}")
+        more = f" and {len(held) - self.NAMED} more" if len(held) > self.NAMED else ""
+        return ", ".join(named) + more
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

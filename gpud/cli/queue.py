@@ -8,7 +8,8 @@
                                  queue: no position, no quote), with their ids
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
                                  arrival rate, service time, utilisation, packing
-                                 efficiency, mean wait
+                                 efficiency, mean wait; under it, the GPUs each class's
+                                 k_eff left out (lost, hung, held by a MIG apply)
     gpuctl queue --leave ID      take a queued entry, or a run waiting for co-location, out
                                  (one that started already is refused, exit 6: it runs on)
     gpuctl queue --json
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from gpud.cli.context import CliError, Context, Subparsers, given
@@ -124,6 +126,16 @@ def class_row(c: pb.ClassModel) -> tuple[str, ...]:
     )
 
 
+def left_out_lines(classes: Sequence[pb.ClassModel]) -> list[str]:
+    """Under ``--explain``'s table: for each class whose K_EFF left GPUs of its pool out
+    (they serve no job now), which and why."""
+    return [
+        f"{c.request}: K_EFF counts the GPUs that answer, leaving out {c.left_out}"
+        for c in classes
+        if c.left_out
+    ]
+
+
 def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.QueueStub)
     if args.leave is not None:  # an empty ID is an error to report, not the listing
@@ -156,6 +168,8 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     if args.explain:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])
+        for line in left_out_lines(resp.classes):
+            ctx.out.print(line)
     return 0
 
 

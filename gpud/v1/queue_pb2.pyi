@@ -349,6 +349,7 @@ class ClassModel(_message.Message):
     UNFEASIBLE_REASON_FIELD_NUMBER: _builtins.int
     HISTORY_RUNS_FIELD_NUMBER: _builtins.int
     PACKING_EFFICIENCY_FIELD_NUMBER: _builtins.int
+    LEFT_OUT_FIELD_NUMBER: _builtins.int
     request: _builtins.str
     k_eff: _builtins.int
     """absent: sets no limit, never waits"""
@@ -365,6 +366,10 @@ class ClassModel(_message.Message):
     history_runs: _builtins.int
     packing_efficiency: _builtins.float
     """share of its devices busy while jobs wait for them"""
+    left_out: _builtins.str
+    """set: the GPUs of its pool that serve no job now, left out of k_eff, dimensions and
+    pool_devices ("GPU 0 unhealthy: GPU lost"; "GPU 1 held: why" while a MIG apply holds it)
+    """
     @_builtins.property
     def dimensions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Dimension]: ...
     def __init__(
@@ -384,10 +389,11 @@ class ClassModel(_message.Message):
         unfeasible_reason: _builtins.str = ...,
         history_runs: _builtins.int = ...,
         packing_efficiency: _builtins.float = ...,
+        left_out: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_k_eff", b"_k_eff", "_quote_seconds", b"_quote_seconds", "k_eff", b"k_eff", "quote_seconds", b"quote_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k_eff", b"_k_eff", "_quote_seconds", b"_quote_seconds", "arrival_rate_per_second", b"arrival_rate_per_second", "binding", b"binding", "dimensions", b"dimensions", "history_runs", b"history_runs", "k_eff", b"k_eff", "mean_service_seconds", b"mean_service_seconds", "packing_efficiency", b"packing_efficiency", "pool_devices", b"pool_devices", "quote_seconds", b"quote_seconds", "request", b"request", "scv_service", b"scv_service", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "utilization", b"utilization"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k_eff", b"_k_eff", "_quote_seconds", b"_quote_seconds", "arrival_rate_per_second", b"arrival_rate_per_second", "binding", b"binding", "dimensions", b"dimensions", "history_runs", b"history_runs", "k_eff", b"k_eff", "left_out", b"left_out", "mean_service_seconds", b"mean_service_seconds", "packing_efficiency", b"packing_efficiency", "pool_devices", b"pool_devices", "quote_seconds", b"quote_seconds", "request", b"request", "scv_service", b"scv_service", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "utilization", b"utilization"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__k_eff: _TypeAlias = _typing.Literal["k_eff"]  # noqa: Y015
     _WhichOneofArgType__k_eff: _TypeAlias = _typing.Literal["_k_eff", b"_k_eff"]  # noqa: Y015

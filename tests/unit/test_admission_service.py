@@ -1939,3 +1939,109 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
         )
     finally:
         store.close()
+
+
+def test_a_lost_gpu_is_no_server_of_the_class_model_and_explain_says_so(node: Node) -> None:
+    """Two GPUs, GPU 0 lost: one-GPU runs are served by GPU 1 alone. The class model
+    counted the lost GPU as a server all the same (K_EFF 2, `memory=2 gpus=2`), so queued
+    one-GPU runs were quoted as if two GPUs served them; it counts the GPUs that answer,
+    and `gpuctl queue --explain` says which it left out and why."""
+    from gpud.cli.queue import class_row, left_out_lines
+
+    for _ in range(3):  # a history of the class
+        run = node.jobs.reserve(whole("one")).reservation
+        node.clock.now += 30.0
+        node.jobs.release(run.id)
+        node.clock.now += 30.0
+    (before,) = node.admission.explain()
+    assert before.packing is not None and before.packing.k_eff == 2 and before.left_out == ""
+    lost = gpu_sample(0)._replace(healthy=False, reason="GPU lost (memory)")
+    node.jobs.tick(snapshot(lost, gpu_sample(1)))
+    node.jobs.reserve(whole("a"))  # on GPU 1, the one that answers
+    node.admission.enqueue(whole("b"))
+    (view,) = node.admission.explain()
+    assert view.packing is not None and view.packing.k_eff == 1
+    assert view.packing.vector == {"memory": 1, "gpus": 1} and view.packing.pool_size == 1
+    assert view.left_out == "GPU 0 unhealthy: GPU lost (memory)"
+    assert view.quote is not None and view.quote.servers == 1  # b's wait is one GPU's
+    msg = class_message(view)
+    assert msg.k_eff == 1 and msg.pool_devices == 1 and msg.left_out == view.left_out
+    assert class_row(msg)[1:3] == ("1", "memory=1 gpus=1")
+    assert left_out_lines([msg]) == [
+        "1 GPU 60GiB: K_EFF counts the GPUs that answer, leaving out"
+        " GPU 0 unhealthy: GPU lost (memory)"
+    ]
+    # once it answers again, it serves again
+    node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
+    (again,) = node.admission.explain()
+    assert again.packing is not None and again.packing.k_eff == 2 and again.left_out == ""
+    # nor does one a MIG apply holds serve, while it holds it
+    with node.jobs.placing_none_on({0: "a MIG apply is changing its instances"}):
+        (held,) = node.admission.explain()
+    assert held.packing is not None and held.packing.k_eff == 1
+    assert held.left_out == "GPU 0 held: a MIG apply is changing its instances"
+
+
+def pinned(job: str, device: str) -> RunRequest:
+    return RunRequest(job=job, devices=(device,), memory_bytes=60 * GIB)
+
+
+def test_a_run_refused_for_its_devices_memory_is_not_said_to_wait_behind_other_devices_jobs(
+    node: Node,
+) -> None:
+    """GPU 0 holds a and a run pinned there waits for it; GPU 1 holds x. A one-GPU run
+    could go on either, and fits on neither: it was told it waited behind the run pinned
+    to GPU 0, when GPU 1's memory was why. It is told what holds its devices; where it
+    fits but the queue holds it back, only the queued runs that need the devices it fits on
+    are counted."""
+    first, second = (t.uuid for t in node.mps.targets())
+    node.jobs.reserve(pinned("a", first))
+    x = node.jobs.reserve(pinned("x", second)).reservation
+    waiting = node.admission.enqueue(pinned("p", first))
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(whole("b"))
+    assert "queued job" not in str(refused.value)
+    # as a refused run says when nothing is queued: the memory reserved on its devices
+    assert "60GiB reserved by" in str(refused.value) and "20GiB free" in str(refused.value)
+    # GPU 1 frees and a run that needs both GPUs queues ahead of one pinned to GPU 0: a
+    # one-GPU run that fits on GPU 1 waits behind the first alone
+    node.admission.leave(waiting.entry.id)
+    node.jobs.release(x.id)
+    node.admission.enqueue(whole("pair", 2))
+    node.admission.enqueue(pinned("p2", first))
+    with pytest.raises(ResourceExhausted) as behind:
+        node.jobs.reserve(whole("c"))
+    assert str(behind.value) == (
+        "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s) that need its devices"
+    )
+
+
+def test_a_queued_job_names_each_held_gpu_and_its_holder(tmp_path: Path) -> None:
+    """Both GPUs held, by runs of two users: the queued one-GPU job's WHY NOT named one GPU
+    and its holder, as if the other were free; it names each (a few, then how many more)."""
+    proc = tmp_path / "proc"
+    alice, bob = os.getpid(), os.getppid()
+    fake_proc(proc, alice, 1000)
+    fake_proc(proc, bob, 1001)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        node.jobs.reserve(whole("a", holder=alice))
+        node.jobs.reserve(whole("b", holder=bob))
+        c = node.admission.enqueue(whole("c"))
+        (view,) = node.admission.queue_views()
+        assert view.waiting_on.endswith(
+            f"; GPU 0 held by a ({user_name(1000)}), GPU 1 held by b ({user_name(1001)})"
+        )
+        # six GPUs, each held: four are named, then how many more
+        node.admission.leave(c.entry.id)
+        node.mps.reconcile(snapshot(*(gpu_sample(i) for i in range(6))))
+        for i in range(2, 6):
+            node.jobs.reserve(whole(f"r{i}"))
+        node.admission.enqueue(whole("c"))
+        (view,) = node.admission.queue_views()
+        assert view.waiting_on.endswith(
+            f"; GPU 0 held by a ({user_name(1000)}), GPU 1 held by b ({user_name(1001)}),"
+            " GPU 2 held by r2, GPU 3 held by r3 and 2 more"
+        )
+    finally:
+        node.store.close()
