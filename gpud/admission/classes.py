@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpud.admission.estimate import ClassStats, Estimate, Record
-from gpud.admission.model import Demand, Device, FitCheck, Request, Unfeasible
+from gpud.admission.model import (
+    NEVER_READ,
+    Demand,
+    FitCheck,
+    Request,
+    Unfeasible,
+    serving_devices,
+)
 from gpud.admission.packing import Packing, pack
 from gpud.admission.quote import (
     ClassModel,
@@ -28,9 +35,12 @@ class ClassView:
     packing: Packing | None  # None when unfeasible
     stats: ClassStats | None  # None: not in the history window
     quote: ClassQuote | None  # None: unfeasible, never waits, or nothing known loads its pool
-    # the GPUs of its pool that serve no job now (lost, hung, held by a MIG apply), as
-    # ``down`` of :meth:`ClassViews.at` names them: ``packing`` counts only the others
+    # the GPUs of its pool that serve no job now (lost, hung, held by a MIG apply, never
+    # read), as ``down`` of :meth:`ClassViews.at` names them: ``packing`` counts the others
     left_out: str = ""
+    # the devices of its pool that serve it now (``packing``'s): all of ``demand``'s but
+    # those on the GPUs ``left_out`` names; empty when unfeasible
+    serving: frozenset[str] = frozenset()
 
 
 def class_views(
@@ -239,10 +249,12 @@ class ClassViews:
         left_out: dict[str, str] = {}
         for key, d in demands.items():
             if isinstance(d, Demand):
-                serving[key], left_out[key] = _serving(d, devices, fit, down or {})
-        # a pool none of whose devices answers serves none of its class now, whatever it asks
+                serving[key], left_out[key] = _serving(d, fit, down or {})
+        # a pool with fewer devices that answer than a run of its class takes serves none of
+        # its class now, whatever it asks: pack() would sum one device's copies as if the
+        # run's other devices were found on it
         packings = {
-            key: pack(d, devices) if d.pool else Packing(0, {}, None, 0)
+            key: pack(d, devices) if len(d.pool) >= d.count else Packing(0, {}, None, len(d.pool))
             for key, d in serving.items()
         }
         models = []
@@ -278,6 +290,7 @@ class ClassViews:
                 stats.get(key),
                 quotes.get(key),
                 left_out.get(key, ""),
+                frozenset(serving[key].pool) if key in serving else frozenset(),
             )
             for key, r in sorted(requests.items())
         }
@@ -322,31 +335,27 @@ class ClassViews:
         return out
 
 
-def _serving(
-    demand: Demand, devices: Mapping[str, Device], fit: FitCheck, down: Mapping[int, str]
-) -> tuple[Demand, str]:
-    """``demand`` on the devices of its pool that answer now, and how the GPUs it left out
-    (``down``) are named. A device of UUID "" stands for every GPU never read since gpud
-    started: no job is placed there until its UUID is known, so it is always left out."""
+def _serving(demand: Demand, fit: FitCheck, down: Mapping[int, str]) -> tuple[Demand, str]:
+    """``demand`` on the devices of its pool that answer now (:func:`serving_devices`), and
+    how the GPUs it left out are named (``down``'s words; a GPU never read, that ``down``
+    does not name, as such)."""
     if not down and "" not in demand.pool:
         return demand, ""
-    unread = {d.gpu for d in fit.devices() if not d.uuid}
-    gone: set[int] = set()
-    kept = []
-    for u in demand.pool:
-        gpus = unread if not u else {devices[u].gpu}
-        if not u or gpus & down.keys():
-            gone |= gpus & down.keys()
-        else:
-            kept.append(u)
+    devices = fit.devices()
+    kept, gone = serving_devices(
+        demand.pool,
+        {d.uuid: d.gpu for d in devices if d.uuid},
+        {d.gpu for d in devices if not d.uuid},
+        down.keys(),
+    )
     if len(kept) == len(demand.pool):
         return demand, ""
     serving = replace(
         demand,
-        pool=tuple(kept),
+        pool=kept,
         by_device=tuple((u, v) for u, v in demand.by_device if u in kept),
     )
-    return serving, "; ".join(down[g] for g in sorted(gone))
+    return serving, "; ".join(down.get(g, f"GPU {g} {NEVER_READ}") for g in sorted(gone))
 
 
 def _queued(entry: tuple[float, int, Record]) -> float:

@@ -152,6 +152,31 @@ class Demand:
         return self.per_device
 
 
+NEVER_READ = "never read since gpud started"  # how a GPU of UUID "" is named where left out
+
+
+def serving_devices(
+    pool: Sequence[str], gpu_of: Mapping[str, int], unread: Collection[int], down: Collection[int]
+) -> tuple[tuple[str, ...], frozenset[int]]:
+    """The devices of ``pool`` that serve a job now, and the GPUs of those that do not.
+    ``gpu_of``: device UUID -> its GPU's index (a MIG device's is its parent's); ``down``:
+    the GPUs no job is placed on now (lost, hung, held by a MIG apply), each device on them
+    left out. A device of UUID "" stands for every GPU never read since gpud started
+    (``unread``): no job is placed on it until the driver reports its UUID, so it serves
+    none, whether ``down`` names its GPUs or not. A UUID ``gpu_of`` lacks serves."""
+    kept = []
+    gone: set[int] = set()
+    for u in pool:
+        gpu = gpu_of.get(u)
+        if not u:
+            gone |= set(unread)
+        elif gpu is not None and gpu in down:
+            gone.add(gpu)
+        else:
+            kept.append(u)
+    return tuple(kept), frozenset(gone)
+
+
 @dataclass(frozen=True, slots=True)
 class Unfeasible:
     """Why a request can never start on this node as it is, and what would change that."""

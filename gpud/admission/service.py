@@ -37,6 +37,7 @@ from gpud.admission.estimate import Record, residual_of_waits
 from gpud.admission.feasibility import classify, resolve_configs
 from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
+    NEVER_READ,
     THREADS_CAPACITY,
     Demand,
     Device,
@@ -46,6 +47,7 @@ from gpud.admission.model import (
     Request,
     Unfeasible,
     Vec,
+    serving_devices,
 )
 from gpud.admission.node import from_targets
 from gpud.admission.passes import Inline, Passes
@@ -698,7 +700,14 @@ class AdmissionService:
             # a GPU that does not answer serves no class: K_EFF counts the others
             sick = self._jobs.unhealthy() if sick is None else sick
             down = {gpu: unhealthy_text(sick.only({gpu})) for gpu in sick}
-            key = (members, _classes_of(queued), id(fit), int(now), window_s, tuple(down.items()))
+            key = (
+                members,
+                _classes_of(queued),
+                id(fit),
+                int(now),
+                window_s,
+                frozenset(down.items()),
+            )
             if self._views_cache is not None and self._views_cache[0] == key:
                 return self._views_cache[1]
             window = self._window
@@ -799,23 +808,20 @@ class AdmissionService:
         """The quote, or the runs on its devices that have all run past their estimated run
         times (then no quote: the model's figure rests on run times they disprove).
         ``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
-        ahead of it; those whose devices overlap its own count (per class, not per entry:
-        a listing asks this of every entry). ``running``: what holds devices
-        (:meth:`_running`)."""
+        ahead of it; those whose devices that serve now (:attr:`ClassView.serving`) overlap
+        its own count (per class, not per entry: a listing asks this of every entry).
+        ``running``: what holds devices (:meth:`_running`); only the runs on its devices
+        that serve now count."""
         view = views.get(request.describe())
         if view is None or view.quote is None:
             return None, ()
-        if not isinstance(view.demand, Demand):
-            return None, ()
-        pool = set(view.demand.pool)
+        # the devices that serve now: a run on a GPU that does not answer (past its
+        # estimate, as a hung one leaves it) holds none of what this class waits for
+        pool = view.serving
         overlapping = 0
         for key, count in ahead.items():
             other = views.get(key)
-            if (
-                other is not None
-                and isinstance(other.demand, Demand)
-                and pool & set(other.demand.pool)
-            ):
+            if other is not None and pool & other.serving:
                 overlapping += count
         mine = [r for devices, r in running if devices & pool]
         quote = job_quote(view.quote, ahead=overlapping, waited_s=waited_s, running=mine)
@@ -880,18 +886,26 @@ class AdmissionService:
             # it fits on none of its devices, queue or not: what holds them is why, which
             # the reservation's own placement names
             self._jobs.choose(spec, uid=uid)
-        waiting = len(
-            [
-                e
-                for e in queued
-                if e.id not in result.unfeasible
-                and _needs_any(self._demands.get(e.placement), free)
-            ]
-        ) or len([e for e in queued if e.id not in result.unfeasible])
+        ahead = [e for e in queued if e.id not in result.unfeasible]
+        waiting = len([e for e in ahead if _needs_any(self._demands.get(e.placement), free)])
         if waiting:
             raise ResourceExhausted(
                 f"job {spec.name!r} ({request.label()}) waits behind {waiting} queued"
                 " job(s) that need its devices"
+            )
+        if ahead:
+            # none of them needs the devices it fits on: with backfill off the pass stops at
+            # the head, and no job behind it starts, whatever it would take
+            head = next((e for e in ahead if e.id == result.head), None)
+            behind = f", {head.job} ({head.id})" if head is not None else ""
+            why = (
+                f": backfill is off (admission.backfill = false), none passes the head{behind}"
+                if not self.config.backfill
+                else f" (none needs the devices it fits on), behind the head{behind}"
+            )
+            raise ResourceExhausted(
+                f"job {spec.name!r} ({request.label()}) waits behind {len(ahead)} queued"
+                f" job(s){why}"
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.
         self._jobs.choose(spec)
@@ -905,7 +919,9 @@ class AdmissionService:
     ) -> frozenset[str]:
         """The devices ``request`` would start on now were nothing queued (empty: it fits
         nowhere, whatever waits): with the devices a pass alone with it places it on, every
-        device of its pool with room for its demand (what it may wait behind)."""
+        device of its pool with room for its demand (what it may wait behind); ``holdings``
+        (:meth:`holdings`) fill every device of a GPU no job is placed on, so none of those
+        has room."""
         alone = admission_pass(
             [Queued("\0alone", request, 0, 0.0)], fit, holdings, demands=self._demands
         )
@@ -1393,21 +1409,18 @@ def mig_file_layouts(
 
 
 def _unhealthy_in(demand: Demand, sick: NotPlacedOn, targets: Sequence[MpsTarget]) -> str:
-    """The unhealthy GPUs (``sick``: index -> why) of ``demand``'s pool, when too few healthy
-    devices are left in it: the job waits for them to answer again, not only for other jobs.
-    ``targets``: the node's devices. Every GPU whose UUID was never read (lost or hung since
-    before gpud started) has a device of UUID "" in the pool: each of them is named."""
-    if not sick:
+    """The GPUs of ``demand``'s pool that serve no job now (:func:`serving_devices`:
+    ``sick``, index -> why, and every GPU never read, whose UUID "" no job is placed on),
+    when too few of its devices serve: the job waits for them to answer again, not only
+    for other jobs. ``targets``: the node's devices."""
+    kept, gone = serving_devices(
+        demand.pool,
+        {t.uuid: t.gpu for t in targets if t.uuid},
+        {t.gpu for t in targets if not t.uuid},
+        sick.keys(),
+    )
+    if not gone or len(kept) >= demand.count:
         return ""
-    gpu_of = {t.uuid: t.gpu for t in targets if t.uuid}
-    unread = {t.gpu for t in targets if not t.uuid} & sick.keys()
-    down: set[int] = set()
-    healthy = 0
-    for u in demand.pool:
-        gpus = {gpu_of[u]} & sick.keys() if u in gpu_of else (set() if u else unread)
-        down |= gpus
-        if not gpus:
-            healthy += 1
-    if not down or healthy >= demand.count:
-        return ""
-    return unhealthy_text(sick.only(down))
+    named = unhealthy_text(sick.only(gone))
+    unread = "; ".join(f"GPU {g} {NEVER_READ}" for g in sorted(gone - sick.keys()))
+    return "; ".join(t for t in (named, unread) if t)

@@ -2045,3 +2045,116 @@ def test_a_queued_job_names_each_held_gpu_and_its_holder(tmp_path: Path) -> None
         )
     finally:
         node.store.close()
+
+
+def test_a_pool_left_with_fewer_answering_gpus_than_a_run_takes_serves_none_of_its_class(
+    node: Node,
+) -> None:
+    """Two GPUs, GPU 0 lost: a run of two GPUs at 10GiB each has one GPU left to run on.
+    The class model summed that GPU's eight copies as if the run's second GPU were found on
+    it (K_EFF 4, a finite class quote) while the entry itself was told it waits for GPU 0;
+    the class has no server while fewer GPUs than a run takes answer."""
+    lost = gpu_sample(0)._replace(healthy=False, reason="GPU lost")
+    node.jobs.tick(snapshot(lost, gpu_sample(1)))
+    entry = node.admission.enqueue(RunRequest(job="pair", gpu_count=2, memory_bytes=10 * GIB))
+    (view,) = node.admission.explain()
+    assert view.packing is not None and view.packing.k_eff == 0 and view.quote is None
+    assert view.packing.pool_size == 1 and view.left_out == "GPU 0 unhealthy: GPU lost"
+    (listed,) = node.admission.queue_views()
+    assert listed.entry.id == entry.entry.id and listed.quote_s is None
+    assert listed.unhealthy == "GPU 0 unhealthy: GPU lost"
+
+
+def test_a_run_kept_behind_a_head_it_need_not_share_with_says_backfill_is_off(
+    tmp_path: Path,
+) -> None:
+    """Backfill off; the head of the queue is pinned to GPU 1 and waits for it. A one-GPU
+    run that fits on GPU 0 was told it waited behind 1 queued job "that need its devices",
+    though the head needs none of them: it is told that backfill is off and which head
+    no run passes."""
+    node = make_node(tmp_path, Clock(), config=AdmissionConfig(backfill=False))
+    try:
+        _, second = (t.uuid for t in node.mps.targets())
+        node.jobs.reserve(pinned("x", second))
+        head = node.admission.enqueue(pinned("p", second))
+        with pytest.raises(ResourceExhausted) as refused:
+            node.jobs.reserve(whole("c"))
+        assert str(refused.value) == (
+            "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s): backfill is off"
+            f" (admission.backfill = false), none passes the head, p ({head.entry.id})"
+        )
+    finally:
+        node.store.close()
+
+
+def test_a_run_on_a_hung_gpu_past_its_estimate_does_not_withhold_the_quote_of_the_others(
+    node: Node,
+) -> None:
+    """GPU 0 hangs with a on it, past its estimated run time; a two-GPU run heads the queue
+    and c, a one-GPU run behind it, waits for GPU 1 alone (the class model left GPU 0 out).
+    c got no quote, named as waiting on a's overrun, a run on a GPU that serves no class
+    now: it is quoted from GPU 1, which nothing holds."""
+    for _ in range(3):  # a history of the one-GPU class: 30 s runs
+        run = node.jobs.reserve(whole("one")).reservation
+        node.clock.now += 30.0
+        node.jobs.release(run.id)
+    node.jobs.reserve(whole("a"))  # on GPU 0
+    node.clock.now += 100.0  # a ran past its estimate
+    hung = gpu_sample(0)._replace(healthy=False, reason="driver call timed out")
+    node.jobs.tick(snapshot(hung, gpu_sample(1)))
+    node.admission.enqueue(whole("pair", 2))
+    c = node.admission.enqueue(whole("c"))
+    views = {v.entry.id: v for v in node.admission.queue_views()}
+    assert views[c.entry.id].overdue == ()
+    assert views[c.entry.id].quote_s is not None
+
+
+def test_a_gpu_never_read_serves_none_and_the_entry_and_the_class_model_both_say_so(
+    tmp_path: Path,
+) -> None:
+    """GPU 2 is lost and GPU 3 was never read since gpud started, though nothing marks it
+    unhealthy now. A three-GPU run has GPUs 0 and 1 to run on: the class model left GPU 3
+    out unnamed, while the entry counted it as a GPU that answers and so was not said to
+    wait for any. Both leave out the same GPUs and name each."""
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    unread = GpuSample(identity=placeholder_identity(3), healthy=True, reason="", sampled_at=None)
+    lost = gpu_sample(2)._replace(healthy=False, reason="GPU lost")
+    node = snapshot(gpu_sample(0), gpu_sample(1), lost, unread)
+    mps.reconcile(node)
+    clock = Clock()
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock", clock=clock)
+    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    try:
+        jobs.tick(node)
+        admission.enqueue(RunRequest(job="three", gpu_count=3, memory_bytes=70 * GIB))
+        left_out = "GPU 2 unhealthy: GPU lost; GPU 3 never read since gpud started"
+        (view,) = admission.explain()
+        assert view.left_out == left_out
+        (listed,) = admission.queue_views()
+        assert listed.unhealthy == left_out and listed.quote_s is None
+    finally:
+        store.close()
+
+
+def test_a_run_held_back_is_not_said_to_need_the_devices_of_a_lost_gpu(
+    tmp_path: Path,
+) -> None:
+    """Backfill off; GPU 0 is lost, empty, and the head of the queue is pinned to it. A
+    one-GPU run that fits on GPU 1 was said to wait behind a job "that need its devices":
+    the lost GPU, full as the gate sees it, is none it fits on, and it is told that backfill
+    is off."""
+    node = make_node(tmp_path, Clock(), config=AdmissionConfig(backfill=False))
+    try:
+        first, _ = (t.uuid for t in node.mps.targets())
+        lost = gpu_sample(0)._replace(healthy=False, reason="GPU lost")
+        node.jobs.tick(snapshot(lost, gpu_sample(1)))
+        head = node.admission.enqueue(pinned("p", first))
+        with pytest.raises(ResourceExhausted) as refused:
+            node.jobs.reserve(whole("c"))
+        assert str(refused.value).endswith(
+            f"backfill is off (admission.backfill = false), none passes the head, p ({head.entry.id})"
+        )
+    finally:
+        node.store.close()
