@@ -10,7 +10,8 @@ daemon's internals), so the few things both sides must read the same way live he
   read so that whatever file an operator names fails at once;
 - the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines;
-- what a ``gpuctl run`` that waits outside the admission queue waits on;
+- what a ``gpuctl run`` that waits outside the admission queue waits on, and why
+  ``gpuctl queue --leave`` of an entry no longer queued takes nothing out;
 - why an MPS device's daemon is not started (its GPU unhealthy), as its status says it;
 - free text a request may carry (a progress report's session): one short line;
 - files read whole at start and on reload (the config, the cluster's certificates), read so
@@ -50,6 +51,19 @@ MAX_EVENT_LIMIT = 10_000
 # QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it
 WAITING_ON_COLOCATION = "co-location"
+
+
+def started_not_left(job: str, entry_id: str, reservation: str, devices: Iterable[str]) -> str:
+    """Why an operator's leave of queue entry ``entry_id`` took nothing out: it had started,
+    as reservation ``reservation`` on ``devices`` ("": its run has ended since); the job runs
+    on unless its run is stopped."""
+    said = f"job {job} ({entry_id}) did not leave the queue: it had started"
+    if not reservation:
+        return f"{said}, and its run has ended (gpuctl jobs history)"
+    return (
+        f"{said} (reservation {reservation} on {', '.join(devices)}): stop its gpuctl run, or"
+        f" gpuctl jobs rm --force {job}"
+    )
 
 
 def mps_unhealthy_wait(gpu: int) -> str:

@@ -12,7 +12,10 @@ and run directories under a fresh temporary directory (removed afterwards, with 
 stopped by SIGTERM, or killed if it does not stop, and the MPS control daemons it left
 running killed: :func:`kill_mps_daemons`). The daemon runs in a process group of its own, so
 that a Ctrl-C at the terminal, or ``timeout``'s SIGTERM to its group, reaches the tool alone,
-which then stops it.
+which then stops it. A tool killed outright (SIGKILL: ``timeout -k``, a cancelled CI job)
+cannot: the kernel sends the daemon SIGTERM as the tool's thread that started it exits
+(PR_SET_PDEATHSIG, :mod:`gpud.pdeathsig`), so start it from a thread that outlives it. Its
+temporary directory is left then.
 
 While it runs (from the main thread), SIGTERM and SIGINT raise KeyboardInterrupt (SIGTERM as
 :class:`Terminated`): the daemon is stopped and the directories removed as the ``with``
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpud.mps.procs import alive
+from gpud.pdeathsig import dies_with_parent
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,14 @@ def stop_on_signals() -> Iterator[list[int]]:
     try:
         yield signals.received
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _signals = None
+        # one arriving now is only noted: raised between the two restores, it would leave
+        # the other handler ours
+        signals.raised = True
+        try:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        finally:
+            _signals = None
 
 
 @contextmanager
@@ -140,6 +149,20 @@ def _held() -> Iterator[None]:
         signals.holding -= 1
     if not signals.holding:
         signals.raise_first()
+
+
+# Gone with the tool (SIGTERM: it stops in order) when the tool dies in a way that runs no
+# cleanup of its own: a SIGKILL to its process group, which no longer reaches gpud in its own.
+# Then `python -m gpud.main` as it is, its arguments after the launcher's.
+_EXIT_PARENT_GONE = 1
+
+
+def _launcher(parent: int) -> str:
+    return (
+        "import os,sys,ctypes,runpy\n"
+        + dies_with_parent(signal.SIGTERM, str(parent), _EXIT_PARENT_GONE)
+        + "runpy.run_module('gpud.main',run_name='__main__',alter_sys=True)\n"
+    )
 
 
 def free_port() -> int:
@@ -178,7 +201,7 @@ def simulated_gpud(
             port = free_port()
             (work / "gpud.toml").write_text(config_text)
             cmd = [
-                sys.executable, "-m", "gpud.main",
+                sys.executable, "-c", _launcher(os.getpid()),
                 "--simulate", spec,
                 "--config", str(work / "gpud.toml"),
                 "--state-dir", str(work / "state"),

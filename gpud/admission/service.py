@@ -65,7 +65,7 @@ from gpud.jobs.service import JobService, NotPlacedOn, RunRequest, unhealthy_tex
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
-from gpud.shared import user_name, user_names
+from gpud.shared import started_not_left, user_name, user_names
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -547,7 +547,11 @@ class AdmissionService:
 
     def leave(self, entry_id: str, *, stopped_by: str | None = None) -> EntryView:
         """Take a queued entry out. ``stopped_by``: its own ``gpuctl run`` leaves as it
-        stops, sent that signal ("" when not known); None: an operator takes it out."""
+        stops, sent that signal ("" when not known), and is answered the entry as it is
+        whatever its state (one that started as it left: the run releases its reservation).
+        None: an operator takes it out (``gpuctl queue --leave ID``); an entry no longer
+        queued is refused (FailedPrecondition), saying what it is now: started (its
+        reservation and devices, which the job goes on using), ended, or left already."""
         why = ""
         if stopped_by is not None:
             why = f": its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
@@ -564,7 +568,23 @@ class AdmissionService:
                 self._tell()  # committed: the waiting runs move up now, not after the pass
         if entry.state == QUEUED:
             self.passes.ask()  # the entries it held back may start now
-        return self.view(entry_id)
+        view = self.view(entry_id)
+        if entry.state != QUEUED and stopped_by is None:
+            raise FailedPrecondition(self._not_left(view))
+        return view
+
+    def _not_left(self, view: EntryView) -> str:
+        """Why an operator's leave of an entry no longer queued took nothing out."""
+        entry = view.entry
+        if entry.state == STARTED:
+            r = view.reservation
+            return started_not_left(entry.job, entry.id, r.id if r else "", r.devices if r else ())
+        ago = max(0.0, self._clock() - entry.changed_at)
+        why = f": {entry.left_why}" if entry.left_why else ""
+        return (
+            f"job {entry.job} ({entry.id}) did not leave the queue: it left it already,"
+            f" {ago:.0f} s ago{why}"
+        )
 
     def _job_removed(self, job: str, force: bool) -> None:
         """A job is being removed (under the placement lock): its queued entries would

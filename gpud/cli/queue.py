@@ -23,7 +23,8 @@ from typing import Any
 
 from gpud.cli.context import CliError, Context, Subparsers, given
 from gpud.cli.output import message_to_dict, seconds
-from gpud.shared import WAITING_ON_COLOCATION
+from gpud.errors import ERROR_TABLE, FailedPrecondition
+from gpud.shared import WAITING_ON_COLOCATION, started_not_left
 from gpud.v1 import colo_pb2, colo_pb2_grpc
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
@@ -140,8 +141,10 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.QueueStub)
     if args.leave is not None:  # an empty ID is an error to report, not the listing
         left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
-        if left.state == pb.ENTRY_STATE_STARTED:
-            raise CliError(started_not_left(left), 6)
+        if left.state == pb.ENTRY_STATE_STARTED:  # a gpud before the one that refuses it
+            reservation = left.reservation
+            said = started_not_left(left.job, left.id, reservation.id, reservation.devices)
+            raise CliError(said, ERROR_TABLE[FailedPrecondition][1])
         if ctx.out.json:
             ctx.out.print_json(left)
         elif left.waiting_on == WAITING_ON_COLOCATION:
@@ -171,20 +174,6 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
         for line in left_out_lines(resp.classes):
             ctx.out.print(line)
     return 0
-
-
-def started_not_left(entry: pb.QueueEntry) -> str:
-    """Why ``--leave`` of an entry that started took nothing out: gpud answers a leave of a
-    started entry with the entry as it is (its own ``gpuctl run``, stopped as it started,
-    then releases the reservation), so the job runs on unless its run is stopped."""
-    said = f"job {entry.job} ({entry.id}) did not leave the queue: it had started"
-    if not entry.reservation.id:
-        return f"{said}, and its run has ended (gpuctl jobs history)"
-    on = ", ".join(entry.reservation.devices)
-    return (
-        f"{said} (reservation {entry.reservation.id} on {on}): stop its gpuctl run, or"
-        f" gpuctl jobs rm --force {entry.job}"
-    )
 
 
 def colo_waiters(ctx: Context) -> list[colo_pb2.ColoWaiter]:

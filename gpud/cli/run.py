@@ -110,6 +110,7 @@ from gpud.errors import (
     NotFound,
     ResourceExhausted,
 )
+from gpud.pdeathsig import dies_with_parent
 from gpud.pidns import own_namespace
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
@@ -165,10 +166,9 @@ _GATE = (
     # Python ignores these at start: the command gets them as a shell gives them (`yes | head`)
     "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
     "signal.signal(signal.SIGXFSZ,signal.SIG_DFL)\n"
-    "ctypes.CDLL(None).prctl(1,9)\n"
+    + dies_with_parent(signal.SIGKILL, "int(a[1])", EXIT_GATE_CLOSED)
     # its name until exec gives it the command's (PR_SET_NAME; a '/' no file name has)
-    f"ctypes.CDLL(None).prctl(15,b'{GATE_NAME}')\n"
-    f"os.getppid()==int(a[1]) or sys.exit({EXIT_GATE_CLOSED})\n"
+    + f"ctypes.CDLL(None).prctl(15,b'{GATE_NAME}')\n"
     "fd,ready=int(a[2]),int(a[3])\n"
     "if fd>=0:\n"
     " os.write(ready,b'r')\n"

@@ -82,6 +82,8 @@ class QueueServicer:
 
     def Leave(self, request, context):
         """Leave the queue (a started entry is left alone: release its reservation instead).
+        Without stopped_by (an operator), an entry no longer queued (started, ended, left
+        already) is refused, FAILED_PRECONDITION saying which; with it, it is answered as is.
         The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
         takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
         waiting_on "co-location", and the run is told so at its next question.

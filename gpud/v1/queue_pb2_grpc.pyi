@@ -48,6 +48,8 @@ class QueueStub:
     """
     Leave: _grpc.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]
     """Leave the queue (a started entry is left alone: release its reservation instead).
+    Without stopped_by (an operator), an entry no longer queued (started, ended, left
+    already) is refused, FAILED_PRECONDITION saying which; with it, it is answered as is.
     The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
     takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
     waiting_on "co-location", and the run is told so at its next question.
@@ -68,6 +70,8 @@ class QueueAsyncStub(QueueStub):
     """
     Leave: _aio.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]  # type: ignore[assignment]
     """Leave the queue (a started entry is left alone: release its reservation instead).
+    Without stopped_by (an operator), an entry no longer queued (started, ended, left
+    already) is refused, FAILED_PRECONDITION saying which; with it, it is answered as is.
     The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
     takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
     waiting_on "co-location", and the run is told so at its next question.
@@ -103,6 +107,8 @@ class QueueServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_queue_pb2.QueueEntry, _abc.Awaitable[_queue_pb2.QueueEntry]]:
         """Leave the queue (a started entry is left alone: release its reservation instead).
+        Without stopped_by (an operator), an entry no longer queued (started, ended, left
+        already) is refused, FAILED_PRECONDITION saying which; with it, it is answered as is.
         The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
         takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
         waiting_on "co-location", and the run is told so at its next question.

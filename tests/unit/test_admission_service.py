@@ -329,6 +329,58 @@ def test_a_run_that_leaves_as_it_stops_is_said_in_the_event(node: Node) -> None:
     assert event.message == "job b left the queue: its gpuctl run was stopped (SIGHUP)"
 
 
+def test_an_operators_leave_of_an_entry_no_longer_queued_is_refused_saying_what_it_is(
+    node: Node,
+) -> None:
+    """Any client's leave (not only a recent gpuctl's) of an entry that started, whose run
+    ended, or that left already takes nothing out: refused, naming what the entry is now,
+    with no event and no state changed."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    b = node.admission.enqueue(whole("b")).entry
+    c = node.admission.enqueue(whole("c")).entry
+    node.admission.leave(c.id)
+    node.jobs.release(a.id)
+    node.admission.tick()
+    (started,) = node.jobs.reservations.held()
+    node.clock.now += 42.0
+    said = node.admission._events.recent(kind_prefix="admission")
+    with pytest.raises(FailedPrecondition) as err:
+        node.admission.leave(b.id)
+    assert str(err.value) == (
+        f"job b ({b.id}) did not leave the queue: it had started (reservation {started.id} on"
+        f" {started.devices[0]}): stop its gpuctl run, or gpuctl jobs rm --force b"
+    )
+    assert [r.id for r in node.jobs.reservations.held()] == [started.id]
+    with pytest.raises(FailedPrecondition, match=f"job c \\({c.id}\\) did not leave the queue: "):
+        node.admission.leave(c.id)
+    with pytest.raises(FailedPrecondition) as err:
+        node.admission.leave(c.id)
+    assert str(err.value).endswith(": it left it already, 42 s ago")
+    node.jobs.release(started.id)
+    with pytest.raises(FailedPrecondition) as err:
+        node.admission.leave(b.id)
+    assert str(err.value) == (
+        f"job b ({b.id}) did not leave the queue: it had started, and its run has ended"
+        " (gpuctl jobs history)"
+    )
+    assert node.admission._events.recent(kind_prefix="admission") == said
+    assert node.admission.entry(c.id).state == LEFT
+
+
+def test_a_stopped_run_leaving_as_its_entry_started_is_answered_its_reservation(
+    node: Node,
+) -> None:
+    """Its gpuctl run releases the reservation it is answered: not refused."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    b = node.admission.enqueue(whole("b")).entry
+    node.jobs.release(a.id)
+    node.admission.tick()
+    (started,) = node.jobs.reservations.held()
+    view = node.admission.leave(b.id, stopped_by="SIGINT")
+    assert view.entry.state == STARTED
+    assert view.reservation is not None and view.reservation.id == started.id
+
+
 def test_admission_config_is_range_checked() -> None:
     with pytest.raises(ConfigError, match=r"admission.history_window_s: 1.0 is out of range"):
         from_dict({"admission": {"history_window_s": 1}})

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+import pytest
 
 from gpud.mps.procs import alive
+from tools import simdaemon
+from tools.simdaemon import stop_on_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,3 +119,51 @@ def test_a_sigterm_to_any_tool_on_a_simulated_gpud_stops_it_and_removes_its_dire
         assert proc.returncode != 0 and "Terminated" in rest, rest
         assert not work.exists()
         assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_a_tool_killed_outright_takes_its_simulated_gpud_with_it() -> None:
+    # SIGKILL (`timeout -k`, a cancelled CI job): the tool runs no cleanup, and gpud, in a
+    # process group of its own, is not reached by one sent to the tool's
+    script = BENCHMARK.replace("[mps]\\nenabled = true\\n", "")  # gpud alone, no MPS
+    assert script != BENCHMARK
+    with _running(["-c", script]) as (proc, work, pids):
+        proc.kill()
+        proc.communicate()
+        for pid in pids:  # a guard, not a measure: gpud stops in order on its SIGTERM
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).wait(timeout=120)
+        assert [pid for pid in pids if alive(pid)] == []
+        assert work.exists()  # the tool could not remove it: _running does
+
+
+def test_a_signal_while_the_tool_puts_its_handlers_back_is_noted_and_all_are_put_back() -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    restored: list[object] = []
+
+    def between_the_restores(frame: object, event: str, arg: object) -> None:
+        # SIGINT as the first handler is back and the second is not yet: its handler runs
+        # as this returns, before the next restore
+        # (signal.signal is Python, around the C one)
+        c_signal = (getattr(arg, "__module__", None), getattr(arg, "__name__", None)) == (
+            "_signal",
+            "signal",
+        )
+        if event == "c_return" and c_signal:
+            restored.append(arg)
+            if len(restored) == 1:
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        try:
+            with stop_on_signals() as received:
+                sys.setprofile(between_the_restores)
+        except KeyboardInterrupt:
+            pytest.fail("raised as the handlers were put back")
+        assert received == [signal.SIGINT]
+        assert {s: signal.getsignal(s) for s in before} == before
+        assert simdaemon._signals is None
+    finally:
+        sys.setprofile(None)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

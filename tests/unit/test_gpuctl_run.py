@@ -1721,6 +1721,32 @@ def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
     assert not marker.exists()
 
 
+def test_a_second_leave_of_an_entry_is_refused_saying_it_left_already(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It changed nothing: not "left the queue" and exit 0 again, but exit 6 saying so."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+    from gpud.jobs.service import RunRequest
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    with serving(queue.register) as n:
+        svc = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        queue._service = svc
+        n.jobs.reserve(RunRequest(job="a", gpu_count=1, memory_bytes=60 * GIB))
+        entry = svc.enqueue(RunRequest(job="b", gpu_count=1, memory_bytes=60 * GIB)).entry
+        capsys.readouterr()
+        assert n.ctl("queue", "--leave", entry.id) == 0
+        assert f"job b ({entry.id}) left the queue" in capsys.readouterr().out
+        assert n.ctl("queue", "--leave", entry.id) == 6
+        out, err = capsys.readouterr()
+        assert "left the queue" not in out
+        assert f"job b ({entry.id}) did not leave the queue: it left it already, " in err
+
+
 def test_leaving_an_entry_that_started_is_refused_naming_its_reservation(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
