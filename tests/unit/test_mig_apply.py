@@ -36,7 +36,7 @@ from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Rele
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
-from tests.unit.nvml_doubles import Refusing, Sleeps
+from tests.unit.nvml_doubles import HeldSleep, Refusing, Sleeps
 from tests.unit.store_support import held_write_lock
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
@@ -1779,27 +1779,42 @@ class _SlowReads:
 def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     host: Host, config: MigConfigFile
 ) -> None:
-    """An apply that starts a moment before telemetry's tick finds a GPU hung: its reads of
-    that GPU are given up on at that tick, not at the read deadline, and the others go on."""
+    """Telemetry finds a GPU hung while an apply's read of it is in the driver: that read
+    is given up on then, not at the read deadline nor when the call returns, and the others
+    go on."""
+    driver = HeldSleep()  # a call on GPU 1 once it hangs: in the driver until released
+    telemetry_tick = threading.Event()
+
+    def hangs(seconds: float) -> None:
+        # the sampler's tick comes while the apply's read of GPU 1 is outstanding
+        host.faults[1] = "not answering: ..."
+        telemetry_tick.set()
+        driver(seconds)
+
+    host.driver_sleep = hangs
     host.read_timeout_s = 5.0  # telemetry.call_timeout_s
     d = enable(host, config, "all-1g.10gb")
     before = instances(d)
-    d.node.faults.slow(1, 2.0)  # every call on GPU 1 takes 2 s; telemetry has not noticed
-    tick = threading.Timer(0.3, host.faults.__setitem__, (1, "not answering: ..."))
-    tick.start()  # the sampler's next tick, its read of GPU 1 outstanding
-    result = d.mig.apply(config, "all-3g.40gb")
-    # not the 2 s of the hung call (its read is left in the driver), nor the 5 s (the reason
-    # given is telemetry's, below)
-    assert d.mig._stuck == {1}
-    assert result.result == "partial", result
-    outcomes = {o.gpu: o for o in result.gpus}
-    assert outcomes[0].status == "changed"
-    assert outcomes[1].status == "faulty" and outcomes[1].detail.endswith("not answering: ...")
-    tick.join()
-    d.node.faults.clear(1)
-    deadline = time.monotonic() + 5.0
-    while d.mig._stuck and time.monotonic() < deadline:  # the read left behind returns
-        time.sleep(0.05)
+    reading = {t for t in threading.enumerate() if t.name.startswith("gpud-mig-")}
+    d.node.faults.slow(1, 5.0)  # each call on GPU 1 now hangs; telemetry has not noticed
+    try:
+        result = d.mig.apply(config, "all-3g.40gb")
+        assert telemetry_tick.is_set()
+        # the read is still in the driver: the apply did not wait for it to return, and the
+        # reason given is telemetry's, not the read deadline's
+        assert driver.entered == 1 and driver.returned == 0
+        assert d.mig._stuck == {1}
+        assert result.result == "partial", result
+        outcomes = {o.gpu: o for o in result.gpus}
+        assert outcomes[0].status == "changed"
+        assert outcomes[1].status == "faulty" and outcomes[1].detail.endswith("not answering: ...")
+        left = [t for t in threading.enumerate() if t.name.startswith("gpud-mig-")]
+        (behind,) = [t for t in left if t not in reading and t.name.endswith("-1")]
+    finally:
+        d.node.faults.clear(1)
+        driver.release()
+    behind.join()  # the read left behind returns
+    assert driver.returned == 1
     assert not d.mig._stuck
     assert instances(d)[1] == before[1]
 
