@@ -77,6 +77,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from gpud.backend.port import GpuIdentity
 from gpud.errors import (
     BackendError,
     DriverTimeout,
@@ -250,13 +251,20 @@ class _Device:
 
 
 def targets_from_snapshot(
-    snapshot: Snapshot, previous: Iterable[MpsTarget] = ()
+    snapshot: Snapshot,
+    previous: Iterable[MpsTarget] = (),
+    mig_gpus: Mapping[int, str] = {},
 ) -> list[MpsTarget]:
     """One target per GPU, or per MIG device of a GPU whose MIG mode is on. An unhealthy
     GPU that could not be read (lost, hung, or with its MIG devices unread:
-    ``mig_devices_read`` False, one that needs a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
-    taking it for a GPU without them would stop their daemons and start one on the faulty
-    GPU."""
+    ``mig_devices_read`` False, one that needs a reset) keeps its ``previous`` targets: its
+    sample says nothing of its MIG devices, and taking it for a GPU without them would stop
+    their daemons and start one on the faulty GPU.
+
+    ``mig_gpus``: the GPUs last known in MIG mode, index -> UUID (:func:`mig_gpus_of`). A
+    lost or hung GPU answers no MIG mode (NVML reads none of a GPU off the bus); one last
+    known in MIG mode with no MIG devices (none created yet) has no target until it is read
+    again: it is no whole GPU, and jobs asking whole GPUs must not count it as one."""
     before: dict[int, list[MpsTarget]] = {}
     for t in previous:
         before.setdefault(t.gpu, []).append(t)
@@ -274,6 +282,8 @@ def targets_from_snapshot(
         unread = gpu.mig_mode is None or not gpu.mig_devices_read
         if not gpu.healthy and unread and kept:
             targets += kept
+        elif not gpu.healthy and gpu.mig_mode is None and _last_in_mig(ident, mig_gpus):
+            continue
         elif gpu.mig_mode is not None and gpu.mig_mode.current:
             for mig in gpu.mig_devices:
                 m = mig.identity
@@ -302,6 +312,28 @@ def targets_from_snapshot(
                 )
             )
     return targets
+
+
+def mig_gpus_of(snapshot: Snapshot, before: Mapping[int, str] = {}) -> dict[int, str]:
+    """The snapshot's GPUs in MIG mode (``nvidia-smi -q``'s "MIG Mode: Current"), index ->
+    UUID, with those of ``before`` (the last result) that are unhealthy and answered no MIG
+    mode: a lost or hung GPU keeps the mode it was last read in, till it is read again."""
+    known: dict[int, str] = {}
+    for gpu in snapshot.gpus:
+        ident = gpu.identity
+        if gpu.mig_mode is not None:
+            if gpu.mig_mode.current:
+                known[ident.index] = ident.uuid
+        elif not gpu.healthy and _last_in_mig(ident, before):
+            known[ident.index] = before[ident.index]
+    return known
+
+
+def _last_in_mig(ident: GpuIdentity, mig_gpus: Mapping[int, str]) -> bool:
+    # by index and UUID: a GPU not read since gpud started has no UUID, and its index alone
+    # is all there is to go by
+    uuid = mig_gpus.get(ident.index)
+    return uuid is not None and (not ident.uuid or uuid == ident.uuid)
 
 
 def device_names(targets: Iterable[MpsTarget]) -> str:
@@ -417,7 +449,8 @@ class MpsManager:
         self._targets: dict[str, MpsTarget] = {}
         # GPUs lost or hung before they were ever read: no UUID to key them by
         self._unread: tuple[MpsTarget, ...] = ()
-        # GPUs in MIG mode, index -> UUID: one with no MIG devices has no target, yet exists
+        # GPUs in MIG mode, index -> UUID: one with no MIG devices has no target, yet exists;
+        # one lost or hung since stays, as last read, till it is read again (mig_gpus_of)
         self._mig_gpus: dict[int, str] = {}
         self._seen: set[str] = set()  # device UUIDs of the last observe
         # a failed move of re-created MIG devices' limits: when it is tried again (see
@@ -831,12 +864,9 @@ class MpsManager:
             if observed is not None and snapshot.monotonic < observed.monotonic:
                 return
             if snapshot is not observed:
-                self.observe(targets_from_snapshot(snapshot, self.targets()))
-                self._mig_gpus = {
-                    g.identity.index: g.identity.uuid
-                    for g in snapshot.gpus
-                    if g.mig_mode is not None and g.mig_mode.current
-                }
+                mig_gpus = mig_gpus_of(snapshot, self._mig_gpus)
+                self.observe(targets_from_snapshot(snapshot, self.targets(), mig_gpus))
+                self._mig_gpus = mig_gpus
                 # Only then are this node's devices all known: see _sweep.
                 self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
                 # last: one whose observe failed is observed again (the pass after it)

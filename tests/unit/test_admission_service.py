@@ -1993,6 +1993,42 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
         store.close()
 
 
+def test_a_gpu_in_mig_mode_lost_before_it_had_mig_devices_is_not_counted_as_whole(
+    tmp_path: Path,
+) -> None:
+    """GPUs 0 to 3 are in MIG mode; GPU 3's MIG devices are not created yet when it falls
+    off the bus, answering no MIG mode. It was counted as a whole GPU taking no job now, so
+    a run asking one waited for it (exit 7: `this node has 1 GPU not in MIG mode, 0 of them
+    taking jobs now (GPU 3 unhealthy: GPU lost)`), though it comes back in MIG mode. The
+    node has no whole GPU: the run can never start (exit 6), queued or not."""
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    split = (("3g.40gb", 40), ("3g.40gb", 40))
+    fresh = gpu_sample(3, migs=split)._replace(mig_devices=())
+    lost = fresh._replace(healthy=False, reason="GPU lost", mig_mode=None, mig_devices_read=False)
+    mps.reconcile(snapshot(*(gpu_sample(i, migs=split) for i in range(3)), fresh))
+    gpus = snapshot(*(gpu_sample(i, migs=split) for i in range(3)), lost)
+    mps.reconcile(gpus)
+    clock = Clock()
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock", clock=clock)
+    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    never = (
+        "job 'one' can never start on this node as it is: asks 1 whole GPU; this node has"
+        " 0 GPUs not in MIG mode (name a MIG profile: gpuctl run --mig)"
+    )
+    try:
+        jobs.tick(gpus)
+        with pytest.raises(FailedPrecondition) as refused:
+            jobs.reserve(RunRequest(job="one", gpu_count=1))
+        assert str(refused.value) == never
+        with pytest.raises(FailedPrecondition) as queued:
+            admission.enqueue(RunRequest(job="one", gpu_count=1))
+        assert str(queued.value) == never
+    finally:
+        store.close()
+
+
 def test_a_lost_gpu_is_no_server_of_the_class_model_and_explain_says_so(node: Node) -> None:
     """Two GPUs, GPU 0 lost: one-GPU runs are served by GPU 1 alone. The class model
     counted the lost GPU as a server all the same (K_EFF 2, `memory=2 gpus=2`), so queued

@@ -183,6 +183,47 @@ def test_mig_devices_destroyed_on_a_gpu_unhealthy_for_another_reading_are_no_tar
     assert [t.uuid for t in targets] == [gpu_uuid(1)]
 
 
+def lost(gpu: GpuSample) -> GpuSample:
+    """``gpu`` fallen off the bus: NVML answers none of its readings, its MIG mode neither."""
+    return gpu._replace(
+        healthy=False, reason="GPU lost", mig_mode=None, mig_devices=(), mig_devices_read=False
+    )
+
+
+def test_a_gpu_in_mig_mode_lost_before_it_had_mig_devices_is_no_whole_gpu(
+    manager: MpsManager,
+) -> None:
+    """GPU 1's MIG mode was just turned on, its MIG devices not created yet, and it falls
+    off the bus: it answers no MIG mode, yet it is no whole GPU, tick after tick, until it
+    is read again; then its MIG mode is what was read."""
+    split = gpu_sample(1, migs=(("3g.40gb", 40),))
+    empty = split._replace(mig_devices=())
+    manager.observe_snapshot(snapshot(MIG_NODE.gpus[0], empty))
+    for _ in range(2):
+        manager.observe_snapshot(snapshot(MIG_NODE.gpus[0], lost(empty)))
+        assert {t.gpu for t in manager.targets()} == {0}
+    with pytest.raises(FailedPrecondition, match=r"GPU 1 \(GPU-\S+\) is in MIG mode"):
+        manager.resolve("1")
+    manager.observe_snapshot(snapshot(MIG_NODE.gpus[0], split))
+    assert [(t.gpu, t.mig) for t in manager.targets() if t.gpu == 1] == [(1, 0)]
+    # read again with its MIG mode off, then lost: a whole GPU, as it was last read
+    whole = gpu_sample(1)
+    manager.observe_snapshot(snapshot(MIG_NODE.gpus[0], whole))
+    manager.observe_snapshot(snapshot(MIG_NODE.gpus[0], lost(whole)))
+    assert [(t.uuid, t.mig, t.gpu_unhealthy) for t in manager.targets() if t.gpu == 1] == [
+        (gpu_uuid(1), None, "GPU lost")
+    ]
+
+
+def test_targets_of_a_lost_gpu_follow_the_mig_mode_it_was_last_read_in() -> None:
+    """The same GPU lost, with no targets before: none where it was last read in MIG mode,
+    a whole one where it was not (or was another GPU at that index)."""
+    gone = snapshot(MIG_NODE.gpus[0], lost(gpu_sample(1)))
+    assert [t.gpu for t in targets_from_snapshot(gone, (), {1: gpu_uuid(1)})] == [0, 0, 0]
+    assert [t.gpu for t in targets_from_snapshot(gone, (), {})] == [0, 0, 0, 1]
+    assert [t.gpu for t in targets_from_snapshot(gone, (), {1: gpu_uuid(7)})] == [0, 0, 0, 1]
+
+
 def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     """``gpuctl mps show``: a daemon can answer while the GPU under it has an XID."""
     sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
