@@ -60,7 +60,8 @@ def store_state(err: GpudError) -> str:
 class LeaderInfo:
     """``leader`` / ``address``: the leader's node name and peer address ("" if none known);
     ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded,
-    ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd)."""
+    ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd); ``lease``: the ID of
+    the etcd lease this node holds the leader key on while it leads (0 otherwise)."""
 
     leader: str
     address: str
@@ -69,6 +70,7 @@ class LeaderInfo:
     store_ok: bool = True
     detail: str = ""
     store_state: str = STORE_OK
+    lease: int = 0
 
 
 class Election(Protocol):
@@ -164,7 +166,16 @@ class EtcdElection:
             state = self._store_state
             store_ok = state == STORE_OK
             if leading:
-                return LeaderInfo(self.node, self.address, self._epoch, True, store_ok, "", state)
+                return LeaderInfo(
+                    self.node,
+                    self.address,
+                    self._epoch,
+                    True,
+                    store_ok,
+                    "",
+                    state,
+                    self._lease or 0,
+                )
             if self._lease is not None:
                 # past the deadline but the thread has not noticed yet: not leading
                 overdue = STORE_UNREACHABLE if state == STORE_OK else state
