@@ -231,7 +231,7 @@ class ClusterAgent:
         self._aggregator: Aggregator | None = None
         # (epoch, lease) the aggregator's tag store guards its writes with: a fresh etcd
         # numbers revisions from 1 again, so the same epoch on a new lease is a new leadership
-        self._agg_epoch = (0, 0)
+        self._agg_leadership = (0, 0)
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self._led_at: float | None = None  # (clock) this leadership's last round
@@ -639,9 +639,9 @@ class ClusterAgent:
         now = self._clock()
         with self._lock:
             agg = self._aggregator
-            new_epoch = agg is None or self._agg_epoch != (epoch, lease)
+            new_leadership = agg is None or self._agg_leadership != (epoch, lease)
             last = now if self._led_at is None else self._led_at
-            if agg is None or new_epoch:
+            if agg is None or new_leadership:
                 agg = self._aggregator = Aggregator(
                     leader=self.node,
                     leveller=Leveller(self._leveller),
@@ -651,8 +651,9 @@ class ClusterAgent:
                     # leading the same epoch again (a renewal came late, then etcd renewed
                     # the lease): its sequence goes on, or every node would refuse it
                     after=self._issued,
+                    lease=lease,
                 )
-                self._agg_epoch = (epoch, lease)
+                self._agg_leadership = (epoch, lease)
                 resumed = False
             else:
                 # its last round is older than the node timeout, and so is every other
@@ -662,9 +663,9 @@ class ClusterAgent:
                     and agg.included_others()
                     and not any(n.node != self.node for n in agg.nodes(now))
                 )
-            if new_epoch or resumed:
+            if new_leadership or resumed:
                 self._settled_at = now + self._settle_s
-            if self._settle_s > 0 and new_epoch:
+            if self._settle_s > 0 and new_leadership:
                 log.info(
                     "cluster: leading epoch %d; the first order in %.1f s, once the "
                     "nodes have reported (the last order stays in force until then)",
