@@ -157,7 +157,7 @@ async def _round(nodes: int, jobs_per_node: int, reps: int) -> dict[str, Any]:
             election=_Leading(),
             traffic=FakeTraffic(),
             view=StaticNodeView(),
-            tag_store=lambda epoch: MemoryTagStore(),
+            tag_store=lambda epoch, lease: MemoryTagStore(),
             leveller=LevellerConfig(levels=8),
             reserved_tags=(0, 46, 48, 56),
             peers=None,

@@ -185,7 +185,7 @@ class ClusterAgent:
         election: Election,
         traffic: TrafficPort,
         view: NodeView,
-        tag_store: Callable[[int], TagStore],
+        tag_store: Callable[[int, int], TagStore],
         leveller: LevellerConfig,
         reserved_tags: Iterable[int],
         peers: PeerTransport | None,
@@ -229,7 +229,9 @@ class ClusterAgent:
         self.fail_static = FailStatic(grace_s, fresh_s=fresh_s)
         self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
         self._aggregator: Aggregator | None = None
-        self._agg_epoch = 0
+        # (epoch, lease) the aggregator's tag store guards its writes with: a fresh etcd
+        # numbers revisions from 1 again, so the same epoch on a new lease is a new leadership
+        self._agg_leadership = (0, 0)
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self._led_at: float | None = None  # (clock) this leadership's last round
@@ -398,7 +400,9 @@ class ClusterAgent:
                 # leading then ends at its next etcd call (_lead), and an order it computed
                 # is not applied (no longer leading)
                 order = (
-                    None if self._ended else await asyncio.to_thread(self._lead, info.epoch, report)
+                    None
+                    if self._ended
+                    else await asyncio.to_thread(self._lead, info.epoch, info.lease, report)
                 )
             except GpudError as err:
                 full = isinstance(err, StoreFull)
@@ -614,7 +618,7 @@ class ClusterAgent:
     def _set_error(self, message: str, kind: str) -> None:
         self.last_error, self.last_error_kind = message, kind
 
-    def _lead(self, epoch: int, report: NodeReport) -> Order | None:
+    def _lead(self, epoch: int, lease: int, report: NodeReport) -> Order | None:
         """A leader's round: the order of ``epoch``, or None while a new leadership settles.
 
         A new leader knows only its own report. An order computed from it would rank the
@@ -635,20 +639,21 @@ class ClusterAgent:
         now = self._clock()
         with self._lock:
             agg = self._aggregator
-            new_epoch = agg is None or self._agg_epoch != epoch
+            new_leadership = agg is None or self._agg_leadership != (epoch, lease)
             last = now if self._led_at is None else self._led_at
-            if agg is None or new_epoch:
+            if agg is None or new_leadership:
                 agg = self._aggregator = Aggregator(
                     leader=self.node,
                     leveller=Leveller(self._leveller),
-                    tags=self._tag_store(epoch),
+                    tags=self._tag_store(epoch, lease),
                     node_timeout_s=self._node_timeout_s,
                     reserved=self._reserved,
                     # leading the same epoch again (a renewal came late, then etcd renewed
                     # the lease): its sequence goes on, or every node would refuse it
                     after=self._issued,
+                    lease=lease,
                 )
-                self._agg_epoch = epoch
+                self._agg_leadership = (epoch, lease)
                 resumed = False
             else:
                 # its last round is older than the node timeout, and so is every other
@@ -658,9 +663,9 @@ class ClusterAgent:
                     and agg.included_others()
                     and not any(n.node != self.node for n in agg.nodes(now))
                 )
-            if new_epoch or resumed:
+            if new_leadership or resumed:
                 self._settled_at = now + self._settle_s
-            if self._settle_s > 0 and new_epoch:
+            if self._settle_s > 0 and new_leadership:
                 log.info(
                     "cluster: leading epoch %d; the first order in %.1f s, once the "
                     "nodes have reported (the last order stays in force until then)",

@@ -173,6 +173,7 @@ def order_to_pb(order: Order) -> pb.Order:
         shares=order.shares,
         attributes=[attributes_to_pb(a) for a in order.attributes.values()],
         computed_unix_seconds=order.computed_at,
+        lease=order.lease,
     )
 
 
@@ -187,4 +188,5 @@ def order_from_pb(m: pb.Order) -> Order:
         shares=tuple(m.shares),
         attributes={a.job: attributes_from_pb(a) for a in m.attributes},
         computed_at=m.computed_unix_seconds,
+        lease=m.lease,
     )

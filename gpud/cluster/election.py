@@ -4,7 +4,9 @@
   itself in epoch 1; nothing to configure.
 * :class:`EtcdElection`: campaign by creating ``<prefix>/leader`` attached to a lease of
   ``lease_ttl_s`` (``etcdctl lease timetolive``), if absent; the key's create revision is the
-  epoch (etcd revisions only grow, so every new leader's epoch is higher). The leader
+  epoch (etcd revisions only grow, so a new leader's epoch is higher, except on an etcd
+  restored from a snapshot or a fresh one: revisions start lower, and a new key may get
+  the create revision of the one before, never its lease). The leader
   renews the lease every ``ttl/4`` and counts its leadership as valid only until
   ``last renewal sent + TTL - margin``: a leader cut off from etcd stops leading before
   etcd can expire its lease and let another node in, so two leaders never overlap.
@@ -60,7 +62,8 @@ def store_state(err: GpudError) -> str:
 class LeaderInfo:
     """``leader`` / ``address``: the leader's node name and peer address ("" if none known);
     ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded,
-    ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd)."""
+    ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd); ``lease``: the ID of
+    the etcd lease this node holds the leader key on while it leads (0 otherwise)."""
 
     leader: str
     address: str
@@ -69,6 +72,7 @@ class LeaderInfo:
     store_ok: bool = True
     detail: str = ""
     store_state: str = STORE_OK
+    lease: int = 0
 
 
 class Election(Protocol):
@@ -160,11 +164,19 @@ class EtcdElection:
 
     def state(self) -> LeaderInfo:
         with self._lock:
-            leading = self._leading_now()
+            held = self._lease if self._leading_now() else None
             state = self._store_state
             store_ok = state == STORE_OK
-            if leading:
-                return LeaderInfo(self.node, self.address, self._epoch, True, store_ok, "", state)
+            if held is not None:
+                return LeaderInfo(
+                    self.node,
+                    self.address,
+                    self._epoch,
+                    leading=True,
+                    store_ok=store_ok,
+                    store_state=state,
+                    lease=held,
+                )
             if self._lease is not None:
                 # past the deadline but the thread has not noticed yet: not leading
                 overdue = STORE_UNREACHABLE if state == STORE_OK else state

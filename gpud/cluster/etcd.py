@@ -420,11 +420,18 @@ class EtcdClient:
         self,
         guard_key: str,
         guard_create_revision: int,
+        guard_lease: int,
         puts: Mapping[str, str],
         deletes: list[str],
     ) -> bool:
         """Apply ``puts`` and ``deletes`` in one transaction, only while ``guard_key`` is the
-        one created at ``guard_create_revision`` (a deposed leader writes nothing)."""
+        one created at ``guard_create_revision`` and held by ``guard_lease`` (a deposed
+        leader writes nothing).
+
+        etcd compares both in the txn (``target`` ``CREATE`` and ``LEASE``): its revisions
+        start again at 1 on a fresh etcd (a wiped data dir, a new cluster, a restore of an
+        older snapshot), so a new leader key there may carry an old leader's create
+        revision; its lease ID is the new leader's own."""
         ops: list[dict[str, Any]] = [
             {"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts.items()
         ]
@@ -438,7 +445,13 @@ class EtcdClient:
                         "result": "EQUAL",
                         "target": "CREATE",
                         "create_revision": guard_create_revision,
-                    }
+                    },
+                    {
+                        "key": _b64(guard_key),
+                        "result": "EQUAL",
+                        "target": "LEASE",
+                        "lease": guard_lease,
+                    },
                 ],
                 "success": ops,
                 "failure": [],

@@ -1,10 +1,12 @@
 """Fencing and fail-static: which orders a node applies, and what it does without a leader.
 
-* Epochs come from the election (an etcd revision: every new leader's is higher). A node
-  applies an order only if its epoch is >= the newest it has applied, and within one epoch
-  only a newer ``seq``; an order from a deposed leader that is still talking is rejected.
-  The exception: the leader etcd names now, in the epoch it names, when etcd's revisions
-  went back (an etcd restored from a snapshot, or a new one).
+* Epochs come from the election (an etcd revision: a new leader's is higher, except on an
+  etcd restored from a snapshot or a fresh one, whose revisions start lower again). A node
+  applies an order only if its epoch is >= the newest it has applied, and within one
+  leadership only a newer ``seq``; an order from a deposed leader that is still talking is
+  rejected. The exceptions are both the leader etcd names now, in the epoch it names: when
+  etcd's revisions went back, and when a fresh etcd gave its key the very revision of the
+  leadership in force (told apart by the leader key's lease, which the order carries).
 * With no leader reachable a node keeps enforcing its last order (``holding``) and goes
   back to its local leveller only after ``grace_s`` without contact (``local``), so a
   leader failover or an etcd restart changes nothing on the wire.
@@ -27,11 +29,14 @@ class Mode(StrEnum):
 
 @dataclass
 class Fence:
-    """The newest (epoch, seq) applied; see the module docstring."""
+    """The newest (epoch, lease, seq) applied; see the module docstring. ``lease``: the
+    leader key's etcd lease ID the order in force was signed with (0: an older leader's
+    order, which carries none)."""
 
     epoch: int = 0
     seq: int = 0
     rejected: int = 0
+    lease: int = 0
 
     def admit(self, order: Order, *, elected: int = 0) -> bool:
         """True (and remembered) if ``order`` may be applied; False counts a rejection.
@@ -40,15 +45,28 @@ class Fence:
         (0: not that leader). An order of exactly that epoch is admitted even when lower
         than the newest applied: etcd's revisions went back (restored from a snapshot, or
         a new etcd), and no higher epoch can come; a deposed leader's is not the one
-        etcd names.
+        etcd names. An order of the epoch in force on another lease of the leader key is
+        another leadership (a fresh etcd gave its key the same create revision): admitted,
+        whatever its seq (it numbers its orders from 1), only if it is the one etcd names,
+        so a deposed leader's is refused whatever its seq. Without a lease on either order
+        (an older leader) the seq is judged as within one leadership.
         """
         went_back = order.epoch < self.epoch and order.epoch == elected
-        if not went_back and (
-            order.epoch < self.epoch or (order.epoch == self.epoch and order.seq < self.seq)
-        ):
+        other_leadership = (
+            order.epoch == self.epoch
+            and order.lease != self.lease
+            and 0 not in (order.lease, self.lease)
+        )
+        if other_leadership:
+            stale = order.epoch != elected
+        else:
+            stale = not went_back and (
+                order.epoch < self.epoch or (order.epoch == self.epoch and order.seq < self.seq)
+            )
+        if stale:
             self.rejected += 1
             return False
-        self.epoch, self.seq = order.epoch, order.seq
+        self.epoch, self.seq, self.lease = order.epoch, order.seq, order.lease
         return True
 
 

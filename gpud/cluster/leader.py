@@ -87,11 +87,15 @@ class Aggregator:
         release_after_s: float | None = None,
         reserved: Iterable[int] = DEFAULT_RESERVED,
         after: tuple[int, int] = (0, 0),
+        lease: int = 0,
     ) -> None:
         """``after``: the (epoch, seq) of the last order an earlier aggregator of this
         leader computed; a round of the same epoch continues its sequence (the nodes have
-        applied those orders and would refuse lower numbers as stale)."""
+        applied those orders and would refuse lower numbers as stale). ``lease``: the etcd
+        lease ID the leader key is held on (0 without etcd), signed into every order so
+        that the nodes tell this leadership from another of the same epoch."""
         self.leader = leader
+        self._lease = lease
         self._leveller = leveller
         self._tag_store = tags
         self._reserved = frozenset(reserved)
@@ -361,6 +365,7 @@ class Aggregator:
             shares=assignment.shares,
             attributes=attributes,
             computed_at=stamp,
+            lease=self._lease,
         )
         return self.order
 

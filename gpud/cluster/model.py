@@ -106,8 +106,10 @@ class JobAttributes(NamedTuple):
 class Order:
     """The leader's answer: levels and tags for jobs, with the epoch that fences it.
 
-    ``seq`` counts orders within an epoch (a node keeps the newest). ``levels`` and
-    ``tags`` may cover only the jobs of the node it is addressed to.
+    ``seq`` counts orders within a leadership (a node keeps the newest). ``levels`` and
+    ``tags`` may cover only the jobs of the node it is addressed to. ``lease``: the etcd
+    lease ID the leader holds its key on (0: unknown, an older leader or no etcd): on a
+    fresh etcd a new leader key may get the epoch of the one before, never its lease.
     """
 
     epoch: int
@@ -118,6 +120,7 @@ class Order:
     shares: tuple[float, ...] = ()
     attributes: Mapping[str, JobAttributes] = field(default_factory=dict)
     computed_at: float = 0.0
+    lease: int = 0
 
     def for_jobs(self, jobs: Iterable[str]) -> Order:
         """The part of this order that concerns ``jobs``."""
@@ -131,4 +134,5 @@ class Order:
             shares=self.shares,
             attributes={j: self.attributes[j] for j in jobs if j in self.attributes},
             computed_at=self.computed_at,
+            lease=self.lease,
         )

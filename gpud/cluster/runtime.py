@@ -130,10 +130,10 @@ class ClusterRuntime:
             election = SingleElection(self.node)
         memory = MemoryTagStore()
 
-        def tag_store(epoch: int) -> TagStore:
+        def tag_store(epoch: int, lease: int) -> TagStore:
             if self._etcd is None:
                 return memory
-            return EtcdTagStore(self._etcd, prefix=config.etcd_prefix, epoch=epoch)
+            return EtcdTagStore(self._etcd, prefix=config.etcd_prefix, epoch=epoch, lease=lease)
 
         self.agent = ClusterAgent(
             node=self.node,

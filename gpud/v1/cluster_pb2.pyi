@@ -307,10 +307,15 @@ class Order(_message.Message):
     SHARES_FIELD_NUMBER: _builtins.int
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
     COMPUTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     seq: _builtins.int
     leader: _builtins.str
     computed_unix_seconds: _builtins.float
+    lease: _builtins.int
+    """the etcd lease ID the leader holds its key on: a fresh etcd may give a new leader key
+    the epoch of the one before, never its lease; 0 from an older gpud (judged by seq)
+    """
     @_builtins.property
     def levels(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -332,10 +337,11 @@ class Order(_message.Message):
         shares: _abc.Iterable[_builtins.float] | None = ...,
         attributes: _abc.Iterable[Global___JobAttributes] | None = ...,
         computed_unix_seconds: _builtins.float = ...,
+        lease: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "computed_unix_seconds", b"computed_unix_seconds", "epoch", b"epoch", "leader", b"leader", "levels", b"levels", "seq", b"seq", "shares", b"shares", "tags", b"tags"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "computed_unix_seconds", b"computed_unix_seconds", "epoch", b"epoch", "leader", b"leader", "lease", b"lease", "levels", b"levels", "seq", b"seq", "shares", b"shares", "tags", b"tags"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

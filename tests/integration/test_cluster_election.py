@@ -284,6 +284,27 @@ def test_a_clean_stop_drops_the_nodes_problem_at_once_on_its_one_lease(etcd: Loc
     assert not client._post("/lease/leases", {}).get("leases")
 
 
+def test_a_guarded_update_holds_only_for_the_leader_keys_epoch_and_lease(etcd: LocalEtcd) -> None:
+    """etcd itself judges the txn's compares: the key's create revision alone (all a deposed
+    leader on a fresh etcd may share with the new one) does not let a write through."""
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,)))
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+    ours, _ = client.grant(10)
+    another, _ = client.grant(10)
+    try:
+        epoch = client.create(f"{prefix}/leader", "{}", ours)
+        assert epoch is not None
+        tag = {f"{prefix}/tags/a": "10"}
+        assert not client.guarded_update(f"{prefix}/leader", epoch, another, tag, [])
+        assert not client.guarded_update(f"{prefix}/leader", epoch + 1, ours, tag, [])
+        assert client.get_prefix(f"{prefix}/tags/") == {}
+        assert client.guarded_update(f"{prefix}/leader", epoch, ours, tag, [])
+        assert client.get_prefix(f"{prefix}/tags/") == {f"{prefix}/tags/a": b"10"}
+    finally:
+        client.revoke(ours)
+        client.revoke(another)
+
+
 def _fill(client: EtcdClient) -> None:
     from gpud.errors import StoreFull
 

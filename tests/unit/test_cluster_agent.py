@@ -113,6 +113,7 @@ def agent(
     *,
     view: StaticNodeView | None = None,
     store: TagStore | None = None,
+    tag_store: Callable[[int, int], TagStore] | None = None,
     credential_problem: Callable[[float], str] | None = None,
     settle_s: float = 0.0,
     problems: ProblemBoard | None = None,
@@ -128,7 +129,7 @@ def agent(
         election=FixedElection(info),
         traffic=traffic,
         view=view or StaticNodeView(),
-        tag_store=lambda epoch: tags,
+        tag_store=tag_store or (lambda epoch, lease: tags),
         leveller=LevellerConfig(levels=4),
         reserved_tags=(0, 46, 48, 56),
         peers=peers,
@@ -884,6 +885,47 @@ async def test_orders_of_the_leader_etcd_names_now_are_followed_after_etcd_went_
     election.info = LeaderInfo("n3", "a3", 2, True)
     await leader.tick()
     assert leader.fence.rejected == 0 and leader.fence.epoch == 2 and t3.epoch == 2
+
+
+async def test_a_new_leader_on_a_fresh_etcd_is_followed_from_its_first_order() -> None:
+    # etcd wiped: the new leader key lands on the create revision of the one before (5),
+    # on a new lease. The new leader, with no orders issued, starts its seq at 1; the
+    # nodes follow it at once, while the deposed leader's orders and an older answer of
+    # the new leadership are still refused.
+    clock, peers = Clock(), LoopbackPeers()
+    old = agent("n0", LeaderInfo("n0", "a0", 5, True, lease=100), FakeTraffic(), peers, clock)
+    peers.leader = old
+    traffic = FakeTraffic((job("a", 0.5),))
+    election = FixedElection(LeaderInfo("n0", "a0", 5, False))
+    f = agent("n1", election.info, traffic, peers, clock)
+    f.election = election
+    for _ in range(5):
+        await f.tick()
+        await old.tick()
+    await f.tick()
+    assert (f.fence.epoch, f.fence.seq, f.fence.lease) == (5, 5, 100)
+    new = agent("n2", LeaderInfo("n2", "a2", 5, True, lease=200), FakeTraffic(), peers, clock)
+    peers.leader = new
+    election.info = LeaderInfo("n2", "a2", 5, False)
+    await new.tick()
+    await f.tick()  # its report reaches the new leader
+    await new.tick()
+    await f.tick()  # the new leader's first order that includes it
+    assert f.fence.rejected == 0 and f.mode is Mode.FOLLOWER
+    assert (f.fence.epoch, f.fence.seq, f.fence.lease) == (5, 2, 200)
+    assert f.order is not None and f.order.leader == "n2"
+    # the deposed leader, still talking, is not the one etcd names
+    peers.forced = Order(epoch=5, seq=9, leader="n0", levels={"a": 3}, tags={}, lease=100)
+    await f.tick()
+    assert f.fence.rejected == 1 and f.fence.lease == 200
+    # within the new leadership a lower seq is stale, as before
+    await new.tick()
+    peers.forced = None
+    await f.tick()
+    assert f.fence.seq == 3
+    peers.forced = Order(epoch=5, seq=2, leader="n2", levels={"a": 3}, tags={}, lease=200)
+    await f.tick()
+    assert f.fence.rejected == 2 and f.last_error_kind == "stale_order"
 
 
 async def test_a_new_leader_drops_its_error_about_the_previous_leader_at_once() -> None:

@@ -131,11 +131,13 @@ def test_a_leader_whose_certificate_expires_steps_down_and_does_not_campaign_aga
     election, events = _election(etcd, clock, wall, tls.expiry_problem, ca.read_bytes())
     election.step()
     assert election.state().leading
+    # the lease its writes are guarded by is the one the leader key is on
+    assert election.state().lease == etcd.kv["/c/leader"].lease != 0
     wall.now = 5000.0  # expired; the next check is due
     clock.now = CHECK_S
     election.step()
     state = election.state()
-    assert not state.leading
+    assert not state.leading and state.lease == 0
     assert "/c/leader" not in etcd.kv  # resigned: the lease is revoked, not left to expire
     assert [k for k, _ in events] == ["cluster.elected", "cluster.step_down"]
     assert "expired at" in events[-1][1] and "/pki/n0.pem" in events[-1][1]

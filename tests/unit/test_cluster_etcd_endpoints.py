@@ -9,7 +9,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,6 +24,13 @@ class Answers:
 
     by_path: dict[str, tuple[int, str]] = field(default_factory=dict)
 
+    def __call__(self, path: str, request: bytes) -> tuple[int, str]:
+        return self.by_path.get(path, (404, "404 page not found\n"))
+
+
+Respond = Callable[[str, bytes], tuple[int, str]]
+"""(path, request body) -> (status, body) the server answers."""
+
 
 ETCD = {
     "/version": (200, json.dumps({"etcdserver": "3.5.0", "etcdcluster": "3.5.0"})),
@@ -31,15 +38,14 @@ ETCD = {
 }
 
 
-def _serve(answers: Answers) -> http.server.ThreadingHTTPServer:
+def _serve(answers: Respond) -> http.server.ThreadingHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.do_POST()
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
-            status, body = answers.by_path.get(self.path, (404, "404 page not found\n"))
+            status, body = answers(self.path, self.rfile.read(length))
             raw = body.encode()
             self.send_response(status)
             self.send_header("Content-Length", str(len(raw)))
@@ -63,7 +69,7 @@ def servers() -> Iterator[list[http.server.ThreadingHTTPServer]]:
         server.server_close()
 
 
-def _endpoint(servers: list[http.server.ThreadingHTTPServer], answers: Answers) -> str:
+def _endpoint(servers: list[http.server.ThreadingHTTPServer], answers: Respond) -> str:
     server = _serve(answers)
     servers.append(server)
     return f"http://127.0.0.1:{server.server_address[1]}"

@@ -45,7 +45,7 @@ def leading_agent(view: StaticNodeView) -> ClusterAgent:
         election=Leading(),
         traffic=FakeTraffic(),
         view=view,
-        tag_store=lambda epoch: MemoryTagStore(),
+        tag_store=lambda epoch, lease: MemoryTagStore(),
         leveller=LevellerConfig(levels=4),
         reserved_tags=(0, 46, 48, 56),
         peers=None,

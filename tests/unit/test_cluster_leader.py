@@ -6,11 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpud.cluster.convert import order_from_pb, order_to_pb
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, seed_levels
 from gpud.cluster.model import JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore
 from gpud.errors import FailedPrecondition
+from gpud.v1 import cluster_pb2 as pb
 from netshaper.leveller import Leveller, LevellerConfig
 
 
@@ -164,6 +166,41 @@ def test_fence_rejects_stale_epochs_and_old_answers() -> None:
     assert fence.admit(order(6, 1))
     assert fence.rejected == 2
     assert (fence.epoch, fence.seq) == (6, 1)
+
+
+def test_fence_admits_the_named_leader_of_the_same_epoch_on_a_new_lease() -> None:
+    # a fresh etcd gave the new leader key the create revision of the one before
+    def signed(seq: int, lease: int) -> Order:
+        return Order(epoch=5, seq=seq, leader="x", levels={}, tags={}, lease=lease)
+
+    fence = Fence()
+    assert fence.admit(signed(7, 100), elected=5)
+    assert not fence.admit(signed(1, 200))  # not the leader etcd names
+    assert fence.admit(signed(1, 200), elected=5)  # its seq starts over
+    assert not fence.admit(signed(8, 100))  # the deposed leadership, not named
+    assert not fence.admit(signed(9, 100), elected=4)
+    assert fence.admit(signed(2, 200), elected=5)
+    assert not fence.admit(signed(1, 200), elected=5)  # an older answer of the same one
+    assert not fence.admit(signed(1, 0), elected=5)  # no lease (an older gpud): by seq
+    assert fence.rejected == 5
+    assert (fence.epoch, fence.seq, fence.lease) == (5, 2, 200)
+
+
+def test_the_leaders_orders_carry_its_leader_key_lease_to_the_nodes() -> None:
+    agg = Aggregator(
+        leader="n0",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=MemoryTagStore(),
+        node_timeout_s=5.0,
+        lease=0x7F3A,
+    )
+    agg.receive(NodeReport("n1", (JobReport("a", progress_rate=0.5),)), 0)
+    sent = agg.compute(epoch=5, now=1.0).for_jobs(["a"])
+    assert order_from_pb(pb.Order.FromString(order_to_pb(sent).SerializeToString())) == sent
+    assert sent.lease == 0x7F3A
+    # an older leader sends none: read as 0, and the fence judges it by seq
+    older = pb.Order(epoch=5, seq=1, leader="n0")
+    assert order_from_pb(pb.Order.FromString(older.SerializeToString())).lease == 0
 
 
 def test_fail_static_holds_the_last_order_for_the_grace_period() -> None:

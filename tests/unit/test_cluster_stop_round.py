@@ -13,7 +13,7 @@ from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import Leveller, LevellerConfig
-from tests.unit.test_cluster_agent import Clock, LoopbackPeers, agent, job
+from tests.unit.test_cluster_agent import Clock, FixedElection, LoopbackPeers, agent, job
 from tests.unit.test_cluster_candidacy import MemoryEtcd
 
 
@@ -41,6 +41,7 @@ class SlowEtcd(MemoryEtcd):
         self,
         guard_key: str,
         guard_create_revision: int,
+        guard_lease: int,
         puts: Mapping[str, str],
         deletes: list[str],
     ) -> bool:
@@ -48,7 +49,10 @@ class SlowEtcd(MemoryEtcd):
         self.deleted += len(deletes)
         self.during("txn")
         held = self.kv.get(guard_key)
-        if held is None or held.create_revision != guard_create_revision:
+        if held is None or (held.create_revision, held.lease) != (
+            guard_create_revision,
+            guard_lease,
+        ):
             return False
         for key, value in puts.items():
             self.put(key, value)
@@ -60,11 +64,12 @@ class SlowEtcd(MemoryEtcd):
 def _leader(
     etcd: SlowEtcd, traffic: FakeTraffic, *, clock: Clock | None = None, alarms: bool = False
 ) -> ClusterAgent:
-    etcd.put("/c/leader", '{"node": "n0", "address": "n0:1"}')
-    epoch = etcd.kv["/c/leader"].create_revision
+    lease, _ = etcd.grant(10)
+    epoch = etcd.create("/c/leader", '{"node": "n0", "address": "n0:1"}', lease)
+    assert epoch is not None
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
-    info = LeaderInfo("n0", "n0:1", epoch, True)
-    store = EtcdTagStore(client, prefix="/c", epoch=epoch)
+    info = LeaderInfo("n0", "n0:1", epoch, True, lease=lease)
+    store = EtcdTagStore(client, prefix="/c", epoch=epoch, lease=lease)
     return agent(
         "n0",
         info,
@@ -136,13 +141,14 @@ def test_jobs_the_pool_had_no_tag_for_age_out_without_a_delete_and_a_save_is_one
     tagged jobs' keys are deleted, in one transaction, so a stop's cut right after it
     leaves etcd with all of the round's tags or none of them."""
     etcd = SlowEtcd()
-    etcd.put("/c/leader", '{"node": "n0", "address": "n0:1"}')
-    epoch = etcd.kv["/c/leader"].create_revision
+    lease, _ = etcd.grant(10)
+    epoch = etcd.create("/c/leader", '{"node": "n0", "address": "n0:1"}', lease)
+    assert epoch is not None
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     agg = Aggregator(
         leader="n0",
         leveller=Leveller(LevellerConfig(levels=4)),
-        tags=EtcdTagStore(client, prefix="/c", epoch=epoch),
+        tags=EtcdTagStore(client, prefix="/c", epoch=epoch, lease=lease),
         node_timeout_s=5,
     )
     agg.receive(NodeReport("n1", tuple(JobReport(f"j{i:03}", 0.5) for i in range(200))), 0)
@@ -155,3 +161,41 @@ def test_jobs_the_pool_had_no_tag_for_age_out_without_a_delete_and_a_save_is_one
     assert _tags(etcd) == {}
     agg.compute(epoch, 2 * agg.release_after_s + 2)  # the untagged ones are forgotten too
     assert etcd.calls == ["txn"]
+
+
+async def test_a_leader_elected_again_at_its_epoch_on_a_fresh_etcd_saves_under_its_new_lease() -> (
+    None
+):
+    """etcd wiped and its revisions counting from 1 again: the node is elected once more
+    and its new leader key happens to carry the old create revision. Its writes are
+    guarded by the new lease, not refused for the old one."""
+    etcd, traffic = SlowEtcd(), FakeTraffic((job("a", 0.5),))
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    first = _elect(etcd, revision=10)
+    leader = agent(
+        "n0",
+        first,
+        traffic,
+        LoopbackPeers(),
+        Clock(),
+        tag_store=lambda epoch, lease: EtcdTagStore(client, prefix="/c", epoch=epoch, lease=lease),
+    )
+    await leader.tick()
+    assert sorted(_tags(etcd)) == ["/c/tags/a"]
+    etcd.kv.clear()  # a fresh etcd: no keys, and a lease granted there gets another ID
+    again = _elect(etcd, revision=10)
+    assert (again.epoch, again.lease) == (first.epoch, first.lease + 1)
+    leader.election = FixedElection(again)
+    traffic.jobs = (job("a", 0.5), job("b", 0.2))
+    await leader.tick()
+    assert "/c/tags/b" in _tags(etcd)  # the new job's tag, written on the new lease
+    assert leader.last_error == ""
+
+
+def _elect(etcd: SlowEtcd, *, revision: int) -> LeaderInfo:
+    """n0 creates the leader key at ``revision`` + 1, on a lease of its own."""
+    etcd.revision = revision
+    lease, _ = etcd.grant(10)
+    epoch = etcd.create("/c/leader", '{"node": "n0", "address": "n0:1"}', lease)
+    assert epoch is not None
+    return LeaderInfo("n0", "n0:1", epoch, True, lease=lease)

@@ -88,7 +88,7 @@ def _node(
         election=election,
         traffic=FakeTraffic((job("a", 0.5),)),
         view=StaticNodeView(),
-        tag_store=lambda epoch: tags,
+        tag_store=lambda epoch, lease: tags,
         leveller=LevellerConfig(levels=4),
         reserved_tags=(0,),
         peers=LoopbackPeers(),
