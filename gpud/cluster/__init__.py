@@ -6,7 +6,7 @@
       TrafficPort.local_report() + NodeView       Aggregator: fold reports per job
         -> NodeReport --gRPC, mTLS (api.py)-->      (slowest node, faults) -> LEVELLER over
         <-- Order(epoch, levels, tags, attrs) --    all jobs, cluster-wide DSCP tags (etcd)
-      Fence (epoch >= newest applied)
+      Fence (epoch >= newest applied; same epoch on another lease: etcd names it)
         -> TrafficPort.apply_order(...)
       no leader: keep the last order; after the grace period, the local policy
 

@@ -10,7 +10,8 @@ Each tick (:meth:`ClusterAgent.tick`)::
     else      send the report to the leader the election names (mTLS) -> its order; if
               that one does not lead and names another, to that one (a hint, checked:
               see _follow)
-    Fence: apply only an order whose epoch is >= the newest applied
+    Fence: apply only an order whose epoch is >= the newest applied (one of the same epoch
+    on another leader key lease only from the leader etcd names: a fresh etcd)
     no order for longer than fresh_s: "holding" (the last order stays); for longer than
     grace_s: "local" (TrafficPort.clear_order: the node's own leveller decides again)
 
@@ -457,8 +458,8 @@ class ClusterAgent:
         before it is trusted: the report goes over mutual TLS to a certificate that must
         name that node (a member of the cluster); the node answers only while it leads by
         its own lease in etcd; and its order passes the fence only with an epoch >= the
-        newest applied (never as "the leader etcd names now", which only this node's own
-        election says). One hop: a hinted node that names yet another is not followed.
+        newest applied and, of the same epoch on another lease, not at all (never as "the
+        leader etcd names now", which only this node's own election says). One hop: a hinted node that names yet another is not followed.
         The hint holds while the election names the same leader in the same epoch; a
         failure drops it.
         """
@@ -792,31 +793,27 @@ class ClusterAgent:
         newest = self.fence.epoch
         leader = node_name(order.leader)  # an older leader signs as configured
         elected = info.epoch if leader == (self.node if info.leading else info.leader) else 0
+        other = self.fence.other_leadership(order)
         if not self.fence.admit(order, elected=elected):
-            log.warning(
-                "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",
-                order.epoch,
-                order.seq,
-                order.leader or "?",
-                self.fence.epoch,
-                self.fence.seq,
-            )
+            rejected = f"order {order.epoch}.{order.seq} (epoch.seq) from {order.leader or '?'}"
+            if other:  # a fresh etcd gave another leader key this epoch: seqs do not compare
+                why = (
+                    f"epoch {order.epoch} on lease {order.lease:x} is not the leadership etcd"
+                    f" names (lease {self.fence.lease:x} is in force)"
+                )
+            else:
+                why = f"{self.fence.epoch}.{self.fence.seq}, newer, is in force"
+            log.warning("cluster: rejected %s: %s", rejected, why)
             if self._events is not None:
                 self._events.emit(
                     "cluster.stale_order",
-                    f"rejected order {order.epoch}.{order.seq} (epoch.seq) from "
-                    f"{order.leader}: {self.fence.epoch}.{self.fence.seq} is in force",
+                    f"rejected {rejected}: {why}",
                     epoch=order.epoch,
                     leader=order.leader,
                 )
             # no contact: the node holds the order in force, then falls back to its local
             # policy, and says why (logged above, every time)
-            self._set_error(
-                f"rejected the order {order.epoch}.{order.seq} (epoch.seq) from "
-                f"{order.leader or '?'}: {self.fence.epoch}.{self.fence.seq}, newer, is in "
-                "force",
-                STALE_ORDER,
-            )
+            self._set_error(f"rejected the {rejected}: {why}", STALE_ORDER)
             return False
         restart = order.epoch < newest
         if restart:
@@ -840,16 +837,21 @@ class ClusterAgent:
             )
             return False
         previous = self.order
+        # a new leader or epoch: another lease of the same epoch is another leadership
+        new_leadership = previous is None or (previous.epoch, previous.lease) != (
+            order.epoch,
+            order.lease,
+        )
         changed = (
             previous is None
-            or previous.epoch != order.epoch
+            or new_leadership
             or set(previous.attributes) != set(order.attributes)
             or any(not _same(a, previous.attributes.get(j)) for j, a in order.attributes.items())
         )
         self.order = order
         self._order_cleared = False
         self.fail_static.contact(self._clock())
-        if (previous is None or previous.epoch != order.epoch) and self._events is not None:
+        if new_leadership and self._events is not None:
             self._events.emit(
                 "cluster.epoch",
                 f"applying the orders of {order.leader}, epoch {order.epoch}",

@@ -52,12 +52,7 @@ class Fence:
         (an older leader) the seq is judged as within one leadership.
         """
         went_back = order.epoch < self.epoch and order.epoch == elected
-        other_leadership = (
-            order.epoch == self.epoch
-            and order.lease != self.lease
-            and 0 not in (order.lease, self.lease)
-        )
-        if other_leadership:
+        if self.other_leadership(order):
             stale = order.epoch != elected
         else:
             stale = not went_back and (
@@ -68,6 +63,15 @@ class Fence:
             return False
         self.epoch, self.seq, self.lease = order.epoch, order.seq, order.lease
         return True
+
+    def other_leadership(self, order: Order) -> bool:
+        """Whether ``order`` is of the epoch in force on another lease of the leader key
+        (both known): another leadership, whose seq says nothing of the one in force."""
+        return (
+            order.epoch == self.epoch
+            and order.lease != self.lease
+            and 0 not in (order.lease, self.lease)
+        )
 
 
 class FailStatic:

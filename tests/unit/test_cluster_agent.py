@@ -897,7 +897,8 @@ async def test_a_new_leader_on_a_fresh_etcd_is_followed_from_its_first_order() -
     peers.leader = old
     traffic = FakeTraffic((job("a", 0.5),))
     election = FixedElection(LeaderInfo("n0", "a0", 5, False))
-    f = agent("n1", election.info, traffic, peers, clock)
+    events = EventLog(None)
+    f = agent("n1", election.info, traffic, peers, clock, events=events)
     f.election = election
     for _ in range(5):
         await f.tick()
@@ -914,10 +915,17 @@ async def test_a_new_leader_on_a_fresh_etcd_is_followed_from_its_first_order() -
     assert f.fence.rejected == 0 and f.mode is Mode.FOLLOWER
     assert (f.fence.epoch, f.fence.seq, f.fence.lease) == (5, 2, 200)
     assert f.order is not None and f.order.leader == "n2"
-    # the deposed leader, still talking, is not the one etcd names
+    # the new leadership is said as a new leader's orders, though the epoch is the same
+    said = [e.message for e in events.recent() if e.kind == "cluster.epoch"]
+    assert said == ["applying the orders of n0, epoch 5", "applying the orders of n2, epoch 5"]
+    # the deposed leader, still talking, is not the one etcd names: said so, not "newer"
     peers.forced = Order(epoch=5, seq=9, leader="n0", levels={"a": 3}, tags={}, lease=100)
     await f.tick()
     assert f.fence.rejected == 1 and f.fence.lease == 200
+    assert f.last_error == (
+        "rejected the order 5.9 (epoch.seq) from n0: epoch 5 on lease 64 is not the"
+        " leadership etcd names (lease c8 is in force)"
+    )
     # within the new leadership a lower seq is stale, as before
     await new.tick()
     peers.forced = None
