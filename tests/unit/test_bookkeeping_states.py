@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -30,7 +31,7 @@ from hypothesis.stateful import (
 
 from gpud.admission.service import LEFT, OFF, QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig
-from gpud.errors import GpudError, NotFound
+from gpud.errors import FailedPrecondition, GpudError, NotFound
 from gpud.events import EventLog
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.registry import JobSpec
@@ -266,8 +267,12 @@ class Bookkeeping(RuleBasedStateMachine):
             return
         e = entries[pick % len(entries)]
         before = e.state
-        after = self.s.admission.leave(e.id).entry.state
-        assert after == (LEFT if before == QUEUED else before)
+        if before != QUEUED:  # an operator's leave of an entry no longer queued is refused
+            with pytest.raises(FailedPrecondition, match="did not leave the queue"):
+                self.s.admission.leave(e.id)
+            assert self.s.admission.entry(e.id).state == before
+            return
+        assert self.s.admission.leave(e.id).entry.state == LEFT
 
     @rule(
         device=st.sampled_from(sorted(CAPACITY)),

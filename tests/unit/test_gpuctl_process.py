@@ -34,6 +34,7 @@ ALLOWED = (
     "gpud.build",
     "gpud.reach",
     "gpud.pidns",
+    "gpud.pdeathsig",
 )
 
 PROBE = """

@@ -230,7 +230,8 @@ def test_a_queued_job_starts_beside_its_own_user_when_room_frees_there(
         assert queued.waiting_on == (  # not "could not start: …": it is not tried there
             f"job 'b2' (uid 1001) asks {first}: it is shared under MPS by jobs of user"
             f" {user_name(1000)} (a), and an MPS control daemon serves one user at a time: b2's CUDA processes"
-            " would wait there until a's end"
+            " would wait there until a's end;"
+            f" GPU 0 held by a ({user_name(1000)}), GPU 1 held by b1 ({user_name(1001)})"
         )
         jobs.release(b1.id)
         admission.tick()
