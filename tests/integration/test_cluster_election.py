@@ -620,3 +620,20 @@ def test_an_endpoint_that_is_not_etcds_client_port_is_said_as_such_and_passed_ov
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_followers_read_the_leader_keys_lease_as_the_leader_holds_it(etcd: LocalEtcd) -> None:
+    """Every node's LeaderInfo names the lease the leader key is on (the one the leader's
+    orders are signed with), a follower's as it read the key; none once the key is gone."""
+    clock = Clock()
+    nodes = elections(etcd, clock)
+    for e in nodes:
+        e.step()
+    held = nodes[0].state()
+    assert held.leading and held.lease != 0
+    assert [e.state().lease for e in nodes[1:]] == [held.lease, held.lease]
+    nodes[0].stop()  # revokes the lease: the key goes with it
+    nodes[1].step()
+    assert nodes[1].state().leading and nodes[1].state().lease not in (0, held.lease)
+    nodes[2].step()
+    assert nodes[2].state().lease == nodes[1].state().lease
