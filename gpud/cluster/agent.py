@@ -234,6 +234,9 @@ class ClusterAgent:
         # numbers revisions from 1 again, so the same epoch on a new lease is a new leadership
         self._agg_leadership = (0, 0)
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
+        # (epoch, job -> DSCP) of the tags this node's last leadership held: written back
+        # by a later one on an etcd whose revisions went back (it lost them)
+        self._held: tuple[int, dict[str, int]] = (0, {})
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self._led_at: float | None = None  # (clock) this leadership's last round
         self.mode = Mode.LOCAL
@@ -643,6 +646,7 @@ class ClusterAgent:
             new_leadership = agg is None or self._agg_leadership != (epoch, lease)
             last = now if self._led_at is None else self._led_at
             if agg is None or new_leadership:
+                held_epoch, held = self._held
                 agg = self._aggregator = Aggregator(
                     leader=self.node,
                     leveller=Leveller(self._leveller),
@@ -653,6 +657,9 @@ class ClusterAgent:
                     # the lease): its sequence goes on, or every node would refuse it
                     after=self._issued,
                     lease=lease,
+                    # etcd's revisions went back (its data lost): it may have lost the
+                    # tags too; on an etcd that went on, what it holds is the truth
+                    held=held if epoch <= held_epoch else None,
                 )
                 self._agg_leadership = (epoch, lease)
                 resumed = False
@@ -695,7 +702,21 @@ class ClusterAgent:
             log.info("cluster: %s: the cluster stops", cut)
             return None
         self._issued = (order.epoch, order.seq)
+        self._held = (epoch, agg.held())
+        if agg.republished:
+            self._say_republished(agg.republished)
         return order
+
+    def _say_republished(self, tags: Mapping[str, int]) -> None:
+        listed = ", ".join(f"{job}={dscp}" for job, dscp in sorted(tags.items()))
+        count = f"{len(tags)} DSCP tag{'s' if len(tags) > 1 else ''}"
+        message = (
+            f"etcd had lost {count} this node gave out before (its revisions went back: "
+            f"restored from a snapshot, or a new etcd): written back, {listed}"
+        )
+        log.warning("cluster: %s", message)
+        if self._events is not None:
+            self._events.emit("cluster.tags_republished", message, jobs=len(tags))
 
     def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
         """A peer's report (peer servicer; ``peer``: its address): kept for the next

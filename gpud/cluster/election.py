@@ -63,7 +63,9 @@ class LeaderInfo:
     """``leader`` / ``address``: the leader's node name and peer address ("" if none known);
     ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded,
     ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd); ``lease``: the ID of
-    the etcd lease this node holds the leader key on while it leads (0 otherwise)."""
+    the etcd lease the leader key is attached to (``etcdctl get -w json <prefix>/leader``),
+    the one this node holds while it leads, as last read on another node; 0 when no leader
+    key is known, or with election "single"."""
 
     leader: str
     address: str
@@ -138,6 +140,7 @@ class EtcdElection:
         self._epoch = 0
         self._leader = ""
         self._leader_address = ""
+        self._leader_lease = 0  # of the leader key as last read (a follower's)
         self._store_state = STORE_UNREACHABLE  # how the last etcd call went
         self._detail = "not started"
         self._failing = False  # an etcd outage was logged and has not ended
@@ -191,6 +194,7 @@ class EtcdElection:
                 store_ok,
                 self._detail,
                 state,
+                self._leader_lease if self._leader else 0,
             )
 
     # -- life ----------------------------------------------------------------------------
@@ -329,6 +333,7 @@ class EtcdElection:
             lease, self._lease = self._lease, None
             self._abandoned = lease
             self._leader = self._leader_address = ""
+            self._leader_lease = 0
             self._detail = why
         log.warning("stepping down as cluster leader (epoch %d): %s", self._epoch, why)
         self._notify("cluster.step_down", f"stepped down: {why}", {"epoch": self._epoch})
@@ -377,8 +382,14 @@ class EtcdElection:
         except (ValueError, KeyError, TypeError):
             leader, address = "", ""
         with self._lock:
-            changed = (self._epoch, self._leader) != (kv.create_revision, leader)
+            # another lease on the epoch in force: a fresh etcd gave a new key its revision
+            changed = (self._epoch, self._leader, self._leader_lease) != (
+                kv.create_revision,
+                leader,
+                kv.lease,
+            )
             self._leader, self._leader_address = leader, address
+            self._leader_lease = kv.lease
             self._epoch = kv.create_revision
             self._store_state = STORE_OK
             self._detail = "" if leader else f"unreadable leader key {self.key}"
@@ -392,6 +403,7 @@ class EtcdElection:
         with self._lock:
             changed = bool(self._leader)
             self._leader = self._leader_address = ""
+            self._leader_lease = 0
         if changed:
             self.on_change()
 

@@ -80,6 +80,51 @@ _AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication R
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
+_CLIP = 120  # characters of another server's answer said in an error
+
+
+class _NotEtcd(Unavailable):
+    """An endpoint that answered :data:`VERSION_PATH` with 200, but not with etcd's
+    ``{"etcdserver": "X.Y.Z"}`` (a web server's page, a proxy's login form)."""
+
+
+def _etcd_version(body: str) -> str:
+    """etcd's version in its ``/version`` answer, or "" when the body is not etcd's."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return ""
+    version = answer.get("etcdserver") if isinstance(answer, dict) else None
+    if isinstance(version, str) and all(p.isdigit() for p in version.split(".", 2)[:2]):
+        return version
+    return ""
+
+
+def _check_version(endpoint: str) -> Any:
+    """A ``requests`` response hook for ``endpoint``'s session: its 200 answer to
+    :data:`VERSION_PATH` without etcd's version raises :class:`_NotEtcd`, before etcd3gw
+    fails to parse it as JSON (a page said as a ``JSONDecodeError``)."""
+
+    def hook(resp: Any, *args: object, **kwargs: object) -> Any:
+        if resp.status_code == 200 and urlsplit(resp.url).path == VERSION_PATH:
+            body = resp.text
+            if not _etcd_version(body):
+                said = " ".join(body.split())
+                clipped = f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
+                raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"HTTP 200 {clipped}"))
+        return resp
+
+    return hook
+
+
+def _said_not_etcd(endpoint: str, request: str, said: str) -> str:
+    return (
+        f"{endpoint} answered {request} with {said}, not as etcd's client API: is it "
+        "etcd's client port (2379 by default; 2380 is the peer port)? check "
+        "cluster.etcd_endpoints"
+    )
+
+
 def _not_etcd(err: BaseException, endpoint: str, request: str) -> str:
     """Why ``endpoint`` is no etcd client port, from the error of ``request`` to it
     (:data:`VERSION_PATH`, ``/auth/authenticate`` or a v3 path), or "" when etcd, or a
@@ -95,11 +140,7 @@ def _not_etcd(err: BaseException, endpoint: str, request: str) -> str:
         if not discovery and reason not in _NO_SUCH_API:
             return ""
     said = " ".join(str(err).split()) or type(err).__name__
-    return (
-        f"{endpoint} answered {request} with {said!r}, not as etcd's client API: is it "
-        "etcd's client port (2379 by default; 2380 is the peer port)? check "
-        "cluster.etcd_endpoints"
-    )
+    return _said_not_etcd(endpoint, request, repr(said))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +228,7 @@ class EtcdClient:
                 cert_key=settings.key_file or None,
                 timeout=settings.timeout_s,
             )
+            client.session.hooks["response"].append(_check_version(endpoint))
             if settings.ca_file:
                 # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override a session's
                 # CA (https://github.com/psf/requests/issues/3829): etcd's CA would be
@@ -222,16 +264,17 @@ class EtcdClient:
                 self._authenticate(index, client)
                 request = path
                 result = client.post(url, data=json.dumps(body))
+            except _NotEtcd as err:
+                self._say_not_etcd(endpoint, str(err))
+                wrong.append(str(err))
+                continue
             except self._unreachable as err:
                 last = err
                 continue
             except self._refused as err:
                 not_etcd = _not_etcd(err, endpoint, request)
                 if not_etcd:  # the next endpoint may be etcd
-                    if endpoint not in self._said_not_etcd:
-                        # once, even while another endpoint works: the list is wrong
-                        self._said_not_etcd.add(endpoint)
-                        log.warning("cluster: %s", not_etcd)
+                    self._say_not_etcd(endpoint, not_etcd)
                     wrong.append(not_etcd)
                     continue
                 said = _refusal(err)
@@ -259,6 +302,12 @@ class EtcdClient:
             f"{type(last).__name__} {last}".rstrip()
         )
         raise Unavailable("; ".join([unreachable, *wrong])) from last
+
+    def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
+        if endpoint not in self._said_not_etcd:
+            # once, even while another endpoint works: the list is wrong
+            self._said_not_etcd.add(endpoint)
+            log.warning("cluster: %s", not_etcd)
 
     def _login_refusal(self, said: str) -> str:
         """What to change when etcd refused this node's login, a call without one or the

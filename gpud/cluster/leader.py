@@ -7,8 +7,9 @@ job in the cluster, and answers each node with the levels, tags and attributes o
 
 Tags are cluster-wide: one DSCP codepoint per job on every node, from one
 :class:`~netshaper.tags.TagAllocator` seeded from the :class:`TagStore` (etcd), so a new
-leader hands out the same tags. A job no node has reported for ``release_after_s`` gives
-its tag back, and sooner where a node marks another job with it (the node handed the tag
+leader hands out the same tags; a leader elected again on an etcd that lost them (its
+revisions went back) writes back those it held (``held``). A job no node has reported
+for ``release_after_s`` gives its tag back, and sooner where a node marks another job with it (the node handed the tag
 of a job idle there to a job about to run): the tags nodes mark running jobs with are
 followed, not ordered back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
 cluster tag (:attr:`Aggregator.untagged`) and keep the tag their nodes gave them; their
@@ -22,7 +23,7 @@ leader keeps the levels in force where rates allow instead of ranking ties afres
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,18 +89,27 @@ class Aggregator:
         reserved: Iterable[int] = DEFAULT_RESERVED,
         after: tuple[int, int] = (0, 0),
         lease: int = 0,
+        held: Mapping[str, int] | None = None,
     ) -> None:
         """``after``: the (epoch, seq) of the last order an earlier aggregator of this
         leader computed; a round of the same epoch continues its sequence (the nodes have
         applied those orders and would refuse lower numbers as stale). ``lease``: the etcd
         lease ID the leader key is held on (0 without etcd), signed into every order so
-        that the nodes tell this leadership from another of the same epoch."""
+        that the nodes tell this leadership from another of the same epoch. ``held``: the
+        tags this leader held in its previous leadership, on an etcd that has since lost
+        them (its revisions went back: wiped, restored from a snapshot): each one the tag
+        store lacks, on a DSCP no stored tag holds, is taken up again and written back by
+        the first round that saves (:attr:`republished`), so that the job keeps its DSCP
+        and the next leader reads it."""
         self.leader = leader
         self._lease = lease
         self._leveller = leveller
         self._tag_store = tags
         self._reserved = frozenset(reserved)
         self._allocator: TagAllocator | None = None
+        self._held = dict(held or {})
+        self._unsaved: dict[str, int] = {}  # held tags taken up again, not yet written back
+        self.republished: dict[str, int] = {}  # the held tags the last round wrote back
         self.node_timeout_s = node_timeout_s
         self.release_after_s = (
             release_after_s if release_after_s is not None else 3 * node_timeout_s
@@ -157,6 +167,13 @@ class Aggregator:
     def _tags(self, now: float) -> TagAllocator:
         if self._allocator is None:
             existing = self._tag_store.load()
+            taken = set(existing.values())
+            self._unsaved = {
+                job: dscp
+                for job, dscp in self._held.items()
+                if job not in existing and dscp not in taken and dscp not in self._reserved
+            }
+            existing = {**existing, **self._unsaved}
             self._allocator = TagAllocator(reserved=self._reserved, existing=existing)
             # a stored tag counts as seen now: one no node reports (its job ended while no
             # leader ran, or before the last one released it) goes after release_after_s
@@ -271,6 +288,9 @@ class Aggregator:
             raise RoundCut(f"the round of epoch {epoch} was cut before it read the tags")
         allocator = self._tags(now)
         before = allocator.allocations()
+        for job in self._unsaved:  # held, but lost by etcd: saved as if allocated now
+            before.pop(job, None)
+        self.republished = {}
         dropped = _follow_nodes(allocator, folds)
         free = len(allocator.pool) - len(allocator.allocations())
         untagged: list[str] = []
@@ -310,6 +330,8 @@ class Aggregator:
             except Exception:
                 self._allocator = None  # re-read what the store holds next round
                 raise
+            self.republished = {j: d for j, d in allocated.items() if self._unsaved.get(j) == d}
+            self._unsaved = {}
         if cut():  # the tags are saved (or none changed): etcd and the allocator agree
             raise RoundCut(f"the round of epoch {epoch} was cut after it saved the tags")
 
@@ -368,6 +390,11 @@ class Aggregator:
             lease=self._lease,
         )
         return self.order
+
+    def held(self) -> dict[str, int]:
+        """job -> DSCP of every tag this leadership holds (what etcd lists under
+        ``<prefix>/tags/`` once its rounds are saved)."""
+        return {} if self._allocator is None else self._allocator.allocations()
 
     def _sync_pins(self, reported: dict[str, int]) -> None:
         """An operator's pin on any node holds for the job everywhere."""

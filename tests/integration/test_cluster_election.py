@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.election import EtcdElection, LeaderInfo
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.cluster.problems import EtcdProblemBoard
+from gpud.cluster.tagstore import EtcdTagStore
 from gpud.net.port import FakeTraffic
 from tools.etcd_local import LocalEtcd, etcd_binary
 
@@ -620,3 +622,77 @@ def test_an_endpoint_that_is_not_etcds_client_port_is_said_as_such_and_passed_ov
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_followers_read_the_leader_keys_lease_as_the_leader_holds_it(etcd: LocalEtcd) -> None:
+    """Every node's LeaderInfo names the lease the leader key is on (the one the leader's
+    orders are signed with), a follower's as it read the key; none once the key is gone."""
+    clock = Clock()
+    nodes = elections(etcd, clock)
+    for e in nodes:
+        e.step()
+    held = nodes[0].state()
+    assert held.leading and held.lease != 0
+    assert [e.state().lease for e in nodes[1:]] == [held.lease, held.lease]
+    nodes[0].stop()  # revokes the lease: the key goes with it
+    nodes[1].step()
+    assert nodes[1].state().leading and nodes[1].state().lease not in (0, held.lease)
+    nodes[2].step()
+    assert nodes[2].state().lease == nodes[1].state().lease
+
+
+def test_a_leader_reelected_on_a_wiped_etcd_writes_its_tags_back(etcd: LocalEtcd) -> None:
+    """etcd wiped (its data dir gone, as after a restore of an empty snapshot): the leader
+    loses its key and lease, is elected again on revisions that start over, and writes
+    back the tags it held, that of a job idle on its node this round too."""
+    from tests.unit.test_cluster_agent import Clock as AgentClock
+    from tests.unit.test_cluster_agent import FixedElection, LoopbackPeers, agent, job
+
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    election = EtcdElection(client, node="n0", address="a0", prefix=prefix, ttl_s=5, clock=Clock())
+    election.step()
+    first = election.state()
+    assert first.leading
+    clock, peers = AgentClock(), LoopbackPeers()
+    leader = agent(
+        "n0",
+        first,
+        FakeTraffic(),
+        peers,
+        clock,
+        tag_store=lambda epoch, lease: EtcdTagStore(
+            client, prefix=prefix, epoch=epoch, lease=lease
+        ),
+    )
+    leader.election = election
+    peers.leader = leader
+    running = dataclasses.replace(job("a", 0.5), dscp=12)
+    idle = dataclasses.replace(job("b", 0.5), dscp=14)
+    traffic = FakeTraffic((running, idle))
+    follows = FixedElection(LeaderInfo("n0", "a0", first.epoch, False, lease=first.lease))
+    follower = agent("n1", follows.info, traffic, peers, clock)
+    follower.election = follows
+    tags = f"{prefix}/tags/"
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await _round(follower, leader)
+        assert client.get_prefix(tags) == {f"{tags}a": b"12", f"{tags}b": b"14"}
+        traffic.jobs = (running,)  # b idles on n1: not reported, its tag held meanwhile
+        await _round(follower, leader)
+
+        etcd.stop()
+        shutil.rmtree(etcd.data_dir / "data")
+        etcd.start()
+        election.step()  # its lease is gone: it steps down
+        assert not election.state().leading
+        election.step()  # and is elected again, on revisions that started over
+        again = election.state()
+        assert again.leading and again.epoch <= first.epoch and again.lease != first.lease
+        follows.info = LeaderInfo("n0", "a0", again.epoch, False, lease=again.lease)
+        for _ in range(3):
+            await _round(leader, follower)
+        assert client.get_prefix(tags) == {f"{tags}a": b"12", f"{tags}b": b"14"}
+
+    asyncio.run(scenario())

@@ -1100,3 +1100,78 @@ class HeldTraffic(FakeTraffic):
         self.asked.set()
         self.go.wait(5)
         return super().local_report()
+
+
+class HeldTags:
+    """n0 leads epoch 7 with job a running on n1 and job b, idle there now, whose tag it
+    holds still; ``reelect`` makes n0 leader again in ``epoch``, on a new lease."""
+
+    def __init__(self) -> None:
+        self.clock, self.peers = Clock(), LoopbackPeers()
+        self.store = MemoryTagStore()
+        self.events = EventLog(None)
+        self.election = FixedElection(LeaderInfo("n0", "a0", 7, True, lease=100))
+        self.leader = agent(
+            "n0", self.election.info, FakeTraffic(), self.peers, self.clock,
+            store=self.store, events=self.events,
+        )  # fmt: skip
+        self.leader.election = self.election
+        self.peers.leader = self.leader
+        self.running = dataclasses.replace(job("a", 0.5), dscp=12)
+        self.idle = dataclasses.replace(job("b", 0.5), dscp=14)
+        self.traffic = FakeTraffic((self.running, self.idle))
+        self.follows = FixedElection(LeaderInfo("n0", "a0", 7, False))
+        self.follower = agent("n1", self.follows.info, self.traffic, self.peers, self.clock)
+        self.follower.election = self.follows
+
+    async def rounds(self, n: int) -> None:
+        for _ in range(n):
+            await self.follower.tick()
+            await self.leader.tick()
+
+    async def lead(self) -> None:
+        await self.rounds(3)
+        assert self.store.tags == {"a": 12, "b": 14}
+        self.traffic.jobs = (self.running,)  # b idles on n1: not reported, its tag held
+        await self.rounds(1)
+
+    def reelect(self, epoch: int) -> None:
+        self.election.info = LeaderInfo("n0", "a0", epoch, True, lease=200)
+        self.follows.info = LeaderInfo("n0", "a0", epoch, False)
+
+    def republished(self) -> list[str]:
+        return [e.message for e in self.events.recent() if e.kind == "cluster.tags_republished"]
+
+
+async def test_a_leader_reelected_on_a_wiped_etcd_writes_back_the_tags_it_held() -> None:
+    # etcd restored from an empty snapshot: the tags are gone, and the leader's key and
+    # lease with them. Re-elected (the revisions went back: a lower epoch, a new lease), the
+    # leader writes back every tag it held, the tag of a job idle on its node this round
+    # too, so that the job keeps its DSCP and etcd lists it for the next leader.
+    c = HeldTags()
+    await c.lead()
+    c.store.tags.clear()  # the wipe: every key gone
+    c.reelect(2)
+    await c.rounds(3)
+    assert c.store.tags == {"a": 12, "b": 14}
+    assert c.republished() == [
+        "etcd had lost 2 DSCP tags this node gave out before (its revisions went back: "
+        "restored from a snapshot, or a new etcd): written back, a=12, b=14"
+    ]
+    said = [e for e in c.events.recent() if e.kind == "cluster.tags_republished"]
+    assert said[0].fields["jobs"] == 2
+    c.traffic.jobs = (c.running, c.idle)  # b runs again: the tag its nodes mark it with
+    await c.rounds(2)
+    await c.follower.tick()
+    assert c.follower.order is not None and c.follower.order.tags == {"a": 12, "b": 14}
+
+
+async def test_a_leader_reelected_on_an_etcd_that_went_on_takes_its_tags_from_etcd() -> None:
+    # another leader ran meanwhile and released b (the epoch is higher: etcd kept its
+    # data): what etcd holds is the truth, b's old tag is not brought back
+    c = HeldTags()
+    await c.lead()
+    del c.store.tags["b"]
+    c.reelect(9)
+    await c.rounds(3)
+    assert c.store.tags == {"a": 12} and c.republished() == []

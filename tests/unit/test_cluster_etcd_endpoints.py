@@ -145,3 +145,41 @@ def test_etcds_own_refusal_is_said_in_its_words(
     with pytest.raises(StoreRefused) as refused:
         _client(etcd).put("/x", "1")
     assert str(refused.value) == "etcd refused /kv/put: etcdserver: request is too large"
+
+
+LOGIN_PAGE = "<html><head><title>Sign in</title></head><body>" + "x" * 500 + "</body></html>"
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        LOGIN_PAGE,
+        json.dumps({"status": "ok", "app": "grafana"}),
+        json.dumps(["3.5.0"]),
+        json.dumps({"etcdserver": "not-a-version"}),
+    ],
+)
+def test_an_endpoint_answering_version_with_200_but_not_as_etcd_is_said_not_etcd(
+    servers: list[http.server.ThreadingHTTPServer], version: str
+) -> None:
+    """A web server or a proxy's login page at the configured address answers /version
+    with 200: said as an endpoint that is not etcd, with what it answered (clipped), not
+    as a JSON parse error."""
+    page = _endpoint(servers, Answers({"/version": (200, version)}))
+    with pytest.raises(Unavailable) as unreachable:
+        _client(page).get("/x")
+    said = str(unreachable.value)
+    assert said.startswith(f"etcd unreachable: {page} answered /version with HTTP 200 "), said
+    assert version[:40] in said and "check cluster.etcd_endpoints" in said, said
+    assert "JSONDecodeError" not in said and len(said) < len(LOGIN_PAGE), said
+
+
+def test_an_endpoint_answering_version_with_a_page_is_passed_over_for_etcd(
+    servers: list[http.server.ThreadingHTTPServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    page = _endpoint(servers, Answers({"/version": (200, LOGIN_PAGE)}))
+    etcd = _endpoint(servers, Answers(dict(ETCD)))
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        assert _client(page, etcd).get("/x") is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"{page} answered /version with HTTP 200 '<html>" in said[0]
