@@ -24,8 +24,8 @@ removes what belonged to jobs gone meanwhile and says what it kept and removed (
 leaves everything in force; ``"restore"`` deletes gpud's root qdisc and table and
 re-installs the root the interface had before gpud first took it
 (:class:`gpud.net.shaped.ShapedInterfaces` keeps it across restarts), but on a netdev
-deleted and created again since then, which never had it, removes gpud's tree only. An interface an
-earlier run shaped that is no longer configured loses gpud's root at start.
+deleted and created again since then, which never had it, removes gpud's tree only. An
+interface an earlier run shaped that is no longer configured loses gpud's root at start.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
 worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
