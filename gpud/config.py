@@ -833,6 +833,15 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(f"{', '.join(twice)} listed twice", path=path, key=key)
+    if "lo" in t.interfaces:
+        # HTB on the loopback shapes this node's own gRPC, etcd and metrics traffic, and
+        # no GPU traffic between nodes ever crosses it
+        raise ConfigError(
+            "'lo' is the loopback: shaping it slows this node's local gRPC and etcd"
+            " traffic, never GPU traffic between nodes; list the NICs that carry it",
+            path=path,
+            key="traffic.interfaces",
+        )
 
     rated: set[str] = set()
     for entry in t.link_rates:

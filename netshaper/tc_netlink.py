@@ -15,7 +15,7 @@ API (one instance per daemon, not thread-safe; call it from the daemon's traffic
     result.ok, result.errors                # {iface: TcError} -- other ifaces enforced
     result.interfaces["eth0"].restored      # what drift put back, as readable lines
     tc.counters("eth0")                     # {classid: ClassCounters} (bytes/packets/drops)
-    tc.restore("eth0", found["eth0"].original)   # shutdown mode "restore"
+    tc.restore("eth0", found["eth0"].original)   # shutdown mode "restore" ("": same netdev)
     tc.close()
 
 What the kernel shows after ``sync`` on ``eth0`` (``tc -s class show dev eth0``; tc prints
@@ -67,6 +67,8 @@ Behaviour:
 * Interfaces not in the plan are never touched. An interface is known by its name: each
   pass looks the name up afresh (one ``RTM_GETLINK``), so one renamed away (or deleted and
   created again) is left alone, and whichever interface bears the name now is shaped.
+  ``restore`` on another netdev than the one last seen by that name deletes our root
+  only: the original it is given was the old netdev's.
 """
 
 from __future__ import annotations
@@ -934,15 +936,21 @@ class TcNetlink:
             message = f"netlink error {_errname(ack.errno)} ({os.strerror(ack.errno)})"
         return TcError(iface, message, op=args, errno=ack.errno, detail=ack.detail)
 
-    def restore(self, iface: str, original: RootQdisc | None = None) -> None:
+    def restore(self, iface: str, original: RootQdisc | None = None) -> str:
         """Put back the interface's root qdisc from before gpud (shutdown mode "restore").
 
         Deletes our HTB root, so the kernel installs its default root (``mq``,
         ``net.core.default_qdisc``, or ``noqueue`` on virtual devices); when ``original``
         names another kind than that, the original kind is installed with its default
         parameters (``tc qdisc replace dev IF root KIND``). Raises TcError on failure.
+
+        Returns "ifindex NEW, was OLD" when the name is another netdev's since this
+        adapter last looked it up (deleted and created again): ``original`` was the old
+        netdev's, so only our HTB root is deleted and the new netdev keeps the root the
+        kernel gave it. Else "".
         """
         idx = self._resolve(iface)
+        replaced = self._replaced.pop(iface, "")
         self._cache.pop(iface, None)
         state = self.read(iface)
         if _is_ours(state.root):
@@ -950,8 +958,8 @@ class TcNetlink:
             self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
             state = self.read(iface)
         now = state.root.kind if state.root is not None else "noqueue"
-        if original is None or original.kind in (now, "noqueue"):
-            return
+        if replaced or original is None or original.kind in (now, "noqueue"):
+            return replaced
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
         self._request_one(
             iface,
@@ -959,6 +967,7 @@ class TcNetlink:
             f"qdisc replace dev {iface} root {original.kind}",
             f"re-install the original {original.kind} root",
         )
+        return ""
 
     def _request_one(self, iface: str, msg: tuple[int, int, bytes], op: str, what: str) -> None:
         try:

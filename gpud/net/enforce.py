@@ -80,8 +80,10 @@ class TcPort(Protocol):
         """classid -> counters of every class on ``iface``."""
         ...
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
-        """Give ``iface`` back its original root qdisc (delete gpud's HTB root)."""
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
+        """Give ``iface`` back its original root qdisc (delete gpud's HTB root). Returns
+        "ifindex NEW, was OLD" when the name is another netdev's since the last pass:
+        ``original`` was the old one's and is not put on it; else ""."""
         ...
 
     def close(self) -> None:
@@ -141,7 +143,8 @@ class FakeTc:
     """An in-memory :class:`TcPort` over :func:`netshaper.tcplan.diff`: ``states`` is what
     the "kernel" holds per interface (tests edit it to simulate drift); ``missing``
     interfaces fail like a missing netdev; ``sent`` sets a class's counters; ``replaced``
-    names an interface deleted and created again since the last pass (its ifindexes)."""
+    names an interface deleted and created again since the last pass (its ifindexes),
+    said by the next pass or restore."""
 
     states: dict[str, tcplan.InterfaceState] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
@@ -192,14 +195,18 @@ class FakeTc:
         state = self._state(iface)
         return {c.classid: self.sent.get((iface, c.classid), FakeCounters()) for c in state.classes}
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
         self._state(iface)
+        replaced = self.replaced.pop(iface, "")
+        if replaced:
+            original = None
         self.restored_ifaces.append(iface)
         self.restored_to[iface] = original
         if original is None:
             self.states.pop(iface, None)
         else:
             self.states[iface] = tcplan.InterfaceState(iface, original)
+        return replaced
 
     def close(self) -> None:
         pass

@@ -23,8 +23,9 @@ removes what belonged to jobs gone meanwhile and says what it kept and removed (
 ``net.takeover``). On a clean stop, ``traffic.shutdown = "fail-static"`` (the default)
 leaves everything in force; ``"restore"`` deletes gpud's root qdisc and table and
 re-installs the root the interface had before gpud first took it
-(:class:`gpud.net.shaped.ShapedInterfaces` keeps it across restarts). An interface an
-earlier run shaped that is no longer configured loses gpud's root at start.
+(:class:`gpud.net.shaped.ShapedInterfaces` keeps it across restarts), but on a netdev
+deleted and created again since then, which never had it, removes gpud's tree only. An
+interface an earlier run shaped that is no longer configured loses gpud's root at start.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
 worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
@@ -380,6 +381,9 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        # interface -> "ifindex NEW, was OLD": the name is another netdev's than the one
+        # whose root qdisc gpud recorded (its original is not put on the new one)
+        self._replaced: dict[str, str] = {}
         # gpud's tc objects found at start per interface, and whether gpud's nftables table
         # is still to be found: the first pass that enforces them says what it kept and
         # removed of what the run before left (event net.takeover)
@@ -1488,18 +1492,21 @@ class TrafficService:
             status = self._ifaces[iface]
             want = plan.interface(iface)
             unchanged = self._applied.get(iface) == want
+            found = self._found.pop(iface, None) if res.error is None else None
+            if res.replaced:
+                self._netdev_replaced(iface, res.replaced)
             if res.error is not None:
                 self._applied.pop(iface, None)
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
-            found = self._found.pop(iface, None)
-            if found is not None:
+            if found is not None and not res.replaced:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif res.ops and (unchanged or (res.replaced and not status.error)):
                 status.repairs += 1
                 # a netdev deleted and created again between two passes (a driver reset,
-                # a runtime re-making it) lost gpud's tree with it: not another tool's change.
+                # a runtime re-making it), or between the start's adopt and the first pass,
+                # lost gpud's tree with it: not another tool's change, nor a takeover.
                 # Said whether or not the plan moved in that pass; one a pass saw missing
                 # (status.error) is said by net.interface alone, as enforced again.
                 why = (
@@ -1535,6 +1542,15 @@ class TrafficService:
                     self._counters.setdefault((iface, job), _Counter()).add(
                         raw.bytes, raw.packets, raw.drops
                     )
+
+    def _netdev_replaced(self, iface: str, replaced: str) -> None:
+        """``iface`` names another netdev since gpud took it (``replaced``: "ifindex NEW,
+        was OLD"). The root qdisc recorded as there before gpud was the old netdev's: a
+        restore leaves the new one the root the kernel gave it, across a restart too."""
+        self._replaced[iface] = replaced
+        self._found.pop(iface, None)  # the tree adopted at start went with the old netdev
+        if self._shaped is not None:
+            self._shaped.forget_original(iface)
 
     def _say_adopted_tc(
         self, iface: str, found: tcplan.InterfaceState, ops: Sequence[tcplan.TcOp]
@@ -1720,15 +1736,20 @@ class TrafficService:
         for iface in self.config.interfaces:
             if self._tc is not None:
                 original = self._originals.get(iface)
+                was = self._replaced.get(iface, "")
                 try:
-                    self._tc.restore(iface, original)
+                    replaced = self._tc.restore(iface, None if was else original) or was
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
                 self._events.emit(
                     "net.unshaped",
-                    f"{iface}: traffic.shutdown = restore: gpud's HTB root removed,"
-                    f" {_restored_root(original)}",
+                    f"{iface}: traffic.shutdown = restore: "
+                    + (
+                        _kept_new_root(original, replaced)
+                        if replaced
+                        else f"gpud's HTB root removed, {_restored_root(original)}"
+                    ),
                     interface=iface,
                 )
                 if self._shaped is not None:
@@ -1746,6 +1767,20 @@ def _restored_root(original: tcplan.RootQdisc | None) -> str:
         return "the kernel's default root qdisc is back (the one before gpud was not recorded)"
     handle = tcplan.format_qdisc_handle(original.handle)
     return f"its root qdisc from before gpud is back: {original.kind} {handle} (default options)"
+
+
+def _kept_new_root(original: tcplan.RootQdisc | None, replaced: str) -> str:
+    """What a restore did on a netdev made again since gpud took the name, for its event."""
+    old = (
+        f"; the old netdev's {original.kind} {tcplan.format_qdisc_handle(original.handle)}"
+        " is not put on it"
+        if original is not None
+        else ""
+    )
+    return (
+        f"another netdev by that name since gpud took it ({replaced}): gpud's HTB root"
+        f" removed from it, the root qdisc the kernel gave it is left{old}"
+    )
 
 
 def _describe(iface: str, err: Exception) -> str:

@@ -8,7 +8,9 @@ Table ``net_original`` keeps the root qdisc each interface had before gpud first
 place cannot see what was there before it, so it takes the recorded one; a start that finds
 another root (gpud's tree was removed meanwhile, by hand or by a restore) records that
 instead. ``traffic.shutdown = "restore"`` and an interface taken out of the config get the
-recorded kind back (with its default parameters: its options are not kept).
+recorded kind back (with its default parameters: its options are not kept). A netdev
+deleted and created again under the name while gpud runs loses the record: the root
+recorded was the old netdev's, and the new one keeps the root the kernel gave it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ class ShapedInterfaces:
                     (iface, root.kind, root.handle),
                 )
             self._originals[iface] = root
+
+    def forget_original(self, iface: str) -> None:
+        """Forget the root ``iface`` had before gpud: the name is another netdev's now
+        (deleted and created again), and the recorded root was the old netdev's."""
+        with self._lock:
+            if iface not in self._originals:
+                return
+            with self._store.transaction() as conn:
+                conn.execute("DELETE FROM net_original WHERE iface = ?", (iface,))
+            self._originals.pop(iface, None)
 
     def discard(self, iface: str) -> None:
         """Forget ``iface`` (gpud's tree is gone from it), its original root too."""

@@ -293,6 +293,28 @@ def test_a_restart_adopts_the_tree_and_restore_brings_back_the_original(net: Net
         second.close()
 
 
+def _index(net: Net, iface: str) -> str:
+    return _run("ip", "-n", net.snd, "-o", "link", "show", iface).split(":")[0]
+
+
+def test_restore_on_a_netdev_made_again_leaves_the_root_the_kernel_gave_it(
+    net: Net, adapter: TcNetlink
+) -> None:
+    net.tc("qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    found = adapter.adopt(["a0"])["a0"]
+    assert not isinstance(found, TcError) and found.original is not None
+    assert adapter.sync(plan({"alpha": 0})).ok
+    old = _index(net, "a0")
+    _run("ip", "-n", net.snd, "link", "del", "a0")
+    _run("ip", "-n", net.snd, "link", "add", "a0", "type", "veth", "peer", "name", "b9")
+    for dev in ("a0", "b9"):
+        _run("ip", "-n", net.snd, "link", "set", dev, "up")
+    new = _index(net, "a0")
+    # the pfifo_fast was the old a0's: the new one keeps its noqueue
+    assert adapter.restore("a0", found.original) == f"ifindex {new}, was {old}"
+    assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+
+
 def test_rates_above_32_bits_of_bytes_per_second(net: Net, adapter: TcNetlink) -> None:
     # 400 Gbit/s = 5e10 bytes/s: needs the kernel's 64-bit rate attributes
     want = tp.plan({"a0": 400 * GBIT}, TAGS, {"alpha": 0}, SHARES)

@@ -597,6 +597,48 @@ def test_restore_brings_back_the_root_from_before_gpud_across_a_restart(bed: Bed
     assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")
 
 
+def _make_a0_again(b: Bed) -> None:
+    run("ip", "-n", b.snd, "link", "del", "a0")
+    b.veth("a0", "b0")
+    run("ip", "-n", b.snd, "link", "set", "a0", "up")
+
+
+@pytest.mark.parametrize("when", ["between_two_passes", "before_the_stop"])
+def test_restore_leaves_a_netdev_made_again_the_root_the_kernel_gave_it(
+    bed: Bed, when: str
+) -> None:
+    """a0 had pfifo_fast when gpud took it; a0 is deleted and created again (the new veth
+    gets the kernel's noqueue): the restore at the stop removes gpud's tree and leaves
+    noqueue, not the old netdev's pfifo_fast, and says why."""
+    run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    bed.extra = 'shutdown = "restore"\n'
+    daemon = bed.start()
+    bed.wait("enforced", lambda: _enforced(bed))
+    old = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        _make_a0_again(bed)
+        if when == "before_the_stop":
+            daemon.proc.send_signal(signal.SIGTERM)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    new = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
+    if when == "between_two_passes":
+        bed.wait("the tree on the new a0", lambda: bool(_events(bed, "net.drift")), timeout=10)
+        assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0")
+    else:
+        daemon.proc.wait(timeout=30)  # the stop under way: a second SIGTERM cuts it short
+    stop_daemon(daemon)
+    bed.daemon = None
+    assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+    said = (
+        f"a0: traffic.shutdown = restore: another netdev by that name since gpud took it"
+        f" (ifindex {new}, was {old}): gpud's HTB root removed from it, the root qdisc the"
+        " kernel gave it is left; the old netdev's pfifo_fast "  # its handle, the kernel's
+    )
+    assert said in daemon.log.read_text()
+
+
 def test_the_link_rate_is_read_in_gpuds_own_network_namespace(bed: Bed) -> None:
     """Without traffic.link_rates, the rate is the link's as gpud's namespace sees it. Under
     ``nsenter --net=`` /sys is still the host's: its ``class/net/eth0`` is the host's eth0

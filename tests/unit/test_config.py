@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import get_type_hints
+from typing import TYPE_CHECKING, get_type_hints
 
 import pytest
 
@@ -33,6 +34,9 @@ from gpud.main import (
     open_files_wanted,
 )
 from tests.unit.nvml_doubles import NoNvml, answering
+
+if TYPE_CHECKING:
+    from gpud.daemon import Daemon
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -813,12 +817,24 @@ def test_flags_are_range_checked_too() -> None:
 def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
     tmp_path: Path,
 ) -> None:
+    path = write(tmp_path, "[telemetry]\ninterval_s = 1e308\n")
+    with _reloaded_from(tmp_path, path) as daemon:
+        (event,) = daemon.events.recent(1, "config.reload_failed")
+        assert "telemetry.interval_s: 1e+308 is out of range: must be within [0.01, 3600]" in (
+            event.message
+        )
+        assert event.fields == {"path": str(path), "key": "telemetry.interval_s"}
+        assert daemon.config.telemetry.interval_s == 1.0
+
+
+@contextlib.contextmanager
+def _reloaded_from(tmp_path: Path, path: Path) -> Iterator["Daemon"]:
+    """A daemon on the tests' running config that was told to reload from ``path``."""
     from gpud.daemon import Daemon
     from gpud.main import mps_control_command, open_backend
     from gpud.notify import Notifier
     from tests.unit.test_daemon import make_config
 
-    path = write(tmp_path, "[telemetry]\ninterval_s = 1e308\n")
     running = make_config(tmp_path)
     backend, sim = open_backend(running)
     daemon = Daemon(
@@ -831,16 +847,26 @@ def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
     )
     try:
         daemon.reload()
-        (event,) = daemon.events.recent(1, "config.reload_failed")
-        assert "telemetry.interval_s: 1e+308 is out of range: must be within [0.01, 3600]" in (
-            event.message
-        )
-        assert event.fields == {"path": str(path), "key": "telemetry.interval_s"}
-        assert daemon.config.telemetry.interval_s == 1.0
+        yield daemon
     finally:
         daemon.sampler.close()
         daemon.store.close()
         daemon.backend.close()
+
+
+def test_the_loopback_is_refused_in_traffic_interfaces_at_start_and_on_reload(
+    tmp_path: Path,
+) -> None:
+    """HTB on ``lo`` would shape the node's own gRPC and etcd traffic, never GPU traffic."""
+    path = write(tmp_path, '[traffic]\ninterfaces = ["eth0", "lo"]\n')
+    with pytest.raises(ConfigError, match="'lo' is the loopback") as info:
+        config.load(path)
+    assert info.value.key == "traffic.interfaces" and str(path) in str(info.value)
+    with _reloaded_from(tmp_path, path) as daemon:
+        (event,) = daemon.events.recent(1, "config.reload_failed")
+        assert "traffic.interfaces: 'lo' is the loopback" in event.message
+        assert event.fields == {"path": str(path), "key": "traffic.interfaces"}
+        assert daemon.config.traffic.interfaces == ()
 
 
 def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> None:

@@ -1819,7 +1819,7 @@ PFIFO_FAST = tcplan.RootQdisc("pfifo_fast", 0)
 class RefusingTc(FakeTc):
     """Refuses to remove gpud's tree (EPERM, as netlink says it)."""
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
         raise RuntimeError(f"{iface}: Operation not permitted")
 
 
@@ -1877,6 +1877,60 @@ def test_a_root_changed_while_gpud_was_stopped_is_the_new_original(rig: Rig) -> 
     _shaped_over(rig, bfifo)
     _restart(rig).shutdown()
     assert rig.tc.restored_to == {"eth0": bfifo}
+
+
+def _made_again(rig: Rig) -> None:
+    """eth0 deleted and created again: a bare netdev under the name, another ifindex."""
+    rig.tc.states.pop("eth0", None)
+    rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+
+
+def test_a_netdev_made_again_before_the_first_tick_is_named_so_not_taken_over(
+    rig: Rig,
+) -> None:
+    rig.active = {"a"}
+    rig.service.tick()  # gpud's tree on eth0; then kill -9
+    rig.service = rig.make()
+    rig.service.start()  # adopts gpud's tree on the old netdev
+    _made_again(rig)
+    rig.service.tick()
+    takeovers = [e for e in rig.events.recent(100) if e.kind == "net.takeover"]
+    assert [e.fields["interface"] for e in takeovers] == [""]  # the nftables table's alone
+    (drift,) = [e for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert drift.message.startswith(
+        "eth0: another netdev by that name (ifindex 9, was 4): gpud's tree built on it again,"
+    )
+    assert rig.service.view().interfaces[0].enforced
+
+
+def test_restore_leaves_a_netdev_made_again_before_the_first_tick_its_own_root(
+    rig: Rig,
+) -> None:
+    rig.config = dataclasses.replace(rig.config, shutdown="restore")
+    rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", PFIFO_FAST)
+    rig.service = rig.make()
+    rig.service.start()  # records the old netdev's pfifo_fast
+    _made_again(rig)
+    rig.service.tick()
+    # the record was the old netdev's: a restart (kill -9 here) does not take it back up
+    assert ShapedInterfaces(rig.store).original("eth0") is None
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {"eth0": None}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert done.message == (
+        "eth0: traffic.shutdown = restore: another netdev by that name since gpud took it"
+        " (ifindex 9, was 4): gpud's HTB root removed from it, the root qdisc the kernel"
+        " gave it is left; the old netdev's pfifo_fast 0: is not put on it"
+    )
+
+
+def test_restore_on_a_netdev_made_again_after_the_last_tick_leaves_its_root(rig: Rig) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    _made_again(rig)  # after the last pass, before the stop: the restore finds it
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {"eth0": None}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "another netdev by that name since gpud took it (ifindex 9, was 4)" in done.message
 
 
 def test_a_job_tagged_outside_the_tick_is_no_longer_listed_as_untagged(
