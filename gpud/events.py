@@ -378,9 +378,10 @@ class EventLog:
         data = (("\n" if self._torn else "") + line + "\n").encode()
         try:
             self._rotate_if_needed()
-            fd = _append(str(self._path), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+            fd, size = _append(str(self._path), flags)
             try:
-                _append_whole(fd, data)
+                _append_whole(fd, data, size)
             finally:
                 os.close(fd)
             self._torn = False
@@ -423,26 +424,28 @@ def _wake_all(watchers: list[Watcher]) -> None:
             _watch_log.exception("cannot wake an event watcher")
 
 
-def _append(path: str, flags: int) -> int:
+def _append(path: str, flags: int) -> tuple[int, int]:
     """Open the log to append, a new (empty) one with :data:`STATE_FILE_MODE` whatever the
-    umask; one that has lines keeps its mode."""
+    umask; one that has lines keeps its mode. The descriptor, and the file's size as opened
+    (what :func:`_append_whole` cuts a part-written line back to)."""
     fd = os.open(path, flags | os.O_NOFOLLOW, STATE_FILE_MODE)
     try:
-        if os.fstat(fd).st_size == 0:
+        size = os.fstat(fd).st_size
+        if size == 0:
             os.fchmod(fd, STATE_FILE_MODE)
     except OSError:
         os.close(fd)
         raise
-    return fd
+    return fd, size
 
 
-def _append_whole(fd: int, data: bytes) -> None:
+def _append_whole(fd: int, data: bytes, size: int) -> None:
     """Append ``data`` to ``fd`` (opened O_APPEND, by the log's one writer), or none of it.
     A disk that fills (ENOSPC, EFBIG, EDQUOT) writes what fits before it refuses the rest,
     and that part of a line would stay in the file as a line no reader parses (``jq``, a
-    log shipper): the file is truncated to its size before the write, which frees what the
-    part took, and the error raised."""
-    size = os.fstat(fd).st_size
+    log shipper): the file is truncated to ``size``, its size before the write (the log's one
+    writer appends nothing between the open and the write), which frees what the part took,
+    and the error raised."""
     done = 0
     try:
         while done < len(data):

@@ -14,7 +14,9 @@ Two pairs of commands, each a fresh process, on a running ``gpud --simulate`` no
 Each repetition runs the four commands back to back, in an order that alternates between
 repetitions, so that both sides of a ratio see the same machine load; the reported ratio is
 the median of the per-repetition ratios (medians of each side shown too). Targets: status
-<= 1.3 x the floor, --help <= 3 x ``python3 -c pass``.
+<= 1.3 x the floor, --help <= 3 x ``python3 -c pass``. A SIGTERM or SIGINT stops it: gpud
+stopped, its directory removed, the repetitions done so far reported, "cut short by SIGNAL",
+exit 128 + its number.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from tools.simdaemon import simulated_gpud
+from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 FLOOR = """
@@ -36,6 +38,7 @@ channel = grpc.insecure_channel("unix:" + sys.argv[1])
 resp = node_pb2_grpc.NodeStub(channel).GetStatus(node_pb2.GetStatusRequest(), timeout=10)
 print(resp.version, resp.gpu_count, resp.healthy_gpu_count)
 """
+NAMES = ("gpuctl status", "floor", "gpuctl --help", "python -c pass")
 TARGETS = {"status": 1.3, "help": 3.0}
 
 
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate", default="H100-SXM5-80GB:8")
     args = parser.parse_args(argv)
     py = sys.executable
-    with simulated_gpud(args.simulate) as daemon:
+    times: dict[str, list[float]] = {name: [] for name in NAMES}
+    with stopped_by_signal() as stopped, simulated_gpud(args.simulate) as daemon:
         sock = str(daemon.socket)
         commands = {
             "gpuctl status": [py, "-c", GPUCTL, "--socket", sock, "status"],
@@ -61,18 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         }
         for cmd in commands.values():  # warm the page cache and .pyc files
             wall(cmd)
-        times: dict[str, list[float]] = {name: [] for name in commands}
+        print(f"measuring: {args.reps} repetitions", flush=True)
         for rep in range(args.reps):
-            names = list(commands) if rep % 2 == 0 else list(reversed(commands))
-            for name in names:
-                times[name].append(wall(commands[name]))
+            names = NAMES if rep % 2 == 0 else NAMES[::-1]
+            rep_times = {name: wall(commands[name]) for name in names}
+            for name, took in rep_times.items():  # a repetition counts whole or not at all
+                times[name].append(took)
+    done = len(times[NAMES[0]])
+    if stopped.by and not done:
+        return cut_short(stopped.by, f"0 of {args.reps} repetitions")
     ratios = {
         "status": [s / f for s, f in zip(times["gpuctl status"], times["floor"], strict=True)],
         "help": [
             h / p for h, p in zip(times["gpuctl --help"], times["python -c pass"], strict=True)
         ],
     }
-    print(f"{args.reps} repetitions, {args.simulate} simulated node, {py}")
+    print(f"{done} repetitions, {args.simulate} simulated node, {py}")
     for name, values in times.items():
         print(f"  {name:<15} median {statistics.median(values) * 1000:6.1f} ms"
               f"  min {min(values) * 1000:6.1f} ms")  # fmt: skip
@@ -83,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= good
         print(f"  {label:<25} {ratio:5.2f} x  (target <= {TARGETS[key]:g} x: "
               f"{'met' if good else 'MISSED'})")  # fmt: skip
+    if stopped.by:
+        return cut_short(stopped.by, f"{done} of {args.reps} repetitions")
     return 0 if ok else 1
 
 

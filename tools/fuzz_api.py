@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import signal
 import sys
 import time
 from collections import Counter
@@ -46,7 +45,7 @@ from gpud.v1 import (
     node_pb2,
     queue_pb2,
 )
-from tools.simdaemon import SimDaemon, simulated_gpud, stop_on_signals
+from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
 
 MB = 1_000_000
 SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
@@ -198,6 +197,7 @@ class Run:
     seed: int
     methods: int
     sent: int = 0
+    big_sent: int = 0  # of them with a 1 MB string (or 1 MB of raw bytes)
     outcomes: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     held: list[float] = field(default_factory=list)  # each answered GetEntry of the queued one
@@ -258,6 +258,7 @@ def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
                 request: Any = fuzzer.fill(request_cls())
                 if not fuzzer.plant_big(request):
                     request = fuzzer.string().encode() + b"x" * MB  # no string field: raw bytes
+                run.big_sent += 1
             elif rng.random() < 0.05:
                 request = rng.randbytes(rng.randint(1, 300))
             else:
@@ -294,7 +295,8 @@ def report(run: Run, max_growth_mb: float) -> int:
     """Print what ``run`` measured; the exit status: 0 if it passed, 1 if it failed, 128 +
     the signal's number if it was cut short."""
     sent = f"{run.sent} of {run.requests}" if run.cut_by else str(run.requests)
-    print(f"{sent} fuzzed requests ({run.big} with a 1 MB string) to {run.methods} "
+    big = f"{run.big_sent} of {run.big}" if run.cut_by else str(run.big)
+    print(f"{sent} fuzzed requests ({big} with a 1 MB string) to {run.methods} "
           f"methods of gpud --simulate {SPEC}, seed {run.seed}")  # fmt: skip
     print("outcomes: " + (", ".join(f"{k} {v}" for k, v in run.outcomes.most_common()) or "-"))
     print(f"GetEntry of the queued entry: {len(run.held)} answered, "
@@ -308,9 +310,7 @@ def report(run: Run, max_growth_mb: float) -> int:
     for line in run.failures[:10]:
         print("  " + line[:300])
     if run.cut_by:
-        print(f"cut short by {run.cut_by} after {run.sent} of {run.requests} requests; gpud"
-              " stopped, its directory removed; FAILED")  # fmt: skip
-        return 128 + signal.Signals[run.cut_by].value
+        return cut_short(run.cut_by, f"{run.sent} of {run.requests} requests")
     ok = bool(run.alive) and not run.failures and growth is not None and growth <= max_growth_mb
     print(
         "daemon "
@@ -328,14 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-growth-mb", type=float, default=20.0)
     args = parser.parse_args(argv)
     run = Run(args.requests, args.big, args.seed, len(methods()))
-    with stop_on_signals() as received:
-        try:
-            with simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon:
-                print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
-                fuzz(daemon, random.Random(args.seed), run)
-        except KeyboardInterrupt:
-            # its daemon stopped and its directory removed as the with unwound
-            run.cut_by = signal.Signals(received[0] if received else signal.SIGINT).name
+    # a signal: its daemon stopped and its directory removed as the with unwinds
+    with (
+        stopped_by_signal() as stopped,
+        simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon,
+    ):
+        print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
+        fuzz(daemon, random.Random(args.seed), run)
+    run.cut_by = stopped.by
     return report(run, args.max_growth_mb)
 
 

@@ -19,14 +19,15 @@ temporary directory is left then.
 
 While it runs (from the main thread), SIGTERM and SIGINT raise KeyboardInterrupt (SIGTERM as
 :class:`Terminated`): the daemon is stopped and the directories removed as the ``with``
-unwinds. A tool that prints what it has so far takes them itself, :func:`stop_on_signals`::
+unwinds. A tool that prints what it has so far takes them itself, :func:`stopped_by_signal`,
+and says it was cut short with :func:`cut_short`::
 
-    with stop_on_signals() as received:
-        try:
-            with simulated_gpud(spec) as daemon:
-                ...
-        except KeyboardInterrupt:
-            ...  # received[0]: the signal
+    with stopped_by_signal() as stopped:
+        with simulated_gpud(spec) as daemon:
+            ...  # measures, recording as it goes
+    ...  # prints what it measured so far
+    if stopped.by:  # e.g. "SIGTERM"
+        return cut_short(stopped.by, f"{done} of {planned} rounds")  # 128 + its number
 """
 
 from __future__ import annotations
@@ -133,6 +134,38 @@ def stop_on_signals() -> Iterator[list[int]]:
                 signal.signal(signum, handler)
         finally:
             _signals = None
+
+
+@dataclass
+class Stopped:
+    """What :func:`stopped_by_signal` saw: ``by``, the name of the signal that cut the tool
+    short ("SIGTERM", "SIGINT"), or "" if none did."""
+
+    by: str = ""
+
+
+@contextmanager
+def stopped_by_signal() -> Iterator[Stopped]:
+    """The body runs under :func:`stop_on_signals`; the first SIGTERM or SIGINT ends it (its
+    daemons stopped and directories removed as it unwinds) and is noted in the
+    :class:`Stopped` yielded, not raised further, so that the tool can print what it has."""
+    stopped = Stopped()
+    with stop_on_signals() as received:
+        try:
+            yield stopped
+        except KeyboardInterrupt:
+            # SIGINT for one with none received: Python's own Ctrl-C handler raised it
+            stopped.by = signal.Signals(received[0] if received else signal.SIGINT).name
+
+
+def cut_short(by: str, done: str) -> int:
+    """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
+    e.g. "7 of 21 rounds"), its gpud stopped; the exit status, 128 + the signal's number, as
+    a shell reports a process the signal ended."""
+    print(
+        f"cut short by {by} after {done}; gpud stopped, its directory removed; FAILED", flush=True
+    )
+    return 128 + signal.Signals[by].value
 
 
 @contextmanager

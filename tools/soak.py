@@ -18,8 +18,9 @@ leaves them registered: the registry, and its series, then grow with every run).
 Every ``--report-every`` minutes it prints a row: the daemon's RSS, its anonymous and private
 dirty memory (``/proc/PID/smaps_rollup``), open fds, threads, metric series, commands sent;
 at the end the slope of each over the first and second half (per minute; sampled every
-30 s). Ctrl-C or SIGTERM stops it early and still prints the slopes; the daemon, the commands
-still running and the directory are cleaned up on the way out.
+30 s). Ctrl-C or SIGTERM stops it early: the commands still running, the daemon and the
+directories are cleaned up on the way out, the slopes of what it sampled so far printed, then
+"cut short by SIGNAL", and it exits 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.simdaemon import SimDaemon, simulated_gpud, stop_on_signals
+from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
 
 CONFIG = """\
 [mps]
@@ -321,16 +322,26 @@ def stray_mps_daemons(run_dir: Path, proc_root: Path = Path("/proc")) -> list[in
     return found
 
 
-def drive(driver: Driver, minutes: float, rate: float, report_every: float) -> list[Sample]:
-    """Send the commands for ``minutes``, printing a row every ``report_every`` minutes; the
-    samples taken so far (every 30 s)."""
+@dataclass
+class Soaked:
+    """What a soak measured so far: all of it at its end, a part when cut short."""
+
+    samples: list[Sample] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)  # the commands', by outcome
+    minutes: float = 0.0  # driven so far
+
+
+def drive(driver: Driver, minutes: float, rate: float, report_every: float, soaked: Soaked) -> None:
+    """Send the commands for ``minutes``, printing a row every ``report_every`` minutes and
+    recording into ``soaked`` as it goes (a sample every 30 s)."""
     pid = driver.daemon.pid
-    samples: list[Sample] = []
+    samples = soaked.samples
     start = time.monotonic()
     next_act = next_scrape = next_sample = next_report = start
     next_hup = start + SIGHUP_EVERY_S
     try:
         while (now := time.monotonic()) < start + minutes * 60:
+            soaked.minutes = (now - start) / 60
             driver.reap()
             if now >= next_act:
                 driver.act()
@@ -349,20 +360,27 @@ def drive(driver: Driver, minutes: float, rate: float, report_every: float) -> l
                     next_report += report_every * 60
             time.sleep(0.05)
         samples.append(sample(pid, start, driver))
+        soaked.minutes = samples[-1].minute
         print(row(samples[-1]), flush=True)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
     finally:
         driver.stop()
-    return samples
 
 
 def soak(ns: argparse.Namespace) -> int:
-    with stop_on_signals():  # SIGTERM cleans up as Ctrl-C does
-        return _soak(ns)
+    """Run the soak ``ns`` asks for and print its slopes; the exit status: 0, or 128 + the
+    signal's number if SIGINT or SIGTERM cut it short (what it measured still printed)."""
+    soaked = Soaked()
+    # SIGTERM cleans up as Ctrl-C does: the commands still running, the daemon, the directories
+    with stopped_by_signal() as stopped:
+        _soak(ns, soaked)
+    print(summary(soaked.samples))
+    print("commands:", ", ".join(f"{k} x{v}" for k, v in sorted(soaked.outcomes.items())))
+    if stopped.by:
+        return cut_short(stopped.by, f"{soaked.minutes:.1f} of {ns.minutes:g} minutes")
+    return 0
 
 
-def _soak(ns: argparse.Namespace) -> int:
+def _soak(ns: argparse.Namespace, soaked: Soaked) -> None:
     env = dict(os.environ)
     for item in ns.gpud_env:
         key, _, value = item.partition("=")
@@ -374,20 +392,24 @@ def _soak(ns: argparse.Namespace) -> int:
         try:
             with simulated_gpud(ns.spec, config_text=CONFIG, env=env) as daemon:
                 run_dir = daemon.socket.parent
-                driver = Driver(daemon, work, random.Random(ns.seed), ns.names, ns.keep_jobs)
+                driver = Driver(
+                    daemon,
+                    work,
+                    random.Random(ns.seed),
+                    ns.names,
+                    ns.keep_jobs,
+                    outcomes=soaked.outcomes,
+                )
                 apply = ["--timeout", "120", "mig", "apply", "-f", str(work / "mig.yaml")]
                 subprocess.run(
                     driver.gpuctl(*apply, "-c", "soak"), check=True, stdout=subprocess.DEVNULL
                 )
-                print(f"gpud pid {daemon.pid}, log {daemon.log}", flush=True)
+                print(f"gpud pid {daemon.pid}, run dir {run_dir}, log {daemon.log}", flush=True)
                 print(HEADER, flush=True)
-                samples = drive(driver, ns.minutes, ns.rate, ns.report_every)
+                drive(driver, ns.minutes, ns.rate, ns.report_every, soaked)
         finally:
             for pid in stray_mps_daemons(run_dir) if run_dir is not None else ():
                 os.kill(pid, signal.SIGKILL)
-    print(summary(samples))
-    print("commands:", ", ".join(f"{k} x{v}" for k, v in sorted(driver.outcomes.items())))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

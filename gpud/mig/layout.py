@@ -182,9 +182,12 @@ class MigConfigFile:
         entries = self.config(name)
         return unjudged(entries, gpus, resolve(entries, gpus, where=self.where(name)))
 
-    def where(self, name: str) -> str:
-        """``mig-configs.NAME in PATH``: where config ``name`` is, for messages."""
-        return f"mig-configs.{name}" + (f" in {self.path}" if self.path else "")
+    def where(self, name: str = "") -> str:
+        """``mig-configs.NAME in PATH``: where config ``name`` is, for messages; with no
+        name, ``mig-configs in PATH``, where all of them are."""
+        return (
+            "mig-configs" + (f".{name}" if name else "") + (f" in {self.path}" if self.path else "")
+        )
 
     def config(self, name: str) -> tuple[ConfigEntry, ...]:
         try:
@@ -192,9 +195,8 @@ class MigConfigFile:
         except KeyError:
             known = ", ".join(sorted(self.configs)) or "none"
             # the file too: an operator with several layout files passed the wrong one
-            in_file = f" in {self.path}" if self.path else ""
             raise InvalidArgument(
-                f"no config named {name!r} (the file has: {known})", field=f"mig-configs{in_file}"
+                f"no config named {name!r} (the file has: {known})", field=self.where()
             ) from None
 
 

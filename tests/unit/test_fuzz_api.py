@@ -6,98 +6,40 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import re
 import signal
-import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import IO
 
 import psutil
 import pytest
 
-from gpud.mps.procs import alive
+from tests.unit.tool_support import running_tool, stopped_by
 from tools import simdaemon
+from tools.fuzz_api import Run, report
 from tools.simdaemon import stop_on_signals
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _pids_under(run_dir: Path, gpud: int) -> set[int]:
-    """gpud, what it started, and every MPS control daemon with a PID file in its run dir."""
-    pids = {gpud}
-    with contextlib.suppress(psutil.NoSuchProcess):
-        pids |= {p.pid for p in psutil.Process(gpud).children(recursive=True)}
-    for pid_file in run_dir.rglob("nvidia-cuda-mps-control.pid"):
-        with contextlib.suppress(OSError, ValueError):
-            pids.add(int(pid_file.read_text()))
-    return pids
-
-
-def _began(stdout: IO[str]) -> tuple[int, Path]:
-    """gpud's PID and run dir, read from the tool's lines up to the one saying it began."""
-    gpud, run_dir, seen = 0, None, []
-    for line in stdout:
-        seen.append(line)
-        if line.startswith("gpud pid "):
-            words = line.split()  # gpud pid PID, run dir DIR
-            gpud, run_dir = int(words[2].rstrip(",")), Path(words[5])
-        if line.startswith("fuzzing: "):
-            break
-    assert run_dir is not None and line.startswith("fuzzing: "), "".join(seen)
-    return gpud, run_dir
-
-
-@contextmanager
-def _running(argv: list[str]) -> Iterator[tuple[subprocess.Popen[str], Path, set[int]]]:
-    """The tool ``argv`` once it said it began: it, its temporary directory, and gpud with
-    the processes it started. Whatever is left of them at the end is killed or removed."""
-    proc = subprocess.Popen(
-        [sys.executable, *argv],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    # a guard, not a measure: a tool that never says it began ends the wait for its line
-    guard = threading.Timer(300, proc.kill)
-    guard.start()
-    pids: set[int] = set()
-    work: Path | None = None
-    try:
-        gpud, run_dir = _began(proc.stdout)
-        work = run_dir.parent
-        pids = _pids_under(run_dir, gpud)
-        yield proc, work, pids
-    finally:
-        guard.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def test_a_sigterm_mid_run_stops_its_gpud_removes_its_directory_and_reports_so_far() -> None:
     argv = ["-m", "tools.fuzz_api", "--requests", "10000000", "--big", "0"]
-    with _running(argv) as (proc, work, pids):
-        assert len(pids) > 1, pids  # its MPS control daemon at least
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 128 + signal.SIGTERM, rest
+    with running_tool(argv, began="fuzzing: ") as tool:
+        assert len(tool.pids) > 1, tool.pids  # gpud and its MPS control daemon at least
+        rest = stopped_by(tool, signal.SIGTERM)
+        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
         assert "cut short by SIGTERM after " in rest, rest
         assert rest.splitlines()[0].endswith(" seed 1") and "outcomes: " in rest, rest
         assert "RSS: " in rest and " after the warm-up" in rest, rest
-        assert not work.exists()
-        assert [pid for pid in pids if alive(pid)] == []
+        assert list(tool.tmp.iterdir()) == []
+        assert tool.left() == []
+
+
+def test_a_run_cut_short_counts_the_big_strings_it_sent_not_those_it_planned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run = Run(requests=3000, big=300, seed=1, methods=40, sent=120, big_sent=11)
+    run.cut_by = "SIGINT"
+    assert report(run, max_growth_mb=20) == 128 + signal.SIGINT
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("120 of 3000 fuzzed requests (11 of 300 with a 1 MB string) "), first
 
 
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end
@@ -105,20 +47,18 @@ BENCHMARK = """
 import time
 from tools.simdaemon import simulated_gpud
 with simulated_gpud("H100-SXM5-80GB:1", config_text="[mps]\\nenabled = true\\n") as daemon:
-    print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
-    print("fuzzing: (measuring)", flush=True)
+    print("measuring", flush=True)
     while True:
         time.sleep(1)
 """
 
 
 def test_a_sigterm_to_any_tool_on_a_simulated_gpud_stops_it_and_removes_its_directory() -> None:
-    with _running(["-c", BENCHMARK]) as (proc, work, pids):
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode != 0 and "Terminated" in rest, rest
-        assert not work.exists()
-        assert [pid for pid in pids if alive(pid)] == []
+    with running_tool(["-c", BENCHMARK], began="measuring") as tool:
+        rest = stopped_by(tool, signal.SIGTERM)
+        assert tool.proc.returncode != 0 and "Terminated" in rest, rest
+        assert list(tool.tmp.iterdir()) == []
+        assert tool.left() == []
 
 
 def test_a_tool_killed_outright_takes_its_simulated_gpud_with_it() -> None:
@@ -126,14 +66,14 @@ def test_a_tool_killed_outright_takes_its_simulated_gpud_with_it() -> None:
     # process group of its own, is not reached by one sent to the tool's
     script = BENCHMARK.replace("[mps]\\nenabled = true\\n", "")  # gpud alone, no MPS
     assert script != BENCHMARK
-    with _running(["-c", script]) as (proc, work, pids):
-        proc.kill()
-        proc.communicate()
-        for pid in pids:  # a guard, not a measure: gpud stops in order on its SIGTERM
+    with running_tool(["-c", script], began="measuring") as tool:
+        tool.proc.kill()
+        tool.proc.communicate()
+        for pid in tool.pids:  # a guard, not a measure: gpud stops in order on its SIGTERM
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).wait(timeout=120)
-        assert [pid for pid in pids if alive(pid)] == []
-        assert work.exists()  # the tool could not remove it: _running does
+        assert tool.pids and tool.left() == []
+        assert list(tool.tmp.iterdir()) != []  # the tool could not remove it: running_tool does
 
 
 def test_a_signal_while_the_tool_puts_its_handlers_back_is_noted_and_all_are_put_back() -> None:
@@ -167,3 +107,13 @@ def test_a_signal_while_the_tool_puts_its_handlers_back_is_noted_and_all_are_put
         sys.setprofile(None)
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_a_benchmark_in_rounds_stopped_says_how_many_it_did_and_fails() -> None:
+    argv = ["-m", "tools.bench_gpuctl", "--reps", "100000", "--simulate", "H100-SXM5-80GB:1"]
+    with running_tool(argv, began="measuring: ") as tool:
+        rest = stopped_by(tool, signal.SIGINT)
+        assert tool.proc.returncode == 128 + signal.SIGINT, rest
+        assert re.search(r"cut short by SIGINT after \d+ of 100000 repetitions", rest), rest
+        assert list(tool.tmp.iterdir()) == []
+        assert tool.left() == []

@@ -38,6 +38,22 @@ def sim() -> SimNode:
     return SimNode([("H100-SXM5-80GB", 3)])
 
 
+def _usage_error(node: Node, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """``gpuctl ARGV`` refused as a usage error with nothing on stdout; what it said on
+    stderr."""
+    code = node.ctl(*argv)
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, ""), err
+    return err
+
+
+def _nothing_changed(node: Node, sim: SimNode, faults: FakeFaults) -> None:
+    """Refused before anything changed in gpud: no job, no workload, no fault injected."""
+    assert node.jobs.registry.all() == []
+    assert sim.workloads.list() == []
+    assert faults.calls == []
+
+
 @pytest.fixture
 def faults() -> FakeFaults:
     return FakeFaults()
@@ -90,14 +106,10 @@ def test_an_absurd_value_is_refused_in_one_line_changing_nothing(  # noqa: PLR09
     argv: tuple[str, ...],
     message: str,
 ) -> None:
-    code = node.ctl(*argv)
-    out, err = capsys.readouterr()
-    assert (code, out) == (EXIT_USAGE, ""), err
+    err = _usage_error(node, capsys, *argv)
     assert err.startswith("gpuctl: ") and err.count("\n") == 1, err
     assert message in err
-    assert node.jobs.registry.all() == []
-    assert sim.workloads.list() == []
-    assert faults.calls == []
+    _nothing_changed(node, sim, faults)
 
 
 EMPTY = [
@@ -177,16 +189,12 @@ def test_an_empty_value_is_a_usage_error_naming_its_option(  # noqa: PLR0917 (fi
     argv: tuple[str, ...],
     message: str,
 ) -> None:
-    code = node.ctl(*command.split(), *argv)
-    out, err = capsys.readouterr()
-    assert (code, out) == (EXIT_USAGE, ""), err
+    err = _usage_error(node, capsys, *command.split(), *argv)
     said, hint = err.splitlines()
     prog = said.split(": error: ")[0]
     assert prog.startswith(f"gpuctl {command}") and hint == f"try '{prog} --help'", err
     assert said.startswith(f"{prog}: error: argument {message}"), err
-    assert node.jobs.registry.all() == []
-    assert sim.workloads.list() == []
-    assert faults.calls == []
+    _nothing_changed(node, sim, faults)
 
 
 # (command, argv before the value, the option as argparse names it, the range it takes):
@@ -220,11 +228,8 @@ def test_a_number_out_of_range_is_refused_saying_the_range_the_command_takes(  #
     span: str,
     value: str,
 ) -> None:
-    code = node.ctl(*command.split(), *head, value)
-    out, err = capsys.readouterr()
-    assert (code, out) == (EXIT_USAGE, ""), err
-    said = err.splitlines()[0]
-    assert said.endswith(f": error: argument {option}: {value} is not in {span}"), err
+    said = _usage_error(node, capsys, *command.split(), *head, value).splitlines()[0]
+    assert said.endswith(f": error: argument {option}: {value} is not in {span}"), said
     assert faults.calls == []
 
 
@@ -240,9 +245,7 @@ def test_a_number_out_of_range_is_refused_saying_the_range_the_command_takes(  #
 def test_under_json_a_value_naming_nothing_is_a_usage_error_naming_its_command(
     node: Node, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
 ) -> None:
-    code = node.ctl("--json", *argv)
-    out, err = capsys.readouterr()
-    assert (code, out) == (EXIT_USAGE, ""), err
+    err = _usage_error(node, capsys, "--json", *argv)
     assert json.loads(err)["error"]["message"].startswith(message), err
     assert node.jobs.registry.all() == []
 

@@ -1,9 +1,12 @@
-"""tools/soak's arithmetic and clean-up, without a daemon."""
+"""tools/soak's arithmetic and clean-up, and a soak stopped part way (``timeout``'s SIGTERM,
+Ctrl-C): its gpud, commands and directories gone, what it measured printed, a failure."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+from tests.unit.tool_support import running_tool, stopped_by
 from tools.soak import Sample, slope, stray_mps_daemons, summary
 
 
@@ -39,3 +42,15 @@ def test_stray_mps_daemons_are_those_under_the_run_dir(tmp_path: Path) -> None:
     (proc / "13").mkdir()  # gone before its environ was read
     (proc / "self").mkdir()
     assert stray_mps_daemons(run, proc) == [10]
+
+
+def test_a_sigterm_mid_soak_cleans_up_prints_what_it_measured_and_fails() -> None:
+    argv = ["-m", "tools.soak", "--minutes", "30", "--rate", "5", "--spec", "H100-SXM5-80GB:4"]
+    with running_tool(argv, began="   min ") as tool:  # its table's header
+        assert len(tool.pids) > 1, tool.pids  # gpud and its MPS control daemon at least
+        rest = stopped_by(tool, signal.SIGTERM)
+        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
+        assert "too few samples for slopes" in rest and "commands: " in rest, rest
+        assert "cut short by SIGTERM after " in rest and " of 30 minutes" in rest, rest
+        assert list(tool.tmp.iterdir()) == []
+        assert tool.left() == []
