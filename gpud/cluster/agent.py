@@ -234,9 +234,10 @@ class ClusterAgent:
         # numbers revisions from 1 again, so the same epoch on a new lease is a new leadership
         self._agg_leadership = (0, 0)
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
-        # (epoch, job -> DSCP) of the tags this node's last leadership held: written back
-        # by a later one on an etcd whose revisions went back (it lost them)
-        self._held: tuple[int, dict[str, int]] = (0, {})
+        # ((epoch, lease), job -> DSCP): the tags this node's last leadership held. While no
+        # other leadership has come since (its orders clear them, _apply), etcd should hold
+        # them: a later leadership of this node writes back those etcd lost (restored, wiped)
+        self._held: tuple[tuple[int, int], dict[str, int]] = ((0, 0), {})
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self._led_at: float | None = None  # (clock) this leadership's last round
         self.mode = Mode.LOCAL
@@ -646,7 +647,6 @@ class ClusterAgent:
             new_leadership = agg is None or self._agg_leadership != (epoch, lease)
             last = now if self._led_at is None else self._led_at
             if agg is None or new_leadership:
-                held_epoch, held = self._held
                 agg = self._aggregator = Aggregator(
                     leader=self.node,
                     leveller=Leveller(self._leveller),
@@ -657,9 +657,10 @@ class ClusterAgent:
                     # the lease): its sequence goes on, or every node would refuse it
                     after=self._issued,
                     lease=lease,
-                    # etcd's revisions went back (its data lost): it may have lost the
-                    # tags too; on an etcd that went on, what it holds is the truth
-                    held=held if epoch <= held_epoch else None,
+                    # no other leader since this node's last leadership (or _held would be
+                    # empty): a tag etcd lacks was lost by etcd (restored from a snapshot,
+                    # wiped), not released by a successor, whatever the epoch
+                    held=self._held[1],
                 )
                 self._agg_leadership = (epoch, lease)
                 resumed = False
@@ -700,9 +701,11 @@ class ClusterAgent:
             order = agg.compute(epoch, now, wall=self._wall(), cut=self._rounds_ended)
         except RoundCut as cut:
             log.info("cluster: %s: the cluster stops", cut)
+            if agg.republished:  # cut after the save that wrote them back: etcd has them
+                self._say_republished(agg.republished)
             return None
         self._issued = (order.epoch, order.seq)
-        self._held = (epoch, agg.held())
+        self._held = ((epoch, lease), agg.held())
         if agg.republished:
             self._say_republished(agg.republished)
         return order
@@ -711,8 +714,8 @@ class ClusterAgent:
         listed = ", ".join(f"{job}={dscp}" for job, dscp in sorted(tags.items()))
         count = f"{len(tags)} DSCP tag{'s' if len(tags) > 1 else ''}"
         message = (
-            f"etcd had lost {count} this node gave out before (its revisions went back: "
-            f"restored from a snapshot, or a new etcd): written back, {listed}"
+            f"etcd had lost {count} this node gave out in its last leadership, no other "
+            f"leader since (restored from a snapshot, or a new etcd): written back, {listed}"
         )
         log.warning("cluster: %s", message)
         if self._events is not None:
@@ -836,6 +839,10 @@ class ClusterAgent:
             # policy, and says why (logged above, every time)
             self._set_error(f"rejected the {rejected}: {why}", STALE_ORDER)
             return False
+        if (order.epoch, order.lease) != self._held[0] and self._held[1]:
+            # another leadership came after this node's: it may have released or moved
+            # the tags this node held, so etcd's are the truth from now on
+            self._held = ((0, 0), {})
         restart = order.epoch < newest
         if restart:
             log.warning(

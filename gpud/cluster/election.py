@@ -395,7 +395,12 @@ class EtcdElection:
             self._detail = "" if leader else f"unreadable leader key {self.key}"
         if changed:
             self.on_change()
-            log.info("cluster leader is %s (epoch %d)", leader or "?", kv.create_revision)
+            log.info(
+                "cluster leader is %s (epoch %d, lease %x)",
+                leader or "?",
+                kv.create_revision,
+                kv.lease,
+            )
 
     def _forget_leader(self) -> None:
         """The leader key is gone: its leader no longer leads, whether or not a campaign

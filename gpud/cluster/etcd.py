@@ -34,7 +34,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from gpud.errors import ConfigError, GpudError, StoreFull, StoreRefused, Unavailable
 
@@ -103,15 +103,29 @@ def _etcd_version(body: str) -> str:
 def _check_version(endpoint: str) -> Any:
     """A ``requests`` response hook for ``endpoint``'s session: its 200 answer to
     :data:`VERSION_PATH` without etcd's version raises :class:`_NotEtcd`, before etcd3gw
-    fails to parse it as JSON (a page said as a ``JSONDecodeError``)."""
+    fails to parse it as JSON (a page said as a ``JSONDecodeError``); so does the 200
+    answer at the end of redirects from :data:`VERSION_PATH` (a proxy's login form), said
+    with the redirect. A redirect to etcd (``http://`` to ``https://``) is judged there."""
+    # requests calls the hook on each answer of a redirect chain, in the thread that asked,
+    # before it sets the answer's history: where the redirect from /version leads is kept
+    # per thread, and the answer from there judged as /version's
+    chain = threading.local()
 
     def hook(resp: Any, *args: object, **kwargs: object) -> Any:
-        if resp.status_code == 200 and urlsplit(resp.url).path == VERSION_PATH:
-            body = resp.text
-            if not _etcd_version(body):
-                said = " ".join(body.split())
-                clipped = f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
-                raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"HTTP 200 {clipped}"))
+        url = resp.url
+        target, first = getattr(chain, "target", ("", 0))
+        chain.target = ("", 0)
+        redirected = bool(target) and url == target
+        if not redirected and urlsplit(url).path != VERSION_PATH:
+            return resp
+        if resp.is_redirect:
+            chain.target = (urljoin(url, resp.headers["location"]), first or resp.status_code)
+            return resp
+        if resp.status_code == 200 and not _etcd_version(resp.text):
+            said = " ".join(resp.text.split())
+            clipped = f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
+            via = f"a redirect (HTTP {first}) to {url}, answered there " if redirected else ""
+            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"{via}HTTP 200 {clipped}"))
         return resp
 
     return hook

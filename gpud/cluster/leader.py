@@ -7,8 +7,10 @@ job in the cluster, and answers each node with the levels, tags and attributes o
 
 Tags are cluster-wide: one DSCP codepoint per job on every node, from one
 :class:`~netshaper.tags.TagAllocator` seeded from the :class:`TagStore` (etcd), so a new
-leader hands out the same tags; a leader elected again on an etcd that lost them (its
-revisions went back) writes back those it held (``held``). A job no node has reported
+leader hands out the same tags; a node elected leader again with no other leadership
+since its own (it applied no other leader's order meanwhile) writes back the tags it held
+that etcd lost (``held``: restored from a snapshot, wiped); a gpud restarted meanwhile
+holds none. A job no node has reported
 for ``release_after_s`` gives its tag back, and sooner where a node marks another job with it (the node handed the tag
 of a job idle there to a job about to run): the tags nodes mark running jobs with are
 followed, not ordered back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
@@ -96,9 +98,10 @@ class Aggregator:
         applied those orders and would refuse lower numbers as stale). ``lease``: the etcd
         lease ID the leader key is held on (0 without etcd), signed into every order so
         that the nodes tell this leadership from another of the same epoch. ``held``: the
-        tags this leader held in its previous leadership, on an etcd that has since lost
-        them (its revisions went back: wiped, restored from a snapshot): each one the tag
-        store lacks, on a DSCP no stored tag holds, is taken up again and written back by
+        tags this leader held in its previous leadership, no other leadership having come
+        since (so a tag etcd lacks was lost by etcd: restored from a snapshot, wiped, not
+        released by a successor), whatever the epoch: each one the tag store lacks, on a
+        DSCP no stored tag holds, is taken up again and written back by
         the first round that saves (:attr:`republished`), so that the job keeps its DSCP
         and the next leader reads it."""
         self.leader = leader
@@ -193,7 +196,8 @@ class Aggregator:
 
         ``cut`` is asked before each call of the tag store (etcd, slow when it is) and
         once the tags are saved: True (the cluster stops) raises :class:`RoundCut` and
-        the round computes no order. A save under way is not cut: it is one etcd
+        the round computes no order (:attr:`republished` still lists the held tags a save
+        that committed before the cut wrote back). A save under way is not cut: it is one etcd
         transaction (a round puts and deletes the keys of tagged jobs only, 64 at most
         each, the DSCP codepoints; a job the pool had no codepoint for has no key), so
         etcd holds all of the round's tags or none of them.
@@ -220,6 +224,8 @@ class Aggregator:
     def _compute(
         self, epoch: int, now: float, wall: float | None, cut: Callable[[], bool]
     ) -> Order:
+        # this round's alone, also when it is cut (said by the caller once the save commits)
+        self.republished = {}
         folds: dict[str, _Fold] = {}
         get = folds.get
         pinned: list[str] = []  # jobs some node reported a pin for
@@ -290,7 +296,6 @@ class Aggregator:
         before = allocator.allocations()
         for job in self._unsaved:  # held, but lost by etcd: saved as if allocated now
             before.pop(job, None)
-        self.republished = {}
         dropped = _follow_nodes(allocator, folds)
         free = len(allocator.pool) - len(allocator.allocations())
         untagged: list[str] = []

@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -20,8 +21,11 @@ from gpud.cluster.election import EtcdElection, LeaderInfo
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.cluster.problems import EtcdProblemBoard
 from gpud.cluster.tagstore import EtcdTagStore
-from gpud.net.port import FakeTraffic
+from gpud.net.port import FakeTraffic, JobTraffic
 from tools.etcd_local import LocalEtcd, etcd_binary
+
+if TYPE_CHECKING:
+    from tests.unit.test_cluster_agent import FixedElection
 
 pytestmark = [
     pytest.mark.integration,
@@ -641,58 +645,113 @@ def test_followers_read_the_leader_keys_lease_as_the_leader_holds_it(etcd: Local
     assert nodes[2].state().lease == nodes[1].state().lease
 
 
+@dataclasses.dataclass
+class LedTags:
+    """n0 leads on a real etcd with job a running on n1 and job b, idle there now, whose
+    tag it holds still (``lead``)."""
+
+    etcd: LocalEtcd
+    client: EtcdClient
+    election: EtcdElection
+    leader: ClusterAgent
+    follower: ClusterAgent
+    follows: FixedElection
+    traffic: FakeTraffic
+    running: JobTraffic
+    tags: str
+
+    @classmethod
+    def start(cls, etcd: LocalEtcd) -> LedTags:
+        from tests.unit.test_cluster_agent import Clock as AgentClock
+        from tests.unit.test_cluster_agent import FixedElection, LoopbackPeers, agent, job
+
+        prefix = f"/gpud-test-{time.monotonic_ns()}"
+        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+        election = EtcdElection(
+            client, node="n0", address="a0", prefix=prefix, ttl_s=5, clock=Clock()
+        )
+        election.step()
+        first = election.state()
+        assert first.leading
+        clock, peers = AgentClock(), LoopbackPeers()
+        leader = agent(
+            "n0",
+            first,
+            FakeTraffic(),
+            peers,
+            clock,
+            tag_store=lambda epoch, lease: EtcdTagStore(
+                client, prefix=prefix, epoch=epoch, lease=lease
+            ),
+        )
+        leader.election = election
+        peers.leader = leader
+        running = dataclasses.replace(job("a", 0.5), dscp=12)
+        idle = dataclasses.replace(job("b", 0.5), dscp=14)
+        traffic = FakeTraffic((running, idle))
+        follows = FixedElection(LeaderInfo("n0", "a0", first.epoch, False, lease=first.lease))
+        follower = agent("n1", follows.info, traffic, peers, clock)
+        follower.election = follows
+        tags = f"{prefix}/tags/"
+        return cls(etcd, client, election, leader, follower, follows, traffic, running, tags)
+
+    def stored(self) -> dict[str, bytes]:
+        return self.client.get_prefix(self.tags)
+
+    async def lead(self) -> None:
+        for _ in range(3):
+            await _round(self.follower, self.leader)
+        assert self.stored() == {f"{self.tags}a": b"12", f"{self.tags}b": b"14"}
+        self.traffic.jobs = (self.running,)  # b idles on n1: its tag held meanwhile
+        await _round(self.follower, self.leader)
+
+    async def elected_again(self) -> LeaderInfo:
+        """n0 steps down (its lease is gone) and is elected again; three rounds."""
+        self.election.step()
+        assert not self.election.state().leading
+        self.election.step()
+        again = self.election.state()
+        assert again.leading
+        self.follows.info = LeaderInfo("n0", "a0", again.epoch, False, lease=again.lease)
+        for _ in range(3):
+            await _round(self.leader, self.follower)
+        return again
+
+
 def test_a_leader_reelected_on_a_wiped_etcd_writes_its_tags_back(etcd: LocalEtcd) -> None:
     """etcd wiped (its data dir gone, as after a restore of an empty snapshot): the leader
     loses its key and lease, is elected again on revisions that start over, and writes
     back the tags it held, that of a job idle on its node this round too."""
-    from tests.unit.test_cluster_agent import Clock as AgentClock
-    from tests.unit.test_cluster_agent import FixedElection, LoopbackPeers, agent, job
-
-    prefix = f"/gpud-test-{time.monotonic_ns()}"
-    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
-    election = EtcdElection(client, node="n0", address="a0", prefix=prefix, ttl_s=5, clock=Clock())
-    election.step()
-    first = election.state()
-    assert first.leading
-    clock, peers = AgentClock(), LoopbackPeers()
-    leader = agent(
-        "n0",
-        first,
-        FakeTraffic(),
-        peers,
-        clock,
-        tag_store=lambda epoch, lease: EtcdTagStore(
-            client, prefix=prefix, epoch=epoch, lease=lease
-        ),
-    )
-    leader.election = election
-    peers.leader = leader
-    running = dataclasses.replace(job("a", 0.5), dscp=12)
-    idle = dataclasses.replace(job("b", 0.5), dscp=14)
-    traffic = FakeTraffic((running, idle))
-    follows = FixedElection(LeaderInfo("n0", "a0", first.epoch, False, lease=first.lease))
-    follower = agent("n1", follows.info, traffic, peers, clock)
-    follower.election = follows
-    tags = f"{prefix}/tags/"
+    led = LedTags.start(etcd)
 
     async def scenario() -> None:
-        for _ in range(3):
-            await _round(follower, leader)
-        assert client.get_prefix(tags) == {f"{tags}a": b"12", f"{tags}b": b"14"}
-        traffic.jobs = (running,)  # b idles on n1: not reported, its tag held meanwhile
-        await _round(follower, leader)
-
+        await led.lead()
+        first = led.election.state()
         etcd.stop()
         shutil.rmtree(etcd.data_dir / "data")
         etcd.start()
-        election.step()  # its lease is gone: it steps down
-        assert not election.state().leading
-        election.step()  # and is elected again, on revisions that started over
-        again = election.state()
-        assert again.leading and again.epoch <= first.epoch and again.lease != first.lease
-        follows.info = LeaderInfo("n0", "a0", again.epoch, False, lease=again.lease)
-        for _ in range(3):
-            await _round(leader, follower)
-        assert client.get_prefix(tags) == {f"{tags}a": b"12", f"{tags}b": b"14"}
+        again = await led.elected_again()  # on revisions that started over
+        assert again.epoch <= first.epoch and again.lease != first.lease
+        assert led.stored() == {f"{led.tags}a": b"12", f"{led.tags}b": b"14"}
+
+    asyncio.run(scenario())
+
+
+def test_a_leader_reelected_in_a_higher_epoch_after_a_restore_writes_its_tags_back(
+    etcd: LocalEtcd,
+) -> None:
+    """etcd restored from a snapshot taken after the election (the leader key there, b's
+    tag not), then the leader's lease lost: elected again on a new key, a higher epoch, with
+    no other leader between, it writes b's tag back."""
+    led = LedTags.start(etcd)
+
+    async def scenario() -> None:
+        await led.lead()
+        first = led.election.state()
+        led.client.delete(f"{led.tags}b")  # what the snapshot lacks
+        led.client.revoke(first.lease)  # the leader key goes with its lease
+        again = await led.elected_again()
+        assert again.epoch > first.epoch
+        assert led.stored() == {f"{led.tags}a": b"12", f"{led.tags}b": b"14"}
 
     asyncio.run(scenario())

@@ -1102,13 +1102,24 @@ class HeldTraffic(FakeTraffic):
         return super().local_report()
 
 
+@dataclasses.dataclass
+class SavedStore(MemoryTagStore):
+    """Tags in memory; ``then`` runs once a save has committed."""
+
+    then: Callable[[], None] = lambda: None
+
+    def save(self, allocated: Mapping[str, int], released: list[str]) -> None:
+        super().save(allocated, released)
+        self.then()
+
+
 class HeldTags:
     """n0 leads epoch 7 with job a running on n1 and job b, idle there now, whose tag it
     holds still; ``reelect`` makes n0 leader again in ``epoch``, on a new lease."""
 
     def __init__(self) -> None:
         self.clock, self.peers = Clock(), LoopbackPeers()
-        self.store = MemoryTagStore()
+        self.store = SavedStore()
         self.events = EventLog(None)
         self.election = FixedElection(LeaderInfo("n0", "a0", 7, True, lease=100))
         self.leader = agent(
@@ -1121,7 +1132,9 @@ class HeldTags:
         self.idle = dataclasses.replace(job("b", 0.5), dscp=14)
         self.traffic = FakeTraffic((self.running, self.idle))
         self.follows = FixedElection(LeaderInfo("n0", "a0", 7, False))
-        self.follower = agent("n1", self.follows.info, self.traffic, self.peers, self.clock)
+        self.follower = agent(
+            "n1", self.follows.info, self.traffic, self.peers, self.clock, store=self.store
+        )
         self.follower.election = self.follows
 
     async def rounds(self, n: int) -> None:
@@ -1139,6 +1152,17 @@ class HeldTags:
         self.election.info = LeaderInfo("n0", "a0", epoch, True, lease=200)
         self.follows.info = LeaderInfo("n0", "a0", epoch, False)
 
+    async def n1_leads(self, jobs: tuple[JobTraffic, ...]) -> None:
+        """n1 leads epoch 8 (etcd went on) with ``jobs`` reported on it; n0 follows it."""
+        self.election.info = LeaderInfo("n1", "a1", 8, False)
+        self.follows.info = LeaderInfo("n1", "a1", 8, True, lease=300)
+        self.peers.leader = self.follower
+        self.traffic.jobs = jobs
+        for _ in range(3):
+            await self.follower.tick()
+            await self.leader.tick()
+        self.peers.leader = self.leader
+
     def republished(self) -> list[str]:
         return [e.message for e in self.events.recent() if e.kind == "cluster.tags_republished"]
 
@@ -1155,8 +1179,8 @@ async def test_a_leader_reelected_on_a_wiped_etcd_writes_back_the_tags_it_held()
     await c.rounds(3)
     assert c.store.tags == {"a": 12, "b": 14}
     assert c.republished() == [
-        "etcd had lost 2 DSCP tags this node gave out before (its revisions went back: "
-        "restored from a snapshot, or a new etcd): written back, a=12, b=14"
+        "etcd had lost 2 DSCP tags this node gave out in its last leadership, no other "
+        "leader since (restored from a snapshot, or a new etcd): written back, a=12, b=14"
     ]
     said = [e for e in c.events.recent() if e.kind == "cluster.tags_republished"]
     assert said[0].fields["jobs"] == 2
@@ -1166,12 +1190,45 @@ async def test_a_leader_reelected_on_a_wiped_etcd_writes_back_the_tags_it_held()
     assert c.follower.order is not None and c.follower.order.tags == {"a": 12, "b": 14}
 
 
-async def test_a_leader_reelected_on_an_etcd_that_went_on_takes_its_tags_from_etcd() -> None:
-    # another leader ran meanwhile and released b (the epoch is higher: etcd kept its
-    # data): what etcd holds is the truth, b's old tag is not brought back
+async def test_a_leader_reelected_in_a_higher_epoch_after_a_restore_writes_back_its_tags() -> None:
+    # etcd restored from a snapshot taken after the election: the leader key is there, b's
+    # tag is not. The leader steps down and is elected again on a new key (a higher epoch);
+    # no other leader came between: b's tag was lost by etcd, not released, and goes back
     c = HeldTags()
     await c.lead()
     del c.store.tags["b"]
     c.reelect(9)
     await c.rounds(3)
+    assert c.store.tags == {"a": 12, "b": 14}
+    assert len(c.republished()) == 1 and c.republished()[0].endswith("written back, b=14")
+
+
+async def test_a_leader_that_followed_another_since_takes_its_tags_from_etcd() -> None:
+    # n1 led meanwhile: it released b and gave b's DSCP to c (its node handed it over), and
+    # n0 applied its orders. Then etcd is wiped and n0 elected first: what n0 held before
+    # n1 led is no longer the cluster's, so nothing is written back and no event says so
+    c = HeldTags()
+    await c.lead()
+    handed = dataclasses.replace(job("c", 0.5), dscp=14)
+    await c.n1_leads((c.running, handed))
+    assert c.store.tags == {"a": 12, "c": 14}
+    assert c.leader.order is not None and c.leader.order.leader == "n1"
+    c.store.tags.clear()
+    c.traffic.jobs = (c.running,)  # c idles on n1 now
+    c.reelect(2)
+    await c.rounds(3)
     assert c.store.tags == {"a": 12} and c.republished() == []
+
+
+async def test_tags_written_back_by_a_round_cut_after_its_save_are_said() -> None:
+    # the cluster stops during the first round of the new leadership, right after the
+    # save that wrote the tags back: etcd has them, and the event says so all the same
+    c = HeldTags()
+    await c.lead()
+    c.store.tags.clear()
+    c.reelect(2)
+    await c.follower.tick()
+    c.store.then = c.leader.end_rounds
+    await c.leader.tick()
+    assert c.store.tags == {"a": 12, "b": 14}
+    assert len(c.republished()) == 1 and c.republished()[0].endswith("a=12, b=14")

@@ -318,3 +318,31 @@ def test_the_election_says_whether_etcd_is_unreachable_refuses_or_is_full() -> N
     election.step()
     info = election.state()
     assert info.leading and info.store_ok and info.store_state == STORE_OK
+
+
+def test_a_new_lease_on_the_same_epoch_is_a_leadership_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a fresh etcd numbers revisions from 1 again: the leader key another node puts there
+    # may have the create revision of the one before, under the same leader name; only its
+    # lease tells the leaderships apart, and a follower says the change once
+    etcd = MemoryEtcd()
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    election = EtcdElection(client, node="n0", address="n0:1", prefix="/c", ttl_s=8)
+    changes: list[int] = []
+    election.on_change = lambda: changes.append(election.state().lease)
+    holder = json.dumps({"node": "n1", "address": "n1:1"}).encode()
+    etcd.kv[election.key] = KeyValue(holder, 5, 5, 0x12C)
+    with caplog.at_level(logging.INFO, logger="gpud.cluster.election"):
+        election.step()
+        etcd.kv[election.key] = KeyValue(holder, 5, 5, 0x190)
+        election.step()
+        election.step()  # nothing changed since
+    assert changes == [0x12C, 0x190]
+    state = election.state()
+    assert (state.leader, state.epoch, state.lease, state.leading) == ("n1", 5, 0x190, False)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cluster leader")]
+    assert said == [
+        "cluster leader is n1 (epoch 5, lease 12c)",
+        "cluster leader is n1 (epoch 5, lease 190)",
+    ]

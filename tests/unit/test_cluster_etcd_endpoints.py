@@ -20,7 +20,8 @@ from gpud.errors import StoreRefused, Unavailable
 
 @dataclass
 class Answers:
-    """What the server says to each path: (status, body); a path not listed gets 404."""
+    """What the server says to each path: (status, body); a path not listed gets 404. A
+    redirect's body (3xx) is where it leads (its ``Location``)."""
 
     by_path: dict[str, tuple[int, str]] = field(default_factory=dict)
 
@@ -48,6 +49,9 @@ def _serve(answers: Respond) -> http.server.ThreadingHTTPServer:
             status, body = answers(self.path, self.rfile.read(length))
             raw = body.encode()
             self.send_response(status)
+            if 300 <= status < 400:
+                self.send_header("Location", body)
+                raw = b""
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)
@@ -183,3 +187,38 @@ def test_an_endpoint_answering_version_with_a_page_is_passed_over_for_etcd(
         assert _client(page, etcd).get("/x") is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and f"{page} answered /version with HTTP 200 '<html>" in said[0]
+
+
+def test_an_endpoint_redirecting_version_to_a_login_page_is_said_not_etcd(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """A proxy that sends /version to its login form (302, then the form with 200) is said
+    as an endpoint that is not etcd, with the redirect and the page, not as a JSON parse
+    error."""
+    proxy = _endpoint(servers, Answers({"/version": (302, "/login"), "/login": (200, LOGIN_PAGE)}))
+    with pytest.raises(Unavailable) as unreachable:
+        _client(proxy).get("/x")
+    said = str(unreachable.value)
+    assert said.startswith(
+        f"etcd unreachable: {proxy} answered /version with a redirect (HTTP 302) to "
+        f"{proxy}/login, answered there HTTP 200 '<html>"
+    ), said
+    assert "check cluster.etcd_endpoints" in said and "JSONDecodeError" not in said, said
+
+
+def test_an_endpoint_redirecting_version_to_etcd_is_etcd(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """A redirect from /version to etcd's own /version (another address) is followed, and
+    etcd's answer there taken, as before."""
+    etcd = _endpoint(servers, Answers(dict(ETCD)))
+    moved = _endpoint(
+        servers,
+        Answers(
+            {
+                "/version": (307, f"{etcd}/version"),
+                **{k: v for k, v in ETCD.items() if k != "/version"},
+            }
+        ),
+    )
+    assert _client(moved).get("/x") is None
