@@ -2774,8 +2774,8 @@ def test_a_stop_fails_a_command_hung_past_its_timeout_request_timeout_s_after_it
 
 
 def test_a_stop_held_off_by_an_operation_with_no_command_in_flight_says_so(root: Path) -> None:
-    """The daemon held with no command in flight (its ``quit`` by a pass, a reboot of the
-    simulated node) is not taken for hung: the stop waits its whole 12 s, and says that
+    """The daemon held with no command in flight (a pass between two commands, a reboot of
+    the simulated node) is not taken for hung: the stop waits its whole 12 s, and says that
     another operation held the daemon, naming no command."""
     left, ended = _stop_held_on(root, [(1e9, None)])
     assert ended == 12.0
@@ -2802,6 +2802,42 @@ def test_a_daemon_being_started_is_said_in_flight_as_long_as_its_start_may_take(
         mgr.reconcile(MIG_NODE)
         assert seen == [(130.0, "nvidia-cuda-mps-control -d")]
         assert dev.in_flight is None
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_quit_that_clears_a_memory_limit_is_said_in_flight_as_long_as_the_stop_may_take(
+    root: Path,
+) -> None:
+    """The ``quit`` of an idle daemon restarted to remove its memory limit, then SIGTERM and
+    SIGKILL if it lingers, may take its timeout and 9 s: it is said in flight that long, so
+    a MIG apply's stop waiting meanwhile names the ``quit`` that holds the daemon, not an
+    unnamed operation."""
+    now = [100.0]
+    mgr, store, _ = make_manager(root, timeout_s=10.0, request_timeout_s=2.0, clock=lambda: now[0])
+    seen: list[tuple[tuple[float, str] | None, str]] = []
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.set_limits("0", memory_bytes=8 * GIB)
+        dev = mgr._device(gpu_uuid(0))
+        stop = dev.daemon.stop
+
+        def stopping(**kwargs: Any) -> Any:
+            seen.append((dev.in_flight, mgr._busy(dev, 12.0)))
+            return stop(**kwargs)
+
+        dev.daemon.stop = stopping  # type: ignore[method-assign]
+        mgr.set_limits("0", clear_memory=True)
+        assert seen == [
+            (
+                (119.0, "quit"),
+                "busy: its command 'quit' was still in flight after the stop waited 12 s, the"
+                " longest wait a stop gives one command to it",
+            )
+        ]
+        assert dev.in_flight is None
+        assert held(mgr, gpu_uuid(0))["default_device_pinned_mem_limit"] == {}
     finally:
         mgr.stop()
         store.close()
