@@ -155,6 +155,9 @@ class MpsTarget:
     gpu_uuid: str = ""  # the GPU of a MIG device
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size), when known
     gpu_unhealthy: str = ""  # why the GPU under it is unhealthy; "" when it is healthy
+    # of a GPU not read since gpud started (no ``uuid``): the UUID an earlier run read, ""
+    # where none did; a name it is still asked by, never one limits are kept under
+    last_seen_uuid: str = ""
 
     @property
     def slot(self) -> tuple[str, int, int, str] | None:
@@ -301,6 +304,7 @@ def targets_from_snapshot(
                     )
                 )
         else:
+            seen = gpu.last_seen.uuid if gpu.last_seen is not None and not ident.uuid else ""
             targets.append(
                 MpsTarget(
                     ident.uuid,
@@ -309,6 +313,7 @@ def targets_from_snapshot(
                     ident.product,
                     ident.memory_total_bytes,
                     gpu_unhealthy=unhealthy,
+                    last_seen_uuid=seen,
                 )
             )
     return targets
@@ -697,10 +702,16 @@ class MpsManager:
 
     def resolve(self, device: str) -> MpsTarget:
         """A target from a UUID (``GPU-...``/``MIG-...``), a GPU index (``0``) or ``GPU:MIG``
-        (``0:1``, MIG device 1 of GPU 0)."""
+        (``0:1``, MIG device 1 of GPU 0). A GPU not read since gpud started (lost or hung
+        before it: NVML answers no UUID for it) is its target with no ``uuid`` by its index
+        or by the UUID an earlier run read; a MIG device of it is refused as unhealthy, with
+        how the GPU was seen."""
         with self._lock:
             if device in self._targets:
                 return self._targets[device]
+            for t in self._unread:
+                if t.last_seen_uuid and device == t.last_seen_uuid:
+                    return t
             gpu_text, sep, mig_text = device.partition(":")
             if gpu_text.isdigit() and (not sep or mig_text.isdigit()):
                 gpu = int(gpu_text)
@@ -731,8 +742,23 @@ class MpsManager:
                         f"GPU {index} ({gpu_uuid}) is in MIG mode and has no MIG devices:"
                         " create some (gpuctl mig apply) or turn its MIG mode off"
                     )
+            self._refuse_unread(device, gpu_text, mig_text if sep else None)
             known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
+
+    def _refuse_unread(self, device: str, gpu_text: str, mig_text: str | None) -> None:
+        """:meth:`resolve` of a ``GPU:MIG`` ``device`` that names no target:
+        :class:`FailedPrecondition` where its GPU has not been read since gpud started (its
+        MIG mode and devices are not known till it answers)."""
+        if mig_text is None or not (gpu_text.isdigit() and mig_text.isdigit()):
+            return
+        for t in self._unread:
+            if t.gpu == int(gpu_text):
+                raise FailedPrecondition(
+                    f"device {device} is on GPU {t.gpu}, which is unhealthy:"
+                    f" {t.gpu_unhealthy or 'unhealthy'} (not read since gpud started: its MIG"
+                    " devices are not known until it answers)"
+                )
 
     def _resolve_read(self, device: str) -> MpsTarget:
         """:meth:`resolve`, refusing a GPU never read: limits are kept by UUID, and it has

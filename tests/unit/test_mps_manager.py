@@ -60,7 +60,7 @@ from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
-from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import mps_pb2
 from tests.unit.mps_support import (
     FAKE_CONTROL,
@@ -732,6 +732,37 @@ def test_limits_for_a_gpu_lost_before_gpud_started_are_refused_without_denying_i
     assert str(err.value) == (
         f"GPU 0 has not been read since gpud started ({reason}): it takes no MPS limits until"
         " it answers with its UUID"
+    )
+
+
+def test_a_gpu_lost_before_gpud_started_named_by_its_last_uuid_or_a_mig_device_says_it_is_lost(
+    manager: MpsManager,
+) -> None:
+    """GPU 0 fell off the bus before gpud started: named by the UUID an earlier run read, it
+    is GPU 0 (refused its limits as by its index, a job told it is unhealthy), not an
+    unknown device; a MIG device of it says the GPU is lost, how it was seen, not that no
+    such device is known."""
+    last = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+    reason = f"GPU lost (identity): GPU is lost; last seen as NVIDIA H100 80GB HBM3 {last}"
+    seen = SeenIdentity(last, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0", "H100-SXM5-80GB")
+    unread = GpuSample(
+        identity=unknown_identity(0),
+        healthy=False,
+        reason=reason,
+        sampled_at=0.0,
+        last_seen=seen,
+    )
+    manager.reconcile(snapshot(unread, NODE.gpus[1]))
+    target = manager.resolve(last)
+    assert (target.gpu, target.uuid, target.gpu_unhealthy) == (0, "", reason)
+    with pytest.raises(FailedPrecondition) as err:
+        manager.set_limits(last, threads_percent=50)
+    assert str(err.value).startswith(f"GPU 0 has not been read since gpud started ({reason})")
+    with pytest.raises(FailedPrecondition) as err:
+        manager.resolve("0:1")
+    assert str(err.value) == (
+        f"device 0:1 is on GPU 0, which is unhealthy: {reason} (not read since gpud started:"
+        " its MIG devices are not known until it answers)"
     )
 
 
