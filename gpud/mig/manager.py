@@ -128,6 +128,18 @@ the GPU waits behind the apply's own driver changes, and a read given up on woul
 layout half made; a GPU that hangs is still given up on after ``timeout_s``, and one lost
 fails its calls."""
 
+ReadAwait = Callable[[threading.Condition, float, frozenset[int]], object]
+"""How :meth:`MigManager._bounded` waits for its GPUs' reads: ``wait(done, timeout_s, gpus)``
+returns once ``done`` (held) is notified, as each read answers, or once ``timeout_s`` has
+passed on the manager's ``monotonic`` clock; ``gpus``: the indexes of the GPUs whose reads
+it still waits for (the default, :func:`_await_answer`, waits on ``done`` alone)."""
+
+
+def _await_answer(done: threading.Condition, timeout_s: float, gpus: frozenset[int]) -> bool:
+    """:data:`ReadAwait` on ``time.monotonic``: ``done.wait(timeout_s)``."""
+    return done.wait(timeout_s)
+
+
 Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
 """Stop the MPS control daemons of the MIG devices (UUIDs) about to be destroyed, and start
 none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
@@ -200,6 +212,7 @@ class MigManager:
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        read_wait: ReadAwait = _await_answer,
         drain_poll_s: float = 1.0,
         on_change: Callable[[int], None] | None = None,
         faults: Faults | None = None,
@@ -236,7 +249,8 @@ class MigManager:
         still within its hold, the GPUs are read again (the daemon samples and takes the devices
         jobs are placed on from that sample): placement reopens on the instances the driver
         has now, never on one the steps destroyed. One that raises is logged: the apply was
-        made.
+        made. A read's deadline is on ``monotonic``, and ``read_wait`` (:data:`ReadAwait`)
+        waits for its answers: given one, the other.
         """
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
@@ -260,6 +274,7 @@ class MigManager:
         self._monotonic = monotonic
         self._wall = wall
         self._sleep = sleep
+        self._read_wait = read_wait
         self._drain_poll_s = drain_poll_s
         self._lock = threading.RLock()
         # the apply (not a dry run) running now: its config and when it began; guarded by
@@ -1729,8 +1744,8 @@ class MigManager:
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
-        was not waited for, as ``wait`` says (:data:`ReadWait`). A GPU is waited for
-        ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
+        was not waited for, as ``wait`` says (:data:`ReadWait`), on the manager's ``monotonic``
+        clock (``read_wait``: :data:`ReadAwait`). A GPU is waited for ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
         answers each of the read's calls on it (one ``nvidia-smi mig -lgi``, ``-lci``,
         process list...) within ``timeout_s`` of the one before, telemetry's measure of a
         hung GPU: a read of many calls, each answered, on a host whose gpud gets little CPU
@@ -1749,13 +1764,13 @@ class MigManager:
         results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
-        started = time.monotonic()
+        started = self._monotonic()
         # GPU index -> when the driver last answered a call of its read
         answer_at: dict[int, float] = {}
 
         def run(gpu: GpuIdentity) -> None:
             result: T | Exception
-            self._reading.answered = lambda: answer_at.__setitem__(gpu.index, time.monotonic())
+            self._reading.answered = lambda: answer_at.__setitem__(gpu.index, self._monotonic())
             try:
                 result = call(gpu)
             except Exception as err:
@@ -1782,8 +1797,9 @@ class MigManager:
         while True:
             telemetry = dict(self._faults()) if self._faults is not None and heeded else {}
             with done:
-                now = time.monotonic()
+                now = self._monotonic()
                 deadlines = []
+                waiting = set()
                 for gpu in called:
                     if gpu.index in results or gpu.index in given_up:
                         continue
@@ -1795,11 +1811,13 @@ class MigManager:
                         given_up[gpu.index] = _no_answer(timeout_s)
                     else:
                         deadlines.append(deadline)
+                        waiting.add(gpu.index)
                 if not deadlines:
                     answered.update(results)
                     break
                 left = min(deadlines) - now
-                done.wait(min(left, self.FAULT_POLL_S) if heeded else left)
+                wait_s = min(left, self.FAULT_POLL_S) if heeded else left
+                self._read_wait(done, wait_s, frozenset(waiting))
         for gpu in called:
             if gpu.index not in answered:
                 answered[gpu.index] = _GivenUp(given_up[gpu.index], gpu=gpu.index)

@@ -92,6 +92,11 @@ How = Literal["quit", "sigterm", "sigkill", "exited"]
 
 # Below this much free space a daemon's failure to start is put down to a full file system.
 _LOW_SPACE_BYTES = 1 << 20
+# how long :meth:`ControlDaemon.stop` waits for the daemon to exit after its ``quit``, after
+# SIGTERM, and after SIGKILL (:meth:`ControlDaemon.kill` only the last)
+_QUIT_EXIT_S = 5.0
+_TERM_EXIT_S = 2.0
+_KILL_EXIT_S = 2.0
 
 
 def device_dir(run_dir: Path, uuid: str) -> Path:
@@ -189,6 +194,18 @@ class ControlDaemon:
         on ``timeout_s``, the daemon's first answer ``timeout_s``, and the query asked just
         before that wait ends ``timeout_s`` again."""
         return 3 * self._timeout_s
+
+    def stop_s(self, quit_s: float | None = None) -> float:
+        """How long :meth:`stop` may take at most: its ``quit`` waited on ``quit_s`` (None:
+        ``timeout_s``), the daemon's exit after it, after SIGTERM, and after SIGKILL, each
+        waited on its own time (a process stuck in the driver outlives all three)."""
+        quit_wait = self._timeout_s if quit_s is None else quit_s
+        return quit_wait + _QUIT_EXIT_S + _TERM_EXIT_S + self.kill_s
+
+    @property
+    def kill_s(self) -> float:
+        """How long :meth:`kill` may take at most: the daemon's exit after SIGKILL."""
+        return _KILL_EXIT_S
 
     def lost(self, pid: int) -> None:
         """``pid`` is this device's daemon, found running with its pipe directory gone (an
@@ -294,7 +311,11 @@ class ControlDaemon:
         return f" ({what} on the file system of {path})"
 
     def stop(
-        self, timeout_s: float = 5.0, *, pid: int | None = None, quit_s: float | None = None
+        self,
+        timeout_s: float = _QUIT_EXIT_S,
+        *,
+        pid: int | None = None,
+        quit_s: float | None = None,
     ) -> How | None:
         """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers.
         How it went once no daemon runs (:data:`How`); None when the process outlived SIGKILL
@@ -318,7 +339,7 @@ class ControlDaemon:
         log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        if self._wait_exit(pid, 2.0):
+        if self._wait_exit(pid, _TERM_EXIT_S):
             return "sigterm"
         return self._kill(pid)
 
@@ -347,7 +368,7 @@ class ControlDaemon:
     def _kill(self, pid: int) -> How | None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        if self._wait_exit(pid, 2.0):
+        if self._wait_exit(pid, _KILL_EXIT_S):
             return "sigkill"
         log.warning("MPS control daemon %s (pid %d) outlived SIGKILL", self.uuid, pid)
         return None

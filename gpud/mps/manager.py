@@ -155,6 +155,9 @@ class MpsTarget:
     gpu_uuid: str = ""  # the GPU of a MIG device
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size), when known
     gpu_unhealthy: str = ""  # why the GPU under it is unhealthy; "" when it is healthy
+    # of a GPU not read since gpud started (no ``uuid``): the UUID an earlier run read, ""
+    # where none did; a name it is still asked by, never one limits are kept under
+    last_seen_uuid: str = ""
 
     @property
     def slot(self) -> tuple[str, int, int, str] | None:
@@ -301,6 +304,7 @@ def targets_from_snapshot(
                     )
                 )
         else:
+            seen = gpu.last_seen.uuid if gpu.last_seen is not None and not ident.uuid else ""
             targets.append(
                 MpsTarget(
                     ident.uuid,
@@ -309,6 +313,7 @@ def targets_from_snapshot(
                     ident.product,
                     ident.memory_total_bytes,
                     gpu_unhealthy=unhealthy,
+                    last_seen_uuid=seen,
                 )
             )
     return targets
@@ -697,10 +702,16 @@ class MpsManager:
 
     def resolve(self, device: str) -> MpsTarget:
         """A target from a UUID (``GPU-...``/``MIG-...``), a GPU index (``0``) or ``GPU:MIG``
-        (``0:1``, MIG device 1 of GPU 0)."""
+        (``0:1``, MIG device 1 of GPU 0). A GPU not read since gpud started (lost or hung
+        before it: NVML answers no UUID for it) is its target with no ``uuid`` by its index
+        or by the UUID an earlier run read; a MIG device of it is refused as unhealthy, with
+        how the GPU was seen."""
         with self._lock:
             if device in self._targets:
                 return self._targets[device]
+            for t in self._unread:
+                if t.last_seen_uuid and device == t.last_seen_uuid:
+                    return t
             gpu_text, sep, mig_text = device.partition(":")
             if gpu_text.isdigit() and (not sep or mig_text.isdigit()):
                 gpu = int(gpu_text)
@@ -731,8 +742,23 @@ class MpsManager:
                         f"GPU {index} ({gpu_uuid}) is in MIG mode and has no MIG devices:"
                         " create some (gpuctl mig apply) or turn its MIG mode off"
                     )
+            self._refuse_unread(device, gpu_text, mig_text if sep else None)
             known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
+
+    def _refuse_unread(self, device: str, gpu_text: str, mig_text: str | None) -> None:
+        """:meth:`resolve` of a ``GPU:MIG`` ``device`` that names no target:
+        :class:`FailedPrecondition` where its GPU has not been read since gpud started (its
+        MIG mode and devices are not known till it answers)."""
+        if mig_text is None or not (gpu_text.isdigit() and mig_text.isdigit()):
+            return
+        for t in self._unread:
+            if t.gpu == int(gpu_text):
+                raise FailedPrecondition(
+                    f"device {device} is on GPU {t.gpu}, which is unhealthy:"
+                    f" {t.gpu_unhealthy or 'unhealthy'} (not read since gpud started: its MIG"
+                    " devices are not known until it answers)"
+                )
 
     def _resolve_read(self, device: str) -> MpsTarget:
         """:meth:`resolve`, refusing a GPU never read: limits are kept by UUID, and it has
@@ -1301,8 +1327,9 @@ class MpsManager:
         The stop waits ``timeout_s`` + ``wait_s`` at most from when it asked, the longest one
         command to the daemon may take and then ``wait_s``: however many commands the
         holder sends one after another, and whatever it does between them (its database
-        write, an event, a ``quit``), the wait ends there. It gives up ``wait_s`` after it
-        asked when the command in flight is known hung: sent with a timeout
+        write, an event), the wait ends there; a ``quit`` (and the SIGTERM and SIGKILL after
+        it) is said in flight as one command (:meth:`_try_stop`). It gives up ``wait_s``
+        after it asked when the command in flight is known hung: sent with a timeout
         (``_Device.in_flight``) that has passed by ``wait_s`` and still not returned, its
         control client stuck in the driver."""
         if wait_s is None:
@@ -1654,8 +1681,7 @@ class MpsManager:
                 pid = dev.daemon.pid()
                 if (
                     pid is not None
-                    and self._try_stop(dev.daemon, pid, "its memory limit stays until it does")
-                    is None
+                    and self._try_stop(dev, pid, "its memory limit stays until it does") is None
                 ):
                     dev.last_error = (
                         f"the MPS control daemon (pid {pid}) would not stop to remove its"
@@ -1850,7 +1876,7 @@ class MpsManager:
                 # with no record
                 how = self._end_orphan(uuid, dev, pid, stake, reason=reason)
             elif pid is not None:
-                how = self._try_stop(dev.daemon, pid, stake, quit_s)
+                how = self._try_stop(dev, pid, stake, quit_s)
                 if how is not None:
                     self._stopped(uuid, pid, reason, how)
             if pid is None or how is not None:
@@ -1878,25 +1904,37 @@ class MpsManager:
 
     def _try_stop(
         self,
-        daemon: ControlDaemon,
+        dev: _Device | ControlDaemon,
         pid: int,
         stake: str,
         quit_s: float | None = None,
         *,
         kill: bool = False,
     ) -> How | None:
-        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``daemon``'s device (``quit_s``:
-        see there), or ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it
-        went, None while it runs. One that outlives SIGKILL (stuck in the driver) is said
+        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``dev`` (``quit_s``: see there), or
+        ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it went, None while
+        it runs. A device's stop or kill is said in flight (:meth:`_answering`) as long as it
+        may take (:meth:`ControlDaemon.stop_s`, :attr:`ControlDaemon.kill_s`), so that a
+        stop waiting for its lock meanwhile names it; a bare daemon is one found at start,
+        before any device, whose lock none waits for. One that outlives SIGKILL (stuck in the driver) is said
         once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and tried
         again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till then
         this answers None at once, without signalling it."""
+        daemon = dev if isinstance(dev, ControlDaemon) else dev.daemon
         uuid = daemon.uuid
         with self._lock:
             failures, retry_at = self._stop_tries.get(uuid, (0, 0.0))
         if failures and self._clock() < retry_at:
             return None
-        how = daemon.kill(pid) if kill else daemon.stop(pid=pid, quit_s=quit_s)
+        command, bound = (
+            (f"SIGKILL {pid}", daemon.kill_s) if kill else (protocol.quit_(), daemon.stop_s(quit_s))
+        )
+        with (
+            contextlib.nullcontext()
+            if isinstance(dev, ControlDaemon)
+            else self._answering(dev, command, bound)
+        ):
+            how = daemon.kill(pid) if kill else daemon.stop(pid=pid, quit_s=quit_s)
         if how is not None:
             with self._lock:
                 self._stop_tries.pop(uuid, None)
@@ -1929,7 +1967,7 @@ class MpsManager:
         later pass tries again (with :meth:`_try_stop`'s backoff) instead of checking it,
         adopting it or starting another beside it."""
         pid = dev.daemon.pid()
-        if pid is None or self._try_stop(dev.daemon, pid, stake, kill=True) is not None:
+        if pid is None or self._try_stop(dev, pid, stake, kill=True) is not None:
             dev.killing = ""
             return True
         dev.killing = stake
@@ -1984,7 +2022,7 @@ class MpsManager:
         SIGKILL is said as any other (``mps.stop_failed``, once, ``stake``: what waits on
         it), leaves the device down, and is tried again with its backoff. How it went, None
         while it runs."""
-        how = self._try_stop(dev.daemon, pid, stake, kill=True)
+        how = self._try_stop(dev, pid, stake, kill=True)
         if how is None:
             dev.up = False
             return None

@@ -37,7 +37,7 @@ from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, is_about, shell_exports
 from gpud.store import DB_NAME, StateStore
-from gpud.telemetry.snapshot import GpuSample
+from gpud.telemetry.snapshot import GpuSample, SeenIdentity
 from gpud.v1 import jobs_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 from tests.unit.store_support import held_write_lock
@@ -1053,26 +1053,34 @@ def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     service.release(launch.reservation.id)
 
 
-def test_an_index_of_a_gpu_lost_before_gpud_started_says_it_was_last_seen_and_not_read_since(
-    tmp_path: Path, store: StateStore
+_LAST_UUID = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+
+
+@pytest.mark.parametrize("name", ["1", _LAST_UUID])
+def test_a_gpu_lost_before_gpud_started_named_by_index_or_last_uuid_says_it_was_last_seen(
+    tmp_path: Path, store: StateStore, name: str
 ) -> None:
+    """Its index, or the UUID an earlier run read (not a UUID to register a job ahead on):
+    the job is refused naming the GPU, why it is unhealthy and how it was last seen."""
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
     service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
-    seen = "NVIDIA H100 80GB HBM3 GPU-ef6bd996 at 00000000:1A:00.0"
+    seen = f"NVIDIA H100 80GB HBM3 {_LAST_UUID} at 00000000:1A:00.0"
     lost = GpuSample(
         identity=unknown_identity(1),
         healthy=False,
         reason=f"GPU lost (identity): GPU is lost; last seen as {seen}",
         sampled_at=0,
+        last_seen=SeenIdentity(_LAST_UUID, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0"),
     )
     down = replace(snapshot(NODE.gpus[0], lost), monotonic=1.0)
     mps.observe_snapshot(down)
     service.tick(down)
     with pytest.raises(FailedPrecondition) as err:
-        service.add(JobSpec("pinned", devices=("1",)))
+        service.add(JobSpec("pinned", devices=(name,)))
     assert str(err.value) == (
-        f"device 1 is on GPU 1, which is unhealthy: GPU lost (identity): GPU is lost; last seen"
-        f" as {seen} (not read since gpud started: GPU 1 names no UUID until it answers)"
+        f"device {name} is on GPU 1, which is unhealthy: GPU lost (identity): GPU is lost;"
+        f" last seen as {seen} (not read since gpud started: GPU 1 names no UUID until it"
+        " answers)"
     )
 
 

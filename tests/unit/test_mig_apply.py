@@ -7,7 +7,6 @@ import contextlib
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +35,95 @@ from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Rele
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
-from tests.unit.nvml_doubles import HeldSleep, Refusing, Sleeps
+from tests.unit.nvml_doubles import Refusing, Sleeps
 from tests.unit.store_support import held_write_lock
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
 H100 = "H100-SXM5-80GB"
 A100 = "A100-SXM4-40GB"
 GIB = 1 << 30
+
+
+class ReadClock:
+    """A manager's clock, which only the manager moves (its sleep, its bounded reads' wait:
+    :data:`~gpud.mig.manager.ReadAwait`), and the driver calls that hang on it. A call that
+    hangs (:meth:`hang`; the simulated node's slow calls, :meth:`driver_sleep`) holds its
+    GPU's read till the clock reaches its end, or till :meth:`let_go`. A read's wait moves
+    the clock on only once every GPU it waits for hangs, to the end of its wait or of the
+    first hung call, whichever comes first; until then it waits for an answer or a hang: a
+    read is given up on, or answered late, as on a real node, at no real time."""
+
+    # only so that a test whose read neither answers nor hangs fails, instead of hanging
+    GUARD_S = 30.0
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._cond = threading.Condition()
+        self._hung: dict[threading.Thread, tuple[int, float]] = {}  # -> its GPU, its end
+        self._waiting: threading.Condition | None = None  # the read's, while it waits
+        self._let_go = False  # every call answers at once
+        self.entered = 0  # calls that hung
+        self.returned = 0  # of them, those that returned
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._cond:
+            self.now += seconds
+            self._cond.notify_all()
+
+    def read_wait(self, done: threading.Condition, timeout_s: float, gpus: frozenset[int]) -> None:
+        with self._cond:
+            ends = {g: end for g, end in self._hung.values() if end > self.now}
+            if gpus <= ends.keys():
+                self.now = min([self.now + timeout_s, *(ends[g] for g in gpus)])
+                self._cond.notify_all()
+                return
+            self._waiting = done
+        done.wait(self.GUARD_S)
+        with self._cond:
+            self._waiting = None
+
+    def hang(self, gpu: int, seconds: float = float("inf")) -> None:
+        """A driver call on ``gpu`` that answers ``seconds`` on (on this clock), or once let
+        go of."""
+        me = threading.current_thread()
+        with self._cond:
+            if self._let_go:
+                return
+            end = self.now + seconds
+            self._hung[me] = (gpu, end)
+            self.entered += 1
+            waiting = self._waiting
+        if waiting is not None:  # the read waits for an answer: it is told of the hang
+            with waiting:
+                waiting.notify_all()
+        with self._cond:
+            self._cond.wait_for(lambda: me not in self._hung or self.now >= end, self.GUARD_S)
+            self._hung.pop(me, None)
+            self.returned += 1
+
+    def driver_sleep(self, seconds: float) -> None:
+        """The simulated node's slow call: on a bounded read's thread (named for its GPU),
+        it hangs; elsewhere it takes its time on the clock."""
+        name = threading.current_thread().name
+        if name.startswith("gpud-mig-"):
+            self.hang(int(name.rsplit("-", 1)[1]), seconds)
+        else:
+            self.advance(seconds)
+
+    def let_go(self) -> None:
+        """Every hung call returns, and any later one answers at once: the reads left behind
+        on them end."""
+        with self._cond:
+            self._let_go = True
+            threads = list(self._hung)
+            self._hung.clear()
+            self._cond.notify_all()
+        for thread in threads:
+            thread.join(self.GUARD_S)
+            assert not thread.is_alive()
 
 
 @dataclass
@@ -56,6 +137,7 @@ class Daemon:
     mig: MigManager
     sleeps: list[float]
     sleep: Callable[[float], None]  # the manager's: advances its monotonic clock
+    clock: ReadClock
 
 
 class Host:
@@ -79,33 +161,36 @@ class Host:
         self.on_change: Callable[[int], None] | None = None  # a GPU's devices changed
         self.placement = Placement(self.reserved)  # where runs reserve devices
         self.after_change: Callable[[], None] | None = None  # the GPUs read again
-        self.driver_sleep: Callable[[float], None] = time.sleep  # how a slow driver call hangs
+        # how a slow driver call hangs (None: on the daemon life's clock)
+        self.driver_sleep: Callable[[float], None] | None = None
+        self.clock = ReadClock()  # the latest daemon life's
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
+        clock = self.clock = ReadClock()
         node = SimNode(
             self.spec,
             state_file=self.tmp / "driver.json",
             proc_root=self.proc,
-            sleep=self.driver_sleep,
+            sleep=self.driver_sleep or clock.driver_sleep,
         )
         backend = NvmlBackend(node.nvml, reset=node.reset if resets else None)
         store = self.open_store(self.tmp / "state")
         events = EventLog(None)
         sleeps: list[float] = []
-        clock = [0.0]
 
         def sleep(s: float) -> None:
             sleeps.append(s)
-            clock[0] += s
+            clock.advance(s)
 
         mig = MigManager(
             self.wrap(backend),
             store,
             events,
             job_resolver=self.jobs.get,
-            monotonic=lambda: clock[0],
+            monotonic=clock.monotonic,
             sleep=sleep,
+            read_wait=clock.read_wait,
             faults=lambda: self.faults,
             read_timeout_s=self.read_timeout_s,
             release=self.release,
@@ -115,12 +200,13 @@ class Host:
             hold_placement=self.placement.hold,
             after_change=self.after_change,
         )
-        d = Daemon(node, backend, store, events, mig, sleeps, sleep)
+        d = Daemon(node, backend, store, events, mig, sleeps, sleep, clock)
         self.daemons.append(d)
         return d
 
     def close(self) -> None:
         for d in self.daemons:
+            d.clock.let_go()
             d.store.close()
 
 
@@ -1700,7 +1786,9 @@ def test_a_dry_run_leaves_lost_and_hung_gpus_as_the_apply_would(
     dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
     assert dry.result == "partial" and [o.status for o in dry.gpus] == ["differs", "faulty"]
     assert "not answering" in dry.gpus[1].detail
-    time.sleep(1.2)  # the stuck read returns
+    assert d.mig._stuck == {1}  # its read is left in the driver, not waited for
+    d.clock.let_go()  # the stuck read returns
+    assert not d.mig._stuck
     d.node.faults.clear(1)
     assert instances(d) == before
 
@@ -1732,7 +1820,7 @@ def test_a_gpu_slow_to_answer_on_a_loaded_host_is_changed_not_given_up_on_half_m
     deadline. No call goes unanswered for that long: the GPU is changed, not called faulty
     with its layout half made."""
     host.read_timeout_s = 0.5
-    reads = _SlowReads(0, 0.1)
+    reads = _SlowReads(host, 0, 0.1)
     host.wrap = reads.wrap
     d = enable(host, config, "all-1g.10gb")
 
@@ -1749,10 +1837,11 @@ def test_a_gpu_slow_to_answer_on_a_loaded_host_is_changed_not_given_up_on_half_m
 
 class _SlowReads:
     """The backend, where once ``slow`` each call on GPU ``gpu`` from a bounded read (a
-    thread of the manager's own) takes ``seconds`` more, counted by read."""
+    thread of the manager's own) takes ``seconds`` more on the host's clock (the daemon
+    life's), counted by read."""
 
-    def __init__(self, gpu: int, seconds: float) -> None:
-        self.gpu, self.seconds = gpu, seconds
+    def __init__(self, host: Host, gpu: int, seconds: float) -> None:
+        self.host, self.gpu, self.seconds = host, gpu, seconds
         self.slow = False
         self.calls: dict[threading.Thread, int] = {}
 
@@ -1768,7 +1857,8 @@ class _SlowReads:
                     bounded = reader.name.startswith("gpud-mig-")
                     if reads.slow and bounded and args and args[0] == reads.gpu:
                         reads.calls[reader] = reads.calls.get(reader, 0) + 1
-                        time.sleep(reads.seconds)  # answered, late: no CPU for gpud
+                        # answered, late: no CPU for gpud
+                        reads.host.clock.hang(reads.gpu, reads.seconds)
                     return real(*args, **kwargs)
 
                 return call if callable(real) else real
@@ -1782,14 +1872,13 @@ def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     """Telemetry finds a GPU hung while an apply's read of it is in the driver: that read
     is given up on then, not at the read deadline nor when the call returns, and the others
     go on."""
-    driver = HeldSleep()  # a call on GPU 1 once it hangs: in the driver until released
     telemetry_tick = threading.Event()
 
     def hangs(seconds: float) -> None:
         # the sampler's tick comes while the apply's read of GPU 1 is outstanding
         host.faults[1] = "not answering: ..."
         telemetry_tick.set()
-        driver(seconds)
+        host.clock.hang(1)  # in the driver until let go of
 
     host.driver_sleep = hangs
     host.read_timeout_s = 5.0  # telemetry.call_timeout_s
@@ -1802,7 +1891,7 @@ def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
         assert telemetry_tick.is_set()
         # the read is still in the driver: the apply did not wait for it to return, and the
         # reason given is telemetry's, not the read deadline's
-        assert driver.entered == 1 and driver.returned == 0
+        assert d.clock.entered == 1 and d.clock.returned == 0
         assert d.mig._stuck == {1}
         assert result.result == "partial", result
         outcomes = {o.gpu: o for o in result.gpus}
@@ -1812,9 +1901,8 @@ def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
         (behind,) = [t for t in left if t not in reading and t.name.endswith("-1")]
     finally:
         d.node.faults.clear(1)
-        driver.release()
-    behind.join()  # the read left behind returns
-    assert driver.returned == 1
+        d.clock.let_go()  # the read left behind returns
+    assert not behind.is_alive() and d.clock.returned == 1
     assert not d.mig._stuck
     assert instances(d)[1] == before[1]
 
@@ -1886,24 +1974,24 @@ def test_a_gpu_never_read_is_faulty_in_an_apply_that_filters_devices(
 
 
 class _Hangs:
-    """The backend, except that ``method`` on GPU ``gpu`` hangs in the driver once armed
-    (at once, or by the first call of ``arm_on`` on that GPU) until ``release`` is set, and
-    calls ``on_hang`` as it starts to hang (telemetry's tick finding the GPU hung)."""
+    """The daemon life's backend, except that ``method`` on GPU ``gpu`` hangs in the driver
+    once armed (at once, or by the first call of ``arm_on`` on that GPU), on the life's
+    clock (:meth:`ReadClock.hang`) till let go of, and calls ``on_hang`` as it starts to hang
+    (telemetry's tick finding the GPU hung)."""
 
     def __init__(
         self,
-        backend: NvmlBackend,
+        d: Daemon,
         gpu: int,
         method: str,
         *,
         arm_on: str | None = None,
         on_hang: Callable[[], None] = lambda: None,
     ) -> None:
-        self._backend, self._gpu, self._method = backend, gpu, method
+        self._backend, self.clock, self._gpu, self._method = d.backend, d.clock, gpu, method
         self._arm_on, self._on_hang = arm_on, on_hang
         self.armed = arm_on is None
         self.hanging = threading.Event()
-        self.release = threading.Event()
         self.returned = threading.Event()
 
     def __getattr__(self, name: str) -> object:
@@ -1917,8 +2005,7 @@ class _Hangs:
             elif gpu == self._gpu and self.armed:
                 self.hanging.set()
                 self._on_hang()
-                # bounded, so that code that waits for the call fails instead of hanging
-                self.release.wait(5.0)
+                self.clock.hang(gpu)
                 self.returned.set()
             return real(gpu, *args)
 
@@ -1931,8 +2018,9 @@ def _hanging(host: Host, d: Daemon, hang: _Hangs) -> MigManager:
         d.store,
         d.events,
         job_resolver=host.jobs.get,
-        monotonic=lambda: 0.0,
-        sleep=lambda s: None,
+        monotonic=d.clock.monotonic,
+        sleep=d.clock.advance,
+        read_wait=d.clock.read_wait,
         faults=lambda: host.faults,
         read_timeout_s=host.read_timeout_s,
     )
@@ -1940,11 +2028,8 @@ def _hanging(host: Host, d: Daemon, hang: _Hangs) -> MigManager:
 
 def _let_go(mig: MigManager, hang: _Hangs) -> None:
     """The hung call returns; the read left behind on its thread ends."""
-    hang.release.set()
-    assert hang.returned.wait(5.0)
-    deadline = time.monotonic() + 5.0
-    while mig._stuck and time.monotonic() < deadline:
-        time.sleep(0.01)
+    hang.clock.let_go()
+    assert hang.returned.is_set()
     assert not mig._stuck
 
 
@@ -1972,7 +2057,7 @@ def test_a_gpu_that_hangs_once_its_change_has_begun_is_given_up_on_at_the_read_d
     host.read_timeout_s = 0.3
     d = enable(host, config, "all-1g.10gb")
     hang = _Hangs(
-        d.backend,
+        d,
         1,
         "mig_mode",
         arm_on="destroy_compute_instance",
@@ -1998,9 +2083,7 @@ def test_an_apply_stops_waiting_on_a_process_list_once_telemetry_finds_the_gpu_h
     listing (nor for ``read_timeout_s``)."""
     d = enable(host, config, "all-1g.10gb")
     before = instances(d)
-    hang = _Hangs(
-        d.backend, 1, "processes", on_hang=lambda: host.faults.update({1: "not answering: ..."})
-    )
+    hang = _Hangs(d, 1, "processes", on_hang=lambda: host.faults.update({1: "not answering: ..."}))
     mig = _hanging(host, d, hang)
     result = mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
     assert hang.hanging.is_set() and not hang.returned.is_set()  # still in the driver
@@ -2021,7 +2104,7 @@ def test_an_apply_never_waits_on_the_read_before_a_gpus_steps_past_its_deadline(
     host.read_timeout_s = 0.3
     d = enable(host, config, "all-1g.10gb")
     before = instances(d)
-    hang = _Hangs(d.backend, 1, "mig_mode", arm_on="processes")  # hangs after the busy check
+    hang = _Hangs(d, 1, "mig_mode", arm_on="processes")  # hangs after the busy check
     mig = _hanging(host, d, hang)
     result = mig.apply(config, "all-3g.40gb")
     assert hang.hanging.is_set() and not hang.returned.is_set()
@@ -2041,9 +2124,7 @@ def test_show_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     """``mig show`` waits for a hung GPU no longer than telemetry takes to find it hung,
     however long its own deadline is."""
     d = enable(host, config, "all-1g.10gb")
-    hang = _Hangs(
-        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
-    )
+    hang = _Hangs(d, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."}))
     mig = _hanging(host, d, hang)
     views = mig.show(timeout_s=30.0)
     assert hang.hanging.is_set() and not hang.returned.is_set()
@@ -2058,9 +2139,7 @@ def test_reconcile_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     """The daemon's reconcile step (and the watchdog behind it) waits for a hung GPU no
     longer than telemetry takes to find it hung, however long its own deadline is."""
     d = enable(host, config, "all-1g.10gb")
-    hang = _Hangs(
-        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
-    )
+    hang = _Hangs(d, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."}))
     mig = _hanging(host, d, hang)
     mig.VIEW_TIMEOUT_S = 30.0
     outcomes = {o.gpu: o for o in mig.reconcile()}
@@ -2079,9 +2158,7 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     reason) and the other is."""
     host.read_timeout_s = 30.0
     d = enable(host, config, "all-1g.10gb")
-    hang = _Hangs(
-        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
-    )
+    hang = _Hangs(d, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."}))
     mig = _hanging(host, d, hang)
     diff, faulty = mig.check(config, "all-3g.40gb")
     assert hang.hanging.is_set() and not hang.returned.is_set()  # still in the driver
@@ -2095,19 +2172,21 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert len(diff) == 2 and faulty == {}
 
 
+@pytest.mark.parametrize("timeout_s", [0.3, 3600.0])
 def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
-    host: Host, config: MigConfigFile
+    host: Host, config: MigConfigFile, timeout_s: float
 ) -> None:
     """Telemetry has not noticed the hang: the GPU is not checked once ``read_timeout_s``
-    (telemetry.call_timeout_s) has passed."""
-    host.read_timeout_s = 0.3
+    (telemetry.call_timeout_s) has passed on the clock the manager was given (an hour of it
+    at no real time)."""
+    host.read_timeout_s = timeout_s
     d = enable(host, config, "all-1g.10gb")
-    hang = _Hangs(d.backend, 1, "gpu_instances")
+    hang = _Hangs(d, 1, "gpu_instances")
     mig = _hanging(host, d, hang)
     diff, faulty = mig.check(config, "all-1g.10gb")
     assert hang.hanging.is_set() and not hang.returned.is_set()
-    assert diff == []
-    assert faulty == {1: "not answering: no answer from the driver within 0.3 s"}
+    assert diff == [] and d.clock.now == pytest.approx(timeout_s)
+    assert faulty == {1: f"not answering: no answer from the driver within {timeout_s:.1f} s"}
     assert mig.check(config, "all-1g.10gb")[1] == {1: NOT_ANSWERING}
     _let_go(mig, hang)
 
@@ -2119,7 +2198,7 @@ def test_metrics_before_the_first_reconcile_never_wait_on_a_hung_gpu(
     that hangs is waited for no longer than ``read_timeout_s``, and the others are shown."""
     host.read_timeout_s = 0.3
     d = enable(host, config, "all-1g.10gb")
-    hang = _Hangs(d.backend, 1, "gpu_instances")
+    hang = _Hangs(d, 1, "gpu_instances")
     mig = _hanging(host, d, hang)
     views = mig.latest_view()
     assert hang.hanging.is_set() and not hang.returned.is_set()

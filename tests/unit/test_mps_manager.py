@@ -60,7 +60,7 @@ from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
-from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import mps_pb2
 from tests.unit.mps_support import (
     FAKE_CONTROL,
@@ -732,6 +732,37 @@ def test_limits_for_a_gpu_lost_before_gpud_started_are_refused_without_denying_i
     assert str(err.value) == (
         f"GPU 0 has not been read since gpud started ({reason}): it takes no MPS limits until"
         " it answers with its UUID"
+    )
+
+
+def test_a_gpu_lost_before_gpud_started_named_by_its_last_uuid_or_a_mig_device_says_it_is_lost(
+    manager: MpsManager,
+) -> None:
+    """GPU 0 fell off the bus before gpud started: named by the UUID an earlier run read, it
+    is GPU 0 (refused its limits as by its index, a job told it is unhealthy), not an
+    unknown device; a MIG device of it says the GPU is lost, how it was seen, not that no
+    such device is known."""
+    last = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+    reason = f"GPU lost (identity): GPU is lost; last seen as NVIDIA H100 80GB HBM3 {last}"
+    seen = SeenIdentity(last, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0", "H100-SXM5-80GB")
+    unread = GpuSample(
+        identity=unknown_identity(0),
+        healthy=False,
+        reason=reason,
+        sampled_at=0.0,
+        last_seen=seen,
+    )
+    manager.reconcile(snapshot(unread, NODE.gpus[1]))
+    target = manager.resolve(last)
+    assert (target.gpu, target.uuid, target.gpu_unhealthy) == (0, "", reason)
+    with pytest.raises(FailedPrecondition) as err:
+        manager.set_limits(last, threads_percent=50)
+    assert str(err.value).startswith(f"GPU 0 has not been read since gpud started ({reason})")
+    with pytest.raises(FailedPrecondition) as err:
+        manager.resolve("0:1")
+    assert str(err.value) == (
+        f"device 0:1 is on GPU 0, which is unhealthy: {reason} (not read since gpud started:"
+        " its MIG devices are not known until it answers)"
     )
 
 
@@ -2774,8 +2805,8 @@ def test_a_stop_fails_a_command_hung_past_its_timeout_request_timeout_s_after_it
 
 
 def test_a_stop_held_off_by_an_operation_with_no_command_in_flight_says_so(root: Path) -> None:
-    """The daemon held with no command in flight (its ``quit`` by a pass, a reboot of the
-    simulated node) is not taken for hung: the stop waits its whole 12 s, and says that
+    """The daemon held with no command in flight (a pass between two commands, a reboot of
+    the simulated node) is not taken for hung: the stop waits its whole 12 s, and says that
     another operation held the daemon, naming no command."""
     left, ended = _stop_held_on(root, [(1e9, None)])
     assert ended == 12.0
@@ -2802,6 +2833,42 @@ def test_a_daemon_being_started_is_said_in_flight_as_long_as_its_start_may_take(
         mgr.reconcile(MIG_NODE)
         assert seen == [(130.0, "nvidia-cuda-mps-control -d")]
         assert dev.in_flight is None
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_quit_that_clears_a_memory_limit_is_said_in_flight_as_long_as_the_stop_may_take(
+    root: Path,
+) -> None:
+    """The ``quit`` of an idle daemon restarted to remove its memory limit, then SIGTERM and
+    SIGKILL if it lingers, may take its timeout and 9 s: it is said in flight that long, so
+    a MIG apply's stop waiting meanwhile names the ``quit`` that holds the daemon, not an
+    unnamed operation."""
+    now = [100.0]
+    mgr, store, _ = make_manager(root, timeout_s=10.0, request_timeout_s=2.0, clock=lambda: now[0])
+    seen: list[tuple[tuple[float, str] | None, str]] = []
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.set_limits("0", memory_bytes=8 * GIB)
+        dev = mgr._device(gpu_uuid(0))
+        stop = dev.daemon.stop
+
+        def stopping(**kwargs: Any) -> Any:
+            seen.append((dev.in_flight, mgr._busy(dev, 12.0)))
+            return stop(**kwargs)
+
+        dev.daemon.stop = stopping  # type: ignore[method-assign]
+        mgr.set_limits("0", clear_memory=True)
+        assert seen == [
+            (
+                (119.0, "quit"),
+                "busy: its command 'quit' was still in flight after the stop waited 12 s, the"
+                " longest wait a stop gives one command to it",
+            )
+        ]
+        assert dev.in_flight is None
+        assert held(mgr, gpu_uuid(0))["default_device_pinned_mem_limit"] == {}
     finally:
         mgr.stop()
         store.close()
