@@ -739,15 +739,26 @@ def etcd_prefix_warning(prefix: str) -> str:
     return ""
 
 
+LOOPBACK = (
+    "'lo' is the loopback: shaping it slows this node's local gRPC and etcd traffic, never"
+    " GPU traffic between nodes"
+)
+
+
 def config_warnings(cfg: Config, *, path: str = "") -> list[str]:
     """What the config file takes but an operator should hear of, outside the traffic
-    settings (:func:`gpud.net.wiring.config_warnings`): an odd ``cluster.etcd_prefix``. Said
-    at start and by ``gpud --check-config``, naming ``FILE:KEY`` as an error would."""
+    settings (:func:`gpud.net.wiring.config_warnings`): an odd ``cluster.etcd_prefix``;
+    ``lo`` in ``traffic.interfaces`` with traffic off (refused with it on). Said at start
+    and by ``gpud --check-config``, naming ``FILE:KEY`` as an error would."""
+    out = []
     odd = etcd_prefix_warning(cfg.cluster.etcd_prefix)
-    if not odd:
-        return []
-    where = f"{path}:cluster.etcd_prefix" if path else "cluster.etcd_prefix"
-    return [f"{where}: {cfg.cluster.etcd_prefix!r} {odd}"]
+    if odd:
+        where = f"{path}:cluster.etcd_prefix" if path else "cluster.etcd_prefix"
+        out.append(f"{where}: {cfg.cluster.etcd_prefix!r} {odd}")
+    if "lo" in cfg.traffic.interfaces and not cfg.traffic.enabled:
+        where = f"{path}:traffic.interfaces" if path else "traffic.interfaces"
+        out.append(f"{where}: {LOOPBACK}: refused once traffic.enabled = true")
+    return out
 
 
 def _validate_etcd_auth(c: ClusterConfig, *, path: str) -> None:
@@ -833,14 +844,13 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(f"{', '.join(twice)} listed twice", path=path, key=key)
-    if "lo" in t.interfaces:
+    if "lo" in t.interfaces and t.enabled:
         # HTB on the loopback shapes this node's own gRPC, etcd and metrics traffic, and
-        # no GPU traffic between nodes ever crosses it
+        # no GPU traffic between nodes ever crosses it. With traffic off nothing is shaped:
+        # refusing there would stop a gpud upgraded under an old file, all of it, for a
+        # setting it does not use (config_warnings says it instead)
         raise ConfigError(
-            "'lo' is the loopback: shaping it slows this node's local gRPC and etcd"
-            " traffic, never GPU traffic between nodes; list the NICs that carry it",
-            path=path,
-            key="traffic.interfaces",
+            f"{LOOPBACK}; list the NICs that carry it", path=path, key="traffic.interfaces"
         )
 
     rated: set[str] = set()

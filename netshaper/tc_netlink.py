@@ -15,7 +15,7 @@ API (one instance per daemon, not thread-safe; call it from the daemon's traffic
     result.ok, result.errors                # {iface: TcError} -- other ifaces enforced
     result.interfaces["eth0"].restored      # what drift put back, as readable lines
     tc.counters("eth0")                     # {classid: ClassCounters} (bytes/packets/drops)
-    tc.restore("eth0", found["eth0"].original)   # shutdown mode "restore" ("": same netdev)
+    tc.restore("eth0", found["eth0"].original, ifindex=found["eth0"].ifindex)  # Restored
     tc.close()
 
 What the kernel shows after ``sync`` on ``eth0`` (``tc -s class show dev eth0``; tc prints
@@ -269,13 +269,30 @@ class AdoptedState:
     ``ours``: our HTB root was there (left as it is); ``original``: the root qdisc that
     was there before gpud's (None when ours was found: it was replaced earlier, and only
     the daemon's record, ``gpud.net.shaped``, knows what it was); ``state``: everything
-    read.
+    read; ``ifindex``: the netdev's index (``ip link show``), which a netdev deleted and
+    created again under the name does not keep.
     """
 
     iface: str
     ours: bool
     original: RootQdisc | None
     state: InterfaceState
+    ifindex: int = 0
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore`` did on one interface.
+
+    ``ours``: gpud's HTB root was there and was deleted (False: another root was found and
+    left as it is); ``replaced``: "ifindex NEW, was OLD" when the name is another netdev's
+    than the one the original was recorded on, else ""; ``root``: the root qdisc left on
+    the interface (None: none, ``noqueue``).
+    """
+
+    ours: bool
+    replaced: str = ""
+    root: RootQdisc | None = None
 
 
 # --- encoding ---------------------------------------------------------------------------
@@ -832,14 +849,14 @@ class TcNetlink:
         found: dict[str, AdoptedState | TcError] = {}
         for iface in ifaces:
             try:
-                self._resolve(iface)
+                idx = self._resolve(iface)
                 state = self.read(iface)
             except TcError as err:
                 found[iface] = err
                 continue
             ours = _is_ours(state.root)
             self._cache[iface] = state
-            found[iface] = AdoptedState(iface, ours, None if ours else state.root, state)
+            found[iface] = AdoptedState(iface, ours, None if ours else state.root, state, idx)
         return found
 
     def sync(self, plan: TcPlan) -> SyncResult:
@@ -936,30 +953,39 @@ class TcNetlink:
             message = f"netlink error {_errname(ack.errno)} ({os.strerror(ack.errno)})"
         return TcError(iface, message, op=args, errno=ack.errno, detail=ack.detail)
 
-    def restore(self, iface: str, original: RootQdisc | None = None) -> str:
+    def restore(
+        self, iface: str, original: RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> Restored:
         """Put back the interface's root qdisc from before gpud (shutdown mode "restore").
 
         Deletes our HTB root, so the kernel installs its default root (``mq``,
         ``net.core.default_qdisc``, or ``noqueue`` on virtual devices); when ``original``
         names another kind than that, the original kind is installed with its default
-        parameters (``tc qdisc replace dev IF root KIND``). Raises TcError on failure.
+        parameters (``tc qdisc replace dev IF root KIND``). A root that is not gpud's HTB
+        is left as it is, and nothing is installed: gpud's tree is not there to give back
+        (removed by hand, or gone with a netdev deleted and created again). Raises TcError
+        on failure.
 
-        Returns "ifindex NEW, was OLD" when the name is another netdev's since this
-        adapter last looked it up (deleted and created again): ``original`` was the old
-        netdev's, so only our HTB root is deleted and the new netdev keeps the root the
-        kernel gave it. Else "".
+        ``ifindex``: the index of the netdev ``original`` was recorded on (None: not
+        known). When the name is another netdev's than that one, or than the one this
+        adapter last looked up (deleted and created again), ``original`` was the old
+        netdev's: only our HTB root is deleted, the new netdev keeps the root the kernel
+        gave it, and ``replaced`` says "ifindex NEW, was OLD".
         """
         idx = self._resolve(iface)
         replaced = self._replaced.pop(iface, "")
+        if not replaced and ifindex is not None and ifindex != idx:
+            replaced = f"ifindex {idx}, was {ifindex}"
         self._cache.pop(iface, None)
         state = self.read(iface)
-        if _is_ours(state.root):
-            delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))
-            self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
-            state = self.read(iface)
+        if not _is_ours(state.root):
+            return Restored(False, replaced, state.root)
+        delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))
+        self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
+        state = self.read(iface)
         now = state.root.kind if state.root is not None else "noqueue"
         if replaced or original is None or original.kind in (now, "noqueue"):
-            return replaced
+            return Restored(True, replaced, state.root)
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
         self._request_one(
             iface,
@@ -967,7 +993,7 @@ class TcNetlink:
             f"qdisc replace dev {iface} root {original.kind}",
             f"re-install the original {original.kind} root",
         )
-        return ""
+        return Restored(True, "", self.read(iface).root)
 
     def _request_one(self, iface: str, msg: tuple[int, int, bytes], op: str, what: str) -> None:
         try:

@@ -52,13 +52,29 @@ class SyncResultLike(Protocol):
 
 
 class AdoptedLike(Protocol):
-    """What the kernel held at start: the tree (``state``) and the root qdisc that was
-    there before gpud's (``original``; None when gpud's own root was found)."""
+    """What the kernel held at start: the tree (``state``), the root qdisc that was
+    there before gpud's (``original``; None when gpud's own root was found) and the
+    netdev's ``ifindex``."""
 
     @property
     def state(self) -> tcplan.InterfaceState: ...
     @property
     def original(self) -> tcplan.RootQdisc | None: ...
+    @property
+    def ifindex(self) -> int: ...
+
+
+class RestoredLike(Protocol):
+    """What a restore did: ``ours`` (gpud's HTB root was there and is deleted; False: the
+    root found is left as it is), ``replaced`` ("ifindex NEW, was OLD": the name is another
+    netdev's than the original's; "" when not) and the ``root`` left on the interface."""
+
+    @property
+    def ours(self) -> bool: ...
+    @property
+    def replaced(self) -> str: ...
+    @property
+    def root(self) -> tcplan.RootQdisc | None: ...
 
 
 class TcPort(Protocol):
@@ -80,10 +96,13 @@ class TcPort(Protocol):
         """classid -> counters of every class on ``iface``."""
         ...
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
-        """Give ``iface`` back its original root qdisc (delete gpud's HTB root). Returns
-        "ifindex NEW, was OLD" when the name is another netdev's since the last pass:
-        ``original`` was the old one's and is not put on it; else ""."""
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> RestoredLike:
+        """Give ``iface`` back its original root qdisc (delete gpud's HTB root; a root that
+        is not gpud's is left as it is). ``ifindex``: the netdev ``original`` was recorded
+        on; when the name is another netdev's (than that one, or since the last pass),
+        ``original`` was the old one's and is not put on it."""
         ...
 
     def close(self) -> None:
@@ -136,6 +155,14 @@ class FakeSync:
 class FakeAdopted:
     state: tcplan.InterfaceState
     original: tcplan.RootQdisc | None
+    ifindex: int = 4
+
+
+@dataclass(frozen=True)
+class FakeRestored:
+    ours: bool
+    replaced: str = ""
+    root: tcplan.RootQdisc | None = None
 
 
 @dataclass
@@ -144,7 +171,8 @@ class FakeTc:
     the "kernel" holds per interface (tests edit it to simulate drift); ``missing``
     interfaces fail like a missing netdev; ``sent`` sets a class's counters; ``replaced``
     names an interface deleted and created again since the last pass (its ifindexes),
-    said by the next pass or restore."""
+    said by the next pass or restore; ``ifindexes`` are the netdevs' indexes (4 when not
+    set)."""
 
     states: dict[str, tcplan.InterfaceState] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
@@ -152,6 +180,7 @@ class FakeTc:
     restored_ifaces: list[str] = field(default_factory=list)
     restored_to: dict[str, tcplan.RootQdisc | None] = field(default_factory=dict)
     replaced: dict[str, str] = field(default_factory=dict)
+    ifindexes: dict[str, int] = field(default_factory=dict)
 
     def _state(self, iface: str) -> tcplan.InterfaceState:
         if iface in self.missing:
@@ -167,7 +196,9 @@ class FakeTc:
                 found[iface] = err
                 continue
             ours = state.root is not None and state.root.handle >> 16 == tcplan.ROOT_MAJOR
-            found[iface] = FakeAdopted(state, None if ours else state.root)
+            found[iface] = FakeAdopted(
+                state, None if ours else state.root, self.ifindexes.get(iface, 4)
+            )
         return found
 
     def _apply(self, plan: tcplan.TcPlan, *, drift: bool) -> FakeSync:
@@ -195,9 +226,16 @@ class FakeTc:
         state = self._state(iface)
         return {c.classid: self.sent.get((iface, c.classid), FakeCounters()) for c in state.classes}
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
-        self._state(iface)
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
+        root = self._state(iface).root
         replaced = self.replaced.pop(iface, "")
+        now = self.ifindexes.get(iface, 4)
+        if not replaced and ifindex is not None and ifindex != now:
+            replaced = f"ifindex {now}, was {ifindex}"
+        if root is None or root.kind != "htb" or root.handle >> 16 != tcplan.ROOT_MAJOR:
+            return FakeRestored(False, replaced, root)  # not gpud's: left as it is
         if replaced:
             original = None
         self.restored_ifaces.append(iface)
@@ -206,7 +244,7 @@ class FakeTc:
             self.states.pop(iface, None)
         else:
             self.states[iface] = tcplan.InterfaceState(iface, original)
-        return replaced
+        return FakeRestored(True, replaced, original)
 
     def close(self) -> None:
         pass

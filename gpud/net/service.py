@@ -57,7 +57,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
-from gpud.net.enforce import MarkPort, RdmaPort, TcPort
+from gpud.net.enforce import AdoptedLike, MarkPort, RdmaPort, RestoredLike, TcPort
 from gpud.net.latest import LatestWorker
 from gpud.net.port import (
     JobTraffic,
@@ -393,6 +393,7 @@ class TrafficService:
         # leaf's prio, in place (see netshaper.tcplan)
         self._homes: dict[str, int] = {}
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
+        self._original_at: dict[str, int] = {}  # the ifindex each original is the root of
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
@@ -1376,7 +1377,8 @@ class TrafficService:
                 if isinstance(found, Exception):
                     self._fail(self._ifaces[iface], _describe(iface, found))
                     continue
-                self._originals[iface] = self._original(iface, found.original)
+                self._originals[iface] = self._original(iface, found)
+                self._original_at[iface] = found.ifindex
                 if found.original is None and found.state.root is not None:  # gpud's tree
                     self._found[iface] = found.state
                 adopted.update(self._levels_in(found.state, tags))
@@ -1392,17 +1394,31 @@ class TrafficService:
                 )
             self._unshape_dropped()
 
-    def _original(self, iface: str, found: tcplan.RootQdisc | None) -> tcplan.RootQdisc | None:
-        """The root qdisc ``iface`` had before gpud took it. ``found`` is the root seen at
-        start when it is not gpud's: gpud's tree was removed meanwhile (or never there), so
-        what is there now is what gpud replaces. Where gpud's tree is still in place the
-        kernel no longer shows what was there before: the one recorded when gpud first took
-        the interface (None: not known, the kernel's default comes back on restore)."""
+    def _original(self, iface: str, found: AdoptedLike) -> tcplan.RootQdisc | None:
+        """The root qdisc ``iface`` had before gpud took it. ``found.original`` is the root
+        seen at start when it is not gpud's: gpud's tree was removed meanwhile (or never
+        there), so what is there now is what gpud replaces. Where gpud's tree is still in
+        place the kernel no longer shows what was there before: the one recorded when gpud
+        first took the interface (None: not known, the kernel's default comes back on
+        restore). A record of another ifindex than the netdev's now is dropped: the netdev
+        was deleted and created again since (while gpud was stopped, or missing at its
+        start), and gpud's tree on it, if any, was built on the kernel's default root."""
         if self._shaped is None:
-            return found
-        if found is not None:
-            self._shaped.set_original(iface, found)
-            return found
+            return found.original
+        if found.original is not None:
+            self._shaped.set_original(iface, found.original, found.ifindex)
+            return found.original
+        was = self._shaped.original_ifindex(iface)
+        if was is not None and was != found.ifindex:
+            log.info(
+                "traffic: %s is ifindex %d, its recorded root qdisc from before gpud was"
+                " ifindex %d's: dropped",
+                iface,
+                found.ifindex,
+                was,
+            )
+            self._shaped.forget_original(iface)
+            return None
         return self._shaped.original(iface)
 
     def _unshape_dropped(self) -> None:
@@ -1411,8 +1427,11 @@ class TrafficService:
         if self._shaped is None or self._tc is None:
             return
         for iface in sorted(self._shaped.all() - set(self.config.interfaces)):
+            original = self._shaped.original(iface)
             try:
-                self._tc.restore(iface, self._shaped.original(iface))
+                done = self._tc.restore(
+                    iface, original, ifindex=self._shaped.original_ifindex(iface)
+                )
             except Exception as err:
                 if getattr(err, "errno", None) != errno.ENODEV:
                     message = _describe(iface, err)
@@ -1427,8 +1446,8 @@ class TrafficService:
             else:
                 self._events.emit(
                     "net.unshaped",
-                    f"{iface}: not in traffic.interfaces any more: gpud's HTB root removed,"
-                    f" {_restored_root(self._shaped.original(iface))}",
+                    f"{iface}: not in traffic.interfaces any more: "
+                    + _unshaped(original, done, done.replaced),
                     interface=iface,
                 )
             self._shaped.discard(iface)
@@ -1738,18 +1757,16 @@ class TrafficService:
                 original = self._originals.get(iface)
                 was = self._replaced.get(iface, "")
                 try:
-                    replaced = self._tc.restore(iface, None if was else original) or was
+                    done = self._tc.restore(
+                        iface, None if was else original, ifindex=self._original_at.get(iface)
+                    )
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
                 self._events.emit(
                     "net.unshaped",
                     f"{iface}: traffic.shutdown = restore: "
-                    + (
-                        _kept_new_root(original, replaced)
-                        if replaced
-                        else f"gpud's HTB root removed, {_restored_root(original)}"
-                    ),
+                    + _unshaped(original, done, done.replaced or was),
                     interface=iface,
                 )
                 if self._shaped is not None:
@@ -1761,25 +1778,47 @@ class TrafficService:
                 log.warning("traffic: cannot delete the nftables table: %s", err)
 
 
+def _unshaped(original: tcplan.RootQdisc | None, done: RestoredLike, replaced: str) -> str:
+    """What a restore did, for its event (``replaced``: the netdev is another one since
+    gpud took the name, "ifindex NEW, was OLD")."""
+    if replaced:
+        return _kept_new_root(original, replaced, done)
+    if not done.ours:
+        return (
+            f"gpud's HTB root was not there: the root qdisc found ({_root_name(done.root)})"
+            " is left as it is"
+        )
+    return f"gpud's HTB root removed, {_restored_root(original)}"
+
+
+def _root_name(root: tcplan.RootQdisc | None) -> str:
+    """``tc qdisc show``'s kind and handle; the kind alone where the handle is 0 (the
+    kernel's own, unnumbered root)."""
+    if root is None:
+        return "noqueue"
+    return f"{root.kind} {tcplan.format_qdisc_handle(root.handle)}" if root.handle else root.kind
+
+
 def _restored_root(original: tcplan.RootQdisc | None) -> str:
     """What a restore gave the interface back, for its event."""
     if original is None:
         return "the kernel's default root qdisc is back (the one before gpud was not recorded)"
-    handle = tcplan.format_qdisc_handle(original.handle)
-    return f"its root qdisc from before gpud is back: {original.kind} {handle} (default options)"
+    return f"its root qdisc from before gpud is back: {_root_name(original)} (default options)"
 
 
-def _kept_new_root(original: tcplan.RootQdisc | None, replaced: str) -> str:
-    """What a restore did on a netdev made again since gpud took the name, for its event."""
+def _kept_new_root(original: tcplan.RootQdisc | None, replaced: str, done: RestoredLike) -> str:
+    """What a restore did on a netdev made again since gpud took the name, for its event
+    (``done.root``: the root the kernel gave the new netdev)."""
+    now = done.root
     old = (
-        f"; the old netdev's {original.kind} {tcplan.format_qdisc_handle(original.handle)}"
-        " is not put on it"
-        if original is not None
+        f"; the old netdev's {_root_name(original)} is not put on it"
+        if original is not None and (now is None or now.kind != original.kind)
         else ""
     )
+    tree = "gpud's HTB root removed from it" if done.ours else "gpud's tree went with the old one"
     return (
-        f"another netdev by that name since gpud took it ({replaced}): gpud's HTB root"
-        f" removed from it, the root qdisc the kernel gave it is left{old}"
+        f"another netdev by that name since gpud took it ({replaced}): {tree},"
+        f" the root qdisc the kernel gave it is left{old}"
     )
 
 

@@ -8,9 +8,14 @@ Table ``net_original`` keeps the root qdisc each interface had before gpud first
 place cannot see what was there before it, so it takes the recorded one; a start that finds
 another root (gpud's tree was removed meanwhile, by hand or by a restore) records that
 instead. ``traffic.shutdown = "restore"`` and an interface taken out of the config get the
-recorded kind back (with its default parameters: its options are not kept). A netdev
-deleted and created again under the name while gpud runs loses the record: the root
-recorded was the old netdev's, and the new one keeps the root the kernel gave it.
+recorded kind back (with its default parameters: its options are not kept).
+
+The record keeps the netdev's ifindex too: a netdev deleted and created again under the
+name (while gpud runs, or while it was stopped or could not see it) is another ifindex, and
+the root recorded was the old netdev's. A start that finds gpud's tree on another ifindex
+drops the record, and a restore does not put it on the new netdev, which keeps the root
+the kernel gave it. A netdev renamed away and back keeps its ifindex, and its record. A row
+of an older gpud has no ifindex (NULL) and is taken as it is.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ SCHEMA = (
     """CREATE TABLE IF NOT EXISTS net_original (
         iface TEXT PRIMARY KEY,
         kind TEXT NOT NULL,
-        handle INTEGER NOT NULL
+        handle INTEGER NOT NULL,
+        ifindex INTEGER
     )""",
 )
+ADDED = {"net_original": ("ifindex",)}  # NULL in an older gpud's rows: the netdev unknown
 
 
 class ShapedInterfaces:
@@ -36,13 +43,19 @@ class ShapedInterfaces:
     def __init__(self, store: StateStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        store.ensure_schema(SCHEMA)
+        store.ensure_schema(SCHEMA, added=ADDED)
         with store.transaction() as conn:
             rows = conn.execute("SELECT iface FROM net_shaped").fetchall()
-            originals = conn.execute("SELECT iface, kind, handle FROM net_original").fetchall()
+            originals = conn.execute(
+                "SELECT iface, kind, handle, ifindex FROM net_original"
+            ).fetchall()
         self._known = {str(r["iface"]) for r in rows}
         self._originals = {
-            str(r["iface"]): RootQdisc(str(r["kind"]), int(r["handle"])) for r in originals
+            str(r["iface"]): (
+                RootQdisc(str(r["kind"]), int(r["handle"])),
+                None if r["ifindex"] is None else int(r["ifindex"]),
+            )
+            for r in originals
         }
 
     def all(self) -> frozenset[str]:
@@ -60,19 +73,30 @@ class ShapedInterfaces:
     def original(self, iface: str) -> RootQdisc | None:
         """The root qdisc ``iface`` had before gpud took it; None when not recorded."""
         with self._lock:
-            return self._originals.get(iface)
+            recorded = self._originals.get(iface)
+        return None if recorded is None else recorded[0]
 
-    def set_original(self, iface: str, root: RootQdisc) -> None:
-        root = RootQdisc(root.kind, root.handle)  # HTB's default class is not restored
+    def original_ifindex(self, iface: str) -> int | None:
+        """The ifindex of the netdev whose root :meth:`original` is; None when not recorded
+        (no record, or one an older gpud wrote)."""
         with self._lock:
-            if self._originals.get(iface) == root:
+            recorded = self._originals.get(iface)
+        return None if recorded is None else recorded[1]
+
+    def set_original(self, iface: str, root: RootQdisc, ifindex: int | None = None) -> None:
+        """Record ``root`` as the one ``iface`` had before gpud, on the netdev of index
+        ``ifindex`` (``ip link show``)."""
+        recorded = (RootQdisc(root.kind, root.handle), ifindex)  # HTB's default: not restored
+        with self._lock:
+            if self._originals.get(iface) == recorded:
                 return
             with self._store.transaction() as conn:
                 conn.execute(
-                    "INSERT OR REPLACE INTO net_original (iface, kind, handle) VALUES (?, ?, ?)",
-                    (iface, root.kind, root.handle),
+                    "INSERT OR REPLACE INTO net_original (iface, kind, handle, ifindex)"
+                    " VALUES (?, ?, ?, ?)",
+                    (iface, root.kind, root.handle, ifindex),
                 )
-            self._originals[iface] = root
+            self._originals[iface] = recorded
 
     def forget_original(self, iface: str) -> None:
         """Forget the root ``iface`` had before gpud: the name is another netdev's now

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from netshaper import tcplan as tp
-from netshaper.tc_netlink import TcError, TcNetlink
+from netshaper.tc_netlink import AdoptedState, TcError, TcNetlink
 
 pytestmark = pytest.mark.integration
 
@@ -311,8 +311,58 @@ def test_restore_on_a_netdev_made_again_leaves_the_root_the_kernel_gave_it(
         _run("ip", "-n", net.snd, "link", "set", dev, "up")
     new = _index(net, "a0")
     # the pfifo_fast was the old a0's: the new one keeps its noqueue
-    assert adapter.restore("a0", found.original) == f"ifindex {new}, was {old}"
+    assert adapter.restore("a0", found.original).replaced == f"ifindex {new}, was {old}"
     assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+
+
+def _made_again(net: Net) -> None:
+    """a0 deleted and created again: another ifindex, the kernel's noqueue root."""
+    _run("ip", "-n", net.snd, "link", "del", "a0")
+    _run("ip", "-n", net.snd, "link", "add", "a0", "type", "veth", "peer", "name", "b9")
+    for dev in ("a0", "b9"):
+        _run("ip", "-n", net.snd, "link", "set", dev, "up")
+
+
+def _taken_over_pfifo_fast_then_made_again(net: Net) -> AdoptedState:
+    """A first run (its adapter closed: gpud stopped) took a0 over pfifo_fast and put its
+    tree on it; then a0 is deleted and created again. What that run's adopt found."""
+    net.tc("qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    first = TcNetlink(netns=net.snd)
+    try:
+        found = first.adopt(["a0"])["a0"]
+        assert not isinstance(found, TcError) and found.original is not None
+        assert str(found.ifindex) == _index(net, "a0")
+        assert first.sync(plan({"alpha": 0})).ok
+    finally:
+        first.close()
+    _made_again(net)  # gpud's tree went with the old a0
+    return found
+
+
+def test_a_restore_by_a_fresh_adapter_leaves_a_root_that_is_not_gpuds(net: Net) -> None:
+    found = _taken_over_pfifo_fast_then_made_again(net)
+    second = TcNetlink(netns=net.snd)
+    try:
+        done = second.restore("a0", found.original)  # it never saw the old a0
+        assert not done.ours and done.root is not None and done.root.kind == "noqueue"
+        assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+        net.tc("qdisc", "replace", "dev", "a0", "root", "handle", "5:", "bfifo")
+        assert not second.restore("a0", found.original).ours
+        assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc bfifo 5: root")
+    finally:
+        second.close()
+
+
+def test_a_restore_does_not_put_a_root_recorded_on_another_ifindex(net: Net) -> None:
+    found = _taken_over_pfifo_fast_then_made_again(net)
+    second = TcNetlink(netns=net.snd)  # a restart whose adopt did not see the old a0
+    try:
+        assert second.sync(plan({"alpha": 0})).ok  # gpud's tree on the new a0
+        done = second.restore("a0", found.original, ifindex=found.ifindex)
+        assert done.ours and done.replaced == f"ifindex {_index(net, 'a0')}, was {found.ifindex}"
+        assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+    finally:
+        second.close()
 
 
 def test_rates_above_32_bits_of_bytes_per_second(net: Net, adapter: TcNetlink) -> None:

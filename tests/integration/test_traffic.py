@@ -597,6 +597,34 @@ def test_restore_brings_back_the_root_from_before_gpud_across_a_restart(bed: Bed
     assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")
 
 
+def test_a_netdev_missing_at_start_and_made_again_does_not_get_the_old_root_back(
+    bed: Bed,
+) -> None:
+    """Run 1 takes a0 over pfifo_fast (recorded in state.db) and is killed; a0 is deleted,
+    run 2 starts without it, a0 is made again (the kernel's noqueue) and run 2 builds its
+    tree there, then is killed too; run 3's restore leaves noqueue: the pfifo_fast was the
+    old a0's, on another ifindex."""
+    run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    bed.extra = 'shutdown = "restore"\n'
+    for made_again in (False, True):
+        daemon = bed.start()
+        if made_again:
+            bed.wait("a0 missing", lambda: bool(_events(bed, "net.interface_error")))
+            bed.veth("a0", "b0")
+            run("ip", "-n", bed.snd, "link", "set", "a0", "up")
+        bed.wait("enforced", lambda: _enforced(bed))
+        daemon.proc.send_signal(signal.SIGKILL)
+        stop_daemon(daemon)
+        bed.daemon = None
+        if not made_again:
+            run("ip", "-n", bed.snd, "link", "del", "a0")
+    daemon = bed.start()
+    bed.wait("enforced", lambda: _enforced(bed))
+    stop_daemon(daemon)
+    bed.daemon = None
+    assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+
+
 def _make_a0_again(b: Bed) -> None:
     run("ip", "-n", b.snd, "link", "del", "a0")
     b.veth("a0", "b0")
@@ -608,8 +636,9 @@ def test_restore_leaves_a_netdev_made_again_the_root_the_kernel_gave_it(
     bed: Bed, when: str
 ) -> None:
     """a0 had pfifo_fast when gpud took it; a0 is deleted and created again (the new veth
-    gets the kernel's noqueue): the restore at the stop removes gpud's tree and leaves
-    noqueue, not the old netdev's pfifo_fast, and says why."""
+    gets the kernel's noqueue): the restore at the stop removes gpud's tree (if a pass
+    built it on the new a0) and leaves noqueue, not the old netdev's pfifo_fast, and says
+    why."""
     run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
     bed.extra = 'shutdown = "restore"\n'
     daemon = bed.start()
@@ -631,10 +660,15 @@ def test_restore_leaves_a_netdev_made_again_the_root_the_kernel_gave_it(
     stop_daemon(daemon)
     bed.daemon = None
     assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc noqueue ")
+    tree = (
+        "gpud's HTB root removed from it"
+        if when == "between_two_passes"
+        else "gpud's tree went with the old one"
+    )
     said = (
         f"a0: traffic.shutdown = restore: another netdev by that name since gpud took it"
-        f" (ifindex {new}, was {old}): gpud's HTB root removed from it, the root qdisc the"
-        " kernel gave it is left; the old netdev's pfifo_fast "  # its handle, the kernel's
+        f" (ifindex {new}, was {old}): {tree}, the root qdisc the kernel gave it is left;"
+        " the old netdev's pfifo_fast "  # its handle, the kernel's
     )
     assert said in daemon.log.read_text()
 

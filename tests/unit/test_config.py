@@ -858,7 +858,7 @@ def test_the_loopback_is_refused_in_traffic_interfaces_at_start_and_on_reload(
     tmp_path: Path,
 ) -> None:
     """HTB on ``lo`` would shape the node's own gRPC and etcd traffic, never GPU traffic."""
-    path = write(tmp_path, '[traffic]\ninterfaces = ["eth0", "lo"]\n')
+    path = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0", "lo"]\n')
     with pytest.raises(ConfigError, match="'lo' is the loopback") as info:
         config.load(path)
     assert info.value.key == "traffic.interfaces" and str(path) in str(info.value)
@@ -867,6 +867,24 @@ def test_the_loopback_is_refused_in_traffic_interfaces_at_start_and_on_reload(
         assert "traffic.interfaces: 'lo' is the loopback" in event.message
         assert event.fields == {"path": str(path), "key": "traffic.interfaces"}
         assert daemon.config.traffic.interfaces == ()
+
+
+def test_the_loopback_in_an_old_file_with_traffic_off_is_warned_about_not_refused(
+    tmp_path: Path,
+) -> None:
+    """A gpud upgraded under a file that lists ``lo`` but shapes nothing still starts (exit
+    2 would keep systemd from restarting it at all), and says what enabling traffic meets."""
+    path = write(tmp_path, '[traffic]\nenabled = false\ninterfaces = ["eth0", "lo"]\n')
+    loaded = config.load(path)
+    assert loaded.traffic.interfaces == ("eth0", "lo")
+    (warning,) = config.config_warnings(loaded, path=str(path))
+    assert warning.startswith(f"{path}:traffic.interfaces: 'lo' is the loopback")
+    assert warning.endswith("refused once traffic.enabled = true")
+    with _reloaded_from(tmp_path, path) as daemon:
+        assert not daemon.events.recent(1, "config.reload_failed")
+    enabled = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0", "lo"]\n')
+    with pytest.raises(ConfigError, match="'lo' is the loopback"):
+        config.load(enabled)
 
 
 def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> None:

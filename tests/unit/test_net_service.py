@@ -26,7 +26,15 @@ from gpud.events import EventLog
 from gpud.metrics import Collector
 from gpud.net.api import job_message
 from gpud.net.cgroups import JobCgroups, find_cgroup2
-from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
+from gpud.net.enforce import (
+    FakeCounters,
+    FakeMarker,
+    FakeRestored,
+    FakeResult,
+    FakeSync,
+    FakeTc,
+    RdmaPort,
+)
 from gpud.net.latest import LatestWorker
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.port import JobTraffic, LinkEnforcement, TrafficSummary
@@ -1819,7 +1827,9 @@ PFIFO_FAST = tcplan.RootQdisc("pfifo_fast", 0)
 class RefusingTc(FakeTc):
     """Refuses to remove gpud's tree (EPERM, as netlink says it)."""
 
-    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> str:
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
         raise RuntimeError(f"{iface}: Operation not permitted")
 
 
@@ -1865,7 +1875,7 @@ def test_restore_gives_back_the_root_from_before_gpud_first_took_the_interface(
     _restart(rig).shutdown()
     assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
     (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
-    assert "pfifo_fast 0:" in done.message
+    assert "its root qdisc from before gpud is back: pfifo_fast (default options)" in done.message
     # restored: forgotten, so a later start records whatever is there then
     assert ShapedInterfaces(rig.store).original("eth0") is None
 
@@ -1883,6 +1893,7 @@ def _made_again(rig: Rig) -> None:
     """eth0 deleted and created again: a bare netdev under the name, another ifindex."""
     rig.tc.states.pop("eth0", None)
     rig.tc.replaced["eth0"] = "ifindex 9, was 4"
+    rig.tc.ifindexes["eth0"] = 9
 
 
 def test_a_netdev_made_again_before_the_first_tick_is_named_so_not_taken_over(
@@ -1920,7 +1931,7 @@ def test_restore_leaves_a_netdev_made_again_before_the_first_tick_its_own_root(
     assert done.message == (
         "eth0: traffic.shutdown = restore: another netdev by that name since gpud took it"
         " (ifindex 9, was 4): gpud's HTB root removed from it, the root qdisc the kernel"
-        " gave it is left; the old netdev's pfifo_fast 0: is not put on it"
+        " gave it is left; the old netdev's pfifo_fast is not put on it"
     )
 
 
@@ -1928,9 +1939,13 @@ def test_restore_on_a_netdev_made_again_after_the_last_tick_leaves_its_root(rig:
     _shaped_over(rig, PFIFO_FAST)
     _made_again(rig)  # after the last pass, before the stop: the restore finds it
     rig.service.shutdown()
-    assert rig.tc.restored_to == {"eth0": None}
+    assert rig.tc.restored_to == {}  # gpud's tree went with the old netdev: nothing to do
     (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
-    assert "another netdev by that name since gpud took it (ifindex 9, was 4)" in done.message
+    assert done.message == (
+        "eth0: traffic.shutdown = restore: another netdev by that name since gpud took it"
+        " (ifindex 9, was 4): gpud's tree went with the old one, the root qdisc the kernel"
+        " gave it is left; the old netdev's pfifo_fast is not put on it"
+    )
 
 
 def test_a_job_tagged_outside_the_tick_is_no_longer_listed_as_untagged(
@@ -2763,3 +2778,98 @@ def test_a_spent_pools_refusal_counts_a_jobs_idle_time_from_its_tag_where_later(
     with pytest.raises(DscpPoolExhausted) as refused:
         rig.service.tag("d")
     assert "job a (a report every 90 s: idle in 60 s)" in str(refused.value)
+
+
+def _stopped_with_pfifo_fast_recorded(rig: Rig) -> None:
+    """Run 1 took eth0 (ifindex 4) over pfifo_fast and stopped fail-static; then eth0 is
+    deleted: the next start's adopt finds no eth0."""
+    _shaped_over(rig, PFIFO_FAST)
+    assert ShapedInterfaces(rig.store).original_ifindex("eth0") == 4
+    rig.tc.states.pop("eth0")
+    rig.tc.missing.add("eth0")
+
+
+def test_a_netdev_missing_at_start_and_made_again_does_not_get_the_old_root_back(
+    rig: Rig,
+) -> None:
+    _stopped_with_pfifo_fast_recorded(rig)
+    rig.service = rig.make()
+    rig.service.start()  # run 2: no eth0 to adopt
+    rig.tc.missing.discard("eth0")
+    rig.tc.ifindexes["eth0"] = 9  # made again: a bare netdev
+    rig.service.tick()  # gpud's tree on the new netdev; kill -9 (or a crash) here
+    # run 3: gpud's tree sits on ifindex 9, the record is ifindex 4's
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": None}
+    assert ShapedInterfaces(rig.store).original("eth0") is None
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "the kernel's default root qdisc is back" in done.message
+
+
+def test_a_restore_in_the_run_that_found_the_netdev_made_again_keeps_the_old_root_off(
+    rig: Rig,
+) -> None:
+    _stopped_with_pfifo_fast_recorded(rig)
+    rig.service = rig.make()
+    rig.service.start()
+    rig.tc.missing.discard("eth0")
+    rig.tc.ifindexes["eth0"] = 9
+    rig.service.tick()
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {"eth0": None}
+
+
+def test_a_netdev_missing_at_start_that_comes_back_as_itself_keeps_its_original(
+    rig: Rig,
+) -> None:
+    """Renamed away and back (ENODEV at the adopt): the same ifindex, gpud's tree and the
+    record are still its own."""
+    _shaped_over(rig, PFIFO_FAST)
+    tree = rig.tc.states["eth0"]
+    rig.tc.missing.add("eth0")
+    rig.service = rig.make()
+    rig.service.start()
+    rig.tc.missing.discard("eth0")
+    rig.tc.states["eth0"] = tree
+    rig.service.tick()
+    assert ShapedInterfaces(rig.store).original("eth0") == PFIFO_FAST
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+
+
+def test_a_record_of_an_older_gpud_without_ifindex_is_restored_as_before(rig: Rig) -> None:
+    with rig.store.transaction() as conn:  # the table as an older gpud declared it
+        conn.execute("DROP TABLE net_original")
+        conn.execute(
+            "CREATE TABLE net_original"
+            " (iface TEXT PRIMARY KEY, kind TEXT NOT NULL, handle INTEGER NOT NULL)"
+        )
+        conn.execute("INSERT INTO net_original VALUES ('eth0', 'pfifo_fast', 0)")
+    rig.config = dataclasses.replace(rig.config, shutdown="restore")
+    shaped = ShapedInterfaces(rig.store)
+    assert (shaped.original("eth0"), shaped.original_ifindex("eth0")) == (PFIFO_FAST, None)
+    rig.service = rig.make()
+    rig.service.tick()  # gpud's tree on eth0, as the older gpud left it
+    rig.tc.ifindexes["eth0"] = 9
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+
+
+def test_an_interface_taken_out_whose_root_is_not_gpuds_keeps_it(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.tc.states["eth1"] = tcplan.InterfaceState("eth1", PFIFO_FAST)
+    _restart(rig)  # eth1's pfifo_fast recorded, gpud's tree put on it; then stopped
+    bfifo = tcplan.RootQdisc("bfifo", 0x10000)
+    rig.tc.states["eth1"] = tcplan.InterfaceState("eth1", bfifo)  # gpud's tree replaced
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    _restart(rig)
+    assert rig.tc.states["eth1"].root == bfifo and rig.tc.restored_to == {}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert done.message == (
+        "eth1: not in traffic.interfaces any more: gpud's HTB root was not there: the root"
+        " qdisc found (bfifo 1:) is left as it is"
+    )
+    assert "eth1" not in ShapedInterfaces(rig.store).all()
