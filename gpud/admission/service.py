@@ -85,7 +85,8 @@ SCHEMA = (
         reservation TEXT,
         changed_at REAL NOT NULL,
         left_why TEXT,
-        holder_uid INTEGER
+        holder_uid INTEGER,
+        left_by TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -109,11 +110,12 @@ SCHEMA = (
 # Columns added since the first version of these tables: an older state.db gets them at start.
 ADDED = {
     "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at", "holder_uid"),
-    "admission_queue": ("left_why", "holder_uid"),
+    "admission_queue": ("left_why", "holder_uid", "left_by"),
 }
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 OFF = "the admission queue is off (admission.enabled = false)"
+OPERATOR_LEFT = "gpuctl queue --leave took it out"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
 # the history window's class views: (the mirror's members and the window they were made
@@ -141,6 +143,9 @@ class Entry:
     # the real UID of request.holder_pid when queued (None: no holder, /proc did not say,
     # or queued by an earlier gpud version)
     holder_uid: int | None = None
+    # who took it out with a leave: an operator (OPERATOR_LEFT) or its own gpuctl run as it
+    # stopped ("" where gpud took it out, or an earlier gpud version did)
+    left_by: str = ""
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -426,14 +431,20 @@ class AdmissionService:
                 changed()
 
     def _set_state(
-        self, entry_id: str, state: str, reservation: str | None = None, *, why: str | None = None
+        self,
+        entry_id: str,
+        state: str,
+        reservation: str | None = None,
+        *,
+        why: str | None = None,
+        by: str | None = None,
     ) -> None:
         self._changed = True
         with self._store.transaction() as conn:
             conn.execute(
                 "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ?,"
-                " left_why = ? WHERE id = ?",
-                (state, reservation, self._clock(), why, entry_id),
+                " left_why = ?, left_by = ? WHERE id = ?",
+                (state, reservation, self._clock(), why, by, entry_id),
             )
 
     def _drop_if_off(self) -> None:
@@ -553,13 +564,14 @@ class AdmissionService:
         None: an operator takes it out (``gpuctl queue --leave ID``); an entry no longer
         queued is refused (FailedPrecondition), saying what it is now: started (its
         reservation and devices, which the job goes on using), ended, or left already."""
-        why = ""
+        by = OPERATOR_LEFT
         if stopped_by is not None:
-            why = f": its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
+            by = f"its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
+        why = "" if stopped_by is None else f": {by}"
         with self._jobs.locked():
             entry = self.entry(entry_id)
             if entry.state == QUEUED:
-                self._set_state(entry_id, LEFT)
+                self._set_state(entry_id, LEFT, by=by)
                 self._events.emit(
                     "admission.leave",
                     f"job {entry.job} left the queue{why}",
@@ -581,7 +593,8 @@ class AdmissionService:
             r = view.reservation
             return started_not_left(entry.job, entry.id, r.id if r else "", r.devices if r else ())
         ago = max(0.0, self._clock() - entry.changed_at)
-        why = f": {entry.left_why}" if entry.left_why else ""
+        said = entry.left_why or entry.left_by
+        why = f": {said}" if said else ""
         return (
             f"job {entry.job} ({entry.id}) did not leave the queue: it left it already,"
             f" {ago:.0f} s ago{why}"
@@ -1413,6 +1426,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         holder_start=row["holder_start"],
         left_why=row["left_why"] or "",
         holder_uid=row["holder_uid"],
+        left_by=row["left_by"] or "",
     )
 
 

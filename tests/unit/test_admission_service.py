@@ -329,6 +329,27 @@ def test_a_run_that_leaves_as_it_stops_is_said_in_the_event(node: Node) -> None:
     assert event.message == "job b left the queue: its gpuctl run was stopped (SIGHUP)"
 
 
+def test_a_leave_of_an_entry_that_left_says_who_took_it_out(tmp_path: Path) -> None:
+    """An entry kept no word of who took it out: a second leave said it left already, not
+    whether an operator or its stopped run took it out. It says which, after a restart too."""
+    node = make_node(tmp_path, Clock())
+    node.jobs.reserve(whole("a", 2))
+    stopped = node.admission.enqueue(whole("b")).entry
+    node.admission.leave(stopped.id, stopped_by="SIGTERM")
+    node = node.restart()
+    try:
+        node.clock.now += 3.0
+        with pytest.raises(FailedPrecondition) as err:
+            node.admission.leave(stopped.id)
+        assert str(err.value) == (
+            f"job b ({stopped.id}) did not leave the queue: it left it already, 3 s ago: its"
+            " gpuctl run was stopped (SIGTERM)"
+        )
+        assert node.admission.entry(stopped.id).left_by == "its gpuctl run was stopped (SIGTERM)"
+    finally:
+        node.store.close()
+
+
 def test_an_operators_leave_of_an_entry_no_longer_queued_is_refused_saying_what_it_is(
     node: Node,
 ) -> None:
@@ -355,7 +376,9 @@ def test_an_operators_leave_of_an_entry_no_longer_queued_is_refused_saying_what_
         node.admission.leave(c.id)
     with pytest.raises(FailedPrecondition) as err:
         node.admission.leave(c.id)
-    assert str(err.value).endswith(": it left it already, 42 s ago")
+    assert str(err.value).endswith(
+        ": it left it already, 42 s ago: gpuctl queue --leave took it out"
+    )
     node.jobs.release(started.id)
     with pytest.raises(FailedPrecondition) as err:
         node.admission.leave(b.id)
