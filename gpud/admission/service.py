@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import secrets
 import sqlite3
 import threading
@@ -84,7 +85,8 @@ SCHEMA = (
         reservation TEXT,
         changed_at REAL NOT NULL,
         left_why TEXT,
-        holder_uid INTEGER
+        holder_uid INTEGER,
+        left_by TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -108,11 +110,12 @@ SCHEMA = (
 # Columns added since the first version of these tables: an older state.db gets them at start.
 ADDED = {
     "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at", "holder_uid"),
-    "admission_queue": ("left_why", "holder_uid"),
+    "admission_queue": ("left_why", "holder_uid", "left_by"),
 }
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 OFF = "the admission queue is off (admission.enabled = false)"
+OPERATOR_LEFT = "gpuctl queue --leave took it out"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
 # the history window's class views: (the mirror's members and the window they were made
@@ -140,6 +143,9 @@ class Entry:
     # the real UID of request.holder_pid when queued (None: no holder, /proc did not say,
     # or queued by an earlier gpud version)
     holder_uid: int | None = None
+    # who took it out with a leave: an operator (OPERATOR_LEFT) or its own gpuctl run as it
+    # stopped ("" where gpud took it out, or an earlier gpud version did)
+    left_by: str = ""
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -425,14 +431,20 @@ class AdmissionService:
                 changed()
 
     def _set_state(
-        self, entry_id: str, state: str, reservation: str | None = None, *, why: str | None = None
+        self,
+        entry_id: str,
+        state: str,
+        reservation: str | None = None,
+        *,
+        why: str | None = None,
+        by: str | None = None,
     ) -> None:
         self._changed = True
         with self._store.transaction() as conn:
             conn.execute(
                 "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ?,"
-                " left_why = ? WHERE id = ?",
-                (state, reservation, self._clock(), why, entry_id),
+                " left_why = ?, left_by = ? WHERE id = ?",
+                (state, reservation, self._clock(), why, by, entry_id),
             )
 
     def _drop_if_off(self) -> None:
@@ -552,13 +564,14 @@ class AdmissionService:
         None: an operator takes it out (``gpuctl queue --leave ID``); an entry no longer
         queued is refused (FailedPrecondition), saying what it is now: started (its
         reservation and devices, which the job goes on using), ended, or left already."""
-        why = ""
+        by = OPERATOR_LEFT
         if stopped_by is not None:
-            why = f": its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
+            by = f"its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
+        why = "" if stopped_by is None else f": {by}"
         with self._jobs.locked():
             entry = self.entry(entry_id)
             if entry.state == QUEUED:
-                self._set_state(entry_id, LEFT)
+                self._set_state(entry_id, LEFT, by=by)
                 self._events.emit(
                     "admission.leave",
                     f"job {entry.job} left the queue{why}",
@@ -580,7 +593,8 @@ class AdmissionService:
             r = view.reservation
             return started_not_left(entry.job, entry.id, r.id if r else "", r.devices if r else ())
         ago = max(0.0, self._clock() - entry.changed_at)
-        why = f": {entry.left_why}" if entry.left_why else ""
+        said = entry.left_why or entry.left_by
+        why = f": {said}" if said else ""
         return (
             f"job {entry.job} ({entry.id}) did not leave the queue: it left it already,"
             f" {ago:.0f} s ago{why}"
@@ -871,7 +885,9 @@ class AdmissionService:
         if spec.devices or spec.mig_profile is not None:
             return ""
         whole = self._jobs.unhealthy().only({d.gpu for d in fit.devices() if not d.is_mig})
-        return f"counted all the same, taking no job now: {unhealthy_text(whole)}" if whole else ""
+        said = [_counted_down(i, r, i in whole.held) for i, r in sorted(whole.items())]
+        more = f"; and {len(said) - 4} more" if len(said) > 4 else ""
+        return "; ".join(said[:4]) + more
 
     def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
@@ -904,8 +920,14 @@ class AdmissionService:
         free = self._free_for(request, fit, holdings)
         if not free:
             # it fits on none of its devices, queue or not: what holds them is why, which
-            # the reservation's own placement names
-            self._jobs.choose(spec, uid=uid)
+            # the reservation's own placement names for one device, and WHY NOT for each
+            try:
+                self._jobs.choose(spec, uid=uid)
+            except ResourceExhausted as err:
+                held = _Held(self._jobs, self._jobs.unhealthy()).holders(spec)
+                if held:
+                    raise ResourceExhausted(f"{err}; {held}") from None
+                raise
         ahead = [e for e in queued if e.id not in result.unfeasible]
         waiting = len([e for e in ahead if _needs_any(self._demands.get(e.placement), free)])
         if waiting:
@@ -1223,10 +1245,38 @@ def _needs_any(demand: Demand | Unfeasible | None, devices: frozenset[str]) -> b
 def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:
     """``down``: the GPUs the verdict counted that take no job now (:meth:`AdmissionService._whole_down`)."""
     remedy = f"; {verdict.remedy}" if verdict.remedy else ""
-    counted = f" ({down})" if down else ""
+    counted = f". {down}" if down else ""
     return FailedPrecondition(
         f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}{counted}"
     )
+
+
+# "critical Xid 79:" / "critical Xids 79, 48:" in a health reason (the sampler's words)
+_CRITICAL_XIDS = re.compile(r"critical (Xids? [\d, ]*\d):")
+
+
+def _counted_down(gpu: int, reason: str, held: bool) -> str:
+    """One sentence for a GPU a never-starting request's refusal counted though it takes no
+    job now: what the driver said of it, brief (lost, the critical XIDs it raised), and
+    what brings it back; a GPU held off by a MIG apply keeps its why (it comes back alone)."""
+    if held:
+        return f"GPU {gpu}, counted all the same, takes no job until this ends: {reason}"
+    head = reason.partition("; ")[0].partition(":")[0]
+    xids = _CRITICAL_XIDS.search(reason)
+    states = [
+        *(
+            ["is lost" if head.startswith("GPU lost") else f"is unhealthy ({head})"]
+            if not head.startswith("critical Xid")
+            else []
+        ),
+        *([f"has {xids.group(1)}"] if xids else []),
+    ]
+    then = (
+        f"reset it or clear its Xid (gpuctl xid clear {gpu})"
+        if xids and len(states) == 1
+        else f"drain the node and reset it (nvidia-smi --gpu-reset -i {gpu})"
+    )
+    return f"GPU {gpu}, counted all the same, {' and '.join(states)} and takes no job now: {then}"
 
 
 class _Held:
@@ -1271,7 +1321,7 @@ class _Held:
                 self._jobs.choose(spec, self._now, uid=uid, sick=self._sick)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
-                held = self._holders(spec)
+                held = self.holders(spec)
                 self._refused[shape] = f"{err}; {held}" if held else str(err)
         refused = self._refused[shape]
         if refused is not None:
@@ -1279,11 +1329,12 @@ class _Held:
             return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
 
-    def _holders(self, spec: JobSpec) -> str:
+    def holders(self, spec: JobSpec) -> str:
         """Where more than one device ``spec`` could take is held, each with its holders
         (``GPU 0 held by a (alice), GPU 1 held by b (bob)``; past :attr:`NAMED`, ``and N
         more``): a refusal's numbers name one device, and the job waits for any of them."""
-        assert self._now is not None
+        if self._now is None:
+            self._now = (self._jobs.healthy_targets(self._sick), self.loads())
         targets, loads = self._now
         if spec.devices:
             pool = [t for t in targets if t.uuid in spec.devices]
@@ -1375,6 +1426,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         holder_start=row["holder_start"],
         left_why=row["left_why"] or "",
         holder_uid=row["holder_uid"],
+        left_by=row["left_by"] or "",
     )
 
 

@@ -2717,6 +2717,16 @@ class ColoService:
             # one dropped for its silence (stopped: Ctrl-Z) is taken out too, not to wait
             # again once continued
             off = _off(now, w) if w is not None else self._dropped.pop(waiter_id, None)
+            # taken out before: by an operator (kept in _left) or as its run stopped
+            before = (
+                None
+                if off is not None
+                else (
+                    (self._left.get(waiter_id), "gpuctl queue --leave took it out")
+                    if waiter_id in self._left
+                    else (self._stopped.get(waiter_id), "its gpuctl run was stopped")
+                )
+            )
             state = None
             if off is not None:
                 taken = _Left(now, off.job, off.anonymous, self._wall())
@@ -2750,7 +2760,7 @@ class ColoService:
                 )
         self._say_gone(gone, now)
         if off is None:
-            return None
+            return self._left_already(waiter_id, before, stopped_by, now)
         self._events.emit(
             "colo.leave",
             f"job {off.job} left the wait for co-location ({waiter_id}, gpuctl queue --leave)"
@@ -2763,6 +2773,28 @@ class ColoService:
         if w is None:  # dropped: it stopped asking, its reason and user are not kept
             return WaiterView(off.job, now - off.since, "stopped asking", waiter_id)
         return WaiterView(w.job, now - w.since, w.reason, w.id, w.uid)
+
+    @staticmethod
+    def _left_already(
+        waiter_id: str,
+        before: tuple[_Left | None, str] | None,
+        stopped_by: str | None,
+        now: float,
+    ) -> WaiterView | None:
+        """A leave of a run that left the wait already (``before``: how it was taken out,
+        remembered for a while): the run stopping is answered it, as it is now; an
+        operator is refused (FailedPrecondition), told when it left and who took it out,
+        as for a queue entry that left. None: no run waited with that id."""
+        taken, who = before if before is not None else (None, "")
+        if taken is None:
+            return None
+        ago = f"{max(0.0, now - taken.at):.0f} s ago: {who}"
+        if stopped_by is not None:
+            return WaiterView(taken.job, 0.0, f"left the wait for co-location {ago}", waiter_id)
+        raise FailedPrecondition(
+            f"job {taken.job} ({waiter_id}) did not leave the wait for co-location: it left it"
+            f" already, {ago}"
+        )
 
     def _off_for(self, waiter: str) -> None:
         """Refuse advice while the loop is off: ``gpuctl run`` then places its job as the

@@ -329,6 +329,27 @@ def test_a_run_that_leaves_as_it_stops_is_said_in_the_event(node: Node) -> None:
     assert event.message == "job b left the queue: its gpuctl run was stopped (SIGHUP)"
 
 
+def test_a_leave_of_an_entry_that_left_says_who_took_it_out(tmp_path: Path) -> None:
+    """An entry kept no word of who took it out: a second leave said it left already, not
+    whether an operator or its stopped run took it out. It says which, after a restart too."""
+    node = make_node(tmp_path, Clock())
+    node.jobs.reserve(whole("a", 2))
+    stopped = node.admission.enqueue(whole("b")).entry
+    node.admission.leave(stopped.id, stopped_by="SIGTERM")
+    node = node.restart()
+    try:
+        node.clock.now += 3.0
+        with pytest.raises(FailedPrecondition) as err:
+            node.admission.leave(stopped.id)
+        assert str(err.value) == (
+            f"job b ({stopped.id}) did not leave the queue: it left it already, 3 s ago: its"
+            " gpuctl run was stopped (SIGTERM)"
+        )
+        assert node.admission.entry(stopped.id).left_by == "its gpuctl run was stopped (SIGTERM)"
+    finally:
+        node.store.close()
+
+
 def test_an_operators_leave_of_an_entry_no_longer_queued_is_refused_saying_what_it_is(
     node: Node,
 ) -> None:
@@ -355,7 +376,9 @@ def test_an_operators_leave_of_an_entry_no_longer_queued_is_refused_saying_what_
         node.admission.leave(c.id)
     with pytest.raises(FailedPrecondition) as err:
         node.admission.leave(c.id)
-    assert str(err.value).endswith(": it left it already, 42 s ago")
+    assert str(err.value).endswith(
+        ": it left it already, 42 s ago: gpuctl queue --leave took it out"
+    )
     node.jobs.release(started.id)
     with pytest.raises(FailedPrecondition) as err:
         node.admission.leave(b.id)
@@ -652,7 +675,7 @@ def test_runs_without_memory_ask_for_the_mps_default_and_never_over_commit(
         node.jobs.reserve(RunRequest(job="c"))
     assert str(refused.value) == (
         f"job 'c' asks 60GiB (its MPS default memory limit) on {first} (H100-SXM5-80GB):"
-        " 60GiB reserved by a of 80GiB, 20GiB free"
+        " 60GiB reserved by a of 80GiB, 20GiB free; GPU 0 held by a, GPU 1 held by b"
     )
     loads = node.jobs.loads()
     assert {u: load.memory_bytes for u, load in loads.items()} == {
@@ -1986,11 +2009,46 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
             jobs.reserve(RunRequest(job="four", gpu_count=4))
         assert str(never.value) == (
             "job 'four' can never start on this node as it is: asks 4 whole GPUs; this node"
-            " has 1 GPU not in MIG mode (name a MIG profile: gpuctl run --mig)"
-            " (counted all the same, taking no job now: GPU 1 unhealthy: GPU lost (memory))"
+            " has 1 GPU not in MIG mode (name a MIG profile: gpuctl run --mig). GPU 1, counted"
+            " all the same, is lost and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1)"
         )
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        (
+            "GPU lost (memory): nvmlDeviceGetMemoryInfo failed on GPU 1: GPU is lost;"
+            " critical Xid 79: reset the GPU or clear it with `gpuctl xid clear`",
+            "is lost and has Xid 79 and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1)",
+        ),
+        (
+            "critical Xids 79, 48: reset the GPU or clear them with `gpuctl xid clear`",
+            "has Xids 79, 48 and takes no job now: reset it or clear its Xid (gpuctl xid clear 1)",
+        ),
+    ],
+    ids=["lost with an Xid", "Xids alone"],
+)
+def test_a_never_starting_run_says_in_one_sentence_what_a_counted_gpu_is_and_what_to_do(
+    node: Node, reason: str, said: str
+) -> None:
+    """GPU 1 lost with Xid 79: a run that can never start said the GPU's whole health
+    reason nested in parentheses after its own; it says in one sentence that GPU 1 is lost,
+    its XIDs, and what brings it back."""
+    gpus = snapshot(gpu_sample(0), gpu_sample(1)._replace(healthy=False, reason=reason))
+    node.mps.reconcile(gpus)
+    node.jobs.tick(gpus)
+    with pytest.raises(FailedPrecondition) as never:
+        node.jobs.reserve(RunRequest(job="three", gpu_count=3))
+    assert str(never.value) == (
+        "job 'three' can never start on this node as it is: asks 3 whole GPUs; this node has"
+        f" 2 GPUs not in MIG mode (name a MIG profile: gpuctl run --mig). GPU 1, counted all"
+        f" the same, {said}"
+    )
 
 
 def test_a_gpu_in_mig_mode_lost_before_it_had_mig_devices_is_not_counted_as_whole(
@@ -2101,6 +2159,26 @@ def test_a_run_refused_for_its_devices_memory_is_not_said_to_wait_behind_other_d
         node.jobs.reserve(whole("c"))
     assert str(behind.value) == (
         "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s) that need its devices"
+    )
+
+
+def test_a_refused_run_names_each_held_gpu_as_its_queue_entry_would(node: Node) -> None:
+    """Both GPUs full: a one-GPU run refused was told one GPU's numbers, as if the other
+    were free, where its queue entry's WHY NOT names each; it names each (a few, then how
+    many more), after the numbers of the one placement names."""
+    node.jobs.reserve(whole("a"))
+    node.jobs.reserve(whole("x"))
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(whole("b"))
+    assert "60GiB reserved by" in str(refused.value)
+    assert str(refused.value).endswith("20GiB free; GPU 0 held by a, GPU 1 held by x")
+    node.mps.reconcile(snapshot(*(gpu_sample(i) for i in range(6))))
+    for i in range(2, 6):
+        node.jobs.reserve(whole(f"r{i}"))
+    with pytest.raises(ResourceExhausted) as six:
+        node.jobs.reserve(whole("b"))
+    assert str(six.value).endswith(
+        "; GPU 0 held by a, GPU 1 held by x, GPU 2 held by r2, GPU 3 held by r3 and 2 more"
     )
 
 

@@ -33,7 +33,7 @@ from gpud.colo.service import (
     read_boot_id,
 )
 from gpud.config import ColocateConfig
-from gpud.errors import InvalidArgument, NotFound
+from gpud.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.files import write_atomically
 from gpud.telemetry.snapshot import GpuSample, Snapshot
@@ -2475,7 +2475,8 @@ def test_a_run_waiting_for_co_location_has_an_id_that_takes_it_out(
     left = svc.leave(first)
     assert left is not None and (left.job, left.id, left.waited_s) == ("w", first, 1.0)
     assert [w.job for w in svc.waiting()] == ["other"] and svc.waiting_kind("w") is None
-    assert svc.leave(first) is None  # once
+    with pytest.raises(FailedPrecondition, match="it left it already"):  # once
+        svc.leave(first)
     (event,) = svc._events.recent(kind_prefix="colo.leave")
     assert event.fields["entry"] == first and "gpuctl queue --leave" in event.message
     clock.t += 1.5
@@ -2771,6 +2772,33 @@ def test_a_run_dropped_while_stopped_is_taken_out_by_queue_leave_and_told_so(
     with pytest.raises(LeftQueue, match=wid):
         svc.advise("w", snapshot=snap, waiting=True, waited_s=80.0, waiter_id=wid)
     assert svc.waiting() == []
+
+
+def test_a_second_leave_of_a_run_out_of_the_wait_says_it_left_already_and_who_took_it_out(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A second `gpuctl queue --leave ID` of a run taken out of the wait for co-location
+    was answered NotFound, as for an id never given; it is refused saying the run left
+    already, when, and whether an operator or the run's own stop took it out. The run
+    stopping is answered as it is, as a queue entry's is."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(wid) is not None
+    clock.t += 5.0
+    with pytest.raises(FailedPrecondition) as again:
+        svc.leave(wid)
+    assert str(again.value) == (
+        f"job w ({wid}) did not leave the wait for co-location: it left it already, 5 s ago:"
+        " gpuctl queue --leave took it out"
+    )
+    stopping = svc.leave(wid, stopped_by="SIGINT")
+    assert stopping is not None and stopping.job == "w" and "5 s ago" in stopping.reason
+    other = svc.advise("v", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(other, stopped_by="SIGTERM") is not None
+    with pytest.raises(FailedPrecondition, match=r"0 s ago: its gpuctl run was stopped$"):
+        svc.leave(other)
+    assert svc.leave("0123456789ab") is None  # never given: NotFound, as before
 
 
 def test_a_run_dropped_while_stopped_is_told_its_job_was_removed_by_a_plain_rm_as_it_was(

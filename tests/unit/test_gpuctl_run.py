@@ -1714,9 +1714,13 @@ def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
         assert f"job w left the wait for co-location ({waiter.id}, gpuctl queue --leave)" in err
         assert n.jobs.registry.find("w") is None and n.jobs.reservations.held() == []
         assert loop.waiting() == []
-        assert n.ctl("queue", "--leave", waiter.id) == 4  # gone
+        assert n.ctl("queue", "--leave", waiter.id) == 6  # left already, as it says
         assert (
-            f"no queue entry or run waiting for co-location '{waiter.id}' (gpuctl queue lists them)"
+            f"job w ({waiter.id}) did not leave the wait for co-location: it left it already,"
+        ) in capsys.readouterr().err
+        assert n.ctl("queue", "--leave", "0123456789ab") == 4  # never given
+        assert (
+            "no queue entry or run waiting for co-location '0123456789ab' (gpuctl queue lists them)"
         ) in capsys.readouterr().err
     assert not marker.exists()
 
