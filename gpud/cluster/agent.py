@@ -235,7 +235,8 @@ class ClusterAgent:
         self._agg_leadership = (0, 0)
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         # ((epoch, lease), job -> DSCP): the tags this node's last leadership held. While no
-        # other leadership has come since (its orders clear them, _apply), etcd should hold
+        # other leadership has come since (its orders clear them, _apply; so does the
+        # election naming another node in a higher epoch, seen_leader), etcd should hold
         # them: a later leadership of this node writes back those etcd lost (restored, wiped)
         self._held: tuple[tuple[int, int], dict[str, int]] = ((0, 0), {})
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
@@ -334,6 +335,20 @@ class ClusterAgent:
             build=self.build,
         )
 
+    def seen_leader(self) -> None:
+        """The election names a new leader or epoch (its ``on_change``, on the election's
+        thread): another node's leadership in an epoch above this node's last one may have
+        released or moved the tags this node held, whether or not this node ever accepted
+        its orders (cut off from it), so etcd's tags are the truth from now on. A leader key
+        of a lower epoch (left in a snapshot etcd was restored from) forgets none."""
+        self._forget_held(self.election.state())
+
+    def _forget_held(self, info: LeaderInfo) -> None:
+        with self._lock:
+            (epoch, _), tags = self._held
+            if tags and info.leader and info.leader != self.node and info.epoch > epoch:
+                self._held = ((0, 0), {})
+
     async def tick(self) -> None:
         """One round: the daemon's step, and at once when the leader changes. Once gpud is
         stopping (:meth:`begin_stop`) only a leader's, until the cluster's stop gives up
@@ -386,6 +401,7 @@ class ClusterAgent:
 
     async def _tick(self) -> None:
         info = self.election.state()
+        self._forget_held(info)  # a leader change the election saw between rounds too
         report = await asyncio.to_thread(self.local_report)
         if self._stopping and not info.leading:
             return  # gpud stopped meanwhile: no report to the leader
@@ -657,9 +673,9 @@ class ClusterAgent:
                     # the lease): its sequence goes on, or every node would refuse it
                     after=self._issued,
                     lease=lease,
-                    # no other leader since this node's last leadership (or _held would be
-                    # empty): a tag etcd lacks was lost by etcd (restored from a snapshot,
-                    # wiped), not released by a successor, whatever the epoch
+                    # no other leader seen by this node since its last leadership (or _held
+                    # would be empty): a tag etcd lacks was lost by etcd (restored from a
+                    # snapshot, wiped), not released by a successor, whatever the epoch
                     held=self._held[1],
                 )
                 self._agg_leadership = (epoch, lease)
@@ -705,7 +721,8 @@ class ClusterAgent:
                 self._say_republished(agg.republished)
             return None
         self._issued = (order.epoch, order.seq)
-        self._held = ((epoch, lease), agg.held())
+        with self._lock:  # seen_leader may forget the last leadership's meanwhile
+            self._held = ((epoch, lease), agg.held())
         if agg.republished:
             self._say_republished(agg.republished)
         return order
@@ -715,7 +732,8 @@ class ClusterAgent:
         count = f"{len(tags)} DSCP tag{'s' if len(tags) > 1 else ''}"
         message = (
             f"etcd had lost {count} this node gave out in its last leadership, no other "
-            f"leader since (restored from a snapshot, or a new etcd): written back, {listed}"
+            "leader seen by this node since (restored from a snapshot, or a new etcd): "
+            f"written back, {listed}"
         )
         log.warning("cluster: %s", message)
         if self._events is not None:

@@ -31,10 +31,10 @@ import base64
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
 from gpud.errors import ConfigError, GpudError, StoreFull, StoreRefused, Unavailable
 
@@ -85,7 +85,8 @@ _CLIP = 120  # characters of another server's answer said in an error
 
 class _NotEtcd(Unavailable):
     """An endpoint that answered :data:`VERSION_PATH` with 200, but not with etcd's
-    ``{"etcdserver": "X.Y.Z"}`` (a web server's page, a proxy's login form)."""
+    ``{"etcdserver": "X.Y.Z"}`` (a web server's page, a proxy's login form), or that
+    redirected it to anything but etcd's answer."""
 
 
 def _etcd_version(body: str) -> str:
@@ -100,35 +101,49 @@ def _etcd_version(body: str) -> str:
     return ""
 
 
-def _check_version(endpoint: str) -> Any:
-    """A ``requests`` response hook for ``endpoint``'s session: its 200 answer to
-    :data:`VERSION_PATH` without etcd's version raises :class:`_NotEtcd`, before etcd3gw
-    fails to parse it as JSON (a page said as a ``JSONDecodeError``); so does the 200
-    answer at the end of redirects from :data:`VERSION_PATH` (a proxy's login form), said
-    with the redirect. A redirect to etcd (``http://`` to ``https://``) is judged there."""
-    # requests calls the hook on each answer of a redirect chain, in the thread that asked,
-    # before it sets the answer's history: where the redirect from /version leads is kept
-    # per thread, and the answer from there judged as /version's
-    chain = threading.local()
+def _clipped(text: str) -> str:
+    said = " ".join(text.split())
+    return f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
 
-    def hook(resp: Any, *args: object, **kwargs: object) -> Any:
-        url = resp.url
-        target, first = getattr(chain, "target", ("", 0))
-        chain.target = ("", 0)
-        redirected = bool(target) and url == target
-        if not redirected and urlsplit(url).path != VERSION_PATH:
-            return resp
-        if resp.is_redirect:
-            chain.target = (urljoin(url, resp.headers["location"]), first or resp.status_code)
-            return resp
-        if resp.status_code == 200 and not _etcd_version(resp.text):
-            said = " ".join(resp.text.split())
-            clipped = f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
-            via = f"a redirect (HTTP {first}) to {url}, answered there " if redirected else ""
-            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"{via}HTTP 200 {clipped}"))
+
+def _checked_version_get(
+    endpoint: str, get: Callable[..., Any], max_redirects: int
+) -> Callable[..., Any]:
+    """``get`` (``endpoint``'s session's, which etcd3gw calls for :data:`VERSION_PATH`
+    alone), judging the answer to :data:`VERSION_PATH` as etcd's before etcd3gw parses it
+    as JSON (a page would be said as a ``JSONDecodeError``): :class:`_NotEtcd` for a 200
+    without etcd's version, and for redirects that end anywhere but at etcd's version (a
+    proxy's login form, a 404, a loop), said with the first redirect and where it led. A
+    refusal without a redirect (a proxy's 401) is left to etcd3gw, a refusal.
+
+    Only this request follows a redirect to etcd: etcd3gw POSTs every API call to the
+    endpoint's base URL, and a 301 or 302 would turn those POSTs into GETs, so an endpoint
+    must be the URL etcd answers on itself (``https://...`` where etcd serves TLS)."""
+
+    def checked(url: str, *args: Any, **kwargs: Any) -> Any:
+        if urlsplit(url).path != VERSION_PATH:
+            return get(url, *args, **kwargs)
+        import requests  # etcd3gw's transport
+
+        try:
+            resp = get(url, *args, **kwargs)
+        except requests.exceptions.TooManyRedirects as err:
+            last = err.response.url if err.response is not None else url
+            said = f"redirects without end (more than {max_redirects}, the last to {last})"
+            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, said)) from err
+        status = resp.status_code
+        if resp.history:
+            if status == 200 and _etcd_version(resp.text):
+                return resp  # etcd's own answer at the end: the redirect is followed
+            first = resp.history[0].status_code
+            said = f"a redirect (HTTP {first}) to {resp.url}, answered there HTTP {status}"
+            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"{said} {_clipped(resp.text)}"))
+        if status == 200 and not _etcd_version(resp.text):
+            said = f"HTTP 200 {_clipped(resp.text)}"
+            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, said))
         return resp
 
-    return hook
+    return checked
 
 
 def _said_not_etcd(endpoint: str, request: str, said: str) -> str:
@@ -242,7 +257,11 @@ class EtcdClient:
                 cert_key=settings.key_file or None,
                 timeout=settings.timeout_s,
             )
-            client.session.hooks["response"].append(_check_version(endpoint))
+            # an instance attribute over requests' method: etcd3gw calls session.get for
+            # /version alone, and a response hook would see each answer of a redirect
+            # chain before its history is set
+            session: Any = client.session
+            session.get = _checked_version_get(endpoint, session.get, session.max_redirects)
             if settings.ca_file:
                 # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override a session's
                 # CA (https://github.com/psf/requests/issues/3829): etcd's CA would be

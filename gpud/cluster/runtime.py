@@ -195,6 +195,9 @@ class ClusterRuntime:
         kick = self._kick
 
         def on_change() -> None:
+            # at once, not at the round it kicks: a round reads only the election's latest
+            # view, and another node's leadership between two of this node's is to be seen
+            self.agent.seen_leader()
             loop.call_soon_threadsafe(kick.set)
 
         def request_round(delay: float) -> None:  # on the loop (servicer, tick)

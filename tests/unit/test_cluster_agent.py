@@ -1163,6 +1163,16 @@ class HeldTags:
             await self.leader.tick()
         self.peers.leader = self.leader
 
+    async def n1_leads_alone(self) -> None:
+        """n1 leads epoch 8 (etcd went on), n0's election says so, and n0 is cut off from
+        it: n1 releases b, idle on it past the node timeout, and n0 accepts no order of n1."""
+        self.election.info = LeaderInfo("n1", "a1", 8, False, lease=300)
+        self.follows.info = LeaderInfo("n1", "a1", 8, True, lease=300)
+        for _ in range(5):
+            self.clock.now += 6
+            await self.follower.tick()
+        assert self.store.tags == {"a": 12}
+
     def republished(self) -> list[str]:
         return [e.message for e in self.events.recent() if e.kind == "cluster.tags_republished"]
 
@@ -1180,7 +1190,8 @@ async def test_a_leader_reelected_on_a_wiped_etcd_writes_back_the_tags_it_held()
     assert c.store.tags == {"a": 12, "b": 14}
     assert c.republished() == [
         "etcd had lost 2 DSCP tags this node gave out in its last leadership, no other "
-        "leader since (restored from a snapshot, or a new etcd): written back, a=12, b=14"
+        "leader seen by this node since (restored from a snapshot, or a new etcd): written "
+        "back, a=12, b=14"
     ]
     said = [e for e in c.events.recent() if e.kind == "cluster.tags_republished"]
     assert said[0].fields["jobs"] == 2
@@ -1230,5 +1241,49 @@ async def test_tags_written_back_by_a_round_cut_after_its_save_are_said() -> Non
     await c.follower.tick()
     c.store.then = c.leader.end_rounds
     await c.leader.tick()
+    assert c.store.tags == {"a": 12, "b": 14}
+    assert len(c.republished()) == 1 and c.republished()[0].endswith("a=12, b=14")
+
+
+async def test_a_leader_whose_successor_it_never_reached_writes_back_no_released_tag() -> None:
+    # n0, cut off from n1, never accepts an order of n1's, but its election names n1 in a
+    # higher epoch (on_change, between n0's rounds): n1 may have released b, so when n0
+    # leads again etcd's tags are the truth and nothing is said written back
+    c = HeldTags()
+    await c.lead()
+    await c.n1_leads_alone()
+    c.leader.seen_leader()  # the election's on_change, as the runtime wires it
+    c.reelect(9)
+    await c.rounds(3)
+    assert c.store.tags == {"a": 12} and c.republished() == []
+
+
+async def test_a_leader_cut_off_from_its_successor_in_its_rounds_writes_back_no_released_tag() -> (
+    None
+):
+    # the same, seen by n0's own rounds while n1 leads (each report to n1 fails)
+    c = HeldTags()
+    await c.lead()
+    c.peers.leader = None  # n1 unreachable from n0
+    c.election.info = LeaderInfo("n1", "a1", 8, False, lease=300)
+    await c.leader.tick()
+    assert c.leader.last_error_kind == "leader_unreachable"
+    c.peers.leader = c.leader
+    await c.n1_leads_alone()
+    c.reelect(9)
+    await c.rounds(3)
+    assert c.store.tags == {"a": 12} and c.republished() == []
+
+
+async def test_a_leader_key_of_a_lower_epoch_from_a_snapshot_keeps_the_tags_to_write_back() -> None:
+    # etcd restored from a snapshot that still names n1 leader in epoch 3 (below n0's 7):
+    # no leadership after n0's, so n0, elected again, writes back what etcd lost
+    c = HeldTags()
+    await c.lead()
+    c.store.tags.clear()
+    c.election.info = LeaderInfo("n1", "a1", 3, False, lease=50)
+    c.leader.seen_leader()
+    c.reelect(4)
+    await c.rounds(3)
     assert c.store.tags == {"a": 12, "b": 14}
     assert len(c.republished()) == 1 and c.republished()[0].endswith("a=12, b=14")

@@ -210,7 +210,7 @@ def test_an_endpoint_redirecting_version_to_etcd_is_etcd(
     servers: list[http.server.ThreadingHTTPServer],
 ) -> None:
     """A redirect from /version to etcd's own /version (another address) is followed, and
-    etcd's answer there taken, as before."""
+    etcd's answer there taken (the API calls go to the endpoint as configured)."""
     etcd = _endpoint(servers, Answers(dict(ETCD)))
     moved = _endpoint(
         servers,
@@ -222,3 +222,40 @@ def test_an_endpoint_redirecting_version_to_etcd_is_etcd(
         ),
     )
     assert _client(moved).get("/x") is None
+
+
+@pytest.mark.parametrize(
+    ("answers", "said"),
+    [
+        pytest.param(
+            # asked as /log%20in: the page there is still judged as /version's answer
+            {"/version": (302, "/log in"), "/log%20in": (200, LOGIN_PAGE)},
+            "a redirect (HTTP 302) to {proxy}/log%20in, answered there HTTP 200 '<html>",
+            id="location-quoted-again",
+        ),
+        pytest.param(
+            {"/version": (302, "/version")},
+            "redirects without end (more than 30, the last to {proxy}/version), not as etcd's",
+            id="loop",
+        ),
+        pytest.param(
+            {"/version": (301, "/gone")},
+            "a redirect (HTTP 301) to {proxy}/gone, answered there HTTP 404 '404 page not "
+            "found', not as etcd's",
+            id="to-a-missing-page",
+        ),
+    ],
+)
+def test_redirects_from_version_ending_anywhere_but_at_etcd_are_said_not_etcd(
+    servers: list[http.server.ThreadingHTTPServer],
+    answers: dict[str, tuple[int, str]],
+    said: str,
+) -> None:
+    proxy = _endpoint(servers, Answers(answers))
+    with pytest.raises(Unavailable) as unreachable:
+        _client(proxy).get("/x")
+    got = str(unreachable.value)
+    assert got.startswith(
+        f"etcd unreachable: {proxy} answered /version with {said.format(proxy=proxy)}"
+    ), got
+    assert "JSONDecodeError" not in got and "check cluster.etcd_endpoints" in got, got
