@@ -270,14 +270,15 @@ class AdoptedState:
     was there before gpud's (None when ours was found: it was replaced earlier, and only
     the daemon's record, ``gpud.net.shaped``, knows what it was); ``state``: everything
     read; ``ifindex``: the netdev's index (``ip link show``), which a netdev deleted and
-    created again under the name does not keep.
+    created again under the name does not keep (unless given the old index explicitly, or
+    moved in from another namespace keeping it: such a netdev is taken for the old one).
     """
 
     iface: str
     ours: bool
     original: RootQdisc | None
     state: InterfaceState
-    ifindex: int = 0
+    ifindex: int
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,8 @@ class Restored:
     ``ours``: gpud's HTB root was there and was deleted (False: another root was found and
     left as it is); ``replaced``: "ifindex NEW, was OLD" when the name is another netdev's
     than the one the original was recorded on, else ""; ``root``: the root qdisc left on
-    the interface (None: none, ``noqueue``).
+    the interface (None: none dumped, as on a netdev that is down; or not read again
+    after the original was re-installed).
     """
 
     ours: bool
@@ -970,7 +972,10 @@ class TcNetlink:
         known). When the name is another netdev's than that one, or than the one this
         adapter last looked up (deleted and created again), ``original`` was the old
         netdev's: only our HTB root is deleted, the new netdev keeps the root the kernel
-        gave it, and ``replaced`` says "ifindex NEW, was OLD".
+        gave it, and ``replaced`` says "ifindex NEW, was OLD". The netdev is told by its
+        ifindex: one given the old ifindex explicitly, or moved in from another namespace
+        keeping it, is taken for the old one. The original re-installed, a failed read of
+        it gives ``root`` None (the kernel acked the replace).
         """
         idx = self._resolve(iface)
         replaced = self._replaced.pop(iface, "")
@@ -993,7 +998,12 @@ class TcNetlink:
             f"qdisc replace dev {iface} root {original.kind}",
             f"re-install the original {original.kind} root",
         )
-        return Restored(True, "", self.read(iface).root)
+        try:
+            root = self.read(iface).root
+        except TcError:
+            # the original is back (the kernel acked it): only the look at it failed
+            root = None
+        return Restored(True, "", root)
 
     def _request_one(self, iface: str, msg: tuple[int, int, bytes], op: str, what: str) -> None:
         try:

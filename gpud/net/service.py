@@ -393,7 +393,6 @@ class TrafficService:
         # leaf's prio, in place (see netshaper.tcplan)
         self._homes: dict[str, int] = {}
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
-        self._original_at: dict[str, int] = {}  # the ifindex each original is the root of
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
@@ -1378,7 +1377,6 @@ class TrafficService:
                     self._fail(self._ifaces[iface], _describe(iface, found))
                     continue
                 self._originals[iface] = self._original(iface, found)
-                self._original_at[iface] = found.ifindex
                 if found.original is None and found.state.root is not None:  # gpud's tree
                     self._found[iface] = found.state
                 adopted.update(self._levels_in(found.state, tags))
@@ -1402,7 +1400,8 @@ class TrafficService:
         first took the interface (None: not known, the kernel's default comes back on
         restore). A record of another ifindex than the netdev's now is dropped: the netdev
         was deleted and created again since (while gpud was stopped, or missing at its
-        start), and gpud's tree on it, if any, was built on the kernel's default root."""
+        start), and gpud's tree on it, if any, was built on the kernel's default root. An
+        older gpud's record (no ifindex) found under gpud's tree is given the netdev's."""
         if self._shaped is None:
             return found.original
         if found.original is not None:
@@ -1419,7 +1418,12 @@ class TrafficService:
             )
             self._shaped.forget_original(iface)
             return None
-        return self._shaped.original(iface)
+        recorded = self._shaped.original(iface)
+        if was is None and recorded is not None and found.state.root is not None:
+            # an older gpud's row (no ifindex) under gpud's tree: the tree is on this
+            # netdev, so is the record from now on, and a netdev made again later is told
+            self._shaped.set_original(iface, recorded, found.ifindex)
+        return recorded
 
     def _unshape_dropped(self) -> None:
         """Remove gpud's root from the interfaces an earlier run shaped that are no longer
@@ -1754,12 +1758,10 @@ class TrafficService:
     def _restore(self) -> None:
         for iface in self.config.interfaces:
             if self._tc is not None:
-                original = self._originals.get(iface)
+                original, recorded_at = self._to_restore(iface)
                 was = self._replaced.get(iface, "")
                 try:
-                    done = self._tc.restore(
-                        iface, None if was else original, ifindex=self._original_at.get(iface)
-                    )
+                    done = self._tc.restore(iface, None if was else original, ifindex=recorded_at)
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
@@ -1777,6 +1779,17 @@ class TrafficService:
             except Exception as err:
                 log.warning("traffic: cannot delete the nftables table: %s", err)
 
+    def _to_restore(self, iface: str) -> tuple[tcplan.RootQdisc | None, int | None]:
+        """The root qdisc to give ``iface`` back, and the ifindex it was recorded on (None:
+        no need to say, or not known). One adopted at start is the netdev the adapter looked
+        up then, which it compares the name against itself. One the start could not read
+        (missing, EBUSY, ENOBUFS) has only the record, and the record's ifindex."""
+        if iface in self._originals:
+            return self._originals[iface], None
+        if self._shaped is None:
+            return None, None
+        return self._shaped.original(iface), self._shaped.original_ifindex(iface)
+
 
 def _unshaped(original: tcplan.RootQdisc | None, done: RestoredLike, replaced: str) -> str:
     """What a restore did, for its event (``replaced``: the netdev is another one since
@@ -1793,9 +1806,10 @@ def _unshaped(original: tcplan.RootQdisc | None, done: RestoredLike, replaced: s
 
 def _root_name(root: tcplan.RootQdisc | None) -> str:
     """``tc qdisc show``'s kind and handle; the kind alone where the handle is 0 (the
-    kernel's own, unnumbered root)."""
+    kernel's own, unnumbered root). None is a netdev that dumps no root: one that is down
+    (the kernel's ``noqueue`` is dumped like any other root)."""
     if root is None:
-        return "noqueue"
+        return "none: the netdev is down"
     return f"{root.kind} {tcplan.format_qdisc_handle(root.handle)}" if root.handle else root.kind
 
 

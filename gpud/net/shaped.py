@@ -10,12 +10,15 @@ another root (gpud's tree was removed meanwhile, by hand or by a restore) record
 instead. ``traffic.shutdown = "restore"`` and an interface taken out of the config get the
 recorded kind back (with its default parameters: its options are not kept).
 
-The record keeps the netdev's ifindex too: a netdev deleted and created again under the
-name (while gpud runs, or while it was stopped or could not see it) is another ifindex, and
-the root recorded was the old netdev's. A start that finds gpud's tree on another ifindex
-drops the record, and a restore does not put it on the new netdev, which keeps the root
-the kernel gave it. A netdev renamed away and back keeps its ifindex, and its record. A row
-of an older gpud has no ifindex (NULL) and is taken as it is.
+The record keeps the netdev's ifindex too, and the netdev is told by its ifindex (a netdev
+given the old ifindex explicitly, ``ip link add ... index N``, or moved in from another
+namespace keeping it, is taken for the old one): a netdev deleted and created again under
+the name (while gpud runs, or while it was stopped or could not see it) is another ifindex,
+and the root recorded was the old netdev's. A start that finds gpud's tree on another
+ifindex drops the record, and a restore does not put it on the new netdev, which keeps the
+root the kernel gave it. A netdev renamed away and back keeps its ifindex, and its record.
+A row of an older gpud has no ifindex (NULL): it is taken as it is, and given the netdev's
+ifindex by the first start that finds gpud's tree there.
 """
 
 from __future__ import annotations

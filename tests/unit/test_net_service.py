@@ -27,6 +27,7 @@ from gpud.metrics import Collector
 from gpud.net.api import job_message
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import (
+    FakeAdopted,
     FakeCounters,
     FakeMarker,
     FakeRestored,
@@ -1880,6 +1881,20 @@ def test_restore_gives_back_the_root_from_before_gpud_first_took_the_interface(
     assert ShapedInterfaces(rig.store).original("eth0") is None
 
 
+def test_a_restore_on_a_netdev_down_without_gpuds_tree_does_not_call_its_root_noqueue(
+    rig: Rig,
+) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    # gpud's tree removed by hand, and the netdev set down: the kernel dumps no root
+    rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", None)
+    rig.service.shutdown()
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert done.message == (
+        "eth0: traffic.shutdown = restore: gpud's HTB root was not there: the root qdisc"
+        " found (none: the netdev is down) is left as it is"
+    )
+
+
 def test_a_root_changed_while_gpud_was_stopped_is_the_new_original(rig: Rig) -> None:
     _shaped_over(rig, PFIFO_FAST)
     # gpud stopped fail-static; the operator replaced gpud's tree by another root
@@ -2780,24 +2795,31 @@ def test_a_spent_pools_refusal_counts_a_jobs_idle_time_from_its_tag_where_later(
     assert "job a (a report every 90 s: idle in 60 s)" in str(refused.value)
 
 
+def _made_again_in_a_run_started_without_it(rig: Rig, iface: str = "eth0") -> None:
+    """``iface`` (ifindex 4, gpud's tree on it) is deleted while gpud is stopped: the next
+    run starts without it, it is made again (ifindex 9, a bare netdev) and that run's pass
+    builds gpud's tree on it."""
+    rig.tc.states.pop(iface)
+    rig.tc.missing.add(iface)
+    rig.service = rig.make()
+    rig.service.start()  # no such netdev to adopt
+    rig.tc.missing.discard(iface)
+    rig.tc.ifindexes[iface] = 9
+    rig.service.tick()
+
+
 def _stopped_with_pfifo_fast_recorded(rig: Rig) -> None:
     """Run 1 took eth0 (ifindex 4) over pfifo_fast and stopped fail-static; then eth0 is
-    deleted: the next start's adopt finds no eth0."""
+    made again while run 2 runs (kill -9, or a crash, after its pass)."""
     _shaped_over(rig, PFIFO_FAST)
     assert ShapedInterfaces(rig.store).original_ifindex("eth0") == 4
-    rig.tc.states.pop("eth0")
-    rig.tc.missing.add("eth0")
+    _made_again_in_a_run_started_without_it(rig)
 
 
 def test_a_netdev_missing_at_start_and_made_again_does_not_get_the_old_root_back(
     rig: Rig,
 ) -> None:
     _stopped_with_pfifo_fast_recorded(rig)
-    rig.service = rig.make()
-    rig.service.start()  # run 2: no eth0 to adopt
-    rig.tc.missing.discard("eth0")
-    rig.tc.ifindexes["eth0"] = 9  # made again: a bare netdev
-    rig.service.tick()  # gpud's tree on the new netdev; kill -9 (or a crash) here
     # run 3: gpud's tree sits on ifindex 9, the record is ifindex 4's
     _restart(rig).shutdown()
     assert rig.tc.restored_to == {"eth0": None}
@@ -2810,13 +2832,53 @@ def test_a_restore_in_the_run_that_found_the_netdev_made_again_keeps_the_old_roo
     rig: Rig,
 ) -> None:
     _stopped_with_pfifo_fast_recorded(rig)
-    rig.service = rig.make()
-    rig.service.start()
-    rig.tc.missing.discard("eth0")
-    rig.tc.ifindexes["eth0"] = 9
-    rig.service.tick()
     rig.service.shutdown()
     assert rig.tc.restored_to == {"eth0": None}
+
+
+@dataclasses.dataclass
+class BusyTc(FakeTc):
+    """The start's read of eth0 fails (EBUSY, as netlink says it); later passes work."""
+
+    def adopt(self, ifaces: Iterable[str]) -> Mapping[str, FakeAdopted | Exception]:
+        found = dict(super().adopt(ifaces))
+        found["eth0"] = OSError(16, "eth0: Device or resource busy")
+        return found
+
+
+def test_a_restore_gives_back_the_recorded_root_where_the_start_could_not_read_it(
+    rig: Rig,
+) -> None:
+    _shaped_over(rig, PFIFO_FAST)  # run 1 records pfifo_fast; kill -9
+    rig.tc = BusyTc(states=dict(rig.tc.states))
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+
+
+def _eth1_taken_over_pfifo_fast(tmp_path: Path, sysfs: Path) -> Rig:
+    """Run 1 shapes eth0 and eth1 (ifindex 4), eth1 over pfifo_fast (recorded), then
+    stops."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.tc.states["eth1"] = tcplan.InterfaceState("eth1", PFIFO_FAST)
+    _restart(rig)
+    return rig
+
+
+def test_an_interface_taken_out_after_being_made_again_keeps_the_root_the_kernel_gave_it(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = _eth1_taken_over_pfifo_fast(tmp_path, sysfs)
+    assert ShapedInterfaces(rig.store).original_ifindex("eth1") == 4
+    _made_again_in_a_run_started_without_it(rig, "eth1")  # run 2; then stopped
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    _restart(rig)  # run 3
+    assert rig.tc.restored_to == {"eth1": None}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "(ifindex 9, was 4)" in done.message
 
 
 def test_a_netdev_missing_at_start_that_comes_back_as_itself_keeps_its_original(
@@ -2837,7 +2899,9 @@ def test_a_netdev_missing_at_start_that_comes_back_as_itself_keeps_its_original(
     assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
 
 
-def test_a_record_of_an_older_gpud_without_ifindex_is_restored_as_before(rig: Rig) -> None:
+def _left_by_an_older_gpud(rig: Rig) -> None:
+    """An older gpud took eth0 (ifindex 4) over pfifo_fast, recorded without an ifindex,
+    and left its tree there (``traffic.shutdown = "restore"`` from now on)."""
     with rig.store.transaction() as conn:  # the table as an older gpud declared it
         conn.execute("DROP TABLE net_original")
         conn.execute(
@@ -2850,18 +2914,33 @@ def test_a_record_of_an_older_gpud_without_ifindex_is_restored_as_before(rig: Ri
     assert (shaped.original("eth0"), shaped.original_ifindex("eth0")) == (PFIFO_FAST, None)
     rig.service = rig.make()
     rig.service.tick()  # gpud's tree on eth0, as the older gpud left it
-    rig.tc.ifindexes["eth0"] = 9
-    _restart(rig).shutdown()
+
+
+def test_a_record_of_an_older_gpud_without_ifindex_is_restored_on_the_same_netdev(
+    rig: Rig,
+) -> None:
+    _left_by_an_older_gpud(rig)
+    service = _restart(rig)
+    # gpud's tree is on ifindex 4: so is the record from now on
+    assert ShapedInterfaces(rig.store).original_ifindex("eth0") == 4
+    service.shutdown()
     assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+
+
+def test_a_record_of_an_older_gpud_is_not_given_to_a_netdev_made_again_later(
+    rig: Rig,
+) -> None:
+    _left_by_an_older_gpud(rig)
+    _restart(rig)  # finds gpud's tree on ifindex 4; then kill -9
+    _made_again_in_a_run_started_without_it(rig)  # then kill -9
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": None}
 
 
 def test_an_interface_taken_out_whose_root_is_not_gpuds_keeps_it(
     tmp_path: Path, sysfs: Path
 ) -> None:
-    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
-    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
-    rig.tc.states["eth1"] = tcplan.InterfaceState("eth1", PFIFO_FAST)
-    _restart(rig)  # eth1's pfifo_fast recorded, gpud's tree put on it; then stopped
+    rig = _eth1_taken_over_pfifo_fast(tmp_path, sysfs)
     bfifo = tcplan.RootQdisc("bfifo", 0x10000)
     rig.tc.states["eth1"] = tcplan.InterfaceState("eth1", bfifo)  # gpud's tree replaced
     rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())

@@ -7,14 +7,18 @@ plays a kernel without HTB on one interface, which no test machine can be made i
 from __future__ import annotations
 
 import errno
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from netshaper import tcplan as tp
 from netshaper.tc_netlink import (
+    RTM_DELQDISC,
     RTM_GETLINK,
+    RTM_GETQDISC,
     RTM_NEWQDISC,
+    TC_H_ROOT,
     Ack,
     InterfaceResult,
     TcNetlink,
@@ -214,4 +218,45 @@ def test_a_netdev_made_again_is_still_named_when_its_batch_was_tried_twice() -> 
     assert result.ok, result.errors
     assert not nl.race  # the first batch failed, and a second went out
     assert result.interfaces["eth0"].replaced == "ifindex 7, was 1"
+    tc.close()
+
+
+def _root_qdisc(index: int, kind: str, handle: int) -> memoryview:
+    """A root qdisc as an RTM_GETQDISC dump gives it: tcmsg, then TCA_KIND."""
+    payload = kind.encode() + b"\0"
+    attr = struct.pack("=HH", 4 + len(payload), 1) + payload
+    attr += b"\0" * (-len(attr) % 4)
+    return memoryview(struct.pack("=BxxxiIII", 0, index, handle, TC_H_ROOT, 0) + attr)
+
+
+@dataclass
+class BlindAfterReinstall(RenamingLinks):
+    """eth0 holds gpud's HTB root; deleting it leaves none dumped, re-installing a root
+    works, and the read after that fails (ENOBUFS: the socket's buffer overran)."""
+
+    root: tuple[str, int] | None = ("htb", tp.ROOT_MAJOR << 16)
+    reinstalled: bool = False
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        for mtype, _flags, _body in msgs:
+            if mtype == RTM_DELQDISC:
+                self.root = None
+            elif mtype == RTM_NEWQDISC:
+                self.reinstalled = True
+        return super().request(msgs)
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if mtype != RTM_GETQDISC:
+            return super().dump(mtype, body)
+        if self.reinstalled:
+            raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+        return ([_root_qdisc(1, *self.root)] if self.root else []), None
+
+
+def test_a_root_re_installed_whose_read_back_fails_is_still_restored() -> None:
+    nl = BlindAfterReinstall()
+    tc = TcNetlink(transport=nl)
+    done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert (done.ours, done.replaced, done.root) == (True, "", None)
+    assert nl.reinstalled
     tc.close()
