@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import sys
+from typing import Any
 
 import psutil
 import pytest
 
 from tests.unit.tool_support import running_tool, stopped_by
 from tools import simdaemon
-from tools.fuzz_api import Run, report
-from tools.simdaemon import stop_on_signals
+from tools.fuzz_api import MB, Run, methods, report, send_fuzzed
+from tools.simdaemon import Terminated, stop_on_signals
 
 
 def test_a_sigterm_mid_run_stops_its_gpud_removes_its_directory_and_reports_so_far() -> None:
@@ -40,6 +42,23 @@ def test_a_run_cut_short_counts_the_big_strings_it_sent_not_those_it_planned(
     assert report(run, max_growth_mb=20) == 128 + signal.SIGINT
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("120 of 3000 fuzzed requests (11 of 300 with a 1 MB string) "), first
+
+
+def test_a_big_request_a_signal_cuts_short_is_counted_neither_sent_nor_big() -> None:
+    answered: list[bool] = []  # whether each request answered carried 1 MB
+
+    def call(request: Any, timeout: float) -> None:
+        size = len(request) if isinstance(request, bytes) else request.ByteSize()
+        if size >= MB and answered.count(True) == 2:
+            raise Terminated()  # SIGTERM arriving while the third big one is on its way
+        answered.append(size >= MB)
+
+    rpcs = methods()
+    run = Run(requests=40, big=10, seed=1, methods=len(rpcs))
+    calls = {path: call for path, _, _, _ in rpcs}
+    with pytest.raises(Terminated):
+        send_fuzzed(calls, rpcs, random.Random(1), run, big_at={3, 9, 11, 30}, queued="q")
+    assert (run.sent, run.big_sent) == (len(answered), answered.count(True)) == (11, 2)
 
 
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end
