@@ -46,9 +46,14 @@ def test_stray_mps_daemons_are_those_under_the_run_dir(tmp_path: Path) -> None:
 
 def test_a_sigterm_mid_soak_cleans_up_prints_what_it_measured_and_fails() -> None:
     argv = ["-m", "tools.soak", "--minutes", "30", "--rate", "5", "--spec", "H100-SXM5-80GB:4"]
-    with running_tool(argv, began="   min ") as tool:  # its table's header
-        assert len(tool.pids) > 1, tool.pids  # gpud and its MPS control daemon at least
+    # its table's first row: its first command started
+    with running_tool(argv, began=r" *\d+\.\d +\d") as tool:
+        # held where they are: a command ending on its own as gpud stops would hide a soak
+        # that left its commands running
+        commands = tool.freeze("gpuctl")
+        assert commands
         rest = stopped_by(tool, signal.SIGTERM)
+        assert set(commands) < tool.pids, tool.pids  # and gpud, its MPS control daemon
         assert tool.proc.returncode == 128 + signal.SIGTERM, rest
         assert "too few samples for slopes" in rest and "commands: " in rest, rest
         assert "cut short by SIGTERM after " in rest and " of 30 minutes" in rest, rest
