@@ -29,6 +29,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,8 +212,8 @@ class Run:
 def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
     """Warm ``daemon`` up, then send it ``run.requests`` fuzzed requests, recording into
     ``run`` as it goes."""
-    fuzzer = Fuzzer(rng)
     rpcs = methods()
+    # drawn first, before any request: a seed's requests are the same as they were
     big_at = set(rng.sample(range(run.requests), run.big))
     channel = grpc.insecure_channel(
         f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
@@ -252,31 +253,7 @@ def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
         queued = _queued_entry(calls)
         run.rss_warm = rss_mb(daemon.pid)
         print(f"fuzzing: {run.requests} requests", flush=True)
-        for i in range(run.requests):
-            path, request_cls, _, _ = rng.choice(rpcs)
-            if i in big_at:
-                request: Any = fuzzer.fill(request_cls())
-                if not fuzzer.plant_big(request):
-                    request = fuzzer.string().encode() + b"x" * MB  # no string field: raw bytes
-                run.big_sent += 1
-            elif rng.random() < 0.05:
-                request = rng.randbytes(rng.randint(1, 300))
-            else:
-                request = fuzzer.fill(request_cls())
-                if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
-                    request.id = queued
-            asked = time.monotonic()
-            try:
-                calls[path](request, timeout=30)
-                run.outcomes["OK"] += 1
-                if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
-                    run.held.append(time.monotonic() - asked)
-            except grpc.RpcError as err:
-                code = err.code()  # type: ignore[attr-defined]
-                run.outcomes[code.name] += 1
-                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                    run.failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
-            run.sent = i + 1
+        send_fuzzed(calls, rpcs, rng, run, big_at=big_at, queued=queued)
         try:
             calls["/gpud.v1.Node/GetStatus"](node_pb2.GetStatusRequest(), timeout=30)
             run.alive = True
@@ -285,6 +262,49 @@ def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
         run.rss_end = rss_mb(daemon.pid)
     finally:
         channel.close()
+
+
+def send_fuzzed(
+    calls: dict[str, Callable[..., Any]],
+    rpcs: list[tuple[str, Any, Any, bool]],
+    rng: random.Random,
+    run: Run,
+    *,
+    big_at: set[int],
+    queued: str,
+) -> None:
+    """Send ``run.requests`` fuzzed requests through ``calls`` (by method path), the
+    ``big_at``-th of them with 1 MB in them, half the GetEntry ones asking for ``queued``.
+    A request is counted in ``run.sent`` (and ``run.big_sent``) once its call returned, so
+    that one a signal cuts short is in neither."""
+    fuzzer = Fuzzer(rng)
+    for i in range(run.requests):
+        path, request_cls, _, _ = rng.choice(rpcs)
+        big = i in big_at
+        if big:
+            request: Any = fuzzer.fill(request_cls())
+            if not fuzzer.plant_big(request):
+                request = fuzzer.string().encode() + b"x" * MB  # no string field: raw bytes
+        elif rng.random() < 0.05:
+            request = rng.randbytes(rng.randint(1, 300))
+        else:
+            request = fuzzer.fill(request_cls())
+            if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
+                request.id = queued
+        asked = time.monotonic()
+        try:
+            calls[path](request, timeout=30)
+            run.outcomes["OK"] += 1
+            if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
+                run.held.append(time.monotonic() - asked)
+        except grpc.RpcError as err:
+            code = err.code()  # type: ignore[attr-defined]
+            run.outcomes[code.name] += 1
+            if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                run.failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
+        run.sent = i + 1
+        if big:
+            run.big_sent += 1
 
 
 def _mib(value: float | None) -> str:

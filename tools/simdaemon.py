@@ -93,7 +93,7 @@ class Terminated(KeyboardInterrupt):
 
 class _Signals:
     """SIGTERM and SIGINT as received under :func:`stop_on_signals`: the first is raised in
-    the main thread, unless a daemon is being stopped (:func:`_held`), then once it is; any
+    the main thread, unless a daemon is being stopped (:func:`held`), then once it is; any
     after it are only noted, so that the cleanup the first one began is not cut short."""
 
     def __init__(self) -> None:
@@ -169,8 +169,9 @@ def cut_short(by: str, done: str) -> int:
 
 
 @contextmanager
-def _held() -> Iterator[None]:
-    """A daemon being stopped: a signal arriving meanwhile is raised once it is stopped."""
+def held() -> Iterator[None]:
+    """A cleanup under way (a daemon being stopped, a directory removed): a SIGTERM or SIGINT
+    arriving meanwhile is raised once it is done. Nothing under no :func:`stop_on_signals`."""
     signals = _signals
     if signals is None:
         yield
@@ -224,7 +225,7 @@ def simulated_gpud(
         # a tool's SIGTERM (timeout) cleans up as its Ctrl-C does, unless it chose its own
         if _signals is None and threading.current_thread() is threading.main_thread():
             stack.enter_context(stop_on_signals())
-        # removed by hand, in the cleanup a signal does not cut short (_held)
+        # removed by hand, in the cleanup a signal does not cut short (held)
         work = Path(tempfile.mkdtemp(prefix="gpud-sim-"))
         proc: subprocess.Popen[bytes] | None = None
         try:
@@ -258,7 +259,7 @@ def simulated_gpud(
                 time.sleep(0.1)
             yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
         finally:
-            with _held():
+            with held():
                 if proc is not None and proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
                     try:

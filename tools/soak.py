@@ -26,18 +26,21 @@ directories are cleaned up on the way out, the slopes of what it sampled so far 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import SimDaemon, cut_short, held, simulated_gpud, stopped_by_signal
 
 CONFIG = """\
 [mps]
@@ -385,31 +388,48 @@ def _soak(ns: argparse.Namespace, soaked: Soaked) -> None:
     for item in ns.gpud_env:
         key, _, value = item.partition("=")
         env[key] = value
-    with tempfile.TemporaryDirectory(prefix="gpud-soak-") as tmp:
-        work = Path(tmp)
+    work: Path | None = None
+    run_dir: Path | None = None
+    try:
+        work = Path(tempfile.mkdtemp(prefix="gpud-soak-"))
         (work / "mig.yaml").write_text(MIG_LAYOUT)
-        run_dir: Path | None = None
-        try:
-            with simulated_gpud(ns.spec, config_text=CONFIG, env=env) as daemon:
-                run_dir = daemon.socket.parent
-                driver = Driver(
-                    daemon,
-                    work,
-                    random.Random(ns.seed),
-                    ns.names,
-                    ns.keep_jobs,
-                    outcomes=soaked.outcomes,
-                )
-                apply = ["--timeout", "120", "mig", "apply", "-f", str(work / "mig.yaml")]
-                subprocess.run(
-                    driver.gpuctl(*apply, "-c", "soak"), check=True, stdout=subprocess.DEVNULL
-                )
-                print(f"gpud pid {daemon.pid}, run dir {run_dir}, log {daemon.log}", flush=True)
-                print(HEADER, flush=True)
-                drive(driver, ns.minutes, ns.rate, ns.report_every, soaked)
-        finally:
-            for pid in stray_mps_daemons(run_dir) if run_dir is not None else ():
-                os.kill(pid, signal.SIGKILL)
+        with simulated_gpud(ns.spec, config_text=CONFIG, env=env) as daemon:
+            run_dir = daemon.socket.parent
+            driver = Driver(
+                daemon,
+                work,
+                random.Random(ns.seed),
+                ns.names,
+                ns.keep_jobs,
+                outcomes=soaked.outcomes,
+            )
+            apply = ["--timeout", "120", "mig", "apply", "-f", str(work / "mig.yaml")]
+            subprocess.run(
+                driver.gpuctl(*apply, "-c", "soak"), check=True, stdout=subprocess.DEVNULL
+            )
+            print(f"gpud pid {daemon.pid}, run dir {run_dir}, log {daemon.log}", flush=True)
+            print(HEADER, flush=True)
+            drive(driver, ns.minutes, ns.rate, ns.report_every, soaked)
+    finally:
+        clean_up(work, run_dir)
+
+
+def clean_up(
+    work: Path | None,
+    run_dir: Path | None,
+    *,
+    proc_root: Path = Path("/proc"),
+    kill: Callable[[int, int], None] = os.kill,
+) -> None:
+    """SIGKILL the MPS control daemons left with a pipe directory under gpud's ``run_dir``
+    and remove the soak's ``work`` directory; a SIGTERM or SIGINT arriving meanwhile is
+    raised once both are done."""
+    with held():
+        for pid in stray_mps_daemons(run_dir, proc_root) if run_dir is not None else ():
+            with contextlib.suppress(ProcessLookupError):  # it exited since it was found
+                kill(pid, signal.SIGKILL)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,24 +6,27 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import sys
+from typing import Any
 
 import psutil
 import pytest
 
+from gpud.mps.procs import alive
 from tests.unit.tool_support import running_tool, stopped_by
 from tools import simdaemon
-from tools.fuzz_api import Run, report
-from tools.simdaemon import stop_on_signals
+from tools.fuzz_api import MB, Run, methods, report, send_fuzzed
+from tools.simdaemon import Terminated, stop_on_signals
 
 
 def test_a_sigterm_mid_run_stops_its_gpud_removes_its_directory_and_reports_so_far() -> None:
     argv = ["-m", "tools.fuzz_api", "--requests", "10000000", "--big", "0"]
     with running_tool(argv, began="fuzzing: ") as tool:
-        assert len(tool.pids) > 1, tool.pids  # gpud and its MPS control daemon at least
         rest = stopped_by(tool, signal.SIGTERM)
+        assert len(tool.pids) > 1, tool.pids  # gpud and its MPS control daemon at least
         assert tool.proc.returncode == 128 + signal.SIGTERM, rest
         assert "cut short by SIGTERM after " in rest, rest
         assert rest.splitlines()[0].endswith(" seed 1") and "outcomes: " in rest, rest
@@ -40,6 +43,23 @@ def test_a_run_cut_short_counts_the_big_strings_it_sent_not_those_it_planned(
     assert report(run, max_growth_mb=20) == 128 + signal.SIGINT
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("120 of 3000 fuzzed requests (11 of 300 with a 1 MB string) "), first
+
+
+def test_a_big_request_a_signal_cuts_short_is_counted_neither_sent_nor_big() -> None:
+    answered: list[bool] = []  # whether each request answered carried 1 MB
+
+    def call(request: Any, timeout: float) -> None:
+        size = len(request) if isinstance(request, bytes) else request.ByteSize()
+        if size >= MB and answered.count(True) == 2:
+            raise Terminated()  # SIGTERM arriving while the third big one is on its way
+        answered.append(size >= MB)
+
+    rpcs = methods()
+    run = Run(requests=40, big=10, seed=1, methods=len(rpcs))
+    calls = {path: call for path, _, _, _ in rpcs}
+    with pytest.raises(Terminated):
+        send_fuzzed(calls, rpcs, random.Random(1), run, big_at={3, 9, 11, 30}, queued="q")
+    assert (run.sent, run.big_sent) == (len(answered), answered.count(True)) == (11, 2)
 
 
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end
@@ -67,13 +87,35 @@ def test_a_tool_killed_outright_takes_its_simulated_gpud_with_it() -> None:
     script = BENCHMARK.replace("[mps]\\nenabled = true\\n", "")  # gpud alone, no MPS
     assert script != BENCHMARK
     with running_tool(["-c", script], began="measuring") as tool:
-        tool.proc.kill()
-        tool.proc.communicate()
+        stopped_by(tool, signal.SIGKILL)
         for pid in tool.pids:  # a guard, not a measure: gpud stops in order on its SIGTERM
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).wait(timeout=120)
         assert tool.pids and tool.left() == []
         assert list(tool.tmp.iterdir()) != []  # the tool could not remove it: running_tool does
+
+
+# starts a command of its own, then never says it began
+SILENT = """
+import subprocess, time
+child = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(f"started {child.pid}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tool_that_never_says_it_began_is_killed_with_what_it_started() -> None:
+    tool = running_tool(["-c", SILENT], began="measuring", begin_guard_s=1)
+    with pytest.raises(AssertionError) as failed, tool:
+        pass
+    found = re.search(r"started (\d+)", str(failed.value))
+    assert found, failed.value
+    pid = int(found[1])
+    try:
+        assert not alive(pid)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_signal_while_the_tool_puts_its_handlers_back_is_noted_and_all_are_put_back() -> None:
