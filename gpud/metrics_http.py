@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs, urlencode
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -37,14 +38,17 @@ METRICS_PATH = "/metrics"
 # seconds between the serving thread's looks at a shutdown: the most stopping it waits
 METRICS_POLL_S = 0.5
 _ALLOW = "GET, HEAD, OPTIONS"
+# the samples of a histogram: docs/metrics.md names one by its base name, while
+# prometheus_client's ``name[]`` filter matches sample names alone
+_HISTOGRAM_SAMPLES = ("_bucket", "_count", "_sum")
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def metrics_app(registry: CollectorRegistry) -> WsgiApp:
     """prometheus_client's WSGI app for ``registry`` (``Accept`` for OpenMetrics, gzip,
-    ``?name[]=``) on :data:`METRICS_PATH` only, with ``HEAD`` answered as ``GET`` without
-    the body (``Content-Length`` as ``GET`` would send)."""
+    ``?name[]=``, a histogram named by its base name too) on :data:`METRICS_PATH` only,
+    with ``HEAD`` answered as ``GET`` without the body (``Content-Length`` as ``GET`` would send)."""
     exposition: WsgiApp = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -62,6 +66,7 @@ def metrics_app(registry: CollectorRegistry) -> WsgiApp:
         if method not in ("GET", "HEAD"):
             text = f"405 Method Not Allowed: {method}; use {_ALLOW}\n"
             return _reply(start_response, "405 Method Not Allowed", text, method)
+        environ = {**environ, "QUERY_STRING": _histograms_named(environ.get("QUERY_STRING", ""))}
         if method == "GET":
             return exposition(environ, start_response)
         reply: list[Any] = []
@@ -73,6 +78,18 @@ def metrics_app(registry: CollectorRegistry) -> WsgiApp:
         return [b""]
 
     return app
+
+
+def _histograms_named(query: str) -> str:
+    """``query`` with each ``name[]`` also as a histogram's samples, so that
+    ``?name[]=gpud_loop_duration_seconds`` scrapes its buckets, count and sum rather than
+    nothing (a name of another family gains names no sample has)."""
+    params = parse_qs(query, keep_blank_values=True)
+    names = params.get("name[]")
+    if not names:
+        return query
+    params["name[]"] = [*names, *(n + s for n in names for s in _HISTOGRAM_SAMPLES)]
+    return urlencode(params, doseq=True)
 
 
 def _reply(start_response: Callable[..., Any], status: str, text: str, method: str) -> list[bytes]:

@@ -11,6 +11,11 @@
     gpud_net_level_jobs{level}                      jobs at the level
     gpud_net_level_min_share_ratio{level}           guaranteed fraction of every link
     gpud_net_level_sent_bytes_total{level}          (and _sent_packets_total, _dropped_packets_total)
+                                                    since gpud started, each read counted at
+                                                    the level its job had while sending: a
+                                                    job moving off the level or going takes
+                                                    nothing away (never the sum of the jobs
+                                                    at the level now)
     gpud_net_level_changes_total                    jobs moved between levels since start
     gpud_net_interface_enforced{interface}          1 when the plan is in the kernel
     gpud_net_interface_rate_bits_per_second{interface}

@@ -234,14 +234,20 @@ class _Counter:
     last: TrafficCounters = field(default_factory=TrafficCounters)
     total: TrafficCounters = field(default_factory=TrafficCounters)
 
-    def add(self, nbytes: int, packets: int, drops: int) -> None:
+    def add(self, nbytes: int, packets: int, drops: int) -> TrafficCounters:
+        """Take the class's counters as the kernel reads them now; returns what it sent
+        since the last read."""
         base = self.last if nbytes >= self.last.bytes else TrafficCounters()
-        self.total = TrafficCounters(
-            self.total.bytes + nbytes - base.bytes,
-            self.total.packets + max(0, packets - base.packets),
-            self.total.drops + max(0, drops - base.drops),
+        sent = TrafficCounters(
+            nbytes - base.bytes, max(0, packets - base.packets), max(0, drops - base.drops)
         )
+        self.total = _plus(self.total, sent)
         self.last = TrafficCounters(nbytes, packets, drops)
+        return sent
+
+
+def _plus(a: TrafficCounters, b: TrafficCounters) -> TrafficCounters:
+    return TrafficCounters(a.bytes + b.bytes, a.packets + b.packets, a.drops + b.drops)
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,11 @@ class TrafficService:
         self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
+        # what each level's leaves sent since gpud started, each read counted at the level
+        # its job had while it was sent: not the sum of the jobs at the level now, which
+        # goes down when a job moves off it or goes (a Prometheus counter never does)
+        self._level_sent: dict[int, TrafficCounters] = {}
+        self._sent_at: dict[str, int] = {}  # job -> its level in the plan last enforced
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
@@ -821,20 +832,11 @@ class TrafficService:
         with self._lock:
             held = self._held_now()
             jobs = self._job_views(now, held)
-            per_level: dict[int, TrafficCounters] = {}
-            for j in jobs:
-                if j.level is not None:
-                    c = per_level.get(j.level, TrafficCounters())
-                    per_level[j.level] = TrafficCounters(
-                        c.bytes + j.counters.bytes,
-                        c.packets + j.counters.packets,
-                        c.drops + j.counters.drops,
-                    )
             return NetView(
                 enabled=self.config.enabled,
                 jobs=jobs,
                 shares=self._leveller.config.shares(),
-                level_counters=per_level,
+                level_counters=dict(self._level_sent),
                 interfaces=tuple(
                     InterfaceStatus(i.name, i.rate_bps, i.enforced, i.error, i.repairs)
                     for i in self._ifaces.values()
@@ -864,11 +866,7 @@ class TrafficService:
         total = TrafficCounters()
         for (_, j), c in self._counters.items():
             if j == job:
-                total = TrafficCounters(
-                    total.bytes + c.total.bytes,
-                    total.packets + c.total.packets,
-                    total.drops + c.total.drops,
-                )
+                total = _plus(total, c.total)
         pinned, lowest = self.tags.pins().get(job), self.config.levels - 1
         # a run that ended is no stop: nothing of it runs to be stopped
         stopped = prog is not None and prog.stopped and ended is None
@@ -1562,9 +1560,17 @@ class TrafficService:
             for cid, raw in counters.items():
                 job = by_class.get(cid)
                 if job is not None:
-                    self._counters.setdefault((iface, job), _Counter()).add(
+                    sent = self._counters.setdefault((iface, job), _Counter()).add(
                         raw.bytes, raw.packets, raw.drops
                     )
+                    # sent under the plan before this pass's: a level change made now
+                    # (a prio changed in place) holds for what is sent from now on
+                    at = self._sent_at.get(job, levels.get(job))
+                    if at is not None:
+                        self._level_sent[at] = _plus(
+                            self._level_sent.get(at, TrafficCounters()), sent
+                        )
+        self._sent_at = {job: lv for job, lv in levels.items() if job in tags}
 
     def _netdev_replaced(self, iface: str, replaced: str) -> None:
         """``iface`` names another netdev since gpud took it (``replaced``: "ifindex NEW,

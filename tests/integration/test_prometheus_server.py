@@ -157,7 +157,7 @@ def assert_rules_healthy(server: PrometheusServer) -> None:
     """Every rule evaluated, without error (a vector with two series of the same labels, a
     many-to-many match, ...)."""
     rules = server.rules()
-    assert len(rules) == 17, [r["name"] for r in rules]
+    assert len(rules) == 18, [r["name"] for r in rules]
     bad = [
         (r["name"], r["health"], r.get("lastError"))
         for r in rules

@@ -8,6 +8,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+from wsgiref.util import setup_testing_defaults
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,8 +30,9 @@ from gpud.backend.port import (
     Utilization,
 )
 from gpud.events import EventLog
+from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry
-from gpud.metrics_http import start_metrics_server, stop_metrics_server
+from gpud.metrics_http import metrics_app, start_metrics_server, stop_metrics_server
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, SeenIdentity, Snapshot
@@ -482,6 +485,29 @@ def test_a_scrape_for_named_families_has_gpuds_own() -> None:
     assert "gpud_gpus 3.0" in text
     assert "python_info{" in text
     assert "gpud_gpu_healthy" not in text
+
+
+def test_a_scrape_names_a_histogram_by_its_base_name() -> None:
+    stats = LoopStats()
+    stats.record(0.2, 1.0, [])
+    collector = Collector(snapshot, clock=lambda: 100.0, sources=[LoopMetrics(stats)], build="x")
+    app = metrics_app(build_registry(collector, process=False))
+    reply: list[str] = []
+    environ: dict[str, Any] = {"QUERY_STRING": "name[]=gpud_loop_duration_seconds&name[]=gpud_gpus"}
+    setup_testing_defaults(environ)
+    environ["PATH_INFO"] = "/metrics"
+    body = b"".join(app(environ, lambda status, headers: reply.append(status))).decode()
+    assert reply == ["200 OK"]
+    samples = sorted(
+        {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line[0] != "#"}
+    )
+    assert samples == [
+        "gpud_gpus",
+        "gpud_loop_duration_seconds_bucket",
+        "gpud_loop_duration_seconds_count",
+        "gpud_loop_duration_seconds_sum",
+    ]
+    assert "gpud_loop_duration_seconds_count 1.0" in body
 
 
 def _request(port: int, method: str, path: str) -> tuple[int, dict[str, str], bytes]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from gpud.cluster.fencing import Mode
 from gpud.telemetry.sampler import NOT_ANSWERING
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,7 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "TrafficMarkingFailed",
         "TrafficRdmaMapFailed",
         "ClusterEtcdAlarm",
+        "ClusterLeaderLost",
         "ClusterCertificateExpiring",
     }
     for rule in rules:
@@ -99,6 +101,13 @@ def test_a_hung_gpus_reasons_are_left_to_gpu_samples_stale() -> None:
     for reason in ("readings failed: Unknown Error", "power failed: Unknown Error"):
         assert not unhealthy_unless.fullmatch(reason), reason
         assert not stale_unless.fullmatch(reason), reason
+
+
+def test_cluster_leader_lost_reads_every_mode_without_a_leader() -> None:
+    match = re.search(r'gpud_cluster_mode\{mode=~"([^"]*)"\}', _alert_expr("ClusterLeaderLost"))
+    assert match
+    without = re.compile(match.group(1))
+    assert {m for m in Mode if without.fullmatch(m.value)} == {Mode.HOLDING, Mode.LOCAL}
 
 
 def test_dashboard_uses_exported_metrics() -> None:

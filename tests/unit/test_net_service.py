@@ -611,7 +611,40 @@ def test_counters_survive_a_leaf_moving(rig: Rig) -> None:
     (a,) = [j for j in rig.service.local_report().jobs if j.job == "a"]
     assert (a.counters.bytes, a.counters.packets, a.counters.drops) == (1500, 15, 1)
     view = rig.service.view()
-    assert view.level_counters[2].bytes == 1500
+    assert view.level_counters[2].bytes == 500  # the 1000 before were sent at its old level
+
+
+def _level_bytes(rig: Rig) -> dict[str, float]:
+    registry = CollectorRegistry()
+    registry.register(Collector(lambda: None, sources=[TrafficMetrics(rig.service)], build="x"))
+    return {
+        s.labels["level"]: s.value
+        for m in registry.collect()
+        if m.name == "gpud_net_level_sent_bytes"
+        for s in m.samples
+    }
+
+
+def test_a_level_keeps_the_bytes_sent_at_it_when_its_jobs_move_off_or_go(rig: Rig) -> None:
+    rig.active = {"a", "b"}
+    rig.service.pin("a", 1)
+    rig.service.pin("b", 1)
+    rig.service.tick()
+    rig.tc.sent[("eth0", _leaf(rig, "a").classid)] = FakeCounters(1000, 10, 0)
+    rig.tc.sent[("eth0", _leaf(rig, "b").classid)] = FakeCounters(2000, 20, 0)
+    rig.service.tick()
+    assert _level_bytes(rig)["1"] == 3000
+    rig.service.pin("a", 2)  # a moves to level 2: what it sent at level 1 stays counted there
+    rig.service.tick()
+    rig.tc.sent[("eth0", _leaf(rig, "a").classid)] = FakeCounters(1500, 15, 0)
+    rig.service.tick()
+    after_move = _level_bytes(rig)
+    assert (after_move["1"], after_move["2"]) == (3000, 500)
+    rig.jobs.remove("b")  # b goes, and its tag with it: level 1 keeps its bytes
+    rig.active = {"a"}
+    rig.service.tick()
+    assert "b" not in [j.job for j in rig.service.view().jobs]
+    assert _level_bytes(rig) == {"0": 0, "1": 3000, "2": 500, "3": 0}
 
 
 def test_a_node_with_traffic_off_takes_no_tags_from_the_cluster(
