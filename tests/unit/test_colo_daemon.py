@@ -1947,6 +1947,64 @@ def test_throttle_point_keeps_going_without_a_daemon() -> None:
     assert t.point() == 0.0 and t.duty == 1.0
 
 
+def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
+    """gpud killed (kill -9, a crash loop, systemctl stop) while the guard held a training
+    job at duty 0.05: the job keeps that duty through a restart's worth of silence
+    (``hold_s``), the service still protected, then runs at full speed, not 20 times slower
+    for as long as gpud stays away; once gpud answers again its directive holds again."""
+    clock = Clock()
+    slept: list[float] = []
+    told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=0.0, hold_s=30.0)
+    t.point()
+    told[0] = None  # gpud is gone
+    clock.t += 1.0
+    t.point()
+    assert t.duty == 0.05 and slept == [pytest.approx(19.0)]  # held through a restart
+    clock.t += 20.0  # past the hold since gpud last answered
+    assert t.point() == 0.0
+    assert t.duty == 1.0 and not t.evict
+    assert "gpud has not answered for 40 s" in t.reason, t.reason
+    told[0] = (0.5, False, "SLO guard")  # back
+    clock.t += 1.0
+    t.point()
+    assert t.duty == 0.5 and slept[-1] == pytest.approx(1.0)
+
+
+def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
+    """An eviction stands while gpud may be restarting, then lapses with it: a job that
+    went on iterating is not held at duty 0.01 by a gpud that is no longer there."""
+    clock = Clock()
+    told: list[tuple[float, bool, str] | None] = [(0.0, True, "GPU 0 memory over its limit")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    t = Throttle(
+        "train", clock=clock, sleep=lambda s: None, call=call, report_every_s=0.0, hold_s=30.0
+    )
+    t.point()
+    told[0] = None
+    clock.t += 29.0
+    t.point()
+    assert t.evict and t.duty == 0.01
+    clock.t += 2.0
+    t.point()
+    assert not t.evict and t.duty == 1.0
+
+
 def test_latency_batches_and_says_the_age_of_a_batch_held_through_a_quiet_spell_only() -> None:
     """A second's requests go in one report with the request that sends it, saying no age
     (gpud counts it from its arrival). A batch whose newest request finished more than a
