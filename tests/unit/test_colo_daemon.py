@@ -5733,3 +5733,33 @@ def test_a_held_batch_after_a_switch_off_cleared_the_latencies_keeps_the_reports
     svc.report_latency("chat", [0.01], age_s=12.5)
     stamps = [t for t, _ in svc._jobs["chat"].reports]
     assert stamps == sorted(stamps), stamps
+
+
+def test_a_service_whose_memory_fell_back_keeps_its_peak_reserved_beside_new_work(
+    tmp_path: Path,
+) -> None:
+    """An inference service of no declared memory (no MPS limit holds it) grew its cache to
+    60 GiB of GPU 0, then fell back to 10 GiB: a 30 GiB training job is not advised GPU 0,
+    where the service's next growth would meet it over the 80 GiB; it waits, saying the
+    memory. A new run of the service starts afresh, from what it uses."""
+    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == -1, advice
+    assert "memory" in advice.reason, advice.reason
+    jobs.clear()  # its run ended
+    clock.t += 5
+    svc.tick(snapshot(n=1, used_gib=0))
+    jobs.append(dataclasses.replace(service, memory_used=10 * GIB))
+    clock.t += 5
+    svc.tick(snap)
+    assert svc.advise("train", memory_bytes=30 * GIB, snapshot=snap).gpu == 0
