@@ -215,6 +215,14 @@ class JobView:
         """Features at a cap and duty cycle (an inference service's at its load of now)."""
         return self.features.scaled(self.activity(share, duty))
 
+    def reserve_bytes(self) -> int:
+        """The device memory held for a running job beside others: its shape's reservation,
+        raised to what NVML shows its processes use plus the same margin where that is
+        more. A job outgrew its declaration where no MPS limit holds it; the plan counts
+        that whether or not the caller fed the reading to :meth:`Shape.observe_memory`."""
+        seen = int((self.memory_used or 0) * (1.0 + self.shape.memory_margin))
+        return max(self.shape.reserve_bytes(), seen)
+
     def memory_accounted(self) -> int:
         """The device memory counted as the job's own: what NVML reports, or, where the
         driver does not say, its whole reservation (so the GPU's used memory is not
@@ -546,7 +554,7 @@ class Planner:
             assert j.gpu is not None
             g = state[j.gpu]
             g.residents.append((j, j.sm_share, j.mig_profile))
-            g.reserved += j.shape.reserve_bytes()
+            g.reserved += j.reserve_bytes()
             if j.mig_profile is None:
                 g.served.append(j)
         for g in state.values():
@@ -944,7 +952,7 @@ class Planner:
         """Take the job off the GPU; its views that were there."""
         gone = [j for j, _, _ in g.residents if j.job_id == job_id]
         g.residents = [r for r in g.residents if r[0].job_id != job_id]
-        g.reserved -= sum(j.shape.reserve_bytes() for j in gone)
+        g.reserved -= sum(j.reserve_bytes() for j in gone)
         return gone
 
     @staticmethod

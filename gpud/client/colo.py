@@ -9,7 +9,8 @@ is the lever that acts at once (GPUColo does the same). Inference reports latenc
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
-fail because its node's gpud is away.
+fail because its node's gpud is away, nor stay throttled by one that is gone: a directive
+lapses :data:`DIRECTIVE_HOLD_S` after gpud last answered.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ MAX_LATENCY_S = 3600.0
 # sent saying this much and counts for nothing, as it would at its true age. gpud refuses a
 # report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
 MAX_REPORT_AGE_S = 86400.0
+# How long a directive outlives gpud's last answer: long enough for a restart (systemd's
+# RestartSec=2s and a start of a few seconds), after which gpud restores the guards' duties
+# from colo.json, so the service stays protected through it; past that no guard watches the
+# service any more, and a training job held at the floor would otherwise run 20 times
+# slower for as long as gpud stays away.
+DIRECTIVE_HOLD_S = 60.0
 
 
 class _Channel:
@@ -67,9 +74,15 @@ class Throttle:
         sleep: Callable[[float], None] = time.sleep,
         call: Callable[[str, int], tuple[float, bool, str]] | None = None,
         token: str | None = None,
+        hold_s: float = DIRECTIVE_HOLD_S,
     ) -> None:
+        """``hold_s``: how long after gpud last answered its directive still holds (a
+        restart's silence); past it, the job runs at full duty, not evicted, until gpud
+        answers again."""
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
+        self._hold = hold_s
+        self._answered = clock()  # when gpud last told the job its directive
         self._every = report_every_s
         self._clock = clock
         self._sleep = sleep
@@ -101,8 +114,15 @@ class Throttle:
                 self.duty, self.evict, self.reason = self._call(self.job, self._pending)
                 self.duty = min(1.0, max(0.01, self.duty))
                 self._pending = 0
-            except Exception:  # the daemon may be away: keep the last directive
-                pass
+                self._answered = now
+            except Exception:  # the daemon may be away: keep the last directive a while
+                silent = now - self._answered
+                if silent > self._hold and (self.duty < 1.0 or self.evict):
+                    self.duty, self.evict = 1.0, False
+                    self.reason = (
+                        f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
+                        "running at full duty until it answers"
+                    )
             self._last_report = now
         slept = 0.0
         # An eviction is returned at once, so that the job checkpoints and leaves now: at

@@ -256,6 +256,10 @@ class _JobState:
     # the registration it was learned under (RunningJob.registered_at); None: not known
     # (a file from before this was kept, or it has not run since), taken as the same
     registered_at: float | None = None
+    # the most device memory NVML showed its processes use this run, per device (_place):
+    # memory a job gave back (a cache shrunk between bursts) it takes again, so work placed
+    # beside it counts that, not the lull's reading; a new run starts afresh
+    memory_peaks: dict[str, int] = field(default_factory=dict)
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -1275,6 +1279,11 @@ class ColoService:
             if name not in reserved:
                 st.arrived = None
                 st.unseen_since, st.unseen_said = None, False
+                st.memory_peaks.clear()
+        for r in running:
+            if r.memory_used:
+                peaks = self._jobs[r.name].memory_peaks
+                peaks[_place(r)] = max(peaks.get(_place(r), 0), r.memory_used)
         order = sorted(reserved, key=lambda n: (self._jobs[n].arrived, reserved[n], n))
         for rank, name in enumerate(order):
             self._jobs[name].rank = rank
@@ -2233,6 +2242,8 @@ class ColoService:
         )
         if r.memory_used is not None:
             shape.observe_memory(r.memory_used)
+        if profile is None:  # running: what it took this run it may take again
+            shape.observe_memory(st.memory_peaks.get(_place(r), 0))
         self._observe_rates(shape, own)
         return JobView(
             job_id=r.name,

@@ -1947,6 +1947,64 @@ def test_throttle_point_keeps_going_without_a_daemon() -> None:
     assert t.point() == 0.0 and t.duty == 1.0
 
 
+def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
+    """gpud killed (kill -9, a crash loop, systemctl stop) while the guard held a training
+    job at duty 0.05: the job keeps that duty through a restart's worth of silence
+    (``hold_s``), the service still protected, then runs at full speed, not 20 times slower
+    for as long as gpud stays away; once gpud answers again its directive holds again."""
+    clock = Clock()
+    slept: list[float] = []
+    told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=0.0, hold_s=30.0)
+    t.point()
+    told[0] = None  # gpud is gone
+    clock.t += 1.0
+    t.point()
+    assert t.duty == 0.05 and slept == [pytest.approx(19.0)]  # held through a restart
+    clock.t += 20.0  # past the hold since gpud last answered
+    assert t.point() == 0.0
+    assert t.duty == 1.0 and not t.evict
+    assert "gpud has not answered for 40 s" in t.reason, t.reason
+    told[0] = (0.5, False, "SLO guard")  # back
+    clock.t += 1.0
+    t.point()
+    assert t.duty == 0.5 and slept[-1] == pytest.approx(1.0)
+
+
+def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
+    """An eviction stands while gpud may be restarting, then lapses with it: a job that
+    went on iterating is not held at duty 0.01 by a gpud that is no longer there."""
+    clock = Clock()
+    told: list[tuple[float, bool, str] | None] = [(0.0, True, "GPU 0 memory over its limit")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    t = Throttle(
+        "train", clock=clock, sleep=lambda s: None, call=call, report_every_s=0.0, hold_s=30.0
+    )
+    t.point()
+    told[0] = None
+    clock.t += 29.0
+    t.point()
+    assert t.evict and t.duty == 0.01
+    clock.t += 2.0
+    t.point()
+    assert not t.evict and t.duty == 1.0
+
+
 def test_latency_batches_and_says_the_age_of_a_batch_held_through_a_quiet_spell_only() -> None:
     """A second's requests go in one report with the request that sends it, saying no age
     (gpud counts it from its arrival). A batch whose newest request finished more than a
@@ -5675,3 +5733,33 @@ def test_a_held_batch_after_a_switch_off_cleared_the_latencies_keeps_the_reports
     svc.report_latency("chat", [0.01], age_s=12.5)
     stamps = [t for t, _ in svc._jobs["chat"].reports]
     assert stamps == sorted(stamps), stamps
+
+
+def test_a_service_whose_memory_fell_back_keeps_its_peak_reserved_beside_new_work(
+    tmp_path: Path,
+) -> None:
+    """An inference service of no declared memory (no MPS limit holds it) grew its cache to
+    60 GiB of GPU 0, then fell back to 10 GiB: a 30 GiB training job is not advised GPU 0,
+    where the service's next growth would meet it over the 80 GiB; it waits, saying the
+    memory. A new run of the service starts afresh, from what it uses."""
+    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == -1, advice
+    assert "memory" in advice.reason, advice.reason
+    jobs.clear()  # its run ended
+    clock.t += 5
+    svc.tick(snapshot(n=1, used_gib=0))
+    jobs.append(dataclasses.replace(service, memory_used=10 * GIB))
+    clock.t += 5
+    svc.tick(snap)
+    assert svc.advise("train", memory_bytes=30 * GIB, snapshot=snap).gpu == 0

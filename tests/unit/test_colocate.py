@@ -650,8 +650,10 @@ def test_memory_of_processes_no_job_owns_is_held() -> None:
     view = [GpuView(index=0, memory_total=80 * GIB, memory_used=70 * GIB)]
     plan = planner.plan(view, [training("b", mem_gib=10)])
     assert not plan.placements and "memory" in plan.waiting["b"]
-    jobs = [training("a", gpu=0, used_gib=60), training("b", mem_gib=10, order=1)]
-    shared = planner.plan([GpuView(index=0, memory_total=80 * GIB, memory_used=60 * GIB)], jobs)
+    # a's 50 GiB (over its 10 GiB declared: counted with its margin) is not held again as
+    # someone else's
+    jobs = [training("a", gpu=0, used_gib=50), training("b", mem_gib=10, order=1)]
+    shared = planner.plan([GpuView(index=0, memory_total=80 * GIB, memory_used=50 * GIB)], jobs)
     assert [p.job_id for p in shared.placements] == ["b"]
 
 
@@ -867,6 +869,52 @@ def test_plan_never_overcommits_memory(
             assert total[g] <= limit
         assert plan.memory_reserved[g] == total[g]
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    residents=st.lists(
+        st.tuples(st.floats(1.0, 40.0), st.floats(0.0, 2.0), st.integers(0, 1)), max_size=4
+    ),
+    pending=st.lists(st.floats(1.0, 60.0), min_size=1, max_size=6),
+    foreign_gib=st.tuples(st.floats(0.0, 20.0), st.floats(0.0, 20.0)),
+)
+@example(residents=[(40.0, 1.5, 0)], pending=[20.0, 20.0], foreign_gib=(0.0, 80.0))
+def test_work_placed_beside_running_jobs_fits_what_nvml_shows_they_hold(
+    residents: list[tuple[float, float, int]],
+    pending: list[float],
+    foreign_gib: tuple[float, float],
+) -> None:
+    """Running jobs as NVML reads them, some holding more than they declared (no MPS limit
+    holds a job whose memory grew), beside memory of no job: on every GPU where the plan
+    places work beside a job, what NVML shows in use plus the newcomers' reservations stays
+    under the limit (with no other job there, their memory alone), whether or not the
+    caller fed the readings to ``Shape.observe_memory``."""
+    limit = int(80 * GIB * 0.95)
+    used = [int(f * GIB) for f in foreign_gib]
+    jobs: list[JobView] = []
+    for i, (declared, grown, gpu) in enumerate(residents):
+        j = training(f"r{i}", mem_gib=declared, gpu=gpu, order=i, used_gib=declared * grown)
+        assert j.memory_used is not None
+        if used[gpu] + j.memory_used > 80 * GIB:
+            continue
+        used[gpu] += j.memory_used
+        jobs.append(j)
+    for i, mem in enumerate(pending):
+        jobs.append(training(f"p{i}", mem_gib=mem, order=10 + i))
+    views = [GpuView(index=g, memory_total=80 * GIB, memory_used=used[g]) for g in range(2)]
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    by_id = {j.job_id: j for j in jobs}
+    evicted = {d.job_id for d in plan.directives if d.evict}
+    for g in range(2):
+        placed = [by_id[p.job_id] for p in plan.placements if p.gpu == g]
+        stay = [j for j in jobs if j.gpu == g and j.job_id not in evicted]
+        if not placed:
+            continue
+        if len(placed) + len(stay) == 1:  # no other job: its growth reaches no job
+            assert used[g] + placed[0].shape.needed_bytes() <= limit, (g, used)
+        else:
+            assert used[g] + sum(j.shape.reserve_bytes() for j in placed) <= limit, (g, used)
 
 
 H100_INSTANCES = (
