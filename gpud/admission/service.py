@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import secrets
 import sqlite3
 import threading
@@ -68,6 +67,7 @@ from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
 from gpud.shared import started_not_left, user_name, user_names
 from gpud.store import StateStore
+from gpud.telemetry.sampler import critical_xid_reason
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ ADDED = {
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 OFF = "the admission queue is off (admission.enabled = false)"
 OPERATOR_LEFT = "gpuctl queue --leave took it out"
+JOB_REMOVED_LEFT = "the job was removed (gpuctl jobs rm --force)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
 # the history window's class views: (the mirror's members and the window they were made
@@ -143,8 +144,9 @@ class Entry:
     # the real UID of request.holder_pid when queued (None: no holder, /proc did not say,
     # or queued by an earlier gpud version)
     holder_uid: int | None = None
-    # who took it out with a leave: an operator (OPERATOR_LEFT) or its own gpuctl run as it
-    # stopped ("" where gpud took it out, or an earlier gpud version did)
+    # who took it out: an operator (OPERATOR_LEFT), its own gpuctl run as it stopped, the
+    # job's removal (JOB_REMOVED_LEFT) or its holder gone ("" where gpud took it out for a
+    # left_why, or an earlier gpud version did)
     left_by: str = ""
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
@@ -616,7 +618,7 @@ class AdmissionService:
                 f"`gpuctl jobs rm --force {job}` removes the job and its place in the queue"
             )
         for e in mine:
-            self._set_state(e.id, LEFT)
+            self._set_state(e.id, LEFT, by=JOB_REMOVED_LEFT)
             self._events.emit(
                 "admission.leave",
                 f"job {job} left the queue: the job was removed",
@@ -885,9 +887,7 @@ class AdmissionService:
         if spec.devices or spec.mig_profile is not None:
             return ""
         whole = self._jobs.unhealthy().only({d.gpu for d in fit.devices() if not d.is_mig})
-        said = [_counted_down(i, r, i in whole.held) for i, r in sorted(whole.items())]
-        more = f"; and {len(said) - 4} more" if len(said) > 4 else ""
-        return "; ".join(said[:4]) + more
+        return _counted_down(whole)
 
     def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
@@ -1006,7 +1006,8 @@ class AdmissionService:
             for e in queued:
                 pid = e.request.holder_pid
                 if pid and not self._holder_alive(e):
-                    self._set_state(e.id, LEFT)
+                    # a second leave says who took it out (a kill -9 of its gpuctl run)
+                    self._set_state(e.id, LEFT, by=f"holder pid {pid} is gone")
                     self._events.emit(
                         "admission.leave",
                         f"job {e.job} left the queue: holder pid {pid} is gone",
@@ -1251,32 +1252,42 @@ def _never(job: str, verdict: Unfeasible, down: str = "") -> FailedPrecondition:
     )
 
 
-# "critical Xid 79:" / "critical Xids 79, 48:" in a health reason (the sampler's words)
-_CRITICAL_XIDS = re.compile(r"critical (Xids? [\d, ]*\d):")
-
-
-def _counted_down(gpu: int, reason: str, held: bool) -> str:
-    """One sentence for a GPU a never-starting request's refusal counted though it takes no
-    job now: what the driver said of it, brief (lost, the critical XIDs it raised), and
-    what brings it back; a GPU held off by a MIG apply keeps its why (it comes back alone)."""
-    if held:
-        return f"GPU {gpu}, counted all the same, takes no job until this ends: {reason}"
-    head = reason.partition("; ")[0].partition(":")[0]
-    xids = _CRITICAL_XIDS.search(reason)
-    states = [
-        *(
-            ["is lost" if head.startswith("GPU lost") else f"is unhealthy ({head})"]
-            if not head.startswith("critical Xid")
-            else []
-        ),
-        *([f"has {xids.group(1)}"] if xids else []),
-    ]
-    then = (
-        f"reset it or clear its Xid (gpuctl xid clear {gpu})"
-        if xids and len(states) == 1
-        else f"drain the node and reset it (nvidia-smi --gpu-reset -i {gpu})"
-    )
-    return f"GPU {gpu}, counted all the same, {' and '.join(states)} and takes no job now: {then}"
+def _counted_down(down: NotPlacedOn) -> str:
+    """One sentence for each GPU (the first four; past them, how many more) a
+    never-starting request's refusal counted though it takes no job now: what the driver
+    answered of it (:attr:`NotPlacedOn.down`: lost, its uncleared critical XIDs) and what
+    brings it back, the node drained said once. Any other reason (not answering, a fault
+    NVML advises on, a failed call) is quoted whole: its words carry their own advice. A GPU
+    held off by a MIG apply keeps its why: it comes back alone."""
+    said: list[str] = []
+    drain = "drain the node and "
+    for gpu, reason in sorted(down.items())[:4]:
+        counted = f"GPU {gpu}, counted all the same,"
+        if gpu in down.held:
+            said.append(
+                f"{counted} is held and takes no job for now (it comes back alone): {reason}"
+            )
+            continue
+        d = down.down[gpu]
+        codes = f"Xid{'s' if len(d.xids) > 1 else ''} {', '.join(map(str, d.xids))}"
+        if d.lost:
+            has = f" and has {codes}" if d.xids else ""
+            clear = f", then gpuctl xid clear {gpu}" if d.xids else ""
+            said.append(
+                f"{counted} is lost{has} and takes no job now: {drain}reset it"
+                f" (nvidia-smi --gpu-reset -i {gpu}) or reboot it{clear}"
+            )
+            drain = ""
+        elif d.xids and d.reason == critical_xid_reason(d.xids):
+            them = "they are" if len(d.xids) > 1 else "it is"
+            said.append(
+                f"{counted} has {codes} and takes no job now: once {them} dealt with, clear"
+                f" its {codes.partition(' ')[0]} (gpuctl xid clear {gpu})"
+            )
+        else:
+            said.append(f"{counted} is unhealthy and takes no job now: {reason}")
+    more = f"; {len(down) - 4} more" if len(down) > 4 else ""
+    return "; ".join(said) + more
 
 
 class _Held:

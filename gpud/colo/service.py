@@ -2604,6 +2604,12 @@ class ColoService:
             if p.shown is None and (name, w) != (job, wid)
         ]
 
+    def _forget_left(self, now: float) -> None:
+        """Drop the runs taken out of the wait that are kept no longer, under the lock: what
+        is left is what a question or a second leave may be told of."""
+        _forget_old(self._left, now, self._remember)
+        _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
+
     def _check_not_removed(
         self, job: str, wid: str, since: float, now: float, *, anonymous: bool = False
     ) -> None:
@@ -2615,8 +2621,7 @@ class ColoService:
         job's anonymous run taken out after it began to wait."""
         # kept as long as a run dropped for its silence is (a stopped one may ask again)
         _forget_old(self._removed, now, self._remember)
-        _forget_old(self._left, now, self._remember)
-        _forget_old(self._stopped, now, self._remember, STOPPED_LEFT_KEEP_S)
+        self._forget_left(now)
         removed = self._removed.get(job)
         if removed is not None and since <= removed.at:
             self._waiting.pop(wid, None)
@@ -2724,6 +2729,9 @@ class ColoService:
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
+            # an hour on, a run that left as it stopped (kept a minute) is not said to have
+            # left "3600 s ago": it is as unknown as it is to its next question
+            self._forget_left(now)
             w = self._waiting.pop(waiter_id, None)
             # one dropped for its silence (stopped: Ctrl-Z) is taken out too, not to wait
             # again once continued

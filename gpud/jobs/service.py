@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from gpud.backend.products import KNOWN_MIG_PROFILES, PRODUCTS, mig_profile_names
 from gpud.errors import (
@@ -147,8 +148,9 @@ class JobService:
         self._uses: list[ProcessUse] = []
         # device UUID -> memory used, of the devices whose processes NVML did not list
         self._unlisted: dict[str, int] = {}
-        # GPU index -> why, as of the newest snapshot observed (swapped whole)
-        self._unhealthy: dict[int, str] = {}
+        # GPU index -> why, and what the driver answered, as of the newest snapshot
+        # observed (swapped whole: the lock-free readers see one snapshot's)
+        self._down: dict[int, GpuDown] = {}
         # GPU index -> why no job is placed there for now (a MIG apply changes its
         # instances), one why per hold, the newest last: see placing_none_on (swapped
         # whole, under _lock)
@@ -610,9 +612,14 @@ class JobService:
         the newest snapshot observed (:meth:`observe_health`; the daemon observes each of
         the sampler's as it is taken), or why no job is placed there for now
         (:meth:`placing_none_on`, told apart by :attr:`NotPlacedOn.held`): no job is placed
-        there, and a queued one waits."""
-        held = self._held_off
-        return NotPlacedOn(self._unhealthy, {i: whys[-1] for i, whys in held.items()})
+        there, and a queued one waits. :attr:`NotPlacedOn.down` has what the driver
+        answered of each unhealthy GPU: whether a call answered GPU lost, its critical XIDs."""
+        held, down = self._held_off, self._down
+        return NotPlacedOn(
+            {i: d.reason for i, d in down.items()},
+            {i: whys[-1] for i, whys in held.items()},
+            down=down,
+        )
 
     @contextmanager
     def placing_none_on(self, gpus: Mapping[int, str]) -> Iterator[None]:
@@ -641,7 +648,7 @@ class JobService:
         (lost or hung since before gpud started) has the UUID "", and each is kept. Without
         a lock (both sources are swapped whole): for reads on the event loop, which a
         reservation or an MPS pass holding a lock must not hold back."""
-        sick = self._unhealthy
+        sick = {i: d.reason for i, d in self._down.items()}
         return {
             (s.target.gpu, s.target.mig): (
                 s.target.uuid,
@@ -849,18 +856,19 @@ class JobService:
         only its own, and under it, while it tells jobs of a change, the MPS manager's
         lock and the store's reader (:meth:`StateStore.reading`): it never waits for a
         write to end."""
-        sick = _sick(snapshot)
+        down = _down(snapshot)
         with self._health_lock:
             if self._health_at is not None and snapshot.monotonic < self._health_at:
                 return
             self._health_at = snapshot.monotonic
-            before, self._unhealthy = self._unhealthy, sick
-            if sick.keys() != before.keys():
+            before, self._down = self._down, down
+            if down.keys() != before.keys():
                 uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
-                self._tell_jobs_on(before, sick, uuids)
+                sick = {i: d.reason for i, d in down.items()}
+                self._tell_jobs_on(before.keys(), sick, uuids)
 
     def _tell_jobs_on(
-        self, before: Mapping[int, str], sick: Mapping[int, str], uuids: Mapping[int, str]
+        self, before: Collection[int], sick: Mapping[int, str], uuids: Mapping[int, str]
     ) -> None:
         """An event for each job holding a device of a GPU that went unhealthy or answers
         again: `gpu.unhealthy` names the GPU alone, and `gpuctl events --kind job.` is
@@ -954,9 +962,26 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
     return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]
 
 
-def _sick(snapshot: Snapshot) -> dict[int, str]:
-    """GPU index -> why it is unhealthy, of each unhealthy GPU of ``snapshot``."""
-    return {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
+class GpuDown(NamedTuple):
+    """An unhealthy GPU as a snapshot had it: its health reason, whether a driver call
+    answered NVML_ERROR_GPU_IS_LOST (only a reset or a reboot brings it back), and the codes
+    of its uncleared critical XIDs (gpud's own reset or ``gpuctl xid clear`` clears them,
+    not the driver's): what a refusal's advice is chosen by, never the reason's words."""
+
+    reason: str
+    lost: bool = False
+    xids: tuple[int, ...] = ()
+
+
+def _down(snapshot: Snapshot) -> dict[int, GpuDown]:
+    """GPU index -> how it is unhealthy, of each unhealthy GPU of ``snapshot``."""
+    return {
+        g.identity.index: GpuDown(
+            g.reason or "unhealthy", g.lost, tuple(c.xid for c in g.critical_xids)
+        )
+        for g in snapshot.gpus
+        if not g.healthy
+    }
 
 
 class NotPlacedOn(dict[int, str]):
@@ -965,15 +990,28 @@ class NotPlacedOn(dict[int, str]):
     again once the change ends). One read (:meth:`JobService.unhealthy`) carries both, so a
     refusal's wording agrees with the check it follows."""
 
-    def __init__(self, unhealthy: Mapping[int, str], held_off: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        unhealthy: Mapping[int, str],
+        held_off: Mapping[int, str],
+        *,
+        down: Mapping[int, GpuDown] | None = None,
+    ) -> None:
+        """``down``: what the driver answered of the unhealthy GPUs (:attr:`down`), where
+        known."""
         super().__init__({**held_off, **unhealthy})
         self.held = frozenset(held_off.keys() - unhealthy.keys())
+        known = down or {}
+        # each unhealthy GPU's as the snapshot had it; one the caller knew no more of than
+        # its reason: neither lost nor with a critical XID known
+        self.down = {i: known.get(i, GpuDown(w)) for i, w in unhealthy.items()}
 
     def only(self, gpus: Collection[int]) -> NotPlacedOn:
         """Those of ``gpus`` it names, each as it names it."""
         return NotPlacedOn(
             {i: w for i, w in self.items() if i in gpus and i not in self.held},
             {i: w for i, w in self.items() if i in gpus and i in self.held},
+            down=self.down,
         )
 
 

@@ -158,7 +158,9 @@ class GpuReader:
                 # Asked again until it answers. One read before keeps what was read: the
                 # board's size and MIG capability, not a placeholder's zeros.
                 known = self.identity or placeholder_identity(gpu)
-                return self._failed(known, _reason(identity_read(err), err))
+                return self._failed(
+                    known, _reason(identity_read(err), err), lost=isinstance(err, GpuLost)
+                )
             self.identity = identity
             self._identity_stale = False
             # New identity, fresh view of what the GPU supports.
@@ -173,7 +175,7 @@ class GpuReader:
         try:
             r = backend.gpu_readings(gpu, unsupported.skip)
         except BackendError as err:
-            return self._failed(identity, _reason("readings", err))
+            return self._failed(identity, _reason("readings", err), lost=isinstance(err, GpuLost))
         reason = ""
         processes_read = "processes" not in unsupported.skip
         # while skipped, the NotSupported that marked it is still why they are not listed
@@ -294,7 +296,7 @@ class GpuReader:
         lost GPU (``lost``: that or another reading answered GpuLost) answered nothing; one
         that needs an operator keeps its MIG mode as ``r`` read it, and its process list
         when the driver ``listed`` it (else ``unlisted`` says why not)."""
-        failed = self._failed(identity, _reason(name, error))
+        failed = self._failed(identity, _reason(name, error), lost=lost)
         if lost:
             return failed
         return failed._replace(
@@ -304,13 +306,14 @@ class GpuReader:
             mig_mode=r.mig_mode,
         )
 
-    def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:
+    def _failed(self, identity: GpuIdentity, reason: str, *, lost: bool) -> GpuSample:
         # Re-read the MIG list once the GPU answers again: it may have been reset.
         self._mig = None
         return GpuSample(
             identity=identity,
             healthy=False,
             reason=reason,
+            lost=lost,
             sampled_at=self._last_good_at,
             mig_devices_read=False,
         )

@@ -122,6 +122,9 @@ class GpuSample(NamedTuple):
     # or their list or readings failed): ``mig_devices`` is then empty without meaning that
     # none exist; True also of a GPU not in MIG mode
     mig_devices_read: bool = True
+    # True when a driver call for the GPU answered NVML_ERROR_GPU_IS_LOST this tick (it
+    # fell off the bus): only a reset or a reboot brings it back, whatever ``reason`` says
+    lost: bool = False
 
     def known(self) -> SeenIdentity:
         """The UUID, name, PCI address and product that name the GPU to an operator (metrics

@@ -43,7 +43,8 @@ from gpud.mps.manager import MpsManager
 from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
-from gpud.telemetry.snapshot import GpuSample
+from gpud.telemetry.sampler import NOT_ANSWERING, critical_xid_reason
+from gpud.telemetry.snapshot import CriticalXid, GpuSample
 from gpud.v1 import jobs_pb2, mps_pb2
 from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
@@ -264,6 +265,31 @@ def test_a_waiter_that_dies_leaves_the_queue(node: Node) -> None:
     node.admission.tick()
     assert node.admission.view(entry.entry.id).entry.state == LEFT
     assert node.admission.entries() == []
+
+
+def test_a_second_leave_of_an_entry_whose_gpuctl_run_died_says_its_holder_is_gone(
+    node: Node,
+) -> None:
+    """A `gpuctl run` killed with SIGKILL leaves its entry to gpud's next pass, which took it
+    out saying nothing of why: `gpuctl queue --leave ID` then said a bare "it left it
+    already, 4 s ago". It names the holder gone, as the event does; so for an entry that
+    `gpuctl jobs rm --force` took out."""
+    node.jobs.reserve(whole("a", 2))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    entry = node.admission.enqueue(whole("b", holder=gone.pid)).entry.id
+    removed = node.admission.enqueue(whole("c")).entry.id
+    node.admission.tick()
+    node.jobs.remove("c", force=True)
+    node.clock.now += 4.0
+    with pytest.raises(FailedPrecondition) as again:
+        node.admission.leave(entry)
+    assert str(again.value) == (
+        f"job b ({entry}) did not leave the queue: it left it already, 4 s ago: holder pid"
+        f" {gone.pid} is gone"
+    )
+    with pytest.raises(FailedPrecondition, match=r"4 s ago: the job was removed \(gpuctl jobs"):
+        node.admission.leave(removed)
 
 
 def test_a_holder_pid_no_process_can_have_leaves_the_queue_and_ticks_go_on(node: Node) -> None:
@@ -1991,7 +2017,7 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
     events = EventLog(None)
     mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
     split = (("3g.40gb", 40), ("3g.40gb", 40))
-    lost = gpu_sample(1)._replace(healthy=False, reason="GPU lost (memory)")
+    lost = gpu_sample(1)._replace(healthy=False, reason="GPU lost (memory)", lost=True)
     gpus = snapshot(gpu_sample(0, migs=split), lost, *(gpu_sample(i, migs=split) for i in (2, 3)))
     mps.reconcile(gpus)
     clock = Clock()
@@ -2011,35 +2037,101 @@ def test_a_lost_whole_gpu_counts_as_one_the_node_has_but_takes_no_job_now(
             "job 'four' can never start on this node as it is: asks 4 whole GPUs; this node"
             " has 1 GPU not in MIG mode (name a MIG profile: gpuctl run --mig). GPU 1, counted"
             " all the same, is lost and takes no job now: drain the node and reset it"
-            " (nvidia-smi --gpu-reset -i 1)"
+            " (nvidia-smi --gpu-reset -i 1) or reboot it"
         )
     finally:
         store.close()
 
 
+LOST = "GPU lost (memory): nvmlDeviceGetMemoryInfo failed on GPU 1: GPU is lost"
+
+
+def xids(*codes: int) -> tuple[CriticalXid, ...]:
+    return tuple(CriticalXid(x, 1, 1.0, 1.0) for x in codes)
+
+
 @pytest.mark.parametrize(
-    ("reason", "said"),
+    ("sample", "said"),
     [
         (
-            "GPU lost (memory): nvmlDeviceGetMemoryInfo failed on GPU 1: GPU is lost;"
-            " critical Xid 79: reset the GPU or clear it with `gpuctl xid clear`",
-            "is lost and has Xid 79 and takes no job now: drain the node and reset it"
-            " (nvidia-smi --gpu-reset -i 1)",
+            {"reason": LOST, "lost": True},
+            "is lost and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1) or reboot it",
         ),
         (
-            "critical Xids 79, 48: reset the GPU or clear them with `gpuctl xid clear`",
-            "has Xids 79, 48 and takes no job now: reset it or clear its Xid (gpuctl xid clear 1)",
+            {
+                "reason": f"{LOST}; {critical_xid_reason([79])}",
+                "lost": True,
+                "critical_xids": xids(79),
+            },
+            "is lost and has Xid 79 and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1) or reboot it, then gpuctl xid clear 1",
+        ),
+        (
+            {"reason": critical_xid_reason([79, 48]), "critical_xids": xids(79, 48)},
+            "has Xids 79, 48 and takes no job now: once they are dealt with, clear its Xids"
+            " (gpuctl xid clear 1)",
+        ),
+        (
+            {"reason": critical_xid_reason([48]), "critical_xids": xids(48)},
+            "has Xid 48 and takes no job now: once it is dealt with, clear its Xid"
+            " (gpuctl xid clear 1)",
+        ),
+        (
+            {"reason": f"{NOT_ANSWERING}; {critical_xid_reason([79])}", "critical_xids": xids(79)},
+            f"is unhealthy and takes no job now: {NOT_ANSWERING}; {critical_xid_reason([79])}",
+        ),
+        (
+            {
+                "reason": "insufficient power (power_watts): nvmlDeviceGetPowerUsage failed on"
+                " GPU 1: Insufficient External Power: its external power cables are not"
+                " properly attached: check them (power the node off)"
+            },
+            "is unhealthy and takes no job now: insufficient power (power_watts):"
+            " nvmlDeviceGetPowerUsage failed on GPU 1: Insufficient External Power: its"
+            " external power cables are not properly attached: check them (power the node off)",
+        ),
+        (
+            {
+                "reason": "corrupted infoROM (memory): nvmlDeviceGetMemoryInfo failed on GPU 1:"
+                " Corrupted infoROM: the GPU's infoROM is corrupted: drain the node and have"
+                " the board serviced"
+            },
+            "is unhealthy and takes no job now: corrupted infoROM (memory):"
+            " nvmlDeviceGetMemoryInfo failed on GPU 1: Corrupted infoROM: the GPU's infoROM"
+            " is corrupted: drain the node and have the board serviced",
+        ),
+        (
+            {"reason": "internal error: KeyError (gpud's log has the details)"},
+            "is unhealthy and takes no job now: internal error: KeyError (gpud's log has the"
+            " details)",
+        ),
+        (
+            {"reason": "memory failed: Unknown Error"},
+            "is unhealthy and takes no job now: memory failed: Unknown Error",
         ),
     ],
-    ids=["lost with an Xid", "Xids alone"],
+    ids=[
+        "lost",
+        "lost with an Xid",
+        "Xids alone",
+        "one Xid alone",
+        "not answering with an Xid",
+        "insufficient power",
+        "corrupted infoROM",
+        "internal error",
+        "a failed call",
+    ],
 )
 def test_a_never_starting_run_says_in_one_sentence_what_a_counted_gpu_is_and_what_to_do(
-    node: Node, reason: str, said: str
+    node: Node, sample: dict[str, Any], said: str
 ) -> None:
-    """GPU 1 lost with Xid 79: a run that can never start said the GPU's whole health
-    reason nested in parentheses after its own; it says in one sentence that GPU 1 is lost,
-    its XIDs, and what brings it back."""
-    gpus = snapshot(gpu_sample(0), gpu_sample(1)._replace(healthy=False, reason=reason))
+    """A run that can never start says of a GPU it counted that takes no job now what the
+    driver answered (lost, its critical XIDs) and what brings it back; any other reason is
+    quoted whole, with its own advice: the text before its first colon was kept, and each
+    given "drain the node and reset it", an infoROM to service or a power cable to attach
+    included."""
+    gpus = snapshot(gpu_sample(0), gpu_sample(1)._replace(healthy=False, **sample))
     node.mps.reconcile(gpus)
     node.jobs.tick(gpus)
     with pytest.raises(FailedPrecondition) as never:
@@ -2048,6 +2140,41 @@ def test_a_never_starting_run_says_in_one_sentence_what_a_counted_gpu_is_and_wha
         "job 'three' can never start on this node as it is: asks 3 whole GPUs; this node has"
         f" 2 GPUs not in MIG mode (name a MIG profile: gpuctl run --mig). GPU 1, counted all"
         f" the same, {said}"
+    )
+
+
+def test_a_never_starting_run_says_drain_the_node_once_and_how_many_more_gpus_are_down(
+    node: Node,
+) -> None:
+    """GPUs 1 to 5 lost: each said "drain the node", and past the fourth "; and 1 more",
+    where a queued entry's WHY NOT says "; 1 more"."""
+    lost = [gpu_sample(i)._replace(healthy=False, reason=LOST, lost=True) for i in range(1, 6)]
+    gpus = snapshot(gpu_sample(0), *lost)
+    node.mps.reconcile(gpus)
+    node.jobs.tick(gpus)
+    with pytest.raises(FailedPrecondition) as never:
+        node.jobs.reserve(RunRequest(job="seven", gpu_count=7))
+    said = str(never.value).partition("(name a MIG profile: gpuctl run --mig). ")[2]
+    assert said == (
+        "GPU 1, counted all the same, is lost and takes no job now: drain the node and reset"
+        " it (nvidia-smi --gpu-reset -i 1) or reboot it; "
+        + "; ".join(
+            f"GPU {i}, counted all the same, is lost and takes no job now: reset it"
+            f" (nvidia-smi --gpu-reset -i {i}) or reboot it"
+            for i in (2, 3, 4)
+        )
+        + "; 1 more"
+    )
+
+
+def test_a_never_starting_run_says_a_gpu_a_mig_apply_holds_comes_back_alone(node: Node) -> None:
+    """A GPU a MIG apply holds was said to take "no job until this ends", naming nothing."""
+    why = "a MIG apply of all-1g is changing its instances"
+    with node.jobs.placing_none_on({1: why}), pytest.raises(FailedPrecondition) as never:
+        node.jobs.reserve(RunRequest(job="three", gpu_count=3))
+    assert str(never.value).endswith(
+        ". GPU 1, counted all the same, is held and takes no job for now (it comes back"
+        " alone): a MIG apply of all-1g is changing its instances"
     )
 
 

@@ -2859,6 +2859,26 @@ def test_a_second_leave_of_a_run_out_of_the_wait_says_it_left_already_and_who_to
     assert svc.leave("0123456789ab") is None  # never given: NotFound, as before
 
 
+def test_a_leave_long_after_a_run_left_the_wait_knows_it_no_more(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A run that left the wait for co-location as it stopped is kept a minute (for a
+    question on its way), a run an operator took out a day: a second leave an hour later
+    said "it left it already, 3600 s ago: its gpuctl run was stopped" (only an advice or a
+    new leave dropped what was past its time, and a leave read first). It is unknown now,
+    as an id never given is; one an operator took out is still said to have left."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    stopped = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    taken = svc.advise("v", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(stopped, stopped_by="SIGTERM") is not None
+    assert svc.leave(taken) is not None
+    clock.t += 3600.0
+    assert svc.leave(stopped) is None
+    with pytest.raises(FailedPrecondition, match=r"3600 s ago: gpuctl queue --leave took it out$"):
+        svc.leave(taken)
+
+
 def test_a_run_dropped_while_stopped_is_told_its_job_was_removed_by_a_plain_rm_as_it_was(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:

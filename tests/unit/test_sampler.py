@@ -319,7 +319,7 @@ def test_a_gpu_lost_when_its_identity_is_read_again_keeps_what_was_read(
     sampler.refresh_identity(1)
     for _ in range(2):
         g1 = sampler.tick().gpus[1]
-        assert not g1.healthy and "GPU lost (identity)" in g1.reason
+        assert not g1.healthy and "GPU lost (identity)" in g1.reason and g1.lost
         assert g1.identity == read and g1.identity.read
     backend.lost.clear()
     assert sampler.tick().gpus[1].healthy
@@ -364,7 +364,7 @@ def test_lost_gpu_is_unhealthy_others_keep_reporting(
     backend.lost.add(2)
     snap = sampler.tick()
     g2 = snap.gpus[2]
-    assert not g2.healthy
+    assert not g2.healthy and g2.lost  # what admission's advice is chosen by
     assert "GPU lost" in g2.reason
     assert g2.identity.uuid == "GPU-00000002"  # stays visible
     assert g2.memory is None
@@ -387,7 +387,8 @@ def test_lost_at_start_shows_placeholder_identity(clock: FakeClock) -> None:
     s = Sampler(backend, clock=clock, call_timeout_s=1)  # type: ignore[arg-type]
     try:
         snap = s.tick()
-        assert not snap.gpus[0].healthy
+        assert not snap.gpus[0].healthy and snap.gpus[0].lost
+        assert not snap.gpus[1].lost
         assert snap.gpus[0].identity.index == 0 and snap.gpus[0].identity.uuid == ""
         assert not snap.gpus[0].identity.read  # its zeros are no facts
         assert snap.gpus[1].identity.read
