@@ -6,6 +6,8 @@
                                                     (jobs in use without a tag too: the one
                                                     label is the job's name)
     gpud_net_job_sent_bytes_total{job}              through gpud's classes on every interface
+                                                    since gpud started, while the job held
+                                                    them (not what a class carried before)
     gpud_net_job_sent_packets_total{job}
     gpud_net_job_dropped_packets_total{job}
     gpud_net_level_jobs{level}                      jobs at the level

@@ -57,7 +57,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
-from gpud.net.enforce import AdoptedLike, MarkPort, RdmaPort, RestoredLike, TcPort
+from gpud.net.enforce import AdoptedLike, CountersLike, MarkPort, RdmaPort, RestoredLike, TcPort
 from gpud.net.latest import LatestWorker
 from gpud.net.port import (
     JobTraffic,
@@ -227,23 +227,14 @@ def _idle_since(quiet: Mapping[str, _Quiet | None]) -> dict[str, float]:
     return {job: q.since for job, q in quiet.items() if q is not None and q.left_s < 0}
 
 
-@dataclass
-class _Counter:
-    """Accumulates a class counter across the class being recreated (a moved leaf)."""
-
-    last: TrafficCounters = field(default_factory=TrafficCounters)
-    total: TrafficCounters = field(default_factory=TrafficCounters)
-
-    def add(self, nbytes: int, packets: int, drops: int) -> TrafficCounters:
-        """Take the class's counters as the kernel reads them now; returns what it sent
-        since the last read."""
-        base = self.last if nbytes >= self.last.bytes else TrafficCounters()
-        sent = TrafficCounters(
-            nbytes - base.bytes, max(0, packets - base.packets), max(0, drops - base.drops)
-        )
-        self.total = _plus(self.total, sent)
-        self.last = TrafficCounters(nbytes, packets, drops)
-        return sent
+def _sent_since(last: TrafficCounters | None, now: TrafficCounters) -> TrafficCounters:
+    """What a class sent between two reads of its kernel counters: all of ``now`` when it
+    was not read before or was made again since (its bytes went down: the kernel's counters
+    start at 0 with a new class)."""
+    base = last if last is not None and now.bytes >= last.bytes else TrafficCounters()
+    return TrafficCounters(
+        now.bytes - base.bytes, max(0, now.packets - base.packets), max(0, now.drops - base.drops)
+    )
 
 
 def _plus(a: TrafficCounters, b: TrafficCounters) -> TrafficCounters:
@@ -404,12 +395,26 @@ class TrafficService:
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
-        self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
+        # (iface, job) -> what its leaves sent there while the job held them, from the
+        # readings below: one sum per job, which survives its leaf being made again
+        self._counters: dict[tuple[str, str], TrafficCounters] = {}
+        # iface -> classid -> the kernel's counters of each job leaf at the last read. Kept
+        # per class, not per job: a tag handed to another job at the same home level keeps
+        # the class and its counters (netshaper.tcplan.diff), and the job taking it counts
+        # from the class's reading then, not from 0 (what the job before sent, again).
+        # Simpler than deleting and adding the class for its new job: no tc operation,
+        # and no gap in shaping while the class is away
+        self._last_read: dict[str, dict[int, TrafficCounters]] = {}
+        # interfaces whose tree a run before left (adopted at start): their first reading
+        # is the baseline, what the leaves carry from before gpud started is not counted
+        self._baseline_due: set[str] = set()
         # what each level's leaves sent since gpud started, each read counted at the level
         # its job had while it was sent: not the sum of the jobs at the level now, which
         # goes down when a job moves off it or goes (a Prometheus counter never does)
         self._level_sent: dict[int, TrafficCounters] = {}
-        self._sent_at: dict[str, int] = {}  # job -> its level in the plan last enforced
+        # iface -> job -> its level in the plan last enforced there: a pass that failed on
+        # an interface left the kernel's levels as they were
+        self._sent_at: dict[str, dict[str, int]] = {}
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
@@ -866,7 +871,7 @@ class TrafficService:
         total = TrafficCounters()
         for (_, j), c in self._counters.items():
             if j == job:
-                total = _plus(total, c.total)
+                total = _plus(total, c)
         pinned, lowest = self.tags.pins().get(job), self.config.levels - 1
         # a run that ended is no stop: nothing of it runs to be stopped
         stopped = prog is not None and prog.stopped and ended is None
@@ -1050,7 +1055,9 @@ class TrafficService:
 
     def _forget_class(self, job: str) -> None:
         """Drop what went with ``job``'s tag (its tag went to another job): its level, leaf
-        and counters. Its progress stays: it is the job's, which may run on untagged."""
+        and counters. Its progress stays: it is the job's, which may run on untagged. The
+        kernel's last reading of its leaf stays (``_last_read``): a job given the same
+        class counts on from it."""
         self._tagged_at.pop(job, None)
         self._levels.pop(job, None)
         self._demand_base.pop(job, None)
@@ -1299,7 +1306,7 @@ class TrafficService:
             return {}
         sent: dict[str, int] = {}
         for (_, job), c in self._counters.items():
-            sent[job] = sent.get(job, 0) + c.total.bytes
+            sent[job] = sent.get(job, 0) + c.bytes
         tracked = set(self._tracker.jobs())
         demand: dict[str, float] = {}
         for job in tags:
@@ -1377,6 +1384,7 @@ class TrafficService:
                 self._originals[iface] = self._original(iface, found)
                 if found.original is None and found.state.root is not None:  # gpud's tree
                     self._found[iface] = found.state
+                    self._baseline_due.add(iface)
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
@@ -1521,6 +1529,10 @@ class TrafficService:
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
+            # what the leaves send from now on is sent at this pass's levels; what they sent
+            # since the last read, at those enforced before
+            sent_at = self._sent_at.get(iface, {})
+            self._sent_at[iface] = {job: lv for job, lv in levels.items() if job in tags}
             if found is not None and not res.replaced:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif res.ops and (unchanged or (res.replaced and not status.error)):
@@ -1557,20 +1569,36 @@ class TrafficService:
             if self._shaped is not None:
                 self._shaped.add(iface)
             status.enforced, status.error = True, ""
-            for cid, raw in counters.items():
-                job = by_class.get(cid)
-                if job is not None:
-                    sent = self._counters.setdefault((iface, job), _Counter()).add(
-                        raw.bytes, raw.packets, raw.drops
-                    )
-                    # sent under the plan before this pass's: a level change made now
-                    # (a prio changed in place) holds for what is sent from now on
-                    at = self._sent_at.get(job, levels.get(job))
-                    if at is not None:
-                        self._level_sent[at] = _plus(
-                            self._level_sent.get(at, TrafficCounters()), sent
-                        )
-        self._sent_at = {job: lv for job, lv in levels.items() if job in tags}
+            self._count_sent(iface, counters, by_class, sent_at, levels)
+
+    def _count_sent(
+        self,
+        iface: str,
+        counters: Mapping[int, CountersLike],
+        by_class: Mapping[int, str],
+        sent_at: Mapping[str, int],
+        levels: Mapping[str, int],
+    ) -> None:
+        """Add what each job leaf on ``iface`` sent since the last read (``counters``: the
+        kernel's now) to its job and to the level in ``sent_at``, the one enforced while it
+        was sent (a job not in it: just tagged, at its level now)."""
+        read = {
+            cid: TrafficCounters(raw.bytes, raw.packets, raw.drops)
+            for cid, raw in counters.items()
+            if cid in by_class
+        }
+        # only the classes there now: one deleted and made again later starts at 0
+        last = read if iface in self._baseline_due else self._last_read.get(iface, {})
+        self._last_read[iface] = read
+        self._baseline_due.discard(iface)
+        for cid, now in read.items():
+            job = by_class[cid]
+            sent = _sent_since(last.get(cid), now)
+            key = (iface, job)
+            self._counters[key] = _plus(self._counters.get(key, TrafficCounters()), sent)
+            at = sent_at.get(job, levels.get(job))
+            if at is not None:
+                self._level_sent[at] = _plus(self._level_sent.get(at, TrafficCounters()), sent)
 
     def _netdev_replaced(self, iface: str, replaced: str) -> None:
         """``iface`` names another netdev since gpud took it (``replaced``: "ifindex NEW,

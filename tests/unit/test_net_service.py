@@ -647,6 +647,95 @@ def test_a_level_keeps_the_bytes_sent_at_it_when_its_jobs_move_off_or_go(rig: Ri
     assert _level_bytes(rig) == {"0": 0, "1": 3000, "2": 500, "3": 0}
 
 
+def _sent(rig: Rig, job: str) -> tuple[int, int, int]:
+    (row,) = [j for j in rig.service.view().jobs if j.job == job]
+    return (row.counters.bytes, row.counters.packets, row.counters.drops)
+
+
+@pytest.mark.parametrize("b_goes", ["idle", "removed"])
+def test_a_class_handed_to_another_job_adds_nothing_it_sent_before(
+    tmp_path: Path, sysfs: Path, b_goes: str
+) -> None:
+    """A job's leaf is named by its home level and tag: a tag handed to another job at the
+    same home level keeps the class, and the kernel's counters carry on. The job taking it
+    starts from the class's reading then: neither its level nor its own counters count
+    again what the job before sent."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    assert set(s.view().untagged) == {"c"}
+    leaf = _leaf(rig, "b").classid
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1000, 10, 0)
+    s.tick()
+    before = _level_bytes(rig)
+    assert sum(before.values()) == 1000
+    if b_goes == "idle":
+        rig.active = {"a", "c"}
+        rig.clock.t += rig.config.idle_after_s + 1
+    else:
+        rig.jobs.remove("b")  # its tag freed and handed on in the same pass
+    s.tick()
+    assert _leaf(rig, "c").classid == leaf  # the kernel's class, and its counters, stay
+    assert _level_bytes(rig) == before
+    assert _sent(rig, "c") == (0, 0, 0)
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1300, 13, 0)
+    s.tick()
+    assert _sent(rig, "c") == (300, 3, 0)
+    assert sum(_level_bytes(rig).values()) == 1300
+
+
+def _a_sent_at_level_1(rig: Rig, drops: int) -> int:
+    """Job a pinned to level 1, its leaf's 1000 bytes (10 packets) counted there: the
+    leaf's classid."""
+    rig.active = {"a"}
+    rig.service.pin("a", 1)
+    rig.service.tick()
+    leaf = _leaf(rig, "a").classid
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1000, 10, drops)
+    rig.service.tick()
+    assert _level_bytes(rig)["1"] == 1000
+    return leaf
+
+
+def test_a_restart_counts_from_the_kernels_reading_at_its_first_pass(rig: Rig) -> None:
+    """The leaves a run before left are adopted with the counts they carry: the level and
+    job counters say what was sent since gpud started, so what the run before counted is
+    not counted again."""
+    leaf = _a_sent_at_level_1(rig, drops=1)
+    rig.service = rig.make()  # gpud restarts: the tree stays
+    rig.service.start()
+    rig.service.tick()
+    assert _leaf(rig, "a").classid == leaf
+    assert sum(_level_bytes(rig).values()) == 0
+    assert _sent(rig, "a") == (0, 0, 0)
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1200, 12, 1)
+    rig.service.tick()
+    assert _level_bytes(rig)["1"] == 200
+    assert _sent(rig, "a") == (200, 2, 0)
+
+
+def test_what_is_sent_while_an_interface_fails_counts_at_the_level_the_kernel_had(
+    rig: Rig,
+) -> None:
+    """A pass that cannot enforce an interface leaves the kernel at the levels last
+    enforced there: what the leaves send meanwhile is counted at those, not at the levels
+    of the plan that was not put in place."""
+    leaf = _a_sent_at_level_1(rig, drops=0)
+    rig.tc.missing.add("eth0")  # the level change below is not put in place
+    rig.service.pin("a", 2)
+    rig.service.tick()
+    assert rig.service.view().interfaces[0].error
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1500, 15, 0)  # sent at level 1 meanwhile
+    rig.tc.missing.discard("eth0")
+    rig.service.tick()  # enforces level 2 (in place), then reads
+    assert _leaf(rig, "a").classid == leaf
+    assert (_level_bytes(rig)["1"], _level_bytes(rig)["2"]) == (1500, 0)
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1800, 18, 0)
+    rig.service.tick()
+    assert (_level_bytes(rig)["1"], _level_bytes(rig)["2"]) == (1500, 300)
+
+
 def test_a_node_with_traffic_off_takes_no_tags_from_the_cluster(
     tmp_path: Path, sysfs: Path
 ) -> None:
