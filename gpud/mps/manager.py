@@ -1920,22 +1920,25 @@ class MpsManager:
 
     def _try_stop(
         self,
-        dev: _Device | ControlDaemon,
+        device_or_daemon: _Device | ControlDaemon,
         pid: int,
         stake: str,
         quit_s: float | None = None,
         *,
         kill: bool = False,
     ) -> How | None:
-        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``dev`` (``quit_s``: see there), or
-        ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it went, None while
-        it runs. A device's stop or kill is said in flight (:meth:`_answering`) as long as it
-        may take (:meth:`ControlDaemon.stop_s`, :attr:`ControlDaemon.kill_s`), so that a
-        stop waiting for its lock meanwhile names it; a bare daemon is one found at start,
-        before any device, whose lock none waits for. One that outlives SIGKILL (stuck in the driver) is said
-        once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and tried
-        again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till then
-        this answers None at once, without signalling it."""
+        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``device_or_daemon`` (``quit_s``:
+        see there), or ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it
+        went, None while it runs. A device's stop or kill is said in flight
+        (:meth:`_answering`) as long as it may take (:meth:`ControlDaemon.stop_s`,
+        :attr:`ControlDaemon.kill_s`), so that a stop waiting for its lock meanwhile names
+        it: a stop as ``quit`` throughout, the SIGTERM and SIGKILL after an ignored ``quit``
+        included, a kill as ``SIGKILL PID``. A bare daemon is one found at start, before any
+        device, whose lock none waits for. One that outlives SIGKILL (stuck in the driver)
+        is said once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it)
+        and tried again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``):
+        till then this answers None at once, without signalling it."""
+        dev = device_or_daemon
         daemon = dev if isinstance(dev, ControlDaemon) else dev.daemon
         uuid = daemon.uuid
         with self._lock:
