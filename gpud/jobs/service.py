@@ -237,9 +237,11 @@ class JobService:
 
     def device_uuids(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
-        UUID, as UUIDs; a UUID the node lacks is kept as given (placement says so), and a GPU
-        in MIG mode is refused by UUID as by index. An index the node lacks (``9``, or
-        ``0:5`` before a MIG apply makes it) is refused: it is kept as the UUID it names
+        UUID, as UUIDs; a UUID the node lacks is kept as given (placement says so), the UUID
+        an earlier run last read for a GPU not read since gpud started included (one hung
+        then answers with it again), and a GPU in MIG mode is refused by UUID as by index.
+        An index the node lacks (``9``, or ``0:5`` before a MIG apply makes it), or that
+        names a GPU not read since gpud started, is refused: it is kept as the UUID it names
         now, and names none, which the refusal says."""
 
         def uuid(name: str) -> str:
@@ -253,6 +255,10 @@ class JobService:
                     " the UUID it names); give a UUID, or a MIG profile (--mig), to register"
                     " a job ahead of a layout"
                 ) from None
+            if not target.uuid and name.startswith("GPU-"):
+                # the UUID an earlier run read there: a job may be registered ahead on it,
+                # as on any UUID the node lacks
+                return name
             if not target.uuid:  # lost or hung since before gpud started: no UUID to keep
                 # the reason may say the UUID an earlier run read ("last seen as ..."): this
                 # run has read none, and the index names the GPU there now, whichever it is

@@ -245,12 +245,12 @@ class MigManager:
         busy checks and keeps each marked until its own steps end, so that no reservation
         (``gpuctl run``, a queued job started) lands on an instance between the check and
         its destroy step (the reconcile step that resumes or retries an apply holds each GPU
-        it changes so too). ``after_change()``: after an apply's steps (or a reconcile step's) changed a GPU,
-        still within its hold, the GPUs are read again (the daemon samples and takes the devices
-        jobs are placed on from that sample): placement reopens on the instances the driver
-        has now, never on one the steps destroyed. One that raises is logged: the apply was
-        made. A read's deadline is on ``monotonic``, and ``read_wait`` (:data:`ReadAwait`)
-        waits for its answers: given one, the other.
+        it changes so too). ``after_change()``: after an apply's steps (or a reconcile
+        step's) changed a GPU, still within its hold, the GPUs are read again (the daemon
+        samples and takes the devices jobs are placed on from that sample): placement
+        reopens on the instances the driver has now, never on one the steps destroyed. One
+        that raises is logged: the apply was made. A read's deadline is on ``monotonic``,
+        and ``read_wait`` (:data:`ReadAwait`) waits for its answers: given one, the other.
         """
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
@@ -1744,8 +1744,9 @@ class MigManager:
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
-        was not waited for, as ``wait`` says (:data:`ReadWait`), on the manager's ``monotonic``
-        clock (``read_wait``: :data:`ReadAwait`). A GPU is waited for ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
+        was not waited for, as ``wait`` says (:data:`ReadWait`), on the manager's
+        ``monotonic`` clock (``read_wait``: :data:`ReadAwait`). A GPU is waited for
+        ``timeout_s`` in all; with ``each_call`` (an apply's reads), as long as the backend
         answers each of the read's calls on it (one ``nvidia-smi mig -lgi``, ``-lci``,
         process list...) within ``timeout_s`` of the one before, telemetry's measure of a
         hung GPU: a read of many calls, each answered, on a host whose gpud gets little CPU

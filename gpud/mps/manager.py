@@ -703,15 +703,13 @@ class MpsManager:
     def resolve(self, device: str) -> MpsTarget:
         """A target from a UUID (``GPU-...``/``MIG-...``), a GPU index (``0``) or ``GPU:MIG``
         (``0:1``, MIG device 1 of GPU 0). A GPU not read since gpud started (lost or hung
-        before it: NVML answers no UUID for it) is its target with no ``uuid`` by its index
-        or by the UUID an earlier run read; a MIG device of it is refused as unhealthy, with
-        how the GPU was seen."""
+        before it: NVML answers no UUID for it) is its target with no ``uuid`` by its index,
+        or by the UUID an earlier run read where no GPU read now has that UUID (it is matched
+        after every check of the GPUs read now); a MIG device of it is refused as unhealthy,
+        with how the GPU was seen."""
         with self._lock:
             if device in self._targets:
                 return self._targets[device]
-            for t in self._unread:
-                if t.last_seen_uuid and device == t.last_seen_uuid:
-                    return t
             gpu_text, sep, mig_text = device.partition(":")
             if gpu_text.isdigit() and (not sep or mig_text.isdigit()):
                 gpu = int(gpu_text)
@@ -743,8 +741,23 @@ class MpsManager:
                         " create some (gpuctl mig apply) or turn its MIG mode off"
                     )
             self._refuse_unread(device, gpu_text, mig_text if sep else None)
+            last_seen = self._last_seen_on(device)
+            if last_seen is not None:
+                return last_seen
             known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
+
+    def _last_seen_on(self, device: str) -> MpsTarget | None:
+        """:meth:`resolve`'s last resort: the GPU not read since gpud started that an earlier
+        run last read as ``device`` (a ``GPU-`` UUID), or None. That record is kept by index,
+        so after boards are swapped or renumbered the UUID may be a GPU that answers now at
+        another index: a GPU read in this run with that UUID is never taken for it."""
+        with self._lock:
+            read = {*self._targets, *self._mig_gpus.values()}
+            read.update(t.gpu_uuid for t in self._targets.values() if t.gpu_uuid)
+            if device in read:
+                return None
+            return next((t for t in self._unread if t.last_seen_uuid == device != ""), None)
 
     def _refuse_unread(self, device: str, gpu_text: str, mig_text: str | None) -> None:
         """:meth:`resolve` of a ``GPU:MIG`` ``device`` that names no target:
@@ -767,8 +780,11 @@ class MpsManager:
         if not target.uuid:
             # its reason may say the UUID an earlier run read ("last seen as ..."): limits
             # go by the UUID the GPU answers with, which this run has not heard
+            gpu = f"GPU {target.gpu}"
+            if device == target.last_seen_uuid:  # the GPU there now may be another board
+                gpu = f"{device} was last seen on {gpu}, which"
             raise FailedPrecondition(
-                f"GPU {target.gpu} has not been read since gpud started"
+                f"{gpu} has not been read since gpud started"
                 f" ({target.gpu_unhealthy or 'unhealthy'}): it takes no MPS limits until it"
                 " answers with its UUID"
             )
@@ -1904,22 +1920,25 @@ class MpsManager:
 
     def _try_stop(
         self,
-        dev: _Device | ControlDaemon,
+        device_or_daemon: _Device | ControlDaemon,
         pid: int,
         stake: str,
         quit_s: float | None = None,
         *,
         kill: bool = False,
     ) -> How | None:
-        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``dev`` (``quit_s``: see there), or
-        ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it went, None while
-        it runs. A device's stop or kill is said in flight (:meth:`_answering`) as long as it
-        may take (:meth:`ControlDaemon.stop_s`, :attr:`ControlDaemon.kill_s`), so that a
-        stop waiting for its lock meanwhile names it; a bare daemon is one found at start,
-        before any device, whose lock none waits for. One that outlives SIGKILL (stuck in the driver) is said
-        once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and tried
-        again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till then
-        this answers None at once, without signalling it."""
+        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``device_or_daemon`` (``quit_s``:
+        see there), or ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it
+        went, None while it runs. A device's stop or kill is said in flight
+        (:meth:`_answering`) as long as it may take (:meth:`ControlDaemon.stop_s`,
+        :attr:`ControlDaemon.kill_s`), so that a stop waiting for its lock meanwhile names
+        it: a stop as ``quit`` throughout, the SIGTERM and SIGKILL after an ignored ``quit``
+        included, a kill as ``SIGKILL PID``. A bare daemon is one found at start, before any
+        device, whose lock none waits for. One that outlives SIGKILL (stuck in the driver)
+        is said once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it)
+        and tried again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``):
+        till then this answers None at once, without signalling it."""
+        dev = device_or_daemon
         daemon = dev if isinstance(dev, ControlDaemon) else dev.daemon
         uuid = daemon.uuid
         with self._lock:

@@ -1054,34 +1054,53 @@ def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
 
 
 _LAST_UUID = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+_LAST_SEEN = f"NVIDIA H100 80GB HBM3 {_LAST_UUID} at 00000000:1A:00.0"
 
 
-@pytest.mark.parametrize("name", ["1", _LAST_UUID])
-def test_a_gpu_lost_before_gpud_started_named_by_index_or_last_uuid_says_it_was_last_seen(
-    tmp_path: Path, store: StateStore, name: str
-) -> None:
-    """Its index, or the UUID an earlier run read (not a UUID to register a job ahead on):
-    the job is refused naming the GPU, why it is unhealthy and how it was last seen."""
+def _lost_before_start(tmp_path: Path, store: StateStore) -> JobService:
+    """GPU 1 lost since before gpud started; an earlier run last read it as _LAST_UUID."""
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
     service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
-    seen = f"NVIDIA H100 80GB HBM3 {_LAST_UUID} at 00000000:1A:00.0"
     lost = GpuSample(
         identity=unknown_identity(1),
         healthy=False,
-        reason=f"GPU lost (identity): GPU is lost; last seen as {seen}",
+        reason=f"GPU lost (identity): GPU is lost; last seen as {_LAST_SEEN}",
         sampled_at=0,
         last_seen=SeenIdentity(_LAST_UUID, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0"),
     )
     down = replace(snapshot(NODE.gpus[0], lost), monotonic=1.0)
     mps.observe_snapshot(down)
     service.tick(down)
+    return service
+
+
+@pytest.mark.parametrize("name", ["1", "1:0"])
+def test_a_gpu_lost_before_gpud_started_named_by_index_says_it_was_last_seen(
+    tmp_path: Path, store: StateStore, name: str
+) -> None:
+    """Its index (or a MIG device of it) names whatever GPU is there now, which has no UUID
+    yet: the job is refused naming the GPU, why it is unhealthy and how it was last seen."""
+    service = _lost_before_start(tmp_path, store)
     with pytest.raises(FailedPrecondition) as err:
         service.add(JobSpec("pinned", devices=(name,)))
+    why = (
+        "its MIG devices are not known until it answers"
+        if ":" in name
+        else "GPU 1 names no UUID until it answers"
+    )
     assert str(err.value) == (
         f"device {name} is on GPU 1, which is unhealthy: GPU lost (identity): GPU is lost;"
-        f" last seen as {seen} (not read since gpud started: GPU 1 names no UUID until it"
-        " answers)"
+        f" last seen as {_LAST_SEEN} (not read since gpud started: {why})"
     )
+
+
+def test_a_job_named_by_the_last_uuid_of_a_gpu_lost_before_gpud_started_is_kept_as_given(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """A GPU hung before gpud started answers with the same UUID once it comes back: a job
+    registered ahead on that UUID keeps it, as on any UUID the node lacks."""
+    service = _lost_before_start(tmp_path, store)
+    assert service.add(JobSpec("pinned", devices=(_LAST_UUID,))).devices == (_LAST_UUID,)
 
 
 def test_an_older_snapshot_does_not_undo_the_health_of_a_newer_one(

@@ -81,9 +81,13 @@ class ReadClock:
                 self._cond.notify_all()
                 return
             self._waiting = done
-        done.wait(self.GUARD_S)
+        answered = done.wait(self.GUARD_S)
         with self._cond:
             self._waiting = None
+        # returning would have the read wait again on a clock nothing moves: for ever
+        assert answered, (
+            f"the read of GPUs {sorted(gpus)} neither answered nor hung in {self.GUARD_S} s"
+        )
 
     def hang(self, gpu: int, seconds: float = float("inf")) -> None:
         """A driver call on ``gpu`` that answers ``seconds`` on (on this clock), or once let
@@ -292,6 +296,19 @@ def enable(host: Host, config: MigConfigFile, name: str) -> Daemon:
         assert {o.status for o in outcomes} <= {"changed", "ok"}
     assert d.mig.assert_config(config, name) == []
     return d
+
+
+def test_a_read_that_neither_answers_nor_hangs_fails_the_test_rather_than_waiting_for_ever() -> (
+    None
+):
+    """The test clock moves only for hung calls: a read whose wait nothing ends (no answer,
+    no hang) raises, where returning would have the read wait again on an unmoved clock."""
+    clock = ReadClock()
+    clock.GUARD_S = 0.01
+    done = threading.Condition()
+    with done, pytest.raises(AssertionError, match=r"GPUs \[0\] neither answered nor hung"):
+        clock.read_wait(done, 5.0, frozenset({0}))
+    assert clock.now == 0.0
 
 
 def test_mode_change_is_reported_pending_then_reconciled_after_reboot(
@@ -1692,8 +1709,9 @@ def test_a_gpu_lost_during_an_apply_leaves_the_others_applied(
         d.store,
         d.events,
         job_resolver=host.jobs.get,
-        monotonic=lambda: 0.0,
-        sleep=lambda s: None,
+        monotonic=d.clock.monotonic,
+        sleep=d.clock.advance,
+        read_wait=d.clock.read_wait,
     )
     result = lossy.apply(config, "all-balanced")
     assert result.result == "partial", result
@@ -2247,8 +2265,9 @@ def _refusing_manager(host: Host, code: int, call: str, gpu: int) -> MigManager:
         d.store,
         d.events,
         job_resolver=host.jobs.get,
-        monotonic=lambda: 0.0,
-        sleep=lambda s: None,
+        monotonic=d.clock.monotonic,
+        sleep=d.clock.advance,
+        read_wait=d.clock.read_wait,
     )
 
 

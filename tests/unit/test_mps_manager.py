@@ -757,13 +757,56 @@ def test_a_gpu_lost_before_gpud_started_named_by_its_last_uuid_or_a_mig_device_s
     assert (target.gpu, target.uuid, target.gpu_unhealthy) == (0, "", reason)
     with pytest.raises(FailedPrecondition) as err:
         manager.set_limits(last, threads_percent=50)
-    assert str(err.value).startswith(f"GPU 0 has not been read since gpud started ({reason})")
+    assert str(err.value).startswith(
+        f"{last} was last seen on GPU 0, which has not been read since gpud started ({reason})"
+    )
     with pytest.raises(FailedPrecondition) as err:
         manager.resolve("0:1")
     assert str(err.value) == (
         f"device 0:1 is on GPU 0, which is unhealthy: {reason} (not read since gpud started:"
         " its MIG devices are not known until it answers)"
     )
+
+
+def _unread_last_seen_as(index: int, uuid: str) -> GpuSample:
+    """GPU ``index``, not read since gpud started, that an earlier run last read as ``uuid``."""
+    return GpuSample(
+        identity=unknown_identity(index),
+        healthy=False,
+        reason=f"GPU lost (identity): GPU is lost; last seen as NVIDIA H100 80GB HBM3 {uuid}",
+        sampled_at=0.0,
+        last_seen=SeenIdentity(uuid, "NVIDIA H100 80GB HBM3", "00000000:19:00.0"),
+    )
+
+
+def test_a_last_seen_uuid_now_read_on_a_gpu_in_mig_mode_names_that_gpu_not_the_unread_one(
+    manager: MpsManager,
+) -> None:
+    """The boards were swapped: the UUID GPU 1 was last seen with answers now at GPU 0, in
+    MIG mode. Named by it, it is GPU 0 (name one of its MIG devices; create some where it
+    has none), never GPU 1, which may be another board."""
+    split = gpu_sample(0, migs=(("3g.40gb", 40),))
+    manager.observe_snapshot(snapshot(split, _unread_last_seen_as(1, gpu_uuid(0))))
+    with pytest.raises(InvalidArgument) as err:
+        manager.resolve(gpu_uuid(0))
+    assert str(err.value) == (
+        f"gpu: GPU 0 ({gpu_uuid(0)}) is in MIG mode; name one of its MIG devices: 0:0"
+    )
+    empty = split._replace(mig_devices=())
+    manager.observe_snapshot(
+        dataclasses.replace(snapshot(empty, _unread_last_seen_as(1, gpu_uuid(0))), monotonic=1.0)
+    )
+    with pytest.raises(FailedPrecondition, match=r"GPU 0 \(GPU-\S+\) is in MIG mode and has no"):
+        manager.resolve(gpu_uuid(0))
+
+
+def test_a_last_seen_uuid_of_no_gpu_read_now_names_the_unread_gpu(manager: MpsManager) -> None:
+    """No GPU read in this run answers with the UUID GPU 1 was last seen with: it names GPU
+    1, as its index does."""
+    manager.observe_snapshot(snapshot(gpu_sample(0), _unread_last_seen_as(1, gpu_uuid(7))))
+    target = manager.resolve(gpu_uuid(7))
+    assert (target.gpu, target.uuid, target.last_seen_uuid) == (1, "", gpu_uuid(7))
+    assert manager.resolve(gpu_uuid(0)).gpu == 0
 
 
 def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
