@@ -485,6 +485,9 @@ class AdmissionService:
             spec = _effective(job, request)
             verdict = self.classify(request_of(spec), fit)
             if isinstance(verdict, Unfeasible) and not keep_unfeasible:
+                # pinned to the UUID a GPU not read since gpud started was last seen with:
+                # refused as the run would be, naming that GPU, not as a device not here
+                self._jobs.refuse_last_seen(spec)
                 raise _never(job.name, verdict, self._whole_down(spec, fit))
             queued = self.entries()
             if len(queued) >= self.config.max_queue:

@@ -44,7 +44,7 @@ from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.sampler import NOT_ANSWERING, critical_xid_reason
-from gpud.telemetry.snapshot import CriticalXid, GpuSample
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity
 from gpud.v1 import jobs_pb2, mps_pb2
 from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
@@ -1519,6 +1519,51 @@ def test_a_request_that_needs_a_gpu_never_read_waits_for_it(
                 admission.enqueue(huge)
         else:  # GPU 3's size is not known: it may hold 100GiB
             assert admission.enqueue(huge).entry.state == QUEUED
+    finally:
+        store.close()
+
+
+def test_a_queued_run_pinned_to_the_last_uuid_of_a_gpu_never_read_is_refused_as_on_it(
+    tmp_path: Path,
+) -> None:
+    """GPU 1 was lost before gpud started; an earlier run last read it as ``last``. A run
+    queued pinned to that UUID is refused as the run itself is, naming GPU 1 and why it is
+    unhealthy, not as one on a device the node lacks; kept as one that can never start
+    (``keep_unfeasible``), it is queued: the GPU may answer with that UUID again."""
+    last = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    lost = GpuSample(
+        identity=placeholder_identity(1),
+        healthy=False,
+        reason=f"GPU lost; last seen as {last}",
+        sampled_at=None,
+        last_seen=SeenIdentity(last, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0"),
+    )
+    node = snapshot(gpu_sample(0), lost)
+    mps.reconcile(node)
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    products = {0: "H100-SXM5-80GB"}
+    admission = AdmissionService(
+        store, jobs, mps, events, AdmissionConfig(), products=lambda: products
+    )
+    try:
+        jobs.tick(node)
+        pinned = RunRequest(job="pinned", devices=(last,))
+        said = (
+            f"job 'pinned': {last} was last seen on GPU 1, which is unhealthy: GPU lost;"
+            f" last seen as {last} (not read since gpud started: GPU 1 names no UUID until"
+            " it answers)"
+        )
+        with pytest.raises(FailedPrecondition) as reserved:
+            jobs.reserve(pinned)
+        with pytest.raises(FailedPrecondition) as queued:
+            admission.enqueue(pinned)
+        assert str(reserved.value) == str(queued.value) == said
+        assert admission.entries() == []
+        kept = admission.enqueue(pinned, keep_unfeasible=True)
+        assert kept.entry.state == QUEUED
     finally:
         store.close()
 
