@@ -991,8 +991,10 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
 class GpuDown(NamedTuple):
     """An unhealthy GPU as a snapshot had it: its health reason, whether a driver call
     answered NVML_ERROR_GPU_IS_LOST (only a reset or a reboot brings it back), and the codes
-    of its uncleared critical XIDs (gpud's own reset or ``gpuctl xid clear`` clears them,
-    not the driver's): what a refusal's advice is chosen by, never the reason's words."""
+    of its uncleared critical XIDs (gpud's own reset, ``gpuctl xid clear`` or a reboot, which
+    empties the run directory they are kept in, clears them; the driver's reset does not):
+    what a refusal's advice is chosen by, never the reason's words. A lost GPU with XIDs is
+    told "reset it (nvidia-smi --gpu-reset -i N), then gpuctl xid clear N, or reboot it"."""
 
     reason: str
     lost: bool = False

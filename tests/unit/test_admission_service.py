@@ -2110,7 +2110,17 @@ def xids(*codes: int) -> tuple[CriticalXid, ...]:
                 "critical_xids": xids(79),
             },
             "is lost and has Xid 79 and takes no job now: drain the node and reset it"
-            " (nvidia-smi --gpu-reset -i 1) or reboot it, then gpuctl xid clear 1",
+            " (nvidia-smi --gpu-reset -i 1), then gpuctl xid clear 1, or reboot it",
+        ),
+        (
+            {
+                "reason": "reset required (memory): nvmlDeviceGetMemoryInfo failed on GPU 1:"
+                " GPU requires reset: drain the node and reset the GPU (`nvidia-smi"
+                f" --gpu-reset -i 1`) or reboot; {LOST}",
+                "lost": True,
+            },
+            "is lost and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1) or reboot it",
         ),
         (
             {"reason": critical_xid_reason([79, 48]), "critical_xids": xids(79, 48)},
@@ -2159,6 +2169,7 @@ def xids(*codes: int) -> tuple[CriticalXid, ...]:
     ids=[
         "lost",
         "lost with an Xid",
+        "lost after another fault",
         "Xids alone",
         "one Xid alone",
         "not answering with an Xid",
@@ -2191,8 +2202,8 @@ def test_a_never_starting_run_says_in_one_sentence_what_a_counted_gpu_is_and_wha
 def test_a_never_starting_run_says_drain_the_node_once_and_how_many_more_gpus_are_down(
     node: Node,
 ) -> None:
-    """GPUs 1 to 5 lost: each said "drain the node", and past the fourth "; and 1 more",
-    where a queued entry's WHY NOT says "; 1 more"."""
+    """GPUs 1 to 5 lost: "drain the node" is said once, for GPU 1, and past the fourth
+    "; 1 more", as a queued entry's WHY NOT says it."""
     lost = [gpu_sample(i)._replace(healthy=False, reason=LOST, lost=True) for i in range(1, 6)]
     gpus = snapshot(gpu_sample(0), *lost)
     node.mps.reconcile(gpus)
