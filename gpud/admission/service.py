@@ -485,6 +485,9 @@ class AdmissionService:
             spec = _effective(job, request)
             verdict = self.classify(request_of(spec), fit)
             if isinstance(verdict, Unfeasible) and not keep_unfeasible:
+                # pinned to the UUID a GPU not read since gpud started was last seen with:
+                # refused as the run would be, naming that GPU, not as a device not here
+                self._jobs.refuse_last_seen(spec)
                 raise _never(job.name, verdict, self._whole_down(spec, fit))
             queued = self.entries()
             if len(queued) >= self.config.max_queue:
@@ -1272,10 +1275,11 @@ def _counted_down(down: NotPlacedOn) -> str:
         codes = f"Xid{'s' if len(d.xids) > 1 else ''} {', '.join(map(str, d.xids))}"
         if d.lost:
             has = f" and has {codes}" if d.xids else ""
-            clear = f", then gpuctl xid clear {gpu}" if d.xids else ""
+            # a reset leaves the XIDs gpud keeps; a reboot empties them (run_dir)
+            clear = f", then gpuctl xid clear {gpu}," if d.xids else ""
             said.append(
                 f"{counted} is lost{has} and takes no job now: {drain}reset it"
-                f" (nvidia-smi --gpu-reset -i {gpu}) or reboot it{clear}"
+                f" (nvidia-smi --gpu-reset -i {gpu}){clear} or reboot it"
             )
             drain = ""
         elif d.xids and d.reason == critical_xid_reason(d.xids):

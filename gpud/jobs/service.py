@@ -239,7 +239,8 @@ class JobService:
         """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
         UUID, as UUIDs; a UUID the node lacks is kept as given (placement says so), the UUID
         an earlier run last read for a GPU not read since gpud started included (one hung
-        then answers with it again), and a GPU in MIG mode is refused by UUID as by index.
+        then answers with it again; till then placement refuses it as on that GPU:
+        :meth:`refuse_last_seen`), and a GPU in MIG mode is refused by UUID as by index.
         An index the node lacks (``9``, or ``0:5`` before a MIG apply makes it), or that
         names a GPU not read since gpud started, is refused: it is kept as the UUID it names
         now, and names none, which the refusal says."""
@@ -751,10 +752,29 @@ class JobService:
                 raise FailedPrecondition(
                     f"job {spec.name!r}: {uuid} is on {_left_out(t.gpu, sick)}"
                 )
+        self.refuse_last_seen(spec, sick)
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(
                 f"job {spec.name!r}: no healthy GPU on this node now ({unhealthy_text(sick)})"
             )
+
+    def refuse_last_seen(self, spec: JobSpec, sick: NotPlacedOn | None = None) -> None:
+        """A job pinned to the UUID an earlier run last read for a GPU not read since gpud
+        started (lost or hung before it; no GPU read since answers with that UUID) is
+        refused (FailedPrecondition) as on that GPU, which is unhealthy, not as on a device
+        the node lacks: the driver has answered with no UUID there yet. ``sick``:
+        :meth:`unhealthy`, read once by the caller."""
+        sick = self.unhealthy() if sick is None else sick
+        for uuid in spec.devices or ():
+            if not uuid.startswith("GPU-"):
+                continue
+            t = self._mps.last_seen_on(uuid)
+            if t is not None and t.gpu in sick:
+                raise FailedPrecondition(
+                    f"job {spec.name!r}: {uuid} was last seen on {_left_out(t.gpu, sick)}"
+                    f" (not read since gpud started: GPU {t.gpu} names no UUID until it"
+                    " answers)"
+                )
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
@@ -971,8 +991,10 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
 class GpuDown(NamedTuple):
     """An unhealthy GPU as a snapshot had it: its health reason, whether a driver call
     answered NVML_ERROR_GPU_IS_LOST (only a reset or a reboot brings it back), and the codes
-    of its uncleared critical XIDs (gpud's own reset or ``gpuctl xid clear`` clears them,
-    not the driver's): what a refusal's advice is chosen by, never the reason's words."""
+    of its uncleared critical XIDs (gpud's own reset, ``gpuctl xid clear`` or a reboot, which
+    empties the run directory they are kept in, clears them; the driver's reset does not):
+    what a refusal's advice is chosen by, never the reason's words. A lost GPU with XIDs is
+    told "reset it (nvidia-smi --gpu-reset -i N), then gpuctl xid clear N, or reboot it"."""
 
     reason: str
     lost: bool = False

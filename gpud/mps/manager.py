@@ -741,17 +741,18 @@ class MpsManager:
                         " create some (gpuctl mig apply) or turn its MIG mode off"
                     )
             self._refuse_unread(device, gpu_text, mig_text if sep else None)
-            last_seen = self._last_seen_on(device)
+            last_seen = self.last_seen_on(device)
             if last_seen is not None:
                 return last_seen
             known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
 
-    def _last_seen_on(self, device: str) -> MpsTarget | None:
-        """:meth:`resolve`'s last resort: the GPU not read since gpud started that an earlier
-        run last read as ``device`` (a ``GPU-`` UUID), or None. That record is kept by index,
-        so after boards are swapped or renumbered the UUID may be a GPU that answers now at
-        another index: a GPU read in this run with that UUID is never taken for it."""
+    def last_seen_on(self, device: str) -> MpsTarget | None:
+        """:meth:`resolve`'s last resort, and how placement tells a job pinned there: the GPU
+        not read since gpud started that an earlier run last read as ``device`` (a ``GPU-``
+        UUID), or None. That record is kept by index, so after boards are swapped or
+        renumbered the UUID may be a GPU that answers now at another index: a GPU read in
+        this run with that UUID is never taken for it."""
         with self._lock:
             read = {*self._targets, *self._mig_gpus.values()}
             read.update(t.gpu_uuid for t in self._targets.values() if t.gpu_uuid)

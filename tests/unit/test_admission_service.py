@@ -44,7 +44,7 @@ from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.sampler import NOT_ANSWERING, critical_xid_reason
-from gpud.telemetry.snapshot import CriticalXid, GpuSample
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity
 from gpud.v1 import jobs_pb2, mps_pb2
 from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
@@ -1523,6 +1523,51 @@ def test_a_request_that_needs_a_gpu_never_read_waits_for_it(
         store.close()
 
 
+def test_a_queued_run_pinned_to_the_last_uuid_of_a_gpu_never_read_is_refused_as_on_it(
+    tmp_path: Path,
+) -> None:
+    """GPU 1 was lost before gpud started; an earlier run last read it as ``last``. A run
+    queued pinned to that UUID is refused as the run itself is, naming GPU 1 and why it is
+    unhealthy, not as one on a device the node lacks; kept as one that can never start
+    (``keep_unfeasible``), it is queued: the GPU may answer with that UUID again."""
+    last = "GPU-ef6bd996-508f-4667-91a1-078f3e502e4b"
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    lost = GpuSample(
+        identity=placeholder_identity(1),
+        healthy=False,
+        reason=f"GPU lost; last seen as {last}",
+        sampled_at=None,
+        last_seen=SeenIdentity(last, "NVIDIA H100 80GB HBM3", "00000000:1A:00.0"),
+    )
+    node = snapshot(gpu_sample(0), lost)
+    mps.reconcile(node)
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    products = {0: "H100-SXM5-80GB"}
+    admission = AdmissionService(
+        store, jobs, mps, events, AdmissionConfig(), products=lambda: products
+    )
+    try:
+        jobs.tick(node)
+        pinned = RunRequest(job="pinned", devices=(last,))
+        said = (
+            f"job 'pinned': {last} was last seen on GPU 1, which is unhealthy: GPU lost;"
+            f" last seen as {last} (not read since gpud started: GPU 1 names no UUID until"
+            " it answers)"
+        )
+        with pytest.raises(FailedPrecondition) as reserved:
+            jobs.reserve(pinned)
+        with pytest.raises(FailedPrecondition) as queued:
+            admission.enqueue(pinned)
+        assert str(reserved.value) == str(queued.value) == said
+        assert admission.entries() == []
+        kept = admission.enqueue(pinned, keep_unfeasible=True)
+        assert kept.entry.state == QUEUED
+    finally:
+        store.close()
+
+
 def test_a_wall_clock_stepped_back_shows_no_negative_wait(node: Node) -> None:
     """The wall clock steps back an hour while a job is queued: the queue shows it waiting
     0 s (not -3600), and its history row starts no earlier than it was queued."""
@@ -2065,7 +2110,17 @@ def xids(*codes: int) -> tuple[CriticalXid, ...]:
                 "critical_xids": xids(79),
             },
             "is lost and has Xid 79 and takes no job now: drain the node and reset it"
-            " (nvidia-smi --gpu-reset -i 1) or reboot it, then gpuctl xid clear 1",
+            " (nvidia-smi --gpu-reset -i 1), then gpuctl xid clear 1, or reboot it",
+        ),
+        (
+            {
+                "reason": "reset required (memory): nvmlDeviceGetMemoryInfo failed on GPU 1:"
+                " GPU requires reset: drain the node and reset the GPU (`nvidia-smi"
+                f" --gpu-reset -i 1`) or reboot; {LOST}",
+                "lost": True,
+            },
+            "is lost and takes no job now: drain the node and reset it"
+            " (nvidia-smi --gpu-reset -i 1) or reboot it",
         ),
         (
             {"reason": critical_xid_reason([79, 48]), "critical_xids": xids(79, 48)},
@@ -2114,6 +2169,7 @@ def xids(*codes: int) -> tuple[CriticalXid, ...]:
     ids=[
         "lost",
         "lost with an Xid",
+        "lost after another fault",
         "Xids alone",
         "one Xid alone",
         "not answering with an Xid",
@@ -2146,8 +2202,8 @@ def test_a_never_starting_run_says_in_one_sentence_what_a_counted_gpu_is_and_wha
 def test_a_never_starting_run_says_drain_the_node_once_and_how_many_more_gpus_are_down(
     node: Node,
 ) -> None:
-    """GPUs 1 to 5 lost: each said "drain the node", and past the fourth "; and 1 more",
-    where a queued entry's WHY NOT says "; 1 more"."""
+    """GPUs 1 to 5 lost: "drain the node" is said once, for GPU 1, and past the fourth
+    "; 1 more", as a queued entry's WHY NOT says it."""
     lost = [gpu_sample(i)._replace(healthy=False, reason=LOST, lost=True) for i in range(1, 6)]
     gpus = snapshot(gpu_sample(0), *lost)
     node.mps.reconcile(gpus)

@@ -1103,6 +1103,23 @@ def test_a_job_named_by_the_last_uuid_of_a_gpu_lost_before_gpud_started_is_kept_
     assert service.add(JobSpec("pinned", devices=(_LAST_UUID,))).devices == (_LAST_UUID,)
 
 
+def test_a_run_pinned_to_the_last_uuid_of_a_gpu_lost_before_gpud_started_is_refused_as_on_it(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """The job keeps the UUID as given, but while the GPU last seen with it has not answered
+    its run is refused as one pinned to an unhealthy GPU (exit 6), naming the GPU and why,
+    not as on a device the node lacks (exit 4); nothing is reserved."""
+    service = _lost_before_start(tmp_path, store)
+    with pytest.raises(FailedPrecondition) as err:
+        service.reserve(RunRequest(job="p", devices=(_LAST_UUID,)))
+    assert str(err.value) == (
+        f"job 'p': {_LAST_UUID} was last seen on GPU 1, which is unhealthy: GPU lost"
+        f" (identity): GPU is lost; last seen as {_LAST_SEEN} (not read since gpud started:"
+        " GPU 1 names no UUID until it answers)"
+    )
+    assert service.reservations.held() == []
+
+
 def test_an_older_snapshot_does_not_undo_the_health_of_a_newer_one(
     service: JobService,
 ) -> None:
