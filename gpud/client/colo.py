@@ -41,6 +41,15 @@ MAX_REPORT_AGE_S = 86400.0
 # service any more, and a training job held at the floor would otherwise run 20 times
 # slower for as long as gpud stays away.
 DIRECTIVE_HOLD_S = 60.0
+# How long a throttle point waits for gpud's answer. A gpud that accepts the call and never
+# answers (stopped, deadlocked) costs the training loop this much at each call, so calls
+# that fail are spaced out (REPORT_BACKOFF_MAX_S).
+CALL_TIMEOUT_S = 1.0
+# After a failed call the next is tried twice as late as the one before, from
+# ``report_every_s`` (at least CALL_TIMEOUT_S) up to this: a gpud that never answers then
+# costs a loop at most CALL_TIMEOUT_S per REPORT_BACKOFF_MAX_S (about 3 %), and a gpud back
+# from a restart is heard within this much.
+REPORT_BACKOFF_MAX_S = 30.0
 
 
 class _Channel:
@@ -78,7 +87,11 @@ class Throttle:
     ) -> None:
         """``hold_s``: how long after gpud last answered its directive still holds (a
         restart's silence); past it, the job runs at full duty, not evicted, until gpud
-        answers again."""
+        answers again. ``call(job, iterations)``: one report (default: the
+        ``ThrottlePoint`` RPC, waiting at most :data:`CALL_TIMEOUT_S`). A call that fails
+        (raises) is tried again twice as late each time, up to
+        :data:`REPORT_BACKOFF_MAX_S`, so a gpud that accepts calls and answers none costs
+        the loop at most one call's wait per that much time."""
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s
@@ -89,6 +102,8 @@ class Throttle:
         self._call = call or self._grpc_call
         self._last: float | None = None
         self._last_report = float("-inf")
+        self._interval = report_every_s  # until the next report: longer after failures
+        self._failing = False  # the last call failed
         self._pending = 0
         self.duty = 1.0
         self.evict = False
@@ -99,31 +114,46 @@ class Throttle:
 
         r = self._channel.stub().ThrottlePoint(
             colo_pb2.ThrottlePointRequest(job=job, iterations=iterations),
-            timeout=1.0,
+            timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
         return r.duty, r.evict, r.reason
+
+    def _report(self, now: float) -> None:
+        self._last_report = now
+        try:
+            self.duty, self.evict, self.reason = self._call(self.job, self._pending)
+        except Exception:  # the daemon may be away: keep the last directive a while
+            self._failing = True
+            self._interval = min(
+                REPORT_BACKOFF_MAX_S, 2.0 * max(self._interval, self._every, CALL_TIMEOUT_S)
+            )
+            return
+        self.duty = min(1.0, max(0.01, self.duty))
+        self._pending = 0
+        self._answered = now
+        self._failing = False
+        self._interval = self._every
+
+    def _lapse(self, now: float) -> None:
+        """Past the hold since gpud last answered (its calls failing since), its directive
+        lapses: checked at every point, not only when a backed-off call is tried."""
+        silent = now - self._answered
+        if self._failing and silent > self._hold and (self.duty < 1.0 or self.evict):
+            self.duty, self.evict = 1.0, False
+            self.reason = (
+                f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
+                "running at full duty until it answers"
+            )
 
     def point(self) -> float:
         """Call once per iteration; returns the seconds slept."""
         now = self._clock()
         self._pending += 1
         was_evicted = self.evict
-        if self.job and now - self._last_report >= self._every:
-            try:
-                self.duty, self.evict, self.reason = self._call(self.job, self._pending)
-                self.duty = min(1.0, max(0.01, self.duty))
-                self._pending = 0
-                self._answered = now
-            except Exception:  # the daemon may be away: keep the last directive a while
-                silent = now - self._answered
-                if silent > self._hold and (self.duty < 1.0 or self.evict):
-                    self.duty, self.evict = 1.0, False
-                    self.reason = (
-                        f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
-                        "running at full duty until it answers"
-                    )
-            self._last_report = now
+        if self.job and now - self._last_report >= self._interval:
+            self._report(now)
+        self._lapse(now)
         slept = 0.0
         # An eviction is returned at once, so that the job checkpoints and leaves now: at
         # its duty (0.01) the sleep would hold it for 99 iterations' time first, still

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from colocate import InterferencePredictor, JobFeatures, JobView
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
-from gpud.client.colo import Latency, Throttle
+from gpud.client.colo import CALL_TIMEOUT_S, REPORT_BACKOFF_MAX_S, Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
@@ -1951,7 +1951,8 @@ def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -
     """gpud killed (kill -9, a crash loop, systemctl stop) while the guard held a training
     job at duty 0.05: the job keeps that duty through a restart's worth of silence
     (``hold_s``), the service still protected, then runs at full speed, not 20 times slower
-    for as long as gpud stays away; once gpud answers again its directive holds again."""
+    for as long as gpud stays away; once gpud answers again (asked within the back-off of
+    the failed calls) its directive holds again."""
     clock = Clock()
     slept: list[float] = []
     told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
@@ -1975,10 +1976,46 @@ def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -
     assert t.point() == 0.0
     assert t.duty == 1.0 and not t.evict
     assert "gpud has not answered for 40 s" in t.reason, t.reason
-    told[0] = (0.5, False, "SLO guard")  # back
-    clock.t += 1.0
+    told[0] = (0.5, False, "SLO guard")  # back: asked again once the back-off ran out
+    clock.t += REPORT_BACKOFF_MAX_S
     t.point()
-    assert t.duty == 0.5 and slept[-1] == pytest.approx(1.0)
+    assert t.duty == 0.5 and slept[-1] == pytest.approx(REPORT_BACKOFF_MAX_S)
+
+
+def test_a_gpud_that_never_answers_costs_the_training_loop_a_bounded_number_of_waits() -> None:
+    """gpud stopped (SIGSTOP, a deadlock) accepts each call and answers none: each call
+    waits its timeout. The calls are spaced out after each failure, so 50 ms iterations for
+    10 minutes wait on at most a few dozen calls, not one a second for ever; once gpud
+    answers again it is asked every ``report_every_s`` again."""
+    clock = Clock()
+    answering = [True]
+    calls: list[float] = []
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        calls.append(clock.t)
+        if not answering[0]:
+            clock.t += CALL_TIMEOUT_S  # the call waits its whole timeout, then fails
+            raise TimeoutError("deadline exceeded")
+        return 0.5, False, "SLO guard"
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=1.0, hold_s=60.0)
+    t.point()
+    answering[0] = False
+    calls.clear()
+    for _ in range(12000):  # 10 minutes of 50 ms iterations
+        clock.t += 0.05
+        t.point()
+    assert len(calls) <= 600 / REPORT_BACKOFF_MAX_S + 6, len(calls)
+    assert t.duty == 1.0 and "directive lapsed" in t.reason  # past the hold, full duty
+    answering[0] = True
+    calls.clear()
+    for _ in range(2 * int(REPORT_BACKOFF_MAX_S) * 20):
+        clock.t += 0.05
+        t.point()
+    assert t.duty == 0.5 and len(calls) >= REPORT_BACKOFF_MAX_S - 1, len(calls)
 
 
 def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
