@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,12 +36,14 @@ MAX_LATENCY_S = 3600.0
 # sent saying this much and counts for nothing, as it would at its true age. gpud refuses a
 # report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
 MAX_REPORT_AGE_S = 86400.0
-# How long a directive outlives gpud's last answer: long enough for a restart (systemd's
-# RestartSec=2s and a start of a few seconds), after which gpud restores the guards' duties
-# from colo.json, so the service stays protected through it; past that no guard watches the
-# service any more, and a training job held at the floor would otherwise run 20 times
-# slower for as long as gpud stays away.
-DIRECTIVE_HOLD_S = 60.0
+# How long a directive outlives gpud's last answer: longer than the slowest restart systemd
+# lets gpud make (systemd/gpud.service: TimeoutStopSec=30s to stop, RestartSec=2s, then
+# TimeoutStartSec=90s to start: 122 s), after which gpud restores the guards' duties from
+# colo.json, so the service stays protected through it. The price: past the hold no guard
+# watches the service (a start extended beyond it, as while MIG instances are rebuilt, runs
+# the training at full speed beside it until gpud answers), and before it a training job
+# held at the floor runs 20 times slower for that long when gpud is gone for good.
+DIRECTIVE_HOLD_S = 150.0
 # How long a throttle point waits for gpud's answer. A gpud that accepts the call and never
 # answers (stopped, deadlocked) costs the training loop this much at each call, so calls
 # that fail are spaced out (REPORT_BACKOFF_MAX_S).
@@ -86,12 +89,15 @@ class Throttle:
         hold_s: float = DIRECTIVE_HOLD_S,
     ) -> None:
         """``hold_s``: how long after gpud last answered its directive still holds (a
-        restart's silence); past it, the job runs at full duty, not evicted, until gpud
+        restart's silence; a negative or NaN one is refused naming it); past it, said once
+        on stderr, the job runs at full duty, not evicted, until gpud
         answers again. ``call(job, iterations)``: one report (default: the
         ``ThrottlePoint`` RPC, waiting at most :data:`CALL_TIMEOUT_S`). A call that fails
         (raises) is tried again twice as late each time, up to
         :data:`REPORT_BACKOFF_MAX_S`, so a gpud that accepts calls and answers none costs
         the loop at most one call's wait per that much time."""
+        if not hold_s >= 0.0:  # NaN too
+            raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s
@@ -145,6 +151,8 @@ class Throttle:
                 f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
                 "running at full duty until it answers"
             )
+            # Once a lapse: from here the job runs beside a service no guard watches.
+            print(f"gpud.client: job {self.job}: {self.reason}", file=sys.stderr, flush=True)
 
     def point(self) -> float:
         """Call once per iteration; returns the seconds slept."""

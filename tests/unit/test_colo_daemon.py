@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,7 +20,13 @@ from prometheus_client import CollectorRegistry
 
 from colocate import InterferencePredictor, JobFeatures, JobView
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
-from gpud.client.colo import CALL_TIMEOUT_S, REPORT_BACKOFF_MAX_S, Latency, Throttle
+from gpud.client.colo import (
+    CALL_TIMEOUT_S,
+    DIRECTIVE_HOLD_S,
+    REPORT_BACKOFF_MAX_S,
+    Latency,
+    Throttle,
+)
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
@@ -2016,6 +2023,51 @@ def test_a_gpud_that_never_answers_costs_the_training_loop_a_bounded_number_of_w
         clock.t += 0.05
         t.point()
     assert t.duty == 0.5 and len(calls) >= REPORT_BACKOFF_MAX_S - 1, len(calls)
+
+
+def test_a_directive_outlives_the_slowest_restart_the_unit_allows_gpud() -> None:
+    """systemd stops gpud within TimeoutStopSec, waits RestartSec and gives the start
+    TimeoutStartSec: a directive held for less would let throttled training run at full
+    speed beside an unprotected service through a slow restart."""
+    unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
+
+    def seconds(key: str) -> float:
+        match = re.search(rf"^{key}=(\d+)s$", unit, re.MULTILINE)
+        assert match, key
+        return float(match.group(1))
+
+    budget = seconds("TimeoutStopSec") + seconds("RestartSec") + seconds("TimeoutStartSec")
+    assert budget <= DIRECTIVE_HOLD_S, (DIRECTIVE_HOLD_S, budget)
+
+
+def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    clock = Clock()
+    told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    t = Throttle("train", clock=clock, sleep=lambda s: None, call=call, hold_s=30.0)
+    t.point()
+    told[0] = None
+    for _ in range(200):
+        clock.t += 1.0
+        t.point()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "gpud.client: job train: gpud has not answered for 31 s: its directive lapsed, "
+        "running at full duty until it answers"
+    ], err
+
+
+@pytest.mark.parametrize("hold", [float("nan"), -1.0])
+def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
+    with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
+        Throttle("train", call=lambda j, i: (1.0, False, ""), hold_s=hold)
 
 
 def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
