@@ -256,10 +256,11 @@ class _JobState:
     # the registration it was learned under (RunningJob.registered_at); None: not known
     # (a file from before this was kept, or it has not run since), taken as the same
     registered_at: float | None = None
-    # the most device memory NVML showed its processes use this run, per device (_place):
-    # memory a job gave back (a cache shrunk between bursts) it takes again, so work placed
-    # beside it counts that, not the lull's reading; a new run starts afresh
-    memory_peaks: dict[str, int] = field(default_factory=dict)
+    # the most device memory NVML showed its processes use this run, per device (_place),
+    # with the run's reservation time (RunningJob.reserved_at): memory a job gave back (a
+    # cache shrunk between bursts) it takes again, so work placed beside it counts that, not
+    # the lull's reading; a new run, even one that began between two ticks, starts afresh
+    memory_peaks: dict[str, tuple[float | None, int]] = field(default_factory=dict)
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -1283,7 +1284,10 @@ class ColoService:
         for r in running:
             if r.memory_used:
                 peaks = self._jobs[r.name].memory_peaks
-                peaks[_place(r)] = max(peaks.get(_place(r), 0), r.memory_used)
+                run, peak = peaks.get(_place(r), (r.reserved_at, 0))
+                if run != r.reserved_at:  # another run: the last one's peak is not its own
+                    peak = 0
+                peaks[_place(r)] = (r.reserved_at, max(peak, r.memory_used))
         order = sorted(reserved, key=lambda n: (self._jobs[n].arrived, reserved[n], n))
         for rank, name in enumerate(order):
             self._jobs[name].rank = rank
@@ -2243,7 +2247,8 @@ class ColoService:
         if r.memory_used is not None:
             shape.observe_memory(r.memory_used)
         if profile is None:  # running: what it took this run it may take again
-            shape.observe_memory(st.memory_peaks.get(_place(r), 0))
+            run, peak = st.memory_peaks.get(_place(r), (r.reserved_at, 0))
+            shape.observe_memory(peak if run == r.reserved_at else 0)
         self._observe_rates(shape, own)
         return JobView(
             job_id=r.name,

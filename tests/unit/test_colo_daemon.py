@@ -5872,3 +5872,26 @@ def test_a_service_whose_memory_fell_back_keeps_its_peak_reserved_beside_new_wor
     clock.t += 5
     svc.tick(snap)
     assert svc.advise("train", memory_bytes=30 * GIB, snapshot=snap).gpu == 0
+
+
+def test_a_new_run_started_between_two_ticks_does_not_inherit_the_last_runs_peak(
+    tmp_path: Path,
+) -> None:
+    """chat's run reserved at 100 grew to 60 GiB; it stopped and a new run reserved at 103,
+    using 10 GiB, before the loop's next tick saw it gone: the new run is planned at what
+    it uses, and a 30 GiB training job is placed beside it."""
+    service = RunningJob(
+        "chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB, reserved_at=100.0
+    )
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB, reserved_at=103.0)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == 0, advice
