@@ -5895,3 +5895,47 @@ def test_a_new_run_started_between_two_ticks_does_not_inherit_the_last_runs_peak
     svc.tick(snap)
     advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
     assert advice.gpu == 0, advice
+
+
+def test_a_reading_over_the_devices_memory_counts_as_the_whole_device_not_for_the_run(
+    tmp_path: Path,
+) -> None:
+    """NVML once said chat's processes hold 1 TiB of an 80 GiB GPU (a bad reading): the
+    run's peak is the device's 80 GiB, not a terabyte kept for the rest of the run."""
+    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=1024 * GIB)
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
+    clock.t += 5
+    plan = svc.tick(snapshot(n=1, used_gib=10))
+    assert plan is not None
+    assert plan.memory_reserved[0] <= 80 * GIB * 1.15, plan.memory_reserved
+
+
+def test_a_reading_from_a_gpu_that_is_not_healthy_is_no_peak_of_its_run(
+    tmp_path: Path,
+) -> None:
+    """While GPU 0 did not answer, chat's reading said 1 TiB: once the GPU answers again
+    at 10 GiB, a 30 GiB training job is placed beside it."""
+    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=1024 * GIB)
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    sick = snapshot(n=1, used_gib=10)
+    sick = dataclasses.replace(
+        sick,
+        gpus=(sick.gpus[0]._replace(healthy=False, reason="GPU not answering"),),
+    )
+    svc.tick(sick)
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == 0, advice
