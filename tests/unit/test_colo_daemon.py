@@ -5939,3 +5939,22 @@ def test_a_reading_from_a_gpu_that_is_not_healthy_is_no_peak_of_its_run(
     svc.tick(snap)
     advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
     assert advice.gpu == 0, advice
+
+
+def test_a_refusal_for_memory_names_the_job_held_at_its_runs_peak(tmp_path: Path) -> None:
+    """nvidia-smi shows 70 GiB free where the plan counts chat at the 60 GiB its run took:
+    the refusal says whose peak holds the room, not only how little is free."""
+    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
+    jobs = [service]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == -1, advice
+    assert "chat holds its run's peak 60 GiB (now 10 GiB)" in advice.reason, advice.reason
