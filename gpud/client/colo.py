@@ -3,8 +3,9 @@
 Training calls :func:`throttle_point` once per iteration. It reports the iteration to the
 node's gpud (at most every ``report_every_s``) and sleeps so that the job runs at the duty
 cycle gpud tells it: after an iteration that took ``t`` seconds at duty ``d`` it sleeps
-``t * (1 - d) / d``. MPS thread limits are fixed when the CUDA context is created; sleeping
-is the lever that acts at once (GPUColo does the same). Inference reports latencies with
+``t * (1 - d) / d``, in slices of ``report_every_s``, asking gpud between them. MPS thread
+limits are fixed when the CUDA context is created; sleeping is the lever that acts at once
+(GPUColo does the same). Inference reports latencies with
 ``Latency().observe(seconds)``; they are sent in batches.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
@@ -169,9 +170,29 @@ class Throttle:
         # held at that duty from its next iteration.
         told_now = self.evict and not was_evicted
         if self._last is not None and self.duty < 1.0 and not told_now:
-            slept = (now - self._last) * (1.0 - self.duty) / self.duty
-            self._sleep(slept)
+            slept = self._hold_duty(now - self._last)
         self._last = self._clock()
+        return slept
+
+    def _hold_duty(self, busy: float) -> float:
+        """Sleeps so that ``busy`` seconds of work ran at the duty gpud asks, in slices of
+        ``report_every_s`` (at least :data:`CALL_TIMEOUT_S`), reporting between them as a
+        point does: a duty gpud changes, or one that lapses, mid-sleep takes hold within a
+        slice, not after the whole sleep (at duty 0.01, 99 times the iteration). A new
+        eviction ends the sleep at once, as at a point. Returns the seconds slept."""
+        slept = 0.0
+        step = max(self._every, CALL_TIMEOUT_S)
+        while (left := busy * (1.0 - self.duty) / self.duty - slept) > 1e-9:
+            piece = min(left, step)
+            self._sleep(piece)
+            slept += piece
+            now = self._clock()
+            if self.job and now - self._last_report >= self._interval:
+                was_evicted = self.evict
+                self._report(now)
+                if self.evict and not was_evicted:
+                    break
+            self._lapse(now)
         return slept
 
 

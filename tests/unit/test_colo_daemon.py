@@ -1915,8 +1915,8 @@ def test_throttle_point_sleeps_the_duty_cycle() -> None:
     t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=0.0)
     t.point()  # first iteration: nothing to measure yet
     clock.t += 1.0  # an iteration of 1 s
-    t.point()
-    assert slept == [pytest.approx(3.0)]  # 1 s of work per 4 s: duty 0.25
+    assert t.point() == pytest.approx(3.0)  # 1 s of work per 4 s: duty 0.25
+    assert sum(slept) == pytest.approx(3.0) and max(slept) <= 1.0  # slept in slices
     assert calls[0] == ("train", 1)
 
 
@@ -1943,7 +1943,7 @@ def test_throttle_point_returns_an_eviction_at_once() -> None:
     assert (t.evict, t.reason) == (True, "GPU 0 memory over its limit") and slept == []
     clock.t += 1.0  # it ignores the eviction and iterates again
     t.point()
-    assert slept == [pytest.approx(99.0)]
+    assert sum(slept) == pytest.approx(99.0)
 
 
 def test_throttle_point_keeps_going_without_a_daemon() -> None:
@@ -1978,15 +1978,15 @@ def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -
     told[0] = None  # gpud is gone
     clock.t += 1.0
     t.point()
-    assert t.duty == 0.05 and slept == [pytest.approx(19.0)]  # held through a restart
+    assert t.duty == 0.05 and sum(slept) == pytest.approx(19.0)  # held through a restart
     clock.t += 20.0  # past the hold since gpud last answered
     assert t.point() == 0.0
     assert t.duty == 1.0 and not t.evict
     assert "gpud has not answered for 40 s" in t.reason, t.reason
     told[0] = (0.5, False, "SLO guard")  # back: asked again once the back-off ran out
     clock.t += REPORT_BACKOFF_MAX_S
-    t.point()
-    assert t.duty == 0.5 and slept[-1] == pytest.approx(REPORT_BACKOFF_MAX_S)
+    assert t.point() == pytest.approx(REPORT_BACKOFF_MAX_S)
+    assert t.duty == 0.5
 
 
 def test_a_gpud_that_never_answers_costs_the_training_loop_a_bounded_number_of_waits() -> None:
@@ -2068,6 +2068,34 @@ def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
 def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
     with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
         Throttle("train", call=lambda j, i: (1.0, False, ""), hold_s=hold)
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+def test_a_job_held_at_the_floor_sees_its_directive_lapse_or_lift_within_its_sleep(
+    lifted: bool,
+) -> None:
+    """An evicted job that goes on with 2 s iterations sleeps 198 s at duty 0.01: gpud
+    gone 5 s into that sleep, the directive lapses at the hold (30 s), not after the whole
+    sleep; gpud lifting the eviction mid-sleep is heard within a slice."""
+    clock = Clock()
+    start = clock.t
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if clock.t - start > 5.0:
+            if lifted:
+                return 1.0, False, "no SLO pressure"
+            raise OSError("no socket")
+        return 0.0, True, "GPU 0 memory over its limit"
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=1.0, hold_s=30.0)
+    t.point()  # the eviction, returned at once
+    clock.t += 2.0  # it goes on: an iteration of 2 s
+    slept = t.point()
+    assert t.duty == 1.0 and not t.evict, t.reason
+    assert slept <= (5.0 if lifted else 35.0), slept
 
 
 def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
