@@ -5902,22 +5902,41 @@ def test_a_service_whose_memory_fell_back_keeps_its_peak_reserved_beside_new_wor
     assert svc.advise("train", memory_bytes=30 * GIB, snapshot=snap).gpu == 0
 
 
+def chat_then_at_10_gib(
+    tmp_path: Path, then: RunningJob, first: Snapshot | None = None
+) -> tuple[ColoService, Snapshot]:
+    """A loop that saw ``then`` at a tick on ``first`` (GPU 0 at 60 GiB used), then, 5 s
+    on, the same run (or ``then``'s next, by its reserved_at) using 10 GiB: the loop and
+    that second snapshot."""
+    jobs = [then]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(first or snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(then, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    return svc, snap
+
+
+CHAT = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
+
+
 def test_a_new_run_started_between_two_ticks_does_not_inherit_the_last_runs_peak(
     tmp_path: Path,
 ) -> None:
     """chat's run reserved at 100 grew to 60 GiB; it stopped and a new run reserved at 103,
     using 10 GiB, before the loop's next tick saw it gone: the new run is planned at what
     it uses, and a 30 GiB training job is placed beside it."""
-    service = RunningJob(
-        "chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB, reserved_at=100.0
-    )
-    jobs = [service]
+    jobs = [dataclasses.replace(CHAT, reserved_at=100.0)]
     clock = Clock()
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
     )
     svc.tick(snapshot(n=1, used_gib=60))
-    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB, reserved_at=103.0)
+    jobs[0] = dataclasses.replace(CHAT, memory_used=10 * GIB, reserved_at=103.0)
     clock.t += 5
     snap = snapshot(n=1, used_gib=10)
     svc.tick(snap)
@@ -5930,16 +5949,8 @@ def test_a_reading_over_the_devices_memory_counts_as_the_whole_device_not_for_th
 ) -> None:
     """NVML once said chat's processes hold 1 TiB of an 80 GiB GPU (a bad reading): the
     run's peak is the device's 80 GiB, not a terabyte kept for the rest of the run."""
-    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=1024 * GIB)
-    jobs = [service]
-    clock = Clock()
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
-    )
-    svc.tick(snapshot(n=1, used_gib=60))
-    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
-    clock.t += 5
-    plan = svc.tick(snapshot(n=1, used_gib=10))
+    svc, snap = chat_then_at_10_gib(tmp_path, dataclasses.replace(CHAT, memory_used=1 << 40))
+    plan = svc.tick(snap)
     assert plan is not None
     assert plan.memory_reserved[0] <= 80 * GIB * 1.15, plan.memory_reserved
 
@@ -5949,22 +5960,13 @@ def test_a_reading_from_a_gpu_that_is_not_healthy_is_no_peak_of_its_run(
 ) -> None:
     """While GPU 0 did not answer, chat's reading said 1 TiB: once the GPU answers again
     at 10 GiB, a 30 GiB training job is placed beside it."""
-    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=1024 * GIB)
-    jobs = [service]
-    clock = Clock()
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
-    )
     sick = snapshot(n=1, used_gib=10)
     sick = dataclasses.replace(
-        sick,
-        gpus=(sick.gpus[0]._replace(healthy=False, reason="GPU not answering"),),
+        sick, gpus=(sick.gpus[0]._replace(healthy=False, reason="GPU not answering"),)
     )
-    svc.tick(sick)
-    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
-    clock.t += 5
-    snap = snapshot(n=1, used_gib=10)
-    svc.tick(snap)
+    svc, snap = chat_then_at_10_gib(
+        tmp_path, dataclasses.replace(CHAT, memory_used=1 << 40), first=sick
+    )
     advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
     assert advice.gpu == 0, advice
 
@@ -5972,17 +5974,7 @@ def test_a_reading_from_a_gpu_that_is_not_healthy_is_no_peak_of_its_run(
 def test_a_refusal_for_memory_names_the_job_held_at_its_runs_peak(tmp_path: Path) -> None:
     """nvidia-smi shows 70 GiB free where the plan counts chat at the 60 GiB its run took:
     the refusal says whose peak holds the room, not only how little is free."""
-    service = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
-    jobs = [service]
-    clock = Clock()
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
-    )
-    svc.tick(snapshot(n=1, used_gib=60))
-    jobs[0] = dataclasses.replace(service, memory_used=10 * GIB)
-    clock.t += 5
-    snap = snapshot(n=1, used_gib=10)
-    svc.tick(snap)
+    svc, snap = chat_then_at_10_gib(tmp_path, CHAT)
     advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
     assert advice.gpu == -1, advice
     assert "chat holds its run's peak 60 GiB (now 10 GiB)" in advice.reason, advice.reason
