@@ -261,6 +261,22 @@ class Convergence:
     converged: bool
 
 
+def _gib(n: int) -> str:
+    return f"{round(n / 2**30, 1):g} GiB"
+
+
+def _held_at_peak(gpu: _Gpu) -> list[str]:
+    """The jobs on ``gpu`` reserved at more than NVML shows them use now: the most it
+    showed in their run, which they may take again. A refusal names them, or the memory
+    it says free is far less than ``nvidia-smi`` shows."""
+    return [
+        f"{j.job_id} holds its run's peak {_gib(j.shape.observed_peak_bytes)} "
+        f"(now {_gib(j.memory_used)})"
+        for j, _, mig in gpu.residents
+        if mig is None and j.memory_used is not None and j.shape.observed_peak_bytes > j.memory_used
+    ]
+
+
 @dataclass(frozen=True)
 class Plan:
     placements: tuple[Placement, ...]
@@ -435,11 +451,13 @@ class Planner:
         # A MIG instance's memory is its own (the job must fit in it, see _instance_for):
         # what the GPU's other instances hold cannot crowd it.
         if mig is None and gpu.reserved + need > limit:
+            free = max(0, limit - gpu.reserved) >> 20
             return _Eval(
                 False,
                 0.0,
                 0.0,
-                f"memory: needs {need >> 20} MiB, {max(0, limit - gpu.reserved) >> 20} MiB free under the limit",
+                f"memory: needs {need >> 20} MiB, {free} MiB free under the limit"
+                + "".join(f"; {held}" for held in _held_at_peak(gpu)),
                 "memory",
             )
         if (

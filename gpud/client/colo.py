@@ -3,8 +3,9 @@
 Training calls :func:`throttle_point` once per iteration. It reports the iteration to the
 node's gpud (at most every ``report_every_s``) and sleeps so that the job runs at the duty
 cycle gpud tells it: after an iteration that took ``t`` seconds at duty ``d`` it sleeps
-``t * (1 - d) / d``. MPS thread limits are fixed when the CUDA context is created; sleeping
-is the lever that acts at once (GPUColo does the same). Inference reports latencies with
+``t * (1 - d) / d``, in slices of ``report_every_s``, asking gpud between them. MPS thread
+limits are fixed when the CUDA context is created; sleeping is the lever that acts at once
+(GPUColo does the same). Inference reports latencies with
 ``Latency().observe(seconds)``; they are sent in batches.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,12 +37,23 @@ MAX_LATENCY_S = 3600.0
 # sent saying this much and counts for nothing, as it would at its true age. gpud refuses a
 # report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
 MAX_REPORT_AGE_S = 86400.0
-# How long a directive outlives gpud's last answer: long enough for a restart (systemd's
-# RestartSec=2s and a start of a few seconds), after which gpud restores the guards' duties
-# from colo.json, so the service stays protected through it; past that no guard watches the
-# service any more, and a training job held at the floor would otherwise run 20 times
-# slower for as long as gpud stays away.
-DIRECTIVE_HOLD_S = 60.0
+# How long a directive outlives gpud's last answer: longer than the slowest restart systemd
+# lets gpud make (systemd/gpud.service: TimeoutStopSec=30s to stop, RestartSec=2s, then
+# TimeoutStartSec=90s to start: 122 s), after which gpud restores the guards' duties from
+# colo.json, so the service stays protected through it. The price: past the hold no guard
+# watches the service (a start extended beyond it, as while MIG instances are rebuilt, runs
+# the training at full speed beside it until gpud answers), and before it a training job
+# held at the floor runs 20 times slower for that long when gpud is gone for good.
+DIRECTIVE_HOLD_S = 150.0
+# How long a throttle point waits for gpud's answer. A gpud that accepts the call and never
+# answers (stopped, deadlocked) costs the training loop this much at each call, so calls
+# that fail are spaced out (REPORT_BACKOFF_MAX_S).
+CALL_TIMEOUT_S = 1.0
+# After a failed call the next is tried twice as late as the one before, from
+# ``report_every_s`` (at least CALL_TIMEOUT_S) up to this: a gpud that never answers then
+# costs a loop at most CALL_TIMEOUT_S per REPORT_BACKOFF_MAX_S (about 3 %), and a gpud back
+# from a restart is heard within this much.
+REPORT_BACKOFF_MAX_S = 30.0
 
 
 class _Channel:
@@ -77,8 +90,15 @@ class Throttle:
         hold_s: float = DIRECTIVE_HOLD_S,
     ) -> None:
         """``hold_s``: how long after gpud last answered its directive still holds (a
-        restart's silence); past it, the job runs at full duty, not evicted, until gpud
-        answers again."""
+        restart's silence; a negative or NaN one is refused naming it); past it, said once
+        on stderr, the job runs at full duty, not evicted, until gpud
+        answers again. ``call(job, iterations)``: one report (default: the
+        ``ThrottlePoint`` RPC, waiting at most :data:`CALL_TIMEOUT_S`). A call that fails
+        (raises) is tried again twice as late each time, up to
+        :data:`REPORT_BACKOFF_MAX_S`, so a gpud that accepts calls and answers none costs
+        the loop at most one call's wait per that much time."""
+        if not hold_s >= 0.0:  # NaN too
+            raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s
@@ -89,6 +109,8 @@ class Throttle:
         self._call = call or self._grpc_call
         self._last: float | None = None
         self._last_report = float("-inf")
+        self._interval = report_every_s  # until the next report: longer after failures
+        self._failing = False  # the last call failed
         self._pending = 0
         self.duty = 1.0
         self.evict = False
@@ -99,31 +121,48 @@ class Throttle:
 
         r = self._channel.stub().ThrottlePoint(
             colo_pb2.ThrottlePointRequest(job=job, iterations=iterations),
-            timeout=1.0,
+            timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
         return r.duty, r.evict, r.reason
+
+    def _report(self, now: float) -> None:
+        self._last_report = now
+        try:
+            self.duty, self.evict, self.reason = self._call(self.job, self._pending)
+        except Exception:  # the daemon may be away: keep the last directive a while
+            self._failing = True
+            self._interval = min(
+                REPORT_BACKOFF_MAX_S, 2.0 * max(self._interval, self._every, CALL_TIMEOUT_S)
+            )
+            return
+        self.duty = min(1.0, max(0.01, self.duty))
+        self._pending = 0
+        self._answered = now
+        self._failing = False
+        self._interval = self._every
+
+    def _lapse(self, now: float) -> None:
+        """Past the hold since gpud last answered (its calls failing since), its directive
+        lapses: checked at every point, not only when a backed-off call is tried."""
+        silent = now - self._answered
+        if self._failing and silent > self._hold and (self.duty < 1.0 or self.evict):
+            self.duty, self.evict = 1.0, False
+            self.reason = (
+                f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
+                "running at full duty until it answers"
+            )
+            # Once a lapse: from here the job runs beside a service no guard watches.
+            print(f"gpud.client: job {self.job}: {self.reason}", file=sys.stderr, flush=True)
 
     def point(self) -> float:
         """Call once per iteration; returns the seconds slept."""
         now = self._clock()
         self._pending += 1
         was_evicted = self.evict
-        if self.job and now - self._last_report >= self._every:
-            try:
-                self.duty, self.evict, self.reason = self._call(self.job, self._pending)
-                self.duty = min(1.0, max(0.01, self.duty))
-                self._pending = 0
-                self._answered = now
-            except Exception:  # the daemon may be away: keep the last directive a while
-                silent = now - self._answered
-                if silent > self._hold and (self.duty < 1.0 or self.evict):
-                    self.duty, self.evict = 1.0, False
-                    self.reason = (
-                        f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
-                        "running at full duty until it answers"
-                    )
-            self._last_report = now
+        if self.job and now - self._last_report >= self._interval:
+            self._report(now)
+        self._lapse(now)
         slept = 0.0
         # An eviction is returned at once, so that the job checkpoints and leaves now: at
         # its duty (0.01) the sleep would hold it for 99 iterations' time first, still
@@ -131,9 +170,29 @@ class Throttle:
         # held at that duty from its next iteration.
         told_now = self.evict and not was_evicted
         if self._last is not None and self.duty < 1.0 and not told_now:
-            slept = (now - self._last) * (1.0 - self.duty) / self.duty
-            self._sleep(slept)
+            slept = self._hold_duty(now - self._last)
         self._last = self._clock()
+        return slept
+
+    def _hold_duty(self, busy: float) -> float:
+        """Sleeps so that ``busy`` seconds of work ran at the duty gpud asks, in slices of
+        ``report_every_s`` (at least :data:`CALL_TIMEOUT_S`), reporting between them as a
+        point does: a duty gpud changes, or one that lapses, mid-sleep takes hold within a
+        slice, not after the whole sleep (at duty 0.01, 99 times the iteration). A new
+        eviction ends the sleep at once, as at a point. Returns the seconds slept."""
+        slept = 0.0
+        step = max(self._every, CALL_TIMEOUT_S)
+        while (left := busy * (1.0 - self.duty) / self.duty - slept) > 1e-9:
+            piece = min(left, step)
+            self._sleep(piece)
+            slept += piece
+            now = self._clock()
+            if self.job and now - self._last_report >= self._interval:
+                was_evicted = self.evict
+                self._report(now)
+                if self.evict and not was_evicted:
+                    break
+            self._lapse(now)
         return slept
 
 

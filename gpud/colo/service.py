@@ -256,10 +256,11 @@ class _JobState:
     # the registration it was learned under (RunningJob.registered_at); None: not known
     # (a file from before this was kept, or it has not run since), taken as the same
     registered_at: float | None = None
-    # the most device memory NVML showed its processes use this run, per device (_place):
-    # memory a job gave back (a cache shrunk between bursts) it takes again, so work placed
-    # beside it counts that, not the lull's reading; a new run starts afresh
-    memory_peaks: dict[str, int] = field(default_factory=dict)
+    # the most device memory NVML showed its processes use this run, per device (_place),
+    # with the run's reservation time (RunningJob.reserved_at): memory a job gave back (a
+    # cache shrunk between bursts) it takes again, so work placed beside it counts that, not
+    # the lull's reading; a new run, even one that began between two ticks, starts afresh
+    memory_peaks: dict[str, tuple[float | None, int]] = field(default_factory=dict)
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -560,6 +561,19 @@ def _share_of(config: str) -> float:
 def _place(r: RunningJob) -> str:
     """The key of a job's device: its UUID (GPU or MIG), else its GPU index."""
     return r.device or f"GPU {r.gpu}"
+
+
+def _memory_totals(snapshot: Snapshot) -> dict[str, int]:
+    """The memory of each device of the healthy GPUs NVML read: by GPU UUID, by ``GPU N``
+    (:func:`_place`'s keys) and by MIG device UUID (the instance's own memory)."""
+    totals: dict[str, int] = {}
+    for g in snapshot.gpus:
+        if not g.healthy or g.memory is None:
+            continue
+        totals[g.identity.uuid] = totals[f"GPU {g.identity.index}"] = g.memory.total_bytes
+        for m in g.mig_devices:
+            totals[m.identity.uuid] = m.identity.memory_total_bytes
+    return totals
 
 
 @dataclass(frozen=True)
@@ -1177,7 +1191,7 @@ class ColoService:
                 if not g.healthy
             }
             now = self._clock()
-            self._note_arrivals(running, now)
+            self._note_arrivals(running, now, _memory_totals(snapshot))
             if self._last_tick is not None:
                 # The time gpud was down does not age what the predictor learned.
                 self.predictor.advance(now - self._last_tick)
@@ -1257,10 +1271,14 @@ class ColoService:
             g.reset()
             self._jobs.setdefault(name, _JobState()).guard_since = float("-inf")
 
-    def _note_arrivals(self, running: Sequence[RunningJob], now: float) -> None:
+    def _note_arrivals(
+        self, running: Sequence[RunningJob], now: float, totals: Mapping[str, int]
+    ) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
         restart) arrives anew when it runs again. Jobs first seen in the same tick (all of
-        them after gpud restarts) arrived in the order of their reservations."""
+        them after gpud restarts) arrived in the order of their reservations. ``totals``:
+        the memory of each device of a healthy GPU (:func:`_memory_totals`), which bounds
+        the reading of a job there its run's peak takes."""
         reserved: dict[str, float] = {}
         for r in running:
             st = self._jobs.setdefault(r.name, _JobState())
@@ -1281,9 +1299,15 @@ class ColoService:
                 st.unseen_since, st.unseen_said = None, False
                 st.memory_peaks.clear()
         for r in running:
-            if r.memory_used:
+            total = totals.get(_place(r), totals.get(f"GPU {r.gpu}"))
+            # A reading from a GPU that does not answer, or beyond the device's memory, is
+            # the driver's garbage, not the job's: one would hold the device for the run.
+            if r.memory_used and total is not None:
                 peaks = self._jobs[r.name].memory_peaks
-                peaks[_place(r)] = max(peaks.get(_place(r), 0), r.memory_used)
+                run, peak = peaks.get(_place(r), (r.reserved_at, 0))
+                if run != r.reserved_at:  # another run: the last one's peak is not its own
+                    peak = 0
+                peaks[_place(r)] = (r.reserved_at, max(peak, min(r.memory_used, total)))
         order = sorted(reserved, key=lambda n: (self._jobs[n].arrived, reserved[n], n))
         for rank, name in enumerate(order):
             self._jobs[name].rank = rank
@@ -2243,7 +2267,8 @@ class ColoService:
         if r.memory_used is not None:
             shape.observe_memory(r.memory_used)
         if profile is None:  # running: what it took this run it may take again
-            shape.observe_memory(st.memory_peaks.get(_place(r), 0))
+            run, peak = st.memory_peaks.get(_place(r), (r.reserved_at, 0))
+            shape.observe_memory(peak if run == r.reserved_at else 0)
         self._observe_rates(shape, own)
         return JobView(
             job_id=r.name,

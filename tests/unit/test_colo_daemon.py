@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,7 +20,13 @@ from prometheus_client import CollectorRegistry
 
 from colocate import InterferencePredictor, JobFeatures, JobView
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
-from gpud.client.colo import Latency, Throttle
+from gpud.client.colo import (
+    CALL_TIMEOUT_S,
+    DIRECTIVE_HOLD_S,
+    REPORT_BACKOFF_MAX_S,
+    Latency,
+    Throttle,
+)
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
@@ -1908,8 +1915,8 @@ def test_throttle_point_sleeps_the_duty_cycle() -> None:
     t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=0.0)
     t.point()  # first iteration: nothing to measure yet
     clock.t += 1.0  # an iteration of 1 s
-    t.point()
-    assert slept == [pytest.approx(3.0)]  # 1 s of work per 4 s: duty 0.25
+    assert t.point() == pytest.approx(3.0)  # 1 s of work per 4 s: duty 0.25
+    assert sum(slept) == pytest.approx(3.0) and max(slept) <= 1.0  # slept in slices
     assert calls[0] == ("train", 1)
 
 
@@ -1936,7 +1943,7 @@ def test_throttle_point_returns_an_eviction_at_once() -> None:
     assert (t.evict, t.reason) == (True, "GPU 0 memory over its limit") and slept == []
     clock.t += 1.0  # it ignores the eviction and iterates again
     t.point()
-    assert slept == [pytest.approx(99.0)]
+    assert sum(slept) == pytest.approx(99.0)
 
 
 def test_throttle_point_keeps_going_without_a_daemon() -> None:
@@ -1951,7 +1958,8 @@ def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -
     """gpud killed (kill -9, a crash loop, systemctl stop) while the guard held a training
     job at duty 0.05: the job keeps that duty through a restart's worth of silence
     (``hold_s``), the service still protected, then runs at full speed, not 20 times slower
-    for as long as gpud stays away; once gpud answers again its directive holds again."""
+    for as long as gpud stays away; once gpud answers again (asked within the back-off of
+    the failed calls) its directive holds again."""
     clock = Clock()
     slept: list[float] = []
     told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
@@ -1970,15 +1978,124 @@ def test_a_throttle_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -
     told[0] = None  # gpud is gone
     clock.t += 1.0
     t.point()
-    assert t.duty == 0.05 and slept == [pytest.approx(19.0)]  # held through a restart
+    assert t.duty == 0.05 and sum(slept) == pytest.approx(19.0)  # held through a restart
     clock.t += 20.0  # past the hold since gpud last answered
     assert t.point() == 0.0
     assert t.duty == 1.0 and not t.evict
     assert "gpud has not answered for 40 s" in t.reason, t.reason
-    told[0] = (0.5, False, "SLO guard")  # back
-    clock.t += 1.0
+    told[0] = (0.5, False, "SLO guard")  # back: asked again once the back-off ran out
+    clock.t += REPORT_BACKOFF_MAX_S
+    assert t.point() == pytest.approx(REPORT_BACKOFF_MAX_S)
+    assert t.duty == 0.5
+
+
+def test_a_gpud_that_never_answers_costs_the_training_loop_a_bounded_number_of_waits() -> None:
+    """gpud stopped (SIGSTOP, a deadlock) accepts each call and answers none: each call
+    waits its timeout. The calls are spaced out after each failure, so 50 ms iterations for
+    10 minutes wait on at most a few dozen calls, not one a second for ever; once gpud
+    answers again it is asked every ``report_every_s`` again."""
+    clock = Clock()
+    answering = [True]
+    calls: list[float] = []
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        calls.append(clock.t)
+        if not answering[0]:
+            clock.t += CALL_TIMEOUT_S  # the call waits its whole timeout, then fails
+            raise TimeoutError("deadline exceeded")
+        return 0.5, False, "SLO guard"
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=1.0, hold_s=60.0)
     t.point()
-    assert t.duty == 0.5 and slept[-1] == pytest.approx(1.0)
+    answering[0] = False
+    calls.clear()
+    for _ in range(12000):  # 10 minutes of 50 ms iterations
+        clock.t += 0.05
+        t.point()
+    assert len(calls) <= 600 / REPORT_BACKOFF_MAX_S + 6, len(calls)
+    assert t.duty == 1.0 and "directive lapsed" in t.reason  # past the hold, full duty
+    answering[0] = True
+    calls.clear()
+    for _ in range(2 * int(REPORT_BACKOFF_MAX_S) * 20):
+        clock.t += 0.05
+        t.point()
+    assert t.duty == 0.5 and len(calls) >= REPORT_BACKOFF_MAX_S - 1, len(calls)
+
+
+def test_a_directive_outlives_the_slowest_restart_the_unit_allows_gpud() -> None:
+    """systemd stops gpud within TimeoutStopSec, waits RestartSec and gives the start
+    TimeoutStartSec: a directive held for less would let throttled training run at full
+    speed beside an unprotected service through a slow restart."""
+    unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
+
+    def seconds(key: str) -> float:
+        match = re.search(rf"^{key}=(\d+)s$", unit, re.MULTILINE)
+        assert match, key
+        return float(match.group(1))
+
+    budget = seconds("TimeoutStopSec") + seconds("RestartSec") + seconds("TimeoutStartSec")
+    assert budget <= DIRECTIVE_HOLD_S, (DIRECTIVE_HOLD_S, budget)
+
+
+def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    clock = Clock()
+    told: list[tuple[float, bool, str] | None] = [(0.05, False, "SLO guard")]
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if told[0] is None:
+            raise OSError("no socket")
+        return told[0]
+
+    t = Throttle("train", clock=clock, sleep=lambda s: None, call=call, hold_s=30.0)
+    t.point()
+    told[0] = None
+    for _ in range(200):
+        clock.t += 1.0
+        t.point()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "gpud.client: job train: gpud has not answered for 31 s: its directive lapsed, "
+        "running at full duty until it answers"
+    ], err
+
+
+@pytest.mark.parametrize("hold", [float("nan"), -1.0])
+def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
+    with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
+        Throttle("train", call=lambda j, i: (1.0, False, ""), hold_s=hold)
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+def test_a_job_held_at_the_floor_sees_its_directive_lapse_or_lift_within_its_sleep(
+    lifted: bool,
+) -> None:
+    """An evicted job that goes on with 2 s iterations sleeps 198 s at duty 0.01: gpud
+    gone 5 s into that sleep, the directive lapses at the hold (30 s), not after the whole
+    sleep; gpud lifting the eviction mid-sleep is heard within a slice."""
+    clock = Clock()
+    start = clock.t
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if clock.t - start > 5.0:
+            if lifted:
+                return 1.0, False, "no SLO pressure"
+            raise OSError("no socket")
+        return 0.0, True, "GPU 0 memory over its limit"
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=1.0, hold_s=30.0)
+    t.point()  # the eviction, returned at once
+    clock.t += 2.0  # it goes on: an iteration of 2 s
+    slept = t.point()
+    assert t.duty == 1.0 and not t.evict, t.reason
+    assert slept <= (5.0 if lifted else 35.0), slept
 
 
 def test_an_eviction_from_a_gpud_that_stopped_answering_lapses_after_its_hold() -> None:
@@ -5783,3 +5900,81 @@ def test_a_service_whose_memory_fell_back_keeps_its_peak_reserved_beside_new_wor
     clock.t += 5
     svc.tick(snap)
     assert svc.advise("train", memory_bytes=30 * GIB, snapshot=snap).gpu == 0
+
+
+def chat_then_at_10_gib(
+    tmp_path: Path, then: RunningJob, first: Snapshot | None = None
+) -> tuple[ColoService, Snapshot]:
+    """A loop that saw ``then`` at a tick on ``first`` (GPU 0 at 60 GiB used), then, 5 s
+    on, the same run (or ``then``'s next, by its reserved_at) using 10 GiB: the loop and
+    that second snapshot."""
+    jobs = [then]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(first or snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(then, memory_used=10 * GIB)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    return svc, snap
+
+
+CHAT = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_used=60 * GIB)
+
+
+def test_a_new_run_started_between_two_ticks_does_not_inherit_the_last_runs_peak(
+    tmp_path: Path,
+) -> None:
+    """chat's run reserved at 100 grew to 60 GiB; it stopped and a new run reserved at 103,
+    using 10 GiB, before the loop's next tick saw it gone: the new run is planned at what
+    it uses, and a 30 GiB training job is placed beside it."""
+    jobs = [dataclasses.replace(CHAT, reserved_at=100.0)]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(n=1, used_gib=60))
+    jobs[0] = dataclasses.replace(CHAT, memory_used=10 * GIB, reserved_at=103.0)
+    clock.t += 5
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == 0, advice
+
+
+def test_a_reading_over_the_devices_memory_counts_as_the_whole_device_not_for_the_run(
+    tmp_path: Path,
+) -> None:
+    """NVML once said chat's processes hold 1 TiB of an 80 GiB GPU (a bad reading): the
+    run's peak is the device's 80 GiB, not a terabyte kept for the rest of the run."""
+    svc, snap = chat_then_at_10_gib(tmp_path, dataclasses.replace(CHAT, memory_used=1 << 40))
+    plan = svc.tick(snap)
+    assert plan is not None
+    assert plan.memory_reserved[0] <= 80 * GIB * 1.15, plan.memory_reserved
+
+
+def test_a_reading_from_a_gpu_that_is_not_healthy_is_no_peak_of_its_run(
+    tmp_path: Path,
+) -> None:
+    """While GPU 0 did not answer, chat's reading said 1 TiB: once the GPU answers again
+    at 10 GiB, a 30 GiB training job is placed beside it."""
+    sick = snapshot(n=1, used_gib=10)
+    sick = dataclasses.replace(
+        sick, gpus=(sick.gpus[0]._replace(healthy=False, reason="GPU not answering"),)
+    )
+    svc, snap = chat_then_at_10_gib(
+        tmp_path, dataclasses.replace(CHAT, memory_used=1 << 40), first=sick
+    )
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == 0, advice
+
+
+def test_a_refusal_for_memory_names_the_job_held_at_its_runs_peak(tmp_path: Path) -> None:
+    """nvidia-smi shows 70 GiB free where the plan counts chat at the 60 GiB its run took:
+    the refusal says whose peak holds the room, not only how little is free."""
+    svc, snap = chat_then_at_10_gib(tmp_path, CHAT)
+    advice = svc.advise("train", memory_bytes=30 * GIB, snapshot=snap)
+    assert advice.gpu == -1, advice
+    assert "chat holds its run's peak 60 GiB (now 10 GiB)" in advice.reason, advice.reason
