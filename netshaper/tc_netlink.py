@@ -77,7 +77,7 @@ import errno as errno_mod
 import os
 import socket
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -117,6 +117,7 @@ NLM_F_REQUEST = 0x1
 NLM_F_MULTI = 0x2
 NLM_F_ACK = 0x4
 NLM_F_DUMP = 0x300
+NLM_F_DUMP_INTR = 0x10
 NLM_F_REPLACE = 0x100
 NLM_F_EXCL = 0x200
 NLM_F_CREATE = 0x400
@@ -562,15 +563,29 @@ class _Netlink:
         seq = self._next_seq()
         hdr = _NLMSGHDR.pack(16 + len(body), mtype, NLM_F_REQUEST | kind, seq, 0)
         self._sock.send(hdr + body)
-        out: list[memoryview] = []
-        while True:
-            for rtype, flags, rseq, payload in _messages(self._sock.recv(1 << 20)):
-                if rseq != seq:
-                    continue  # a late answer to an earlier request
-                if rtype in (NLMSG_DONE, NLMSG_ERROR):
-                    ack = _ack(rseq, flags, payload) if len(payload) >= 4 else None
-                    return out, ack if ack is not None and ack.errno else None
-                out.append(payload)
+        return _answer(lambda: self._sock.recv(1 << 20), seq)
+
+
+def _answer(recv: Callable[[], bytes], seq: int) -> tuple[list[memoryview], Ack | None]:
+    """The reply bodies to request ``seq``, read with ``recv`` up to its end, and the error
+    Ack, if any. A dump the kernel flags ``NLM_F_DUMP_INTR`` (the objects changed while it
+    was dumped: some may be missing or seen twice) is an error, EINTR, as for iproute2: a
+    partial read is not taken for the kernel's state."""
+    out: list[memoryview] = []
+    intr = False
+    while True:
+        for rtype, flags, rseq, payload in _messages(recv()):
+            if rseq != seq:
+                continue  # a late answer to an earlier request
+            intr = intr or bool(flags & NLM_F_DUMP_INTR)
+            if rtype in (NLMSG_DONE, NLMSG_ERROR):
+                ack = _ack(rseq, flags, payload) if len(payload) >= 4 else None
+                if ack is not None and ack.errno:
+                    return out, ack
+                if intr:
+                    return out, Ack(seq, errno_mod.EINTR, "dump interrupted by a change")
+                return out, None
+            out.append(payload)
 
 
 def _ack(seq: int, flags: int, payload: memoryview) -> Ack:

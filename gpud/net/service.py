@@ -408,6 +408,10 @@ class TrafficService:
         # interfaces whose tree a run before left (adopted at start): their first reading
         # is the baseline, what the leaves carry from before gpud started is not counted
         self._baseline_due: set[str] = set()
+        # interfaces the start could not read (missing, EBUSY, ENOBUFS): read again before
+        # any pass on them, which would otherwise replace a root gpud never saw (so never
+        # recorded) and count the leaves of a tree left by the run before from 0
+        self._adopt_due: set[str] = set()
         # what each level's leaves sent since gpud started, each read counted at the level
         # its job had while it was sent: not the sum of the jobs at the level now, which
         # goes down when a job moves off it or goes (a Prometheus counter never does)
@@ -1380,11 +1384,9 @@ class TrafficService:
             for iface, found in self._tc.adopt(self.config.interfaces).items():
                 if isinstance(found, Exception):
                     self._fail(self._ifaces[iface], _describe(iface, found))
+                    self._adopt_due.add(iface)
                     continue
-                self._originals[iface] = self._original(iface, found)
-                if found.original is None and found.state.root is not None:  # gpud's tree
-                    self._found[iface] = found.state
-                    self._baseline_due.add(iface)
+                self._take(iface, found)
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
@@ -1397,6 +1399,30 @@ class TrafficService:
                     "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
                 )
             self._unshape_dropped()
+
+    def _take(self, iface: str, found: AdoptedLike) -> None:
+        """What gpud keeps of ``iface`` as read before its first pass: the root to give
+        back, and gpud's tree, if it is there, to take over and count from."""
+        self._originals[iface] = self._original(iface, found)
+        if found.original is None and found.state.root is not None:  # gpud's tree
+            self._found[iface] = found.state
+            self._baseline_due.add(iface)
+
+    def _adopt_late(self, tags: Mapping[str, int]) -> None:
+        """Read the interfaces the start could not, before their first pass. The levels
+        found are not taken (the start's window for them is over: the jobs' levels now are
+        decided), the home level of a job's leaf is, where the job has none yet, so that
+        its class and its counters stay."""
+        if not self._adopt_due or self._tc is None:
+            return
+        for iface, found in self._tc.adopt(sorted(self._adopt_due)).items():
+            if isinstance(found, Exception):
+                self._fail(self._ifaces[iface], _describe(iface, found))
+                continue
+            self._adopt_due.discard(iface)
+            self._take(iface, found)
+            for job, home in self._levels_in(found.state, tags, homes=True).items():
+                self._homes.setdefault(job, home)
 
     def _original(self, iface: str, found: AdoptedLike) -> tcplan.RootQdisc | None:
         """The root qdisc ``iface`` had before gpud took it. ``found.original`` is the root
@@ -1486,8 +1512,11 @@ class TrafficService:
     ) -> None:
         if self._tc is None:
             return
+        self._adopt_late(tags)
         links: dict[str, int] = {}
         for iface, status in self._ifaces.items():
+            if iface in self._adopt_due:  # still unread: its error is the adopt's
+                continue
             try:
                 links[iface] = status.rate_bps = self.link_rate(iface)
             except GpudError as err:
@@ -1530,7 +1559,9 @@ class TrafficService:
                 continue
             self._applied[iface] = want
             # what the leaves send from now on is sent at this pass's levels; what they sent
-            # since the last read, at those enforced before
+            # since the last read, at those enforced before. Taken before the read below:
+            # this pass's levels are in the kernel whether or not it reads, so where the read
+            # fails the next one counts all it finds at them (a pass's worth of blur)
             sent_at = self._sent_at.get(iface, {})
             self._sent_at[iface] = {job: lv for job, lv in levels.items() if job in tags}
             if found is not None and not res.replaced:
@@ -1587,9 +1618,12 @@ class TrafficService:
             for cid, raw in counters.items()
             if cid in by_class
         }
-        # only the classes there now: one deleted and made again later starts at 0
         last = read if iface in self._baseline_due else self._last_read.get(iface, {})
-        self._last_read[iface] = read
+        # the classes still planned keep their last reading where this read lacks them (a
+        # dump cut short): the next read that has them counts from it, not from 0. One out
+        # of the plan is dropped: deleted and made again later, it starts at 0
+        kept = {cid: r for cid, r in last.items() if cid in by_class and cid not in read}
+        self._last_read[iface] = {**kept, **read}
         self._baseline_due.discard(iface)
         for cid, now in read.items():
             job = by_class[cid]
@@ -1606,6 +1640,10 @@ class TrafficService:
         restore leaves the new one the root the kernel gave it, across a restart too."""
         self._replaced[iface] = replaced
         self._found.pop(iface, None)  # the tree adopted at start went with the old netdev
+        # and so did its classes' counters: the new tree's start at 0, so its first read
+        # is counted whole, whichever pass makes it (not a baseline, nor less the old's)
+        self._baseline_due.discard(iface)
+        self._last_read.pop(iface, None)
         if self._shaped is not None:
             self._shaped.forget_original(iface)
 
@@ -1817,7 +1855,10 @@ class TrafficService:
         """The root qdisc to give ``iface`` back, and the ifindex it was recorded on (None:
         no need to say, or not known). One adopted at start is the netdev the adapter looked
         up then, which it compares the name against itself. One the start could not read
-        (missing, EBUSY, ENOBUFS) has only the record, and the record's ifindex."""
+        (missing, EBUSY, ENOBUFS) and no pass read since has only the record, and the
+        record's ifindex: no pass touched it either (one is only made after a read), so
+        the kernel holds what the run before left, and the restore puts the record back
+        only where that is gpud's HTB root (another root is left as it is)."""
         if iface in self._originals:
             return self._originals[iface], None
         if self._shaped is None:
@@ -1840,10 +1881,11 @@ def _unshaped(original: tcplan.RootQdisc | None, done: RestoredLike, replaced: s
 
 def _root_name(root: tcplan.RootQdisc | None) -> str:
     """``tc qdisc show``'s kind and handle; the kind alone where the handle is 0 (the
-    kernel's own, unnumbered root). None is a netdev that dumps no root: one that is down
-    (the kernel's ``noqueue`` is dumped like any other root)."""
+    kernel's own, unnumbered root). None is a netdev that dumps no root: one not up since
+    it was made, or whose root was deleted while it was down (the kernel's ``noqueue`` is
+    dumped like any other root)."""
     if root is None:
-        return "none: the netdev is down"
+        return "none (a netdev not up since it was made, or its root deleted while down)"
     return f"{root.kind} {tcplan.format_qdisc_handle(root.handle)}" if root.handle else root.kind
 
 

@@ -715,6 +715,57 @@ def test_a_restart_counts_from_the_kernels_reading_at_its_first_pass(rig: Rig) -
     assert _sent(rig, "a") == (200, 2, 0)
 
 
+@dataclasses.dataclass
+class UnreadTc(FakeTc):
+    """The next ``unread`` counter reads fail; the next one leaves out the ``cut`` classes
+    (a dump cut short)."""
+
+    unread: int = 0
+    cut: set[int] = dataclasses.field(default_factory=set)
+
+    def counters(self, iface: str) -> Mapping[int, FakeCounters]:
+        if self.unread:
+            self.unread -= 1
+            raise OSError(105, f"{iface}: cannot read tc state: ENOBUFS")
+        read = super().counters(iface)
+        cut, self.cut = self.cut, set()
+        return {cid: c for cid, c in read.items() if cid not in cut}
+
+
+def test_a_class_a_read_left_out_counts_from_its_reading_before(rig: Rig) -> None:
+    rig.tc = UnreadTc()
+    rig.service = rig.make()
+    leaf = _a_sent_at_level_1(rig, drops=0)
+    rig.tc.cut = {leaf}
+    rig.service.tick()
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1100, 11, 0)
+    rig.service.tick()
+    assert _sent(rig, "a") == (1100, 11, 0)
+    assert _level_bytes(rig)["1"] == 1100
+
+
+def test_a_tree_built_on_a_netdev_made_again_counts_its_classes_from_0(rig: Rig) -> None:
+    leaf = _a_sent_at_level_1(rig, drops=0)
+    _made_again(rig)
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(5000, 50, 0)  # the new class's, since made
+    rig.service.tick()
+    assert _leaf(rig, "a").classid == leaf
+    assert _sent(rig, "a") == (6000, 60, 0)  # not less the old class's 1000
+
+
+def test_a_tree_adopted_then_built_again_counts_its_first_read_whole(rig: Rig) -> None:
+    leaf = _a_sent_at_level_1(rig, drops=0)
+    rig.tc = UnreadTc(states=dict(rig.tc.states), sent=dict(rig.tc.sent))
+    rig.service = rig.make()  # kill -9 and start again: gpud's tree adopted
+    rig.service.start()
+    _made_again(rig)  # before the first pass, which builds the tree again
+    rig.tc.unread = 1  # and cannot read it
+    rig.service.tick()
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(5000, 50, 0)
+    rig.service.tick()
+    assert _sent(rig, "a") == (5000, 50, 0)  # not taken as the baseline of the old tree's
+
+
 def test_what_is_sent_while_an_interface_fails_counts_at_the_level_the_kernel_had(
     rig: Rig,
 ) -> None:
@@ -2013,7 +2064,8 @@ def test_a_restore_on_a_netdev_down_without_gpuds_tree_does_not_call_its_root_no
     (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
     assert done.message == (
         "eth0: traffic.shutdown = restore: gpud's HTB root was not there: the root qdisc"
-        " found (none: the netdev is down) is left as it is"
+        " found (none (a netdev not up since it was made, or its root deleted while down))"
+        " is left as it is"
     )
 
 
@@ -2960,11 +3012,16 @@ def test_a_restore_in_the_run_that_found_the_netdev_made_again_keeps_the_old_roo
 
 @dataclasses.dataclass
 class BusyTc(FakeTc):
-    """The start's read of eth0 fails (EBUSY, as netlink says it); later passes work."""
+    """The first ``busy`` reads of eth0 before a pass fail (EBUSY, as netlink says it);
+    later ones, and the passes, work."""
+
+    busy: int = 1
 
     def adopt(self, ifaces: Iterable[str]) -> Mapping[str, FakeAdopted | Exception]:
         found = dict(super().adopt(ifaces))
-        found["eth0"] = OSError(16, "eth0: Device or resource busy")
+        if self.busy and "eth0" in found:
+            self.busy -= 1
+            found["eth0"] = OSError(16, "eth0: Device or resource busy")
         return found
 
 
@@ -2978,6 +3035,64 @@ def test_a_restore_gives_back_the_recorded_root_where_the_start_could_not_read_i
     rig.service.tick()
     rig.service.shutdown()
     assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+
+
+def _busy_at_start(rig: Rig, busy: int = 1) -> None:
+    """gpud starts again (the kernel as the run before left it) and cannot read eth0 in
+    its first ``busy`` tries; then it ticks once."""
+    rig.tc = BusyTc(states=dict(rig.tc.states), sent=dict(rig.tc.sent), busy=busy)
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.service.view().interfaces[0].error
+    rig.service.tick()
+
+
+def test_a_tree_the_start_could_not_read_is_counted_from_its_first_pass(rig: Rig) -> None:
+    leaf = _a_sent_at_level_1(rig, drops=0)  # then kill -9: the tree and its counts stay
+    _busy_at_start(rig)
+    assert rig.service.view().interfaces[0].enforced
+    assert _leaf(rig, "a").classid == leaf
+    assert _sent(rig, "a") == (0, 0, 0)  # the run before's 1000 bytes are not counted again
+    assert sum(_level_bytes(rig).values()) == 0
+    assert "eth0" in [e.fields["interface"] for e in rig.events.recent(100, "net.takeover")]
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1200, 12, 0)
+    rig.service.tick()
+    assert _sent(rig, "a") == (200, 2, 0)
+
+
+def _cake_put_on_after_a_fail_static_stop(rig: Rig) -> tcplan.RootQdisc:
+    """Run 1 took eth0 over pfifo_fast (recorded) and stopped fail-static; the operator
+    then replaced gpud's tree by cake, the root returned."""
+    _shaped_over(rig, PFIFO_FAST)
+    cake = tcplan.RootQdisc("cake", 0x80010000)
+    rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", cake)
+    return cake
+
+
+def test_a_root_put_on_while_gpud_was_stopped_is_given_back_where_the_start_could_not_read_it(
+    rig: Rig,
+) -> None:
+    cake = _cake_put_on_after_a_fail_static_stop(rig)
+    _busy_at_start(rig)  # the pass reads eth0 before it replaces cake by gpud's tree
+    assert ShapedInterfaces(rig.store).original("eth0") == cake
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {"eth0": cake}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "its root qdisc from before gpud is back: cake 8001:" in done.message
+
+
+def test_an_interface_gpud_cannot_read_is_not_shaped_and_its_root_is_left_as_it_is(
+    rig: Rig,
+) -> None:
+    cake = _cake_put_on_after_a_fail_static_stop(rig)
+    _busy_at_start(rig, busy=2)  # the read before the pass fails as well
+    (eth0,) = rig.service.view().interfaces
+    assert not eth0.enforced and "Device or resource busy" in eth0.error
+    assert rig.tc.states["eth0"].root == cake
+    rig.service.shutdown()
+    assert rig.tc.restored_to == {}  # pfifo_fast, recorded by run 1, is not put on
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "the root qdisc found (cake 8001:) is left as it is" in done.message
 
 
 def _eth1_taken_over_pfifo_fast(tmp_path: Path, sysfs: Path) -> Rig:
@@ -2996,11 +3111,13 @@ def test_an_interface_taken_out_after_being_made_again_keeps_the_root_the_kernel
     rig = _eth1_taken_over_pfifo_fast(tmp_path, sysfs)
     assert ShapedInterfaces(rig.store).original_ifindex("eth1") == 4
     _made_again_in_a_run_started_without_it(rig, "eth1")  # run 2; then stopped
+    # run 2 read eth1 before its pass: the record was ifindex 4's, dropped
+    assert ShapedInterfaces(rig.store).original("eth1") is None
     rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
     _restart(rig)  # run 3
     assert rig.tc.restored_to == {"eth1": None}
     (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
-    assert "(ifindex 9, was 4)" in done.message
+    assert "the kernel's default root qdisc is back" in done.message
 
 
 def test_a_netdev_missing_at_start_that_comes_back_as_itself_keeps_its_original(

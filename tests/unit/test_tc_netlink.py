@@ -14,14 +14,19 @@ from dataclasses import dataclass, field
 
 from netshaper import tcplan as tp
 from netshaper.tc_netlink import (
+    NLM_F_DUMP_INTR,
+    NLM_F_MULTI,
+    NLMSG_DONE,
     RTM_DELQDISC,
     RTM_GETLINK,
     RTM_GETQDISC,
     RTM_NEWQDISC,
+    RTM_NEWTCLASS,
     TC_H_ROOT,
     Ack,
     InterfaceResult,
     TcNetlink,
+    _answer,
 )
 
 LINKS = {"eth0": 1, "eth1": 2}
@@ -260,3 +265,30 @@ def test_a_root_re_installed_whose_read_back_fails_is_still_restored() -> None:
     assert (done.ours, done.replaced, done.root) == (True, "", None)
     assert nl.reinstalled
     tc.close()
+
+
+def _reply(mtype: int, flags: int, seq: int, payload: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(payload), mtype, flags, seq, 0) + payload
+
+
+def _dumped(*chunks: bytes) -> tuple[list[memoryview], Ack | None]:
+    """What ``_answer`` makes of the kernel's reply to request 7, ``chunks`` one recv each."""
+    replies = list(chunks)
+    return _answer(lambda: replies.pop(0), 7)
+
+
+def test_a_dump_the_kernel_says_was_interrupted_is_a_read_error() -> None:
+    cls = _reply(RTM_NEWTCLASS, NLM_F_MULTI | NLM_F_DUMP_INTR, 7, b"\0" * 20)
+    done = _reply(NLMSG_DONE, NLM_F_MULTI | NLM_F_DUMP_INTR, 7, struct.pack("=i", 0))
+    bodies, err = _dumped(cls, done)
+    assert len(bodies) == 1
+    assert err is not None and err.errno == errno.EINTR
+    assert err.detail == "dump interrupted by a change"
+
+
+def test_a_dump_read_whole_is_its_bodies_without_an_error() -> None:
+    late = _reply(RTM_NEWTCLASS, NLM_F_MULTI | NLM_F_DUMP_INTR, 6, b"\0" * 20)  # request 6's
+    cls = _reply(RTM_NEWTCLASS, NLM_F_MULTI, 7, b"\0" * 20)
+    done = _reply(NLMSG_DONE, NLM_F_MULTI, 7, struct.pack("=i", 0))
+    bodies, err = _dumped(late + cls, done)
+    assert len(bodies) == 1 and err is None
