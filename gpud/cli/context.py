@@ -342,6 +342,14 @@ def probe_socket(path: Path, timeout: float) -> None:
     except OSError as err:
         if err.errno == errno.EACCES:
             raise _denied(path) from None
+        if err.errno == errno.EAGAIN:
+            # the kernel's queue of connections gpud has not accepted is full: it runs
+            raise CliError(
+                f"gpud on {shown_path(path)} takes no more connections: the queue of those it"
+                " has not accepted is full (it accepts none: stopped, or its event loop"
+                " stuck); check `systemctl status gpud`",
+                EXIT_NOT_RUNNING,
+            ) from None
         # e.g. "AF_UNIX path too long" carries no errno
         raise _not_running(path, f"cannot connect ({err.strerror or err}) to") from None
     finally:

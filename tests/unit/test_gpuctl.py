@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import io
@@ -1523,6 +1524,27 @@ def test_a_follower_of_a_hung_gpud_gives_up_after_the_timeout_saying_it_does_not
     doc = json.loads(err)["error"]
     assert code == 3 and out == "" and doc["code"] == "DEADLINE_EXCEEDED", err
     assert doc["message"].startswith(f"gpud did not answer within 1 s on {path}"), err
+
+
+def test_a_gpud_whose_queue_of_connections_is_full_is_not_called_not_running(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    path = sock_dir / "gpud.sock"
+    with contextlib.ExitStack() as held:
+        hung = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        hung.bind(str(path))
+        hung.listen(0)
+        while True:  # fill the queue of connections it never accepts
+            waiting = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            waiting.setblocking(False)
+            try:
+                waiting.connect(str(path))
+            except BlockingIOError:
+                break
+        code, out, err = run(capsys, "--socket", str(path), "--timeout", "1", "status")
+    assert code == 3 and out == "", err
+    assert err.startswith(f"gpuctl: gpud on {path} takes no more connections: "), err
+    assert "not running" not in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
