@@ -16,7 +16,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - free text a request may carry (a progress report's session): one short line;
 - files read whole at start and on reload (the config, the cluster's certificates), read so
   that a named pipe, a device or a file far too big fails at once rather than hangs;
-- which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
+- which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents), and
+  which texts can name a GPU there;
 - the initial metadata that says a WatchEvents stream is live (``events --follow``);
 - the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
 - a number a range check refuses, written with every digit it has;
@@ -295,6 +296,13 @@ WATCHING_KEY = "gpud-watching"
 # GPU and the MIG device itself (``gpu_uuid``, ``mig_uuid``: as the metrics label them), a
 # MIG device's UUID before it was re-created (``previous_uuid``).
 UUID_FIELDS = ("uuid", "gpu_uuid", "mig_uuid", "previous_uuid")
+
+
+def names_an_event_gpu(gpu: str) -> bool:
+    """Whether ``gpu`` (stripped) can name a GPU in the event log: an index or a GPU or MIG
+    device UUID. Anything else matches no event, and a filter of it would list nothing, as
+    if the GPU had no history."""
+    return (gpu.isascii() and gpu.isdigit()) or gpu.startswith(("GPU-", "MIG-"))
 
 
 def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:

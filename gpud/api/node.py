@@ -35,8 +35,15 @@ from gpud.errors import (
     Unavailable,
 )
 from gpud.events import DEFAULT_WATCH_BUFFER
+from gpud.jobs.registry import MAX_NAME, check_name
 from gpud.mps.procs import PID_MAX
-from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, format_number
+from gpud.shared import (
+    MAX_EVENT_LIMIT,
+    WATCHING_KEY,
+    format_number,
+    names_an_event_gpu,
+    shown,
+)
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -60,10 +67,21 @@ _FAULT_NAMES = {
 
 
 def _event_limit(request: pb.ListEventsRequest | pb.WatchEventsRequest) -> int:
-    """The request's limit (its default for 0), its kind prefix checked."""
+    """The request's limit (its default for 0), its kind prefix and its filters checked: a
+    ``gpu`` that is neither an index nor a GPU/MIG UUID, or a ``job`` no job could be
+    named, matches no event, and a listing (or a watch that would wait forever) would say
+    nothing about why, as gpuctl refuses them (exit 2)."""
     limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
     if len(request.kind_prefix) > 256:
         raise InvalidArgument("longer than 256 characters", field="kind_prefix")
+    gpu = request.gpu.strip()
+    if gpu and not names_an_event_gpu(gpu):
+        raise InvalidArgument(
+            f"expected a GPU index or a GPU-/MIG- UUID, got {shown(request.gpu, MAX_NAME)}",
+            field="gpu",
+        )
+    if request.job:
+        check_name(request.job, field="job")
     return limit or DEFAULT_EVENT_LIMIT
 
 
@@ -227,6 +245,9 @@ class NodeServicer(pb_grpc.NodeServicer):
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         limit = _event_limit(request)
+        after_time = validate.non_negative_seconds(
+            request.after_time_unix_seconds, field="after_time_unix_seconds"
+        )
         log = self._events
         if log is None:
             return
@@ -252,7 +273,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             gpu=request.gpu.strip(),
             job=request.job,
             after_seq=request.after_seq,
-            after_time=request.after_time_unix_seconds,
+            after_time=after_time,
             buffer=self._watch_buffer,
         )
         self._watchers[local] += 1

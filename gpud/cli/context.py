@@ -188,6 +188,10 @@ for _code_name, _exit in ERROR_TABLE.values():
     _STATUS_BY_EXIT.setdefault(_exit, _code_name)
 
 
+# gRPC's words for a connection the socket accepted but no HTTP/2 settings came back on
+CONNECT_TIMED_OUT = "connection attempt timed out"
+
+
 class CliError(Exception):
     """A failure to report in one line and exit with ``exit_code``; ``error`` names the
     daemon's error class (``gpud.errors``) when the daemon raised it; ``status``, the gRPC
@@ -338,6 +342,14 @@ def probe_socket(path: Path, timeout: float) -> None:
     except OSError as err:
         if err.errno == errno.EACCES:
             raise _denied(path) from None
+        if err.errno == errno.EAGAIN:
+            # the kernel's queue of connections gpud has not accepted is full: it runs
+            raise CliError(
+                f"gpud on {shown_path(path)} takes no more connections: the queue of those it"
+                " has not accepted is full (it accepts none: stopped, or its event loop"
+                " stuck); check `systemctl status gpud`",
+                EXIT_NOT_RUNNING,
+            ) from None
         # e.g. "AF_UNIX path too long" carries no errno
         raise _not_running(path, f"cannot connect ({err.strerror or err}) to") from None
     finally:
@@ -359,7 +371,13 @@ class Context:
             import grpc  # here, not at the top: `gpuctl --help` must not pay for it
 
             probe_socket(self.socket_path, self.timeout)
-            self._channel = grpc.insecure_channel(f"unix:{self.socket_path.absolute()}")
+            # A gpud that accepts the connection but never speaks (stopped, its loop stuck)
+            # is waited for up to gRPC's connect timeout, 20 s by default, even by a stream
+            # with no deadline (events --follow): --timeout bounds it too.
+            self._channel = grpc.insecure_channel(
+                f"unix:{self.socket_path.absolute()}",
+                options=[("grpc.min_reconnect_backoff_ms", max(1, round(self.timeout * 1000)))],
+            )
         return self._channel
 
     def stub(self, stub_class: Callable[[Any], T]) -> T:
@@ -395,6 +413,10 @@ class Context:
                 status=code.name,
             )
         # no gpud metadata: the error came from gRPC itself, not from the daemon's code
+        if code == grpc.StatusCode.UNAVAILABLE and CONNECT_TIMED_OUT in details:
+            # the socket took the connection (the probe did) but gpud sent nothing back: it
+            # runs, and does not answer, as a call past its deadline
+            code, timeout = grpc.StatusCode.DEADLINE_EXCEEDED, None
         if code == grpc.StatusCode.UNAVAILABLE:
             if details.startswith("failed to connect"):
                 return _not_running(self.socket_path, f"cannot reach it ({details}) on")

@@ -21,17 +21,15 @@ from gpud.cli.context import (
 )
 from gpud.cli.output import json_text, message_to_dict
 from gpud.cli.pipes import when_reader_goes
-from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, is_about
+from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, is_about, names_an_event_gpu
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 
 def event_gpu(text: str) -> str:
-    """An argparse ``type``: a GPU as the event log names it, its index or a GPU or MIG
-    device UUID. Anything else would match no event and list nothing, as if the GPU had no
-    history."""
+    """An argparse ``type``: a GPU as the event log names it (:func:`names_an_event_gpu`)."""
     gpu = text.strip()
-    if (gpu.isascii() and gpu.isdigit()) or gpu.startswith(("GPU-", "MIG-")):
+    if names_an_event_gpu(gpu):
         return gpu
     raise argparse.ArgumentTypeError(
         f"expected a GPU index (0..N-1, gpuctl gpus lists them) or a GPU-/MIG- UUID, got {text!r}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -131,6 +132,45 @@ async def test_watch_sends_the_newest_then_each_new_one_with_the_filters(
     item = await stream.read()
     assert (item.event.message, item.event.seq) == ("GPU 2 lost again", 6)
     stream.cancel()
+
+
+@pytest.mark.parametrize(
+    ("asked", "field", "words"),
+    [
+        ({"gpu": "{8..;$/5"}, "gpu", "expected a GPU index or a GPU-/MIG- UUID, got '{8..;$/5'"),
+        ({"gpu": "-1"}, "gpu", "got '-1'"),
+        ({"job": "a\nb"}, "job", "'a\\nb': letters, digits"),
+        ({"job": "x" * 300}, "job", "(300 characters)"),
+    ],
+)
+async def test_an_event_filter_that_can_match_nothing_is_refused_naming_it(
+    served: tuple[EventLog, pb_grpc.NodeStub], asked: dict[str, str], field: str, words: str
+) -> None:
+    # a watch of it would wait forever, a listing say nothing, as if it had no history
+    _, stub = served
+    for call in (
+        lambda: stub.ListEvents(pb.ListEventsRequest(**asked)),
+        lambda: stub.WatchEvents(pb.WatchEventsRequest(**asked)).read(),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call(), 10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert details.startswith(f"{field}: ") and words in details, details
+
+
+@pytest.mark.parametrize("after_time", [math.nan, math.inf, -1.0])
+async def test_a_watch_resuming_after_no_time_there_is_refused_naming_it(
+    served: tuple[EventLog, pb_grpc.NodeStub], after_time: float
+) -> None:
+    _, stub = served
+    stream = stub.WatchEvents(
+        pb.WatchEventsRequest(after_seq=2, after_time_unix_seconds=after_time)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(stream.read(), 10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("after_time_unix_seconds: ")
 
 
 async def test_a_slow_watcher_is_told_how_many_it_missed_and_goes_on(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import io
@@ -1489,6 +1490,61 @@ def test_gpud_dying_during_a_call_is_not_called_not_running(sock_dir: Path) -> N
         )
     )
     assert refused.exit_code == 3 and str(refused).startswith("gpud is not running")
+
+
+def test_a_gpud_that_takes_the_connection_and_never_answers_is_not_called_not_running(
+    sock_dir: Path,
+) -> None:
+    ctx = Context(socket_path=sock_dir / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+    hung = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: unix:/x: connection"
+            " attempt timed out before receiving SETTINGS frame",
+        )
+    )
+    assert hung.exit_code == 3 and hung.status == "DEADLINE_EXCEEDED" and hung.deadline_s == 5.0
+    assert str(hung).startswith(f"gpud did not answer within 5 s on {sock_dir / 'gpud.sock'}")
+    assert "not running" not in str(hung)
+
+
+@pytest.mark.parametrize(
+    "command", [("events", "--follow"), ("cluster", "attributes", "--watch"), ("status",)]
+)
+def test_a_follower_of_a_hung_gpud_gives_up_after_the_timeout_saying_it_does_not_answer(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, command: tuple[str, ...]
+) -> None:
+    # a stopped gpud: the kernel takes the connection into the listen backlog, and no
+    # HTTP/2 settings ever come back
+    path = sock_dir / "gpud.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hung:
+        hung.bind(str(path))
+        hung.listen(8)
+        code, out, err = run(capsys, "--socket", str(path), "--timeout", "1", "--json", *command)
+    doc = json.loads(err)["error"]
+    assert code == 3 and out == "" and doc["code"] == "DEADLINE_EXCEEDED", err
+    assert doc["message"].startswith(f"gpud did not answer within 1 s on {path}"), err
+
+
+def test_a_gpud_whose_queue_of_connections_is_full_is_not_called_not_running(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    path = sock_dir / "gpud.sock"
+    with contextlib.ExitStack() as held:
+        hung = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        hung.bind(str(path))
+        hung.listen(0)
+        while True:  # fill the queue of connections it never accepts
+            waiting = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            waiting.setblocking(False)
+            try:
+                waiting.connect(str(path))
+            except BlockingIOError:
+                break
+        code, out, err = run(capsys, "--socket", str(path), "--timeout", "1", "status")
+    assert code == 3 and out == "", err
+    assert err.startswith(f"gpuctl: gpud on {path} takes no more connections: "), err
+    assert "not running" not in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
