@@ -100,7 +100,9 @@ class Throttle:
         token: str | None = None,
         hold_s: float = DIRECTIVE_HOLD_S,
     ) -> None:
-        """``hold_s``: how long after gpud last answered its directive still holds (a
+        """``report_every_s``: the least time between reports to gpud (0: at every
+        point; a negative, infinite or NaN one is refused naming it). ``hold_s``: how long after gpud last answered
+        its directive still holds (a
         restart's silence; a negative or NaN one is refused naming it); past it, said once
         on stderr, the job runs at full duty, not evicted, until gpud
         answers again. ``call(job, iterations)``: one report (default: the
@@ -110,6 +112,13 @@ class Throttle:
         the loop at most one call's wait per that much time."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
+        # NaN or inf would stop the reports for good (no time is ever that far on); 0
+        # reports at every point
+        if not 0.0 <= report_every_s < math.inf:
+            raise ValueError(
+                "Throttle report_every_s must be a finite number of seconds >= 0,"
+                f" not {report_every_s!r}"
+            )
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s

@@ -2065,6 +2065,16 @@ def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
     ], err
 
 
+@pytest.mark.parametrize("every", [float("nan"), float("inf"), -1.0])
+def test_a_report_interval_that_is_no_number_of_seconds_is_refused_naming_it(
+    every: float,
+) -> None:
+    """A NaN or infinite interval would never come round: the job would report nothing,
+    and gpud would never throttle or evict it."""
+    with pytest.raises(ValueError, match="Throttle report_every_s must be a finite number"):
+        Throttle("train", call=lambda j, i: (1.0, False, ""), report_every_s=every)
+
+
 @pytest.mark.parametrize("hold", [float("nan"), -1.0])
 def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
     with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
