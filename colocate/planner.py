@@ -265,16 +265,21 @@ def _gib(n: int) -> str:
     return f"{round(n / 2**30, 1):g} GiB"
 
 
+def _at_peak(job: JobView) -> str | None:
+    """Where ``job`` is reserved at more than NVML shows it use now (the most it showed in
+    its run, which it may take again), what a refusal says of it, else None: the memory a
+    refusal counts is far more than ``nvidia-smi`` shows."""
+    if job.memory_used is None or job.shape.observed_peak_bytes <= job.memory_used:
+        return None
+    return (
+        f"{job.job_id} holds its run's peak {_gib(job.shape.observed_peak_bytes)} "
+        f"(now {_gib(job.memory_used)})"
+    )
+
+
 def _held_at_peak(gpu: _Gpu) -> list[str]:
-    """The jobs on ``gpu`` reserved at more than NVML shows them use now: the most it
-    showed in their run, which they may take again. A refusal names them, or the memory
-    it says free is far less than ``nvidia-smi`` shows."""
-    return [
-        f"{j.job_id} holds its run's peak {_gib(j.shape.observed_peak_bytes)} "
-        f"(now {_gib(j.memory_used)})"
-        for j, _, mig in gpu.residents
-        if mig is None and j.memory_used is not None and j.shape.observed_peak_bytes > j.memory_used
-    ]
+    """The jobs sharing ``gpu``'s memory held at their run's peak (:func:`_at_peak`)."""
+    return [held for j, _, mig in gpu.residents if mig is None and (held := _at_peak(j))]
 
 
 @dataclass(frozen=True)
@@ -1027,16 +1032,18 @@ class Planner:
         return "; ".join(reasons[:4]) + ("; ..." if len(reasons) > 4 else "")
 
     def _instance_terms(self, job: JobView) -> str:
-        """What an instance must offer the job (see :meth:`_instance_for`)."""
+        """What an instance must offer the job (see :meth:`_instance_for`), and where its
+        memory is its run's peak, that (:func:`_at_peak`)."""
         mib = job.shape.reserve_bytes() >> 20
+        held = f"; {held}" if (held := _at_peak(job)) else ""
         if job.kind is JobKind.INFERENCE:
             return (
                 f"holds its {mib} MiB and serves its peak {job.peak_load:g}/s "
-                f"+ {self.params.slo_margin:.0%} within its SLO"
+                f"+ {self.params.slo_margin:.0%} within its SLO{held}"
             )
         return (
             f"holds its {mib} MiB and gives it 1/{self.params.max_slowdown:g} of its speed "
-            "on a whole GPU"
+            f"on a whole GPU{held}"
         )
 
     def _reason(self, job: JobView, g: _Gpu, share: float, mig: str | None, ev: _Eval) -> str:

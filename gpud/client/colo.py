@@ -6,7 +6,14 @@ cycle gpud tells it: after an iteration that took ``t`` seconds at duty ``d`` it
 ``t * (1 - d) / d``, in slices of ``report_every_s``, asking gpud between them. MPS thread
 limits are fixed when the CUDA context is created; sleeping is the lever that acts at once
 (GPUColo does the same). Inference reports latencies with
-``Latency().observe(seconds)``; they are sent in batches.
+``Latency().observe(seconds)``; they are sent in batches (a second's requests, up to 4096),
+by a thread of the ``Latency``'s own: ``observe()`` never waits for gpud, so a gpud that
+accepts the call and never answers holds that thread for :data:`CALL_TIMEOUT_S` per report,
+never a request being served. Up to ``max_pending`` reports (8) wait for the thread; past
+it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped`` counts
+the requests so lost. A report sent more than ``flush_every_s`` after it was made says its
+age, as a batch held through a quiet spell does. ``flush()`` sends what is held and waits
+(a bounded time) for the thread; ``close()`` then ends the thread: call one before exit.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
@@ -16,12 +23,12 @@ lapses :data:`DIRECTIVE_HOLD_S` after gpud last answered.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +80,10 @@ class _Channel:
             )
         return self._stub
 
+    def forget(self) -> None:
+        """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
+        self._stub = None
+
 
 class Throttle:
     """The state behind :func:`throttle_point`; one per process (or per test)."""
@@ -89,7 +100,9 @@ class Throttle:
         token: str | None = None,
         hold_s: float = DIRECTIVE_HOLD_S,
     ) -> None:
-        """``hold_s``: how long after gpud last answered its directive still holds (a
+        """``report_every_s``: the least time between reports to gpud (0: at every
+        point; a negative, infinite or NaN one is refused naming it). ``hold_s``: how long after gpud last answered
+        its directive still holds (a
         restart's silence; a negative or NaN one is refused naming it); past it, said once
         on stderr, the job runs at full duty, not evicted, until gpud
         answers again. ``call(job, iterations)``: one report (default: the
@@ -99,6 +112,13 @@ class Throttle:
         the loop at most one call's wait per that much time."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
+        # NaN or inf would stop the reports for good (no time is ever that far on); 0
+        # reports at every point
+        if not 0.0 <= report_every_s < math.inf:
+            raise ValueError(
+                "Throttle report_every_s must be a finite number of seconds >= 0,"
+                f" not {report_every_s!r}"
+            )
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s
@@ -220,7 +240,15 @@ def directive() -> tuple[float, bool, str]:
 
 
 class Latency:
-    """Inference latency reports: ``lat = Latency(); lat.observe(0.012)`` per request."""
+    """Inference latency reports: ``lat = Latency(); lat.observe(0.012)`` per request.
+
+    :meth:`observe` never waits for gpud: it appends to the batch, and a batch due to go is
+    handed to a sender thread (started at the first report, one per ``Latency`` and process)
+    that makes the call. A gpud that accepts the call and never answers (stopped,
+    deadlocked) holds that thread for the call's deadline, not the request being served.
+    Reports waiting for the thread are bounded (``max_pending`` batches): past it the
+    oldest is dropped; a report whose call fails is dropped too (gpud may be away; a job
+    never fails for it). :attr:`dropped` counts the requests so lost."""
 
     def __init__(
         self,
@@ -229,31 +257,49 @@ class Latency:
         socket: str | None = None,
         flush_every_s: float = 1.0,
         max_batch: int = 4096,
+        max_pending: int = 8,
         clock: Callable[[], float] = time.monotonic,
         send: Callable[[str, list[float], float | None], None] | None = None,
         token: str | None = None,
+        background: bool = True,
     ) -> None:
         """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
-        to gpud); ``age_s`` the seconds since the earliest of its requests began, for a
-        batch held through a quiet spell only, else None (gpud counts it from arrival)."""
+        to gpud, waiting at most :data:`CALL_TIMEOUT_S`); ``age_s`` the seconds since the
+        earliest of its requests began, for a batch held through a quiet spell, or one
+        that waited for the sender thread more than ``flush_every_s``, else None (gpud
+        counts it from arrival). ``background=False`` sends on the thread that observes,
+        waiting for gpud's answer there (for a caller already off the request path)."""
+        if max_pending < 1:
+            raise ValueError(f"Latency max_pending must be >= 1, not {max_pending!r}")
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
         self._max = max_batch
         self._clock = clock
         self._send = send or self._grpc_send
+        self._background = background
         self._batch: list[float] = []
         self._began = math.inf  # when the batch's earliest request began, by ``clock``
         self._newest = -math.inf  # when the batch's newest request finished
         self._last = clock()
         self._lock = threading.Lock()
+        self.dropped = 0  # requests whose report was not delivered: overflow or a failed call
+        # reports for the sender thread: (seconds, began, aged, taken) with ``taken`` when
+        # the batch left observe(), so that one delivered late says its age
+        self._pending: deque[tuple[list[float], float, bool, float]] = deque()
+        self._max_pending = max_pending
+        self._sending = False  # the sender thread is in a call
+        self._ready = threading.Condition()
+        self._sender = 0  # the number of the sender thread that runs; 0: none
+        self._senders = 0  # sender threads started
+        self._pid = os.getpid()  # the process whose thread that is
 
     def _grpc_send(self, job: str, seconds: list[float], age_s: float | None) -> None:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
             colo_pb2.ReportLatencyRequest(job=job, seconds=seconds, age_s=age_s),
-            timeout=1.0,
+            timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
 
@@ -266,7 +312,8 @@ class Latency:
         ``flush_every_s`` before this one) goes on its own, saying its age: gpud counts it
         from when its earliest request began, so a GPU's hang then, or the loop off, is not
         read as what the GPU does now; this request follows it at once, counted from its
-        arrival. What is held at exit is lost unless :meth:`flush` is called."""
+        arrival. What is held at exit is lost unless :meth:`flush` is called. Never waits
+        for gpud (unless ``background=False``)."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
@@ -283,26 +330,97 @@ class Latency:
                 taken = self._take(now, aged=False)
         for report in (held, taken):
             if report is not None:
-                self._deliver(*report)
+                self._deliver(report)
 
-    def flush(self) -> None:
+    def flush(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
         """Send what was collected now: saying its age if it was held through a quiet
-        spell (its newest request finished more than ``flush_every_s`` ago)."""
+        spell (its newest request finished more than ``flush_every_s`` ago), and wait up
+        to ``timeout`` seconds for the sender thread to deliver every report so far. True
+        once none is left waiting (delivered, or dropped and counted in :attr:`dropped`)."""
         with self._lock:
             now = self._clock()
             taken = self._take(now, aged=now - self._newest > self._every)
-        self._deliver(*taken)
+        self._deliver(taken)
+        with self._ready:
+            return self._ready.wait_for(lambda: not self._pending and not self._sending, timeout)
 
-    def _take(self, now: float, *, aged: bool) -> tuple[list[float], float | None]:
-        """The batch and, where ``aged``, its age (clamped to ``MAX_REPORT_AGE_S``), the
-        batch emptied. Under the lock."""
-        batch, self._batch = self._batch, []
-        age = min(MAX_REPORT_AGE_S, max(0.0, now - self._began)) if aged else None
+    def close(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
+        """:meth:`flush`, then end the sender thread once nothing waits for it (a call
+        still in gpud ends at its deadline). A report made after is sent by a new one."""
+        done = self.flush(timeout)
+        with self._ready:
+            self._sender = 0
+            self._ready.notify_all()
+        return done
+
+    def _take(self, now: float, *, aged: bool) -> tuple[list[float], float, bool, float]:
+        """The batch, when its earliest request began, whether it is ``aged`` and ``now``,
+        the batch emptied. Under the lock."""
+        report = (self._batch, self._began, aged, now)
+        self._batch = []
         self._began, self._newest, self._last = math.inf, -math.inf, now
-        return batch, age
+        return report
 
-    def _deliver(self, batch: list[float], age_s: float | None) -> None:
-        if batch and self.job:
-            # The daemon may be away: drop the batch, never fail the job.
-            with contextlib.suppress(Exception):
-                self._send(self.job, batch, age_s)
+    def _deliver(self, report: tuple[list[float], float, bool, float]) -> None:
+        if not (report[0] and self.job):
+            return
+        if not self._background:
+            self._call(report)
+            return
+        if self._pid != os.getpid():
+            with self._lock:  # once, though two threads report at once
+                if self._pid != os.getpid():
+                    self._forked()
+        with self._ready:
+            if not self._sender:  # the first report, or the first since close()
+                self._senders += 1
+                self._sender = self._senders
+                threading.Thread(
+                    target=self._run,
+                    args=(self._sender,),
+                    name=f"gpud-latency-{self.job}",
+                    daemon=True,
+                ).start()
+            if len(self._pending) >= self._max_pending:
+                self.dropped += len(self._pending.popleft()[0])
+            self._pending.append(report)
+            self._ready.notify_all()
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's sender thread is not there, its lock may have
+        been held at the fork, the reports it held are the parent's to send and its gRPC
+        channel is not to be used here."""
+        self._ready = threading.Condition()
+        self._pending = deque()
+        self._sending = False
+        self._sender = 0
+        self._channel.forget()
+        self._pid = os.getpid()
+
+    def _run(self, me: int) -> None:
+        """Sender thread number ``me``: one call at a time, oldest report first, until
+        :meth:`close`."""
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._sender != me or bool(self._pending))
+                if self._sender != me:
+                    return
+                report = self._pending.popleft()
+                self._sending = True
+            self._call(report)
+            with self._ready:
+                self._sending = False
+                self._ready.notify_all()
+
+    def _call(self, report: tuple[list[float], float, bool, float]) -> None:
+        """One report; its age (clamped to ``MAX_REPORT_AGE_S``) where it was held through
+        a quiet spell or waited longer than ``flush_every_s`` to be sent."""
+        batch, began, aged, taken = report
+        now = self._clock()
+        late = now - taken > self._every
+        age = min(MAX_REPORT_AGE_S, max(0.0, now - began)) if aged or late else None
+        try:
+            self._send(self.job, batch, age)
+        except Exception:  # the daemon may be away: drop the batch, never fail the job
+            with self._ready:
+                self.dropped += len(batch)

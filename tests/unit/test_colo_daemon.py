@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -1431,7 +1432,7 @@ def test_a_quiet_services_batch_held_through_a_hang_is_judged_by_when_it_was_ser
 def slow_while_gpu0_hangs(svc: ColoService, clock: Clock) -> Latency:
     """A quiet service's client, holding two 200 ms requests served while a tick found GPU
     0 hung (not sent: none came a second after): a second later."""
-    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0, background=False)
     lat.observe(0.2)
     lat.observe(0.2)
     svc.tick(gpu0_faulty("not answering: a driver call is out"))
@@ -1473,7 +1474,7 @@ def test_a_held_batch_and_the_next_report_close_after_it_are_no_surge_in_load(
         svc.report_latency(job, seconds, age_s)
         clock.t += 0.001
 
-    lat = Latency("chat", clock=clock, send=send, flush_every_s=1.0)
+    lat = Latency("chat", clock=clock, send=send, flush_every_s=1.0, background=False)
     loads = []
     for t in (0.0, 0.5, 11.0, 11.5, 12.6):
         clock.t = t0 + t
@@ -1503,7 +1504,7 @@ def test_a_busy_services_guard_cuts_at_the_pace_of_its_reports(tmp_path: Path) -
     report, as it waits for a report made at the duty it set."""
     svc, clock, _ = chat_beside_training(tmp_path)
     t0 = clock.t
-    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0)
+    lat = Latency("chat", clock=clock, send=svc.report_latency, flush_every_s=1.0, background=False)
     cuts = []
     for step in range(1, 1201):
         clock.t = t0 + step / 100
@@ -2064,6 +2065,16 @@ def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
     ], err
 
 
+@pytest.mark.parametrize("every", [float("nan"), float("inf"), -1.0])
+def test_a_report_interval_that_is_no_number_of_seconds_is_refused_naming_it(
+    every: float,
+) -> None:
+    """A NaN or infinite interval would never come round: the job would report nothing,
+    and gpud would never throttle or evict it."""
+    with pytest.raises(ValueError, match="Throttle report_every_s must be a finite number"):
+        Throttle("train", call=lambda j, i: (1.0, False, ""), report_every_s=every)
+
+
 @pytest.mark.parametrize("hold", [float("nan"), -1.0])
 def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
     with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
@@ -2130,7 +2141,11 @@ def test_latency_batches_and_says_the_age_of_a_batch_held_through_a_quiet_spell_
     clock = Clock()
     sent: list[tuple[str, list[float], float | None]] = []
     lat = Latency(
-        "chat", clock=clock, send=lambda j, s, a: sent.append((j, s, a)), flush_every_s=1.0
+        "chat",
+        clock=clock,
+        send=lambda j, s, a: sent.append((j, s, a)),
+        flush_every_s=1.0,
+        background=False,
     )
     lat.observe(0.01)
     clock.t += 0.5
@@ -2156,7 +2171,11 @@ def test_a_busy_service_reports_once_a_second_none_split_off(
     clock = Clock()
     sent: list[tuple[int, float | None]] = []
     lat = Latency(
-        "chat", clock=clock, send=lambda j, s, a: sent.append((len(s), a)), flush_every_s=1.0
+        "chat",
+        clock=clock,
+        send=lambda j, s, a: sent.append((len(s), a)),
+        flush_every_s=1.0,
+        background=False,
     )
     t0 = clock.t
     for step in range(1, 501):
@@ -2171,8 +2190,96 @@ def test_latency_reports_an_age_of_a_day_at_most() -> None:
     lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(a), flush_every_s=1.0)
     lat.observe(0.01)
     clock.t += 2 * 86400
-    lat.flush()
+    lat.close()
     assert sent == [86400.0]
+
+
+class HungGpud:
+    """A gpud that accepts latency reports and answers none until ``answer`` is set: a
+    call on the serving thread is a whole call's deadline waited there (counted, then
+    failed as the deadline would fail it); one on the sender thread waits for ``answer``."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.serving = threading.get_ident()
+        self.clock = clock
+        self.waits_on_serving_thread = 0
+        self.calling = threading.Event()  # the sender thread is in a call
+        self.answer = threading.Event()
+        self.sent: list[tuple[list[float], float | None]] = []
+
+    def __call__(self, job: str, seconds: list[float], age_s: float | None) -> None:
+        if threading.get_ident() == self.serving:
+            self.waits_on_serving_thread += 1
+            self.clock.t += CALL_TIMEOUT_S
+            raise TimeoutError("deadline exceeded")
+        self.calling.set()
+        self.answer.wait()
+        self.sent.append((seconds, age_s))
+
+
+def test_a_hung_gpud_costs_the_serving_thread_no_wait_and_says_how_many_it_dropped() -> None:
+    """A gpud stopped mid-call (SIGSTOP, a deadlock) holds the sender thread, never the
+    request being served: 20 requests 1.1 s apart make 20 reports and not one waits for
+    gpud. The reports behind the hung call are bounded (max_pending): the oldest go and
+    are counted; those that gpud gets once it answers say how long ago their requests
+    began, as they were not sent when made."""
+    clock = Clock()
+    gpud = HungGpud(clock)
+    lat = Latency("chat", clock=clock, send=gpud, flush_every_s=1.0, max_pending=4)
+    clock.t += 1.1
+    lat.observe(0.01)  # the first report: gpud takes the call and answers nothing
+    assert gpud.waits_on_serving_thread == 0
+    assert gpud.calling.wait(timeout=30)  # a guard against a hang, not a measurement
+    for _ in range(19):
+        clock.t += 1.1
+        lat.observe(0.01)
+    assert gpud.waits_on_serving_thread == 0
+    gpud.answer.set()
+    assert lat.close(timeout=30)
+    # the first (its call hung), then the newest 4 of the 19 behind it: 15 dropped
+    assert [len(s) for s, _ in gpud.sent] == [1] * 5
+    assert lat.dropped == 15
+    # made at 3.3, 2.2, 1.1 and 0 s before gpud answered, 10 ms requests
+    ages = [age for _, age in gpud.sent]
+    assert ages == [None, pytest.approx(3.31), pytest.approx(2.21), pytest.approx(1.11), None]
+
+
+def test_a_latency_closed_and_reporting_again_sends_through_a_new_thread() -> None:
+    clock = Clock()
+    sent: list[list[float]] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(s), flush_every_s=0)
+    lat.observe(0.01)
+    assert lat.close(timeout=30)
+    lat.observe(0.02)
+    assert lat.close(timeout=30)
+    assert sent == [[0.01], [0.02]] and lat.dropped == 0
+
+
+def test_a_forked_server_worker_reports_through_a_sender_thread_of_its_own() -> None:
+    """A pre-forking server (gunicorn --preload) makes its ``Latency`` before the fork:
+    the parent's sender thread is not in the worker, which reports through its own."""
+    read, write = os.pipe()
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        os.write(write, f"{os.getpid()} {len(seconds)}\n".encode())
+
+    lat = Latency("chat", clock=Clock(), send=send, flush_every_s=0)
+    lat.observe(0.01)
+    assert lat.flush(timeout=30)  # the parent's thread runs on
+    child = os.fork()
+    if child == 0:  # the worker: exits at once, whatever happens
+        try:
+            lat.observe(0.02)
+            os._exit(0 if lat.close(timeout=30) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert lat.close(timeout=30)
+    os.close(write)
+    with os.fdopen(read) as lines:
+        sent = lines.read().splitlines()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sent == [f"{os.getpid()} 1", f"{child} 1"]
 
 
 def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
@@ -2186,7 +2293,7 @@ def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
     lat = Latency("chat", clock=Clock(), send=svc.report_latency, flush_every_s=1.0)
     for s in [0.02] * 50 + [-0.001, math.nan, math.inf, 1e9, 0.095]:
         lat.observe(s)
-    lat.flush()
+    lat.close()
     assert svc._latencies("chat", float("-inf")) == [0.02] * 50 + [0.095]
 
 

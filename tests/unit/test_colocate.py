@@ -487,6 +487,28 @@ def test_on_a_gpu_in_mig_mode_a_training_job_takes_an_instance_that_keeps_its_pa
     assert p.mig_profile == "3g.40gb"
 
 
+def test_a_mig_instance_refusal_names_the_job_held_at_its_runs_peak() -> None:
+    """A job that took 30 GiB in its run and uses 5 GiB now is planned at its peak: no
+    free instance of 10 or 20 GiB holds it, and the refusal says that peak is why, where
+    ``nvidia-smi`` shows 5 GiB used."""
+    planner = Planner(InterferencePredictor())
+    free = (MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("2g.20gb", 2 / 7, 20 * GIB))
+    mig_mode = GpuView(index=1, memory_total=80 * GIB, mig_options=free, whole=False)
+    job = training("a", sm=0.1, mem_gib=4, used_gib=5)
+    job.shape.observe_memory(30 * GIB)
+    one_gpu = planner.plan([mig_mode], [job])
+    assert one_gpu.waiting["a"].endswith(
+        "holds its 35328 MiB and gives it 1/2 of its speed on a whole GPU;"
+        " a holds its run's peak 30 GiB (now 5 GiB)"
+    ), one_gpu.waiting["a"]
+    busy = replace(gpus(1)[0], index=0)
+    two = planner.plan([busy, mig_mode], [training("x", mem_gib=70, gpu=0), job])
+    assert two.waiting["a"].endswith(
+        "GPU 1: in MIG mode: no free instance (1g.10gb, 2g.20gb) holds its 35328 MiB and"
+        " gives it 1/2 of its speed on a whole GPU; a holds its run's peak 30 GiB (now 5 GiB)"
+    ), two.waiting["a"]
+
+
 def test_a_mig_instance_holds_its_own_memory_and_goes_to_one_job() -> None:
     """Jobs that fill their instances crowd no one: none is evicted for the GPU's memory,
     and a free instance is still given; one free instance goes to the first job only."""

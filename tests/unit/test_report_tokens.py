@@ -185,10 +185,13 @@ def test_gpud_client_sends_the_runs_token_from_its_environment(
     assert sent("train-a").sent == 1
     # Latency (on the socket) carries it too: another job's token is refused there
     lat = Latency("chat", socket=str(gpud.sock), flush_every_s=0)
-    lat.observe(0.5)
+    lat.observe(0.5)  # sent by its thread: flush waits for the call
+    assert lat.close(timeout=10) and lat.dropped == 1
     assert gpud.colo.p99("chat") is None
     monkeypatch.setenv(client_progress.TOKEN_VAR, gpud.chat_token)
-    Latency("chat", socket=str(gpud.sock), flush_every_s=0).observe(0.5)
+    lat = Latency("chat", socket=str(gpud.sock), flush_every_s=0)
+    lat.observe(0.5)
+    assert lat.close(timeout=10) and lat.dropped == 0
     assert gpud.colo.p99("chat") == pytest.approx(0.5)
 
 
