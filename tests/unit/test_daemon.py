@@ -1218,7 +1218,8 @@ def test_a_stop_writes_what_colocation_holds_and_the_next_start_reads_it_back(
         d.jobs.add(JobSpec(name="train", kind=JobKind.TRAINING))
         d.jobs.reserve(RunRequest(job="chat"))
         d.jobs.reserve(RunRequest(job="train"))
-        refusing.mkdir()
+        with d.colo._save_lock:  # a write the reservations began has put its temp file away
+            refusing.mkdir()
         for _ in range(30):  # p99 near the SLO: the guard cuts the training's duty
             skew[0] += 1
             d.colo.report_latency("chat", [0.095] * 30)
@@ -1262,7 +1263,8 @@ def test_a_stop_whose_colocation_write_fails_says_so_and_stops(
         run = await _started(d)
         d.jobs.add(JobSpec(name="chat", kind=JobKind.INFERENCE, slo_p99_ms=100.0))
         d.jobs.reserve(RunRequest(job="chat"))
-        refusing.mkdir()
+        with d.colo._save_lock:  # a write the reservation began has put its temp file away
+            refusing.mkdir()
         await asyncio.to_thread(d.colo.tick, d.sampler.latest())
         d.request_stop()
         assert await asyncio.wait_for(run, timeout=d.worst_stop_s() + 5) == 0
