@@ -565,14 +565,18 @@ def _place(r: RunningJob) -> str:
 
 def _memory_totals(snapshot: Snapshot) -> dict[str, int]:
     """The memory of each device of the healthy GPUs NVML read: by GPU UUID, by ``GPU N``
-    (:func:`_place`'s keys) and by MIG device UUID (the instance's own memory)."""
+    (:func:`_place`'s keys) and by MIG device UUID (the instance's own memory). A size the
+    driver reports as 0 (a MIG device's, read while it is being made) is left out, as
+    unknown: bounding a job's reading by it would take its run's peak for 0; a job in such
+    an instance is bounded by its GPU's memory."""
     totals: dict[str, int] = {}
     for g in snapshot.gpus:
-        if not g.healthy or g.memory is None:
+        if not g.healthy or g.memory is None or g.memory.total_bytes <= 0:
             continue
         totals[g.identity.uuid] = totals[f"GPU {g.identity.index}"] = g.memory.total_bytes
         for m in g.mig_devices:
-            totals[m.identity.uuid] = m.identity.memory_total_bytes
+            if m.identity.memory_total_bytes > 0:
+                totals[m.identity.uuid] = m.identity.memory_total_bytes
     return totals
 
 

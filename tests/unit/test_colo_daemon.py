@@ -4180,6 +4180,39 @@ def test_mig_devices_of_one_gpu_instance_share_its_memory_as_nvml_reads_it(
     assert ev.reason.startswith(f"GPU 0 MIG instance 2c.3g.40gb ({c2.uuid}) memory 39936 MiB")
 
 
+def test_a_mig_device_that_reads_0_bytes_of_memory_does_not_take_its_jobs_run_peak_for_0(
+    tmp_path: Path,
+) -> None:
+    """While GPU 0's 3g.40gb device said its memory was 0 bytes, train's processes there
+    held 30 GiB: the size is unknown, not a bound of 0, so the run's peak is 30 GiB when
+    the device reads 40 GiB again and train uses 5 GiB."""
+    sized = mig_gpu(0, ("3g.40gb", 40, 60))
+    (m,) = sized.mig_devices
+    zero = sized._replace(
+        mig_devices=(m._replace(identity=dataclasses.replace(m.identity, memory_total_bytes=0)),)
+    )
+    job = RunningJob(
+        "train",
+        "training",
+        0,
+        memory_bytes=4 * GIB,
+        memory_used=30 * GIB,
+        device=m.identity.uuid,
+        mig_profile="3g.40gb",
+        reserved_at=100.0,
+    )
+    jobs = [job]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(Snapshot(0.0, 0.0, (zero,), 0.01))
+    jobs[0] = dataclasses.replace(job, memory_used=5 * GIB)
+    clock.t += 5
+    svc.tick(Snapshot(0.0, 5.0, (sized,), 0.01))
+    assert svc._view(jobs[0]).shape.observed_peak_bytes == 30 * GIB
+
+
 def test_a_tight_slo_gets_a_free_mig_instance_and_training_one_that_keeps_its_pace(
     tmp_path: Path,
 ) -> None:
