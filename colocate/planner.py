@@ -261,15 +261,25 @@ class Convergence:
     converged: bool
 
 
+def _tenths_of_gib(n: int) -> float:
+    return round(n / 2**30, 1)
+
+
 def _gib(n: int) -> str:
-    return f"{round(n / 2**30, 1):g} GiB"
+    return f"{_tenths_of_gib(n):g} GiB"
 
 
 def _at_peak(job: JobView) -> str | None:
     """Where ``job`` is reserved at more than NVML shows it use now (the most it showed in
     its run, which it may take again), what a refusal says of it, else None: the memory a
-    refusal counts is far more than ``nvidia-smi`` shows."""
-    if job.memory_used is None or job.shape.observed_peak_bytes <= job.memory_used:
+    refusal counts is far more than ``nvidia-smi`` shows. Only a peak above both what the
+    job declared (it is held at that anyway) and what it uses now by the 0.1 GiB a refusal
+    prints is named: one it would print as no more ("peak 10 GiB (now 10 GiB)") is not
+    why the job is refused."""
+    if job.memory_used is None:
+        return None
+    most = max(job.shape.memory_bytes, job.memory_used)
+    if _tenths_of_gib(job.shape.observed_peak_bytes) <= _tenths_of_gib(most):
         return None
     return (
         f"{job.job_id} holds its run's peak {_gib(job.shape.observed_peak_bytes)} "

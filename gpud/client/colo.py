@@ -45,21 +45,28 @@ MAX_LATENCY_S = 3600.0
 # report claiming an age outside [0, MAX_REPORT_AGE_S] (NaN too).
 MAX_REPORT_AGE_S = 86400.0
 # How long a directive outlives gpud's last answer: longer than the slowest restart systemd
-# lets gpud make (systemd/gpud.service: TimeoutStopSec=30s to stop, RestartSec=2s, then
-# TimeoutStartSec=90s to start: 122 s), after which gpud restores the guards' duties from
-# colo.json, so the service stays protected through it. The price: past the hold no guard
-# watches the service (a start extended beyond it, as while MIG instances are rebuilt, runs
-# the training at full speed beside it until gpud answers), and before it a training job
-# held at the floor runs 20 times slower for that long when gpud is gone for good.
-DIRECTIVE_HOLD_S = 150.0
+# lets gpud make (systemd/gpud.service: a deadlocked gpud answers nothing for up to
+# WatchdogSec=30s before systemd stops it, then TimeoutStopSec=30s to stop, RestartSec=2s,
+# and TimeoutStartSec=90s to start: 152 s), after which gpud restores the guards' duties
+# from colo.json, so the service stays protected through it. The price: past the hold no
+# guard watches the service (a start extended beyond it, as while MIG instances are
+# rebuilt, runs the training at full speed beside it until gpud answers), and before it a
+# training job held at the floor runs 20 times slower for that long when gpud is gone for
+# good.
+DIRECTIVE_HOLD_S = 180.0
+# With calls failing, one is always tried this long before the hold runs out (one call's
+# wait), whatever the back-off: a gpud back inside the hold is heard before its directive
+# lapses, and a directive lapses only once that call failed too.
+HOLD_LAST_CALL_S = 1.0
 # How long a throttle point waits for gpud's answer. A gpud that accepts the call and never
 # answers (stopped, deadlocked) costs the training loop this much at each call, so calls
 # that fail are spaced out (REPORT_BACKOFF_MAX_S).
 CALL_TIMEOUT_S = 1.0
 # After a failed call the next is tried twice as late as the one before, from
 # ``report_every_s`` (at least CALL_TIMEOUT_S) up to this: a gpud that never answers then
-# costs a loop at most CALL_TIMEOUT_S per REPORT_BACKOFF_MAX_S (about 3 %), and a gpud back
-# from a restart is heard within this much.
+# costs a loop at most CALL_TIMEOUT_S per REPORT_BACKOFF_MAX_S (about 3 %). This much is
+# also the longest a gpud back from a restart may wait to be heard: the time a tighter
+# directive of a guard it restored takes to reach the training job.
 REPORT_BACKOFF_MAX_S = 30.0
 
 
@@ -109,7 +116,12 @@ class Throttle:
         ``ThrottlePoint`` RPC, waiting at most :data:`CALL_TIMEOUT_S`). A call that fails
         (raises) is tried again twice as late each time, up to
         :data:`REPORT_BACKOFF_MAX_S`, so a gpud that accepts calls and answers none costs
-        the loop at most one call's wait per that much time."""
+        the loop at most one call's wait per that much time; one more is tried
+        :data:`HOLD_LAST_CALL_S` before the hold runs out, and the directive lapses only
+        once that one failed. The first point reports no iteration (the one it counts goes
+        with the next report): no sleep follows it, so until the next point the job runs
+        at full duty whatever gpud told it, and gpud, which takes the duty it told out of
+        the time between reports, would read it as that much faster."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         # NaN or inf would stop the reports for good (no time is ever that far on); 0
@@ -146,10 +158,22 @@ class Throttle:
         )
         return r.duty, r.evict, r.reason
 
-    def _report(self, now: float) -> None:
+    def _due(self, now: float) -> bool:
+        """Whether to ask gpud now: ``report_every_s`` (longer after failures) since the
+        last call, or, calls failing with a directive to keep, the hold about to run out
+        and no call tried since it was."""
+        if not self.job:
+            return False
+        if now - self._last_report >= self._interval:
+            return True
+        last_call = self._answered + self._hold - HOLD_LAST_CALL_S
+        held = self.duty < 1.0 or self.evict
+        return self._failing and held and now >= last_call > self._last_report
+
+    def _report(self, now: float, iterations: int) -> None:
         self._last_report = now
         try:
-            self.duty, self.evict, self.reason = self._call(self.job, self._pending)
+            self.duty, self.evict, self.reason = self._call(self.job, iterations)
         except Exception:  # the daemon may be away: keep the last directive a while
             self._failing = True
             self._interval = min(
@@ -157,16 +181,18 @@ class Throttle:
             )
             return
         self.duty = min(1.0, max(0.01, self.duty))
-        self._pending = 0
+        self._pending -= iterations
         self._answered = now
         self._failing = False
         self._interval = self._every
 
     def _lapse(self, now: float) -> None:
-        """Past the hold since gpud last answered (its calls failing since), its directive
-        lapses: checked at every point, not only when a backed-off call is tried."""
+        """Past the hold since gpud last answered (its calls failing since, the one tried
+        just before the hold ran out too), its directive lapses: checked at every point,
+        not only when a backed-off call is tried."""
         silent = now - self._answered
-        if self._failing and silent > self._hold and (self.duty < 1.0 or self.evict):
+        tried = self._last_report >= self._answered + self._hold - HOLD_LAST_CALL_S
+        if self._failing and silent > self._hold and tried and (self.duty < 1.0 or self.evict):
             self.duty, self.evict = 1.0, False
             self.reason = (
                 f"gpud has not answered for {silent:.0f} s: its directive lapsed, "
@@ -180,8 +206,8 @@ class Throttle:
         now = self._clock()
         self._pending += 1
         was_evicted = self.evict
-        if self.job and now - self._last_report >= self._interval:
-            self._report(now)
+        if self._due(now):
+            self._report(now, self._pending if self._last is not None else 0)
         self._lapse(now)
         slept = 0.0
         # An eviction is returned at once, so that the job checkpoints and leaves now: at
@@ -207,9 +233,9 @@ class Throttle:
             self._sleep(piece)
             slept += piece
             now = self._clock()
-            if self.job and now - self._last_report >= self._interval:
+            if self._due(now):
                 was_evicted = self.evict
-                self._report(now)
+                self._report(now, self._pending)
                 if self.evict and not was_evicted:
                     break
             self._lapse(now)

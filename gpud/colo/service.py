@@ -528,8 +528,8 @@ def _learned(st: _JobState) -> dict[str, Any]:
 
 def _working(st: _JobState, now: float) -> bool:
     """Whether a training job that reports its progress works now: its company settled,
-    and it reported within ``RATE_WINDOW_S`` or twice the time between its last two
-    reports (an iteration of its pace), whichever is longer."""
+    and it reported an iteration within ``RATE_WINDOW_S`` or twice the time between its
+    last two (an iteration of its pace, its throttled sleep with it), whichever is longer."""
     if now <= st.since:
         return False
     last = st.progress[-1][0]
@@ -565,14 +565,18 @@ def _place(r: RunningJob) -> str:
 
 def _memory_totals(snapshot: Snapshot) -> dict[str, int]:
     """The memory of each device of the healthy GPUs NVML read: by GPU UUID, by ``GPU N``
-    (:func:`_place`'s keys) and by MIG device UUID (the instance's own memory)."""
+    (:func:`_place`'s keys) and by MIG device UUID (the instance's own memory). A size the
+    driver reports as 0 (a MIG device's, read while it is being made) is left out, as
+    unknown: bounding a job's reading by it would take its run's peak for 0; a job in such
+    an instance is bounded by its GPU's memory."""
     totals: dict[str, int] = {}
     for g in snapshot.gpus:
-        if not g.healthy or g.memory is None:
+        if not g.healthy or g.memory is None or g.memory.total_bytes <= 0:
             continue
         totals[g.identity.uuid] = totals[f"GPU {g.identity.index}"] = g.memory.total_bytes
         for m in g.mig_devices:
-            totals[m.identity.uuid] = m.identity.memory_total_bytes
+            if m.identity.memory_total_bytes > 0:
+                totals[m.identity.uuid] = m.identity.memory_total_bytes
     return totals
 
 
@@ -1025,7 +1029,10 @@ class ColoService:
                 st.reports.append((served, len(seconds)))
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
-        """Record a training job's progress; return the duty cycle it should run at."""
+        """Record a training job's progress; return the duty cycle it should run at. A
+        report of 0 iterations (the client asks between the slices of a throttled sleep)
+        is heard, not kept as progress: a point in the middle of a sleep would cut the
+        iteration and its sleep apart, and a rate window inside one sleep would read 0."""
         if not 0 <= iterations <= MAX_ITERATIONS:
             raise InvalidArgument(
                 f"job {job}: {iterations} iterations since the last throttle point, "
@@ -1037,12 +1044,13 @@ class ColoService:
                 return Directive(1.0, False, "job removed")
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
-            total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
             if self.config.enabled:
                 d = self._directives.get(job, Directive(1.0, False, "no directive"))
             else:
                 d = Directive(1.0, False, "co-location is off")
-            st.progress.append((now, total, d.duty))
+            if iterations > 0:
+                total = (st.progress[-1][1] if st.progress else 0) + iterations
+                st.progress.append((now, total, d.duty))
             return d
 
     def duty(self, job: str) -> float:
@@ -1080,13 +1088,15 @@ class ColoService:
 
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since
-        the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back)."""
+        the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back). None
+        where no iteration ended in the window after its first: a window inside one
+        throttled sleep says nothing of the job's speed."""
         points = [p for p in st.progress if p[0] >= max(st.since, now - RATE_WINDOW_S)]
         if len(points) < 2:
             return None
         busy = sum((b[0] - a[0]) * a[2] for a, b in itertools.pairwise(points))
         done = points[-1][1] - points[0][1]
-        return done / busy if busy > 0 else None
+        return done / busy if busy > 0 and done > 0 else None
 
     def service_rate(self, job: str, *, since: float = float("-inf")) -> float | None:
         """An inference service's speed: its M/M/1 service rate, from the latencies it

@@ -37,6 +37,7 @@ from gpud.colo.service import (
     STATE_FILE_VERSION,
     Advice,
     ColoService,
+    Directive,
     RunningJob,
     read_boot_id,
 )
@@ -1918,7 +1919,8 @@ def test_throttle_point_sleeps_the_duty_cycle() -> None:
     clock.t += 1.0  # an iteration of 1 s
     assert t.point() == pytest.approx(3.0)  # 1 s of work per 4 s: duty 0.25
     assert sum(slept) == pytest.approx(3.0) and max(slept) <= 1.0  # slept in slices
-    assert calls[0] == ("train", 1)
+    # the first point's iteration goes with the next report: none of its time was slept
+    assert calls[:2] == [("train", 0), ("train", 2)]
 
 
 def test_throttle_point_returns_an_eviction_at_once() -> None:
@@ -2027,7 +2029,8 @@ def test_a_gpud_that_never_answers_costs_the_training_loop_a_bounded_number_of_w
 
 
 def test_a_directive_outlives_the_slowest_restart_the_unit_allows_gpud() -> None:
-    """systemd stops gpud within TimeoutStopSec, waits RestartSec and gives the start
+    """A deadlocked gpud answers nothing until its watchdog (WatchdogSec) runs out, then
+    systemd stops it within TimeoutStopSec, waits RestartSec and gives the start
     TimeoutStartSec: a directive held for less would let throttled training run at full
     speed beside an unprotected service through a slow restart."""
     unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
@@ -2037,8 +2040,35 @@ def test_a_directive_outlives_the_slowest_restart_the_unit_allows_gpud() -> None
         assert match, key
         return float(match.group(1))
 
-    budget = seconds("TimeoutStopSec") + seconds("RestartSec") + seconds("TimeoutStartSec")
+    budget = sum(
+        seconds(key) for key in ("WatchdogSec", "TimeoutStopSec", "RestartSec", "TimeoutStartSec")
+    )
     assert budget <= DIRECTIVE_HOLD_S, (DIRECTIVE_HOLD_S, budget)
+
+
+def test_a_gpud_back_inside_the_hold_is_asked_before_the_directive_lapses() -> None:
+    """gpud away from 0.5 s to 125 s after it last answered, inside a hold of 150 s: the
+    backed-off calls (at 1, 3, 7, ... 121 s, then 151 s) would all miss it, but one call is
+    tried just before the hold runs out, so training at duty 0.05 never runs at full speed
+    beside the service its restored guard protects."""
+    clock = Clock()
+    start = clock.t
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        if 0.5 < clock.t - start < 125.0:
+            raise OSError("no socket")
+        return 0.05, False, "SLO guard"
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, hold_s=150.0)
+    duties = []
+    while clock.t - start < 200.0:
+        clock.t += 0.05  # an iteration
+        t.point()
+        duties.append(t.duty)
+    assert set(duties) == {0.05} and not t.evict, t.reason
 
 
 def test_a_directive_that_lapses_says_so_once_on_the_jobs_stderr(
@@ -3566,6 +3596,41 @@ def test_observed_speed_takes_the_throttle_out_and_teaches_the_predictor(
     assert view.predictor_samples >= 1
 
 
+def test_a_throttled_jobs_rate_is_not_read_from_the_reports_between_its_sleeps_slices(
+    tmp_path: Path,
+) -> None:
+    """Training of 2 s iterations held at duty 0.1 sleeps 18 s after each, asking gpud
+    each second of it with no iteration done: gpud reads its speed from its iterations
+    alone (0.5 per second of running time), never 0 or more from a window inside a sleep,
+    which would show a false slowdown, or learn a rate alone of 0."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc._directives["train"] = Directive(0.1, False, "SLO guard")
+    rates: list[float | None] = []
+
+    def ticks(seconds: float) -> None:
+        """``seconds`` pass, the loop's rate read at each whole second of them."""
+        end = clock.t + seconds
+        while clock.t < end - 1e-9:
+            clock.t = min(end, math.floor(clock.t + 1.0))
+            rates.append(svc._rate(svc._jobs["train"], clock.t))
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        return dataclasses.astuple(svc.throttle_point(job, iterations))
+
+    t = Throttle("train", clock=clock, sleep=ticks, call=call)
+    t.point()
+    for _ in range(6):
+        ticks(2.0)  # an iteration
+        t.point()
+    assert t.duty == 0.1 and len(rates) >= 100
+    wrong = [r for r in rates if r is not None and not 0.45 <= r <= 0.55]
+    assert wrong == [], wrong
+
+
 def colo_show(resp: colo_pb2.ShowColoResponse, *, json_output: bool = False) -> str:
     """What ``gpuctl colo show`` prints of ``resp``."""
     import argparse
@@ -4113,6 +4178,39 @@ def test_mig_devices_of_one_gpu_instance_share_its_memory_as_nvml_reads_it(
     (ev,) = [d for d in plan.directives if d.evict]
     assert ev.job_id == "train"
     assert ev.reason.startswith(f"GPU 0 MIG instance 2c.3g.40gb ({c2.uuid}) memory 39936 MiB")
+
+
+def test_a_mig_device_that_reads_0_bytes_of_memory_does_not_take_its_jobs_run_peak_for_0(
+    tmp_path: Path,
+) -> None:
+    """While GPU 0's 3g.40gb device said its memory was 0 bytes, train's processes there
+    held 30 GiB: the size is unknown, not a bound of 0, so the run's peak is 30 GiB when
+    the device reads 40 GiB again and train uses 5 GiB."""
+    sized = mig_gpu(0, ("3g.40gb", 40, 60))
+    (m,) = sized.mig_devices
+    zero = sized._replace(
+        mig_devices=(m._replace(identity=dataclasses.replace(m.identity, memory_total_bytes=0)),)
+    )
+    job = RunningJob(
+        "train",
+        "training",
+        0,
+        memory_bytes=4 * GIB,
+        memory_used=30 * GIB,
+        device=m.identity.uuid,
+        mig_profile="3g.40gb",
+        reserved_at=100.0,
+    )
+    jobs = [job]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(Snapshot(0.0, 0.0, (zero,), 0.01))
+    jobs[0] = dataclasses.replace(job, memory_used=5 * GIB)
+    clock.t += 5
+    svc.tick(Snapshot(0.0, 5.0, (sized,), 0.01))
+    assert svc._view(jobs[0]).shape.observed_peak_bytes == 30 * GIB
 
 
 def test_a_tight_slo_gets_a_free_mig_instance_and_training_one_that_keeps_its_pace(

@@ -509,6 +509,26 @@ def test_a_mig_instance_refusal_names_the_job_held_at_its_runs_peak() -> None:
     ), two.waiting["a"]
 
 
+@pytest.mark.parametrize(
+    ("declared_gib", "used_gib", "peak_gib"),
+    [(4, 30, 30.02), (30, 5, 30), (30, 5, 30.02)],
+    ids=["peak-as-now", "peak-as-declared", "peak-a-hair-over-declared"],
+)
+def test_a_refusal_names_no_peak_that_shows_no_more_than_declared_or_used_now(
+    declared_gib: float, used_gib: float, peak_gib: float
+) -> None:
+    """A run's peak is named as what holds a job only where it shows above both what the
+    job declared and what it uses now: "a holds its run's peak 30 GiB (now 30 GiB)", or a
+    peak no more than the declared memory it is held at anyway, explains nothing."""
+    planner = Planner(InterferencePredictor())
+    free = (MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("2g.20gb", 2 / 7, 20 * GIB))
+    mig_mode = GpuView(index=1, memory_total=80 * GIB, mig_options=free, whole=False)
+    job = training("a", sm=0.1, mem_gib=declared_gib, used_gib=used_gib)
+    job.shape.observe_memory(int(peak_gib * GIB))
+    said = planner.plan([mig_mode], [job]).waiting["a"]
+    assert said.endswith("gives it 1/2 of its speed on a whole GPU"), said
+
+
 def test_a_mig_instance_holds_its_own_memory_and_goes_to_one_job() -> None:
     """Jobs that fill their instances crowd no one: none is evicted for the GPU's memory,
     and a free instance is still given; one free instance goes to the first job only."""
