@@ -91,6 +91,8 @@ MAX_DRAIN_SECONDS = 24 * 3600.0
 # The largest mig-parted file gpuctl sends, the API takes or gpud reads (real ones are a few
 # KiB): it fits in one API request with room to spare.
 MAX_LAYOUT_BYTES = 128 * 1024
+# The longest name of a config in one (``mig apply/assert/export -c``)
+MAX_CONFIG_NAME = 256
 
 # The p99 latency SLOs a service may declare. Under 10 µs none can be met: a GPU request
 # as its client times it (a kernel launch, its completion seen by the host) takes some
@@ -183,6 +185,15 @@ def check_text(value: str, *, field: str, max_len: int) -> str:
                 field=field,
             )
     return value
+
+
+def check_config_name(name: str, *, field: str) -> str:
+    """``name``, of a config in a mig-parted file, when ``mig apply``, ``mig assert`` and
+    ``mig export`` can take it: one line of at most :data:`MAX_CONFIG_NAME` printable
+    characters (:func:`check_text`). It is a key of the YAML export writes, and goes into
+    gpud's state database, its events and log, and the ``gpuctl mig apply -c NAME`` line
+    that says how to finish an interrupted apply: a newline there would split the line."""
+    return check_text(name, field=field, max_len=MAX_CONFIG_NAME)
 
 
 def format_size(num_bytes: int) -> str:

@@ -6,7 +6,8 @@
 
 Starts a simulated node (MPS on), then sends ``--requests`` requests to random methods of
 every service on its socket (a server stream is read for its first message, then
-cancelled; ClusterPeer, served only on the peer port, is left out): messages filled field
+cancelled, a WatchEvents, which may match nothing for hours, only until gpud has set it up;
+ClusterPeer, served only on the peer port, is left out): messages filled field
 by field from the descriptors with random values (odd unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
 long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
 random string field, and one in twenty raw bytes that are no valid message at all. Half
@@ -209,6 +210,42 @@ class Run:
     cut_by: str = ""  # the signal that cut it short, e.g. "SIGTERM"
 
 
+# Streams that may send nothing for hours (a WatchEvents no event matches yet): set up
+# once gpud has sent their initial metadata; a refusal ends them before.
+QUIET_STREAMS = frozenset({"/gpud.v1.Node/WatchEvents"})
+
+
+def first_of(stream: Any, path: str) -> Any:
+    """The first message of ``stream``, a call of method ``path``, or None where it ended
+    without one; then the call is cancelled. A quiet stream (:data:`QUIET_STREAMS`) is read
+    only once gpud has ended it (a refusal, raised here): one gpud set up and sent its
+    initial metadata for answers None, rather than wait out its deadline for an event
+    that may never come."""
+    try:
+        if path in QUIET_STREAMS:
+            stream.initial_metadata()
+            if not stream.done():
+                return None
+        return next(stream, None)
+    finally:
+        stream.cancel()
+
+
+def first_of_stream(
+    channel: grpc.Channel, path: str, response: Any, serialize: Callable[[Any], bytes]
+) -> Callable[..., Any]:
+    """A call of server-streaming method ``path`` on ``channel`` that answers its first
+    message (:func:`first_of`)."""
+    call = channel.unary_stream(
+        path, request_serializer=serialize, response_deserializer=response.FromString
+    )
+
+    def first(request: Any, timeout: float) -> Any:
+        return first_of(call(request, timeout=timeout), path)
+
+    return first
+
+
 def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
     """Warm ``daemon`` up, then send it ``run.requests`` fuzzed requests, recording into
     ``run`` as it goes."""
@@ -227,23 +264,13 @@ def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
             path, request_serializer=serialize, response_deserializer=response.FromString
         )
 
-    def first_of_stream(path: str, response: Any) -> Any:
-        call = channel.unary_stream(
-            path, request_serializer=serialize, response_deserializer=response.FromString
-        )
-
-        def first(request: Any, timeout: float) -> Any:
-            stream = call(request, timeout=timeout)
-            try:
-                return next(stream, None)
-            finally:
-                stream.cancel()
-
-        return first
-
     try:
         calls = {
-            path: (first_of_stream if stream else unary)(path, response)
+            path: (
+                first_of_stream(channel, path, response, serialize)
+                if stream
+                else unary(path, response)
+            )
             for path, _, response, stream in rpcs
         }
         run.rss_start = rss_mb(daemon.pid)

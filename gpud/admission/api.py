@@ -33,7 +33,13 @@ from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.env import REPORT_TOKEN_VAR
 from gpud.jobs.registry import check_devices, check_name
 from gpud.jobs.service import RunRequest
-from gpud.shared import WAITING_ON_COLOCATION, check_owner, user_name, user_names
+from gpud.shared import (
+    WAITING_ON_COLOCATION,
+    check_owner,
+    shown,
+    user_name,
+    user_names,
+)
 from gpud.v1 import jobs_pb2
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
@@ -209,6 +215,19 @@ def _signal_name(value: str | None) -> str | None:
     return value
 
 
+def _entry_id(request: pb.GetEntryRequest | pb.LeaveRequest) -> str:
+    """The request's ``id``, a queue entry's or a co-location waiter's (12 hex digits each):
+    one of other characters can be neither, and a newline or an escape sequence in it
+    would reach the NotFound message, and the terminal of whoever asked, as it came."""
+    entry_id = non_empty(request.id, field="id", max_len=64)
+    if not (entry_id.isascii() and entry_id.isalnum()):
+        raise InvalidArgument(
+            f"{shown(entry_id, 64)}: an entry id is letters and digits (gpuctl queue lists them)",
+            field="id",
+        )
+    return entry_id
+
+
 def _wait_s(request: pb.GetEntryRequest, remaining: float | None) -> float:
     """How long a GetEntry may wait for its entry to change: ``wait_s`` (checked), at most
     MAX_ENTRY_WAIT_S, and ENTRY_WAIT_MARGIN_S short of the deadline (``remaining``)."""
@@ -344,7 +363,7 @@ class QueueServicer(pb_grpc.QueueServicer):
         it was first seen moved up (with its position then), or after ``wait_s``; each
         change of the queue reads it again, one read in a worker thread shared by every
         waiting call (an entry no longer queued is read alone)."""
-        entry_id = non_empty(request.id, field="id", max_len=64)
+        entry_id = _entry_id(request)
 
         def get() -> pb.QueueEntry:
             return entry_message(self._service.view(entry_id))
@@ -380,7 +399,7 @@ class QueueServicer(pb_grpc.QueueServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:
-            entry_id = non_empty(request.id, field="id", max_len=64)
+            entry_id = _entry_id(request)
             stopped_by = _signal_name(optional(request, "stopped_by"))
             waiter = self._leave_waiter(entry_id, stopped_by)
             if waiter is not None:

@@ -322,11 +322,22 @@ def _not_a_socket(path: Path) -> str | None:
 
 def probe_socket(path: Path, timeout: float) -> None:
     """Connect once with a plain socket, so that "not running" and "permission denied" get
-    their own messages and exit codes (gRPC reports both as an opaque UNAVAILABLE)."""
+    their own messages and exit codes (gRPC reports both as an opaque UNAVAILABLE).
+
+    The socket blocks, with ``timeout`` as its send timeout (SO_SNDTIMEO): when the
+    kernel's queue of connections gpud has not accepted yet is full, connect() then waits
+    for room, up to ``timeout``, as for a gpud busy for a moment under a burst of gpuctl;
+    a socket with a Python timeout is non-blocking, and the kernel would say EAGAIN at
+    once."""
     import socket  # not at the top: `gpuctl --help` needs no socket
+    import struct
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    # a struct timeval of at least 1 µs: 0 would wait for ever
+    micros = max(1, round(timeout * 1_000_000))
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", *divmod(micros, 1_000_000))
+    )
     try:
         sock.connect(os.fsencode(path))
     except PermissionError:
@@ -343,11 +354,12 @@ def probe_socket(path: Path, timeout: float) -> None:
         if err.errno == errno.EACCES:
             raise _denied(path) from None
         if err.errno == errno.EAGAIN:
-            # the kernel's queue of connections gpud has not accepted is full: it runs
+            # the kernel's queue of connections gpud has not accepted stayed full for the
+            # whole timeout: it runs, and takes none
             raise CliError(
                 f"gpud on {shown_path(path)} takes no more connections: the queue of those it"
-                " has not accepted is full (it accepts none: stopped, or its event loop"
-                " stuck); check `systemctl status gpud`",
+                f" has not accepted stayed full for {timeout:g} s (it accepts none: stopped,"
+                " or its event loop stuck); check `systemctl status gpud`",
                 EXIT_NOT_RUNNING,
             ) from None
         # e.g. "AF_UNIX path too long" carries no errno

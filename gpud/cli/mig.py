@@ -62,13 +62,29 @@ from gpud.cli.context import (
     seconds,
 )
 from gpud.cli.output import NA, gib, last_seen
-from gpud.errors import ERROR_TABLE, FailedPrecondition
-from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
+from gpud.errors import ERROR_TABLE, FailedPrecondition, InvalidArgument
+from gpud.shared import (
+    MAX_DRAIN_SECONDS,
+    MAX_LAYOUT_BYTES,
+    check_config_name,
+    read_small_text,
+)
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
+
+def config_name(text: str) -> str:
+    """An argparse ``type``: the name of a config, as gpud takes it
+    (:func:`gpud.shared.check_config_name`), so that one no apply could take is a usage
+    error naming ``-c`` (exit 2), never a name export writes into its YAML."""
+    given("the config's name")(text)
+    try:
+        return check_config_name(text, field="")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 EXIT_DIFFERS = 1
-CONFIG = given("the config's name")
 EXIT_FAILED = 1
 # 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed or a
 # job reserved it; a FailedPrecondition too: another apply is in flight
@@ -144,7 +160,7 @@ def register(subparsers: Subparsers) -> None:
     export = commands.add_parser("export", help="print the current layout as a mig-parted file")
     # -c "": an unset variable, which gpud would take as "current"
     export.add_argument(
-        "-c", "--config", default="current", type=CONFIG, metavar="NAME", help="config name"
+        "-c", "--config", default="current", type=config_name, metavar="NAME", help="config name"
     )
     export.set_defaults(run=run_export)
 
@@ -160,7 +176,12 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
         help="mig-parted config file (-: standard input)",
     )
     parser.add_argument(
-        "-c", "--config", required=True, type=CONFIG, metavar="NAME", help="entry of mig-configs"
+        "-c",
+        "--config",
+        required=True,
+        type=config_name,
+        metavar="NAME",
+        help="entry of mig-configs",
     )
 
 

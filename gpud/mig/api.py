@@ -27,7 +27,7 @@ from gpud.mig.manager import MigManager
 from gpud.mig.results import ApplyResult, GpuOutcome
 from gpud.mig.store import ApplyOptions
 from gpud.mig.view import GpuView
-from gpud.shared import MAX_LAYOUT_BYTES
+from gpud.shared import MAX_LAYOUT_BYTES, check_config_name
 from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 from gpud.threads import on_daemon_thread
 from gpud.v1 import mig_pb2 as pb
@@ -50,6 +50,7 @@ def _read_budget(context: grpc.aio.ServicerContext, cap: float = _DEFAULT_READ_S
 def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
     if not source.name:
         raise InvalidArgument("a config name is required", field="config.name")
+    check_config_name(source.name, field="config.name")
     if len(source.text.encode()) > MAX_LAYOUT_BYTES:
         raise InvalidArgument(f"larger than {MAX_LAYOUT_BYTES} bytes", field="config.text")
     return parse_config(source.text, path=source.path or None), source.name
@@ -231,9 +232,8 @@ class MigServicer(pb_grpc.MigServicer):
     async def ExportMig(  # noqa: N802
         self, request: pb.ExportMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExportMigResponse:
-        text, faults = await on_daemon_thread(
-            lambda: self._manager.export(request.name or "current")
-        )
+        name = check_config_name(request.name or "current", field="name")
+        text, faults = await on_daemon_thread(lambda: self._manager.export(name))
         return pb.ExportMigResponse(
             yaml=text, left_out=[f"GPU {i}: {why}" for i, why in sorted(faults.items())]
         )

@@ -42,6 +42,7 @@ from gpud.v1 import (
     queue_pb2,
     queue_pb2_grpc,
 )
+from tools.fuzz_api import first_of
 from tools.simdaemon import simulated_gpud
 
 pytestmark = pytest.mark.slow
@@ -323,9 +324,6 @@ SERVICES = {
     "gpud.v1.Cluster": (cluster_pb2, cluster_pb2_grpc.ClusterStub),
 }
 STREAMS = {"/gpud.v1.Cluster/WatchAttributes", "/gpud.v1.Node/WatchEvents"}
-# streams that may send nothing for hours (no event matches): set up once gpud has sent their
-# initial metadata, then cancelled; a refusal ends them before
-QUIET_STREAMS = {"/gpud.v1.Node/WatchEvents"}  # the first message is read, then cancelled
 
 
 def _methods() -> list[str]:
@@ -364,13 +362,7 @@ class Client:
         rpc: Callable[..., Any] = getattr(self._stubs[service], name)
         try:
             if method in STREAMS:
-                stream = rpc(request, timeout=60)
-                if method in QUIET_STREAMS:
-                    stream.initial_metadata()
-                    resp = next(stream, None) if stream.done() else None
-                else:
-                    resp = next(stream)
-                stream.cancel()
+                resp = first_of(rpc(request, timeout=60), method)
             else:
                 resp = rpc(request, timeout=60)
         except grpc.RpcError as err:

@@ -10,15 +10,21 @@ import random
 import re
 import signal
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
+import grpc
 import psutil
 import pytest
 
 from gpud.mps.procs import alive
+from gpud.v1 import node_pb2
+from tests.unit.api_support import short_dir
 from tests.unit.tool_support import running_tool, stopped_by
 from tools import simdaemon
-from tools.fuzz_api import MB, Run, methods, report, send_fuzzed
+from tools.fuzz_api import MB, Run, first_of_stream, methods, report, send_fuzzed
 from tools.simdaemon import Terminated, stop_on_signals
 
 
@@ -60,6 +66,47 @@ def test_a_big_request_a_signal_cuts_short_is_counted_neither_sent_nor_big() -> 
     with pytest.raises(Terminated):
         send_fuzzed(calls, rpcs, random.Random(1), run, big_at={3, 9, 11, 30}, queued="q")
     assert (run.sent, run.big_sent) == (len(answered), answered.count(True)) == (11, 2)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_watch_that_matches_nothing_yet_answers_once_set_up_and_a_refused_one_its_error(
+    refused: bool,
+) -> None:
+    # a WatchEvents whose filters match no event sends nothing for hours: the fuzzer's call
+    # ends once gpud has set it up (its initial metadata), not at its deadline
+    ended = threading.Event()
+
+    def watch(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        if refused:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu: expected a GPU index")
+        context.send_initial_metadata((("gpud-watching", "1"),))
+        context.add_callback(ended.set)
+        ended.wait()  # no event ever matches
+        yield b""
+
+    path = "/gpud.v1.Node/WatchEvents"
+    handler = grpc.method_handlers_generic_handler(
+        "gpud.v1.Node", {"WatchEvents": grpc.unary_stream_rpc_method_handler(watch)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    with short_dir() as d:
+        server.add_insecure_port(f"unix:{d / 'gpud.sock'}")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"unix:{d / 'gpud.sock'}") as channel:
+                first = first_of_stream(
+                    channel, path, node_pb2.WatchEventsResponse, lambda m: m.SerializeToString()
+                )
+                if refused:
+                    with pytest.raises(grpc.RpcError) as err:
+                        first(node_pb2.WatchEventsRequest(gpu="x"), timeout=60)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                else:
+                    assert first(node_pb2.WatchEventsRequest(job="none"), timeout=60) is None
+                    ended.wait(60)  # cancelled, not left open
+                    assert ended.is_set()
+        finally:
+            server.stop(None)
 
 
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end

@@ -12,6 +12,8 @@ import math
 import os
 import re
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from gpud.api.ports import ReloadState, StateFiles
 from gpud.backend.sim import SimNode
 from gpud.build import UNKNOWN
 from gpud.build import current as current_build
-from gpud.cli.context import Context
+from gpud.cli.context import Context, probe_socket
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
 from gpud.cli.version import differ_line
@@ -1526,25 +1528,53 @@ def test_a_follower_of_a_hung_gpud_gives_up_after_the_timeout_saying_it_does_not
     assert doc["message"].startswith(f"gpud did not answer within 1 s on {path}"), err
 
 
+def _full_queue(held: contextlib.ExitStack, path: Path) -> socket.socket:
+    """A socket listening at ``path`` whose queue of connections not yet accepted is full
+    (with ``held`` those waiting in it)."""
+    listening = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    listening.bind(str(path))
+    listening.listen(0)
+    while True:
+        waiting = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        waiting.setblocking(False)
+        try:
+            waiting.connect(str(path))
+        except BlockingIOError:
+            return listening
+
+
 def test_a_gpud_whose_queue_of_connections_is_full_is_not_called_not_running(
     capsys: pytest.CaptureFixture[str], sock_dir: Path
 ) -> None:
     path = sock_dir / "gpud.sock"
     with contextlib.ExitStack() as held:
-        hung = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-        hung.bind(str(path))
-        hung.listen(0)
-        while True:  # fill the queue of connections it never accepts
-            waiting = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            waiting.setblocking(False)
-            try:
-                waiting.connect(str(path))
-            except BlockingIOError:
-                break
+        _full_queue(held, path)  # a gpud that never accepts them
         code, out, err = run(capsys, "--socket", str(path), "--timeout", "1", "status")
     assert code == 3 and out == "", err
     assert err.startswith(f"gpuctl: gpud on {path} takes no more connections: "), err
+    assert "stayed full for 1 s" in err, err
     assert "not running" not in err and err.count("\n") == 1, err
+
+
+def test_a_gpud_whose_queue_of_connections_is_full_for_a_moment_is_waited_for(
+    sock_dir: Path,
+) -> None:
+    # a live gpud busy for a moment under a burst of gpuctl: once it accepts again, the
+    # connection that waited for room in its queue goes through
+    path = sock_dir / "gpud.sock"
+    with contextlib.ExitStack() as held:
+        busy = _full_queue(held, path)
+
+        def accept_again() -> None:
+            time.sleep(0.3)  # the probe finds the queue full first
+            busy.accept()[0].close()
+
+        thread = threading.Thread(target=accept_again)
+        thread.start()
+        try:
+            probe_socket(path, 60.0)
+        finally:
+            thread.join()
 
 
 @pytest.mark.parametrize(

@@ -1900,6 +1900,34 @@ def test_a_leave_saying_what_stopped_it_takes_only_a_signal_name() -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("entry_id", ["a\nb", "0123 456789", "\x1b[2J", "entry-1"])
+def test_an_entry_id_no_entry_could_have_is_refused_naming_the_field(
+    capsys: pytest.CaptureFixture[str], entry_id: str
+) -> None:
+    """Queue entries' and co-location waiters' ids are 12 hex digits: any other characters
+    are a mistake to say (exit 2), not an entry to look for and not find (exit 4)."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    with serving(queue.register) as n, grpc.insecure_channel(f"unix:{n.socket}") as channel:
+        stub = queue_pb2_grpc.QueueStub(channel)
+        for call in (stub.Leave, stub.GetEntry):
+            request_cls = (
+                queue_pb2.LeaveRequest if call is stub.Leave else queue_pb2.GetEntryRequest
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                call(request_cls(id=entry_id), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith(f"id: {entry_id!r}: "), err.value
+        code = gpuctl(["--socket", str(n.socket), "queue", "--leave", entry_id])
+    err_text = capsys.readouterr().err
+    assert code == 2 and err_text.startswith(f"gpuctl: id: {entry_id!r}: "), err_text
+    assert err_text.count("\n") == 1, err_text
+
+
 def test_gpuctl_jobs_history_lists_a_history_larger_than_one_grpc_message(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -153,6 +153,32 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
     assert code == 0
 
 
+@pytest.mark.parametrize("name", ["a\nb", "x\x1b[2J", "y" * 300])
+def test_a_config_name_no_apply_could_take_is_refused_naming_it_and_nothing_is_exported(
+    capsys: pytest.CaptureFixture[str], node: Node, name: str
+) -> None:
+    # export would write it as a key of its YAML; apply and assert refuse it by the same rule
+    for argv in (
+        ("export", "-c", name),
+        ("apply", "-f", CONFIG, "-c", name),
+        ("assert", "-f", CONFIG, "-c", name),
+    ):
+        code, out, err = gpuctl(capsys, node, "mig", *argv)
+        assert code == 2 and out == "", err
+        assert "argument -c/--config: " in err and err.count("\n") <= 2, err
+    with grpc.insecure_channel(f"unix:{node.socket}") as channel:
+        stub = pb_grpc.MigStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ExportMig(pb.ExportMigRequest(name=name), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (refused.value.details() or "").startswith("name: "), refused.value
+        source = pb.MigConfigSource(name=name, text=Path(CONFIG).read_text(), path=CONFIG)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ApplyMig(pb.ApplyMigRequest(config=source, dry_run=True), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (refused.value.details() or "").startswith("config.name: "), refused.value
+
+
 def _headers(out: str) -> list[str]:
     """The GPUs' lines of ``gpuctl mig show``, less the product and UUID."""
     return [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("GPU ")]
