@@ -306,7 +306,9 @@ class Latency:
         self._clock = clock
         self._send = send or self._grpc_send
         self._background = background
-        self._idle = max(10 * flush_every_s, SENDER_IDLE_MIN_S) if idle_s is None else idle_s
+        idle = max(10 * flush_every_s, SENDER_IDLE_MIN_S) if idle_s is None else idle_s
+        # a wait past TIMEOUT_MAX (an infinite flush_every_s) raises in the thread
+        self._idle = min(idle, threading.TIMEOUT_MAX)
         self._start = start or _start_daemon
         self._max_pending = max_pending
         self._senders = 0  # sender threads started: each one's number

@@ -2436,6 +2436,19 @@ def test_an_idle_sender_thread_ends_and_its_latency_is_collected() -> None:
     assert collected() is None
 
 
+def test_a_latency_that_never_sends_on_its_own_sends_each_flush() -> None:
+    """``flush_every_s=inf`` (reports only when flushed): the sender thread waits for the
+    next flush however long, and sends it."""
+    sent: list[list[float]] = []
+    lat = Latency(
+        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=math.inf
+    )
+    for seconds in (0.01, 0.02):
+        lat.observe(seconds)
+        assert lat.flush(timeout=30)
+    assert lat.close(timeout=30) and sent == [[0.01], [0.02]] and lat.dropped == 0
+
+
 def test_without_batching_a_report_sent_within_a_calls_deadline_says_no_age() -> None:
     """With ``flush_every_s=0`` a report that waits behind a call is late only past the
     call's deadline: one that waited half a second is counted from its arrival."""
