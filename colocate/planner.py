@@ -1018,12 +1018,15 @@ class Planner:
                     "never fits on this node: every healthy GPU is in MIG mode, and no MIG "
                     f"instance there ({', '.join(sorted(layout)) or 'none'}) "
                     + self._instance_terms(job)
+                    + (f"; {held}" if (held := _at_peak(job)) else "")
                 )
         reasons = []
+        terms_said = False  # a MIG GPU's part says what an instance must hold
         for g in state.values():
             candidates = self._candidates(job, g)
             if not candidates:
                 free = sorted({m.profile for m in g.free_migs()})
+                terms_said |= bool(free)
                 why = (
                     f"no free instance ({', '.join(free)}) {self._instance_terms(job)}"
                     if free
@@ -1039,21 +1042,27 @@ class Planner:
             reasons.append(
                 f"GPU {g.view.index}: {ev.reason or f'gain {ev.gain:.2f} under {self.params.min_gain:g}'}"
             )
-        return "; ".join(reasons[:4]) + ("; ..." if len(reasons) > 4 else "")
+        # the job held at its run's peak (what an instance must hold) said once, not in
+        # every MIG GPU's part
+        held = _at_peak(job) if terms_said else None
+        return (
+            "; ".join(reasons[:4])
+            + ("; ..." if len(reasons) > 4 else "")
+            + (f"; {held}" if held else "")
+        )
 
     def _instance_terms(self, job: JobView) -> str:
-        """What an instance must offer the job (see :meth:`_instance_for`), and where its
-        memory is its run's peak, that (:func:`_at_peak`)."""
+        """What an instance must offer the job (see :meth:`_instance_for`); a refusal adds,
+        once, where its memory is its run's peak (:func:`_at_peak`)."""
         mib = job.shape.reserve_bytes() >> 20
-        held = f"; {held}" if (held := _at_peak(job)) else ""
         if job.kind is JobKind.INFERENCE:
             return (
                 f"holds its {mib} MiB and serves its peak {job.peak_load:g}/s "
-                f"+ {self.params.slo_margin:.0%} within its SLO{held}"
+                f"+ {self.params.slo_margin:.0%} within its SLO"
             )
         return (
             f"holds its {mib} MiB and gives it 1/{self.params.max_slowdown:g} of its speed "
-            f"on a whole GPU{held}"
+            "on a whole GPU"
         )
 
     def _reason(self, job: JobView, g: _Gpu, share: float, mig: str | None, ev: _Eval) -> str:

@@ -11,9 +11,11 @@ by a thread of the ``Latency``'s own: ``observe()`` never waits for gpud, so a g
 accepts the call and never answers holds that thread for :data:`CALL_TIMEOUT_S` per report,
 never a request being served. Up to ``max_pending`` reports (8) wait for the thread; past
 it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped`` counts
-the requests so lost. A report sent more than ``flush_every_s`` after it was made says its
-age, as a batch held through a quiet spell does. ``flush()`` sends what is held and waits
-(a bounded time) for the thread; ``close()`` then ends the thread: call one before exit.
+the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`)
+after it was made says its age, as a batch held through a quiet spell does. ``flush()``
+sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
+thread: call one before exit to wait longer than the exit's own close, 1 s in all. A forked
+child starts with none of its parent's batch, reports, thread or locks.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
@@ -23,11 +25,14 @@ lapses :data:`DIRECTIVE_HOLD_S` after gpud last answered.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +73,8 @@ CALL_TIMEOUT_S = 1.0
 # also the longest a gpud back from a restart may wait to be heard: the time a tighter
 # directive of a guard it restored takes to reach the training job.
 REPORT_BACKOFF_MAX_S = 30.0
+# The least time a Latency's sender thread waits with nothing to send before it ends.
+SENDER_IDLE_MIN_S = 5.0
 
 
 class _Channel:
@@ -265,6 +272,13 @@ def directive() -> tuple[float, bool, str]:
     return t.duty, t.evict, t.reason
 
 
+# One latency report: (seconds, when its earliest request began, held through a quiet
+# spell, when it left observe()).
+_Report = tuple[list[float], float, bool, float]
+# Every Latency not yet collected: closed at exit, made afresh in a forked child.
+_LIVE: weakref.WeakSet[Latency] = weakref.WeakSet()
+
+
 class Latency:
     """Inference latency reports: ``lat = Latency(); lat.observe(0.012)`` per request.
 
@@ -274,7 +288,13 @@ class Latency:
     deadlocked) holds that thread for the call's deadline, not the request being served.
     Reports waiting for the thread are bounded (``max_pending`` batches): past it the
     oldest is dropped; a report whose call fails is dropped too (gpud may be away; a job
-    never fails for it). :attr:`dropped` counts the requests so lost."""
+    never fails for it). :attr:`dropped` counts the requests so lost.
+
+    The thread ends after ``idle_s`` with nothing to send (the next report starts another)
+    and holds the ``Latency`` only weakly, so one dropped is collected. At interpreter exit
+    every live ``Latency`` is closed (waiting :data:`CALL_TIMEOUT_S` for all of them); call
+    :meth:`close` before then to wait longer. A forked child starts with nothing of the
+    parent's: no batch, no reports waiting, no thread, locks and gRPC channel anew."""
 
     def __init__(
         self,
@@ -288,13 +308,21 @@ class Latency:
         send: Callable[[str, list[float], float | None], None] | None = None,
         token: str | None = None,
         background: bool = True,
+        idle_s: float | None = None,
+        start: Callable[[Callable[[], None], str], None] | None = None,
     ) -> None:
         """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
         to gpud, waiting at most :data:`CALL_TIMEOUT_S`); ``age_s`` the seconds since the
         earliest of its requests began, for a batch held through a quiet spell, or one
-        that waited for the sender thread more than ``flush_every_s``, else None (gpud
-        counts it from arrival). ``background=False`` sends on the thread that observes,
-        waiting for gpud's answer there (for a caller already off the request path)."""
+        that waited for the sender thread more than ``flush_every_s`` (and more than
+        :data:`CALL_TIMEOUT_S`), else None (gpud counts it from arrival).
+        ``background=False`` sends on the thread that observes, waiting for gpud's answer
+        there (for a caller already off the request path). ``idle_s``: how long the sender
+        thread waits with nothing to send before it ends (default ten ``flush_every_s``,
+        at least :data:`SENDER_IDLE_MIN_S`). ``start(target, name)`` runs ``target`` on a
+        new thread (default: a daemon ``threading.Thread``); where it cannot (the pids
+        cgroup's limit, interpreter shutdown) that one report is sent on the calling
+        thread and the reports waiting are dropped and counted."""
         if max_pending < 1:
             raise ValueError(f"Latency max_pending must be >= 1, not {max_pending!r}")
         self.job = job or os.environ.get("GPUD_JOB", "")
@@ -304,21 +332,33 @@ class Latency:
         self._clock = clock
         self._send = send or self._grpc_send
         self._background = background
+        idle = max(10 * flush_every_s, SENDER_IDLE_MIN_S) if idle_s is None else idle_s
+        # a wait past TIMEOUT_MAX (an infinite flush_every_s) raises in the thread
+        self._idle = min(idle, threading.TIMEOUT_MAX)
+        self._start = start or _start_daemon
+        self._max_pending = max_pending
+        self._senders = 0  # sender threads started: each one's number
+        self._fresh()
+        _LIVE.add(self)
+
+    def _fresh(self) -> None:
+        """The state of one process: at construction, and in a forked child, where the
+        parent's thread is not there, its locks may have been held at the fork, what it
+        held is the parent's to send and its gRPC channel is not to be used."""
         self._batch: list[float] = []
         self._began = math.inf  # when the batch's earliest request began, by ``clock``
         self._newest = -math.inf  # when the batch's newest request finished
-        self._last = clock()
+        self._last = self._clock()
         self._lock = threading.Lock()
         self.dropped = 0  # requests whose report was not delivered: overflow or a failed call
         # reports for the sender thread: (seconds, began, aged, taken) with ``taken`` when
         # the batch left observe(), so that one delivered late says its age
-        self._pending: deque[tuple[list[float], float, bool, float]] = deque()
-        self._max_pending = max_pending
-        self._sending = False  # the sender thread is in a call
+        self._pending: deque[_Report] = deque()
+        # calls in flight: an old thread's (past a close() that timed out) counts too
+        self._sending = 0
         self._ready = threading.Condition()
         self._sender = 0  # the number of the sender thread that runs; 0: none
-        self._senders = 0  # sender threads started
-        self._pid = os.getpid()  # the process whose thread that is
+        self._channel.forget()
 
     def _grpc_send(self, job: str, seconds: list[float], age_s: float | None) -> None:
         from gpud.v1 import colo_pb2
@@ -338,8 +378,9 @@ class Latency:
         ``flush_every_s`` before this one) goes on its own, saying its age: gpud counts it
         from when its earliest request began, so a GPU's hang then, or the loop off, is not
         read as what the GPU does now; this request follows it at once, counted from its
-        arrival. What is held at exit is lost unless :meth:`flush` is called. Never waits
-        for gpud (unless ``background=False``)."""
+        arrival. What is held at exit is sent then (waiting up to :data:`CALL_TIMEOUT_S`).
+        Never waits for gpud (unless ``background=False``, or no thread can start) and
+        never raises."""
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return
@@ -362,7 +403,8 @@ class Latency:
         """Send what was collected now: saying its age if it was held through a quiet
         spell (its newest request finished more than ``flush_every_s`` ago), and wait up
         to ``timeout`` seconds for the sender thread to deliver every report so far. True
-        once none is left waiting (delivered, or dropped and counted in :attr:`dropped`)."""
+        once none is left waiting nor in a call (delivered, or dropped and counted in
+        :attr:`dropped`)."""
         with self._lock:
             now = self._clock()
             taken = self._take(now, aged=now - self._newest > self._every)
@@ -379,7 +421,7 @@ class Latency:
             self._ready.notify_all()
         return done
 
-    def _take(self, now: float, *, aged: bool) -> tuple[list[float], float, bool, float]:
+    def _take(self, now: float, *, aged: bool) -> _Report:
         """The batch, when its earliest request began, whether it is ``aged`` and ``now``,
         the batch emptied. Under the lock."""
         report = (self._batch, self._began, aged, now)
@@ -387,66 +429,105 @@ class Latency:
         self._began, self._newest, self._last = math.inf, -math.inf, now
         return report
 
-    def _deliver(self, report: tuple[list[float], float, bool, float]) -> None:
+    def _deliver(self, report: _Report) -> None:
         if not (report[0] and self.job):
             return
         if not self._background:
             self._call(report)
             return
-        if self._pid != os.getpid():
-            with self._lock:  # once, though two threads report at once
-                if self._pid != os.getpid():
-                    self._forked()
         with self._ready:
-            if not self._sender:  # the first report, or the first since close()
-                self._senders += 1
-                self._sender = self._senders
-                threading.Thread(
-                    target=self._run,
-                    args=(self._sender,),
-                    name=f"gpud-latency-{self.job}",
-                    daemon=True,
-                ).start()
-            if len(self._pending) >= self._max_pending:
-                self.dropped += len(self._pending.popleft()[0])
-            self._pending.append(report)
-            self._ready.notify_all()
+            if self._sender or self._start_sender():
+                if len(self._pending) >= self._max_pending:
+                    self.dropped += len(self._pending.popleft()[0])
+                self._pending.append(report)
+                self._ready.notify_all()
+                return
+            self._sending += 1
+        self._call_in_flight(report)
 
-    def _forked(self) -> None:
-        """In a forked child: the parent's sender thread is not there, its lock may have
-        been held at the fork, the reports it held are the parent's to send and its gRPC
-        channel is not to be used here."""
-        self._ready = threading.Condition()
-        self._pending = deque()
-        self._sending = False
-        self._sender = 0
-        self._channel.forget()
-        self._pid = os.getpid()
+    def _start_sender(self) -> bool:
+        """Start a sender thread (the first report, the first since :meth:`close` or an
+        idle end); False where none can start. Under ``_ready``."""
+        self._senders += 1
+        self._sender = self._senders
+        try:
+            self._start(
+                functools.partial(_send_for, weakref.ref(self), self._sender),
+                f"gpud-latency-{self.job}",
+            )
+        except RuntimeError:  # "can't start new thread": the pids limit, shutdown
+            # no thread will send what waits: dropped; the report at hand goes on this one
+            self._sender = 0
+            self.dropped += sum(len(waiting[0]) for waiting in self._pending)
+            self._pending.clear()
+            return False
+        return True
 
-    def _run(self, me: int) -> None:
-        """Sender thread number ``me``: one call at a time, oldest report first, until
-        :meth:`close`."""
-        while True:
-            with self._ready:
-                self._ready.wait_for(lambda: self._sender != me or bool(self._pending))
-                if self._sender != me:
-                    return
-                report = self._pending.popleft()
-                self._sending = True
+    def _next(self, me: int) -> _Report | None:
+        """The report sender thread ``me`` sends next, counted in flight; None once it is
+        to end: closed, or ``idle_s`` passed with nothing to send."""
+        with self._ready:
+            while self._sender == me and not self._pending:
+                if not self._ready.wait(self._idle) and not self._pending:
+                    self._sender = 0  # the next report starts another
+            if self._sender != me:
+                return None
+            self._sending += 1
+            return self._pending.popleft()
+
+    def _call_in_flight(self, report: _Report) -> None:
+        """:meth:`_call` for a report counted in ``_sending``, that count then lowered."""
+        try:
             self._call(report)
+        finally:
             with self._ready:
-                self._sending = False
+                self._sending -= 1
                 self._ready.notify_all()
 
-    def _call(self, report: tuple[list[float], float, bool, float]) -> None:
+    def _call(self, report: _Report) -> None:
         """One report; its age (clamped to ``MAX_REPORT_AGE_S``) where it was held through
-        a quiet spell or waited longer than ``flush_every_s`` to be sent."""
+        a quiet spell or waited longer than ``flush_every_s`` (and a call's deadline) to
+        be sent. Never raises: a failure of the clock or the call drops and counts it."""
         batch, began, aged, taken = report
-        now = self._clock()
-        late = now - taken > self._every
-        age = min(MAX_REPORT_AGE_S, max(0.0, now - began)) if aged or late else None
         try:
+            now = self._clock()
+            late = now - taken > max(self._every, CALL_TIMEOUT_S)
+            age = min(MAX_REPORT_AGE_S, max(0.0, now - began)) if aged or late else None
             self._send(self.job, batch, age)
         except Exception:  # the daemon may be away: drop the batch, never fail the job
             with self._ready:
                 self.dropped += len(batch)
+
+
+def _send_for(ref: weakref.ref[Latency], me: int) -> None:
+    """Sender thread number ``me`` of a :class:`Latency`: one call at a time, oldest report
+    first, until it is closed, idle or collected (held only while it sends or waits)."""
+    while (lat := ref()) is not None and (report := lat._next(me)) is not None:
+        lat._call_in_flight(report)
+        del lat
+
+
+def _start_daemon(target: Callable[[], None], name: str) -> None:
+    # a daemon: a gpud that never answers must not keep the job from exiting
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def _close_at_exit() -> None:
+    """Send what every live :class:`Latency` holds, as the interpreter exits: all handed
+    to their threads first, then waited for :data:`CALL_TIMEOUT_S` in all, so that a gpud
+    that never answers delays a job's exit by one call's deadline, however many it made."""
+    live = list(_LIVE)
+    for lat in live:
+        lat.flush(timeout=0)
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    for lat in live:
+        lat.close(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _fresh_in_child() -> None:
+    for lat in list(_LIVE):
+        lat._fresh()
+
+
+atexit.register(_close_at_exit)
+os.register_at_fork(after_in_child=_fresh_in_child)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -2310,6 +2315,211 @@ def test_a_forked_server_worker_reports_through_a_sender_thread_of_its_own() -> 
         sent = lines.read().splitlines()
     assert os.waitstatus_to_exitcode(status) == 0
     assert sent == [f"{os.getpid()} 1", f"{child} 1"]
+
+
+def test_reports_a_service_made_are_sent_at_exit_without_a_close(tmp_path: Path) -> None:
+    """A service that exits without close() still has its reports sent: the interpreter's
+    exit closes every live Latency."""
+    script = (
+        "import sys\n"
+        "from gpud.client.colo import Latency\n"
+        "def send(job, seconds, age_s):\n"
+        "    print(job, len(seconds), flush=True)\n"
+        "lat = Latency('chat', send=send, flush_every_s=0)\n"
+        "for _ in range(5):\n"
+        "    lat.observe(0.01)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a guard against a hang, not a measurement
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["chat 1"] * 5
+
+
+def test_a_latency_whose_thread_cannot_start_sends_that_report_itself_and_never_raises() -> None:
+    """Where no thread can start (the pids cgroup's limit; interpreter shutdown on 3.12+)
+    observe() sends that report on its own thread, once, and tries a thread again at the
+    next."""
+    sent: list[list[float]] = []
+    tries: list[str] = []
+
+    def start(target: Callable[[], None], name: str) -> None:
+        tries.append(name)
+        raise RuntimeError("can't start new thread")
+
+    lat = Latency(
+        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=0, start=start
+    )
+    lat.observe(0.01)
+    lat.observe(0.02)
+    assert sent == [[0.01], [0.02]] and tries == ["gpud-latency-chat"] * 2
+    assert lat.close(timeout=30) and lat.dropped == 0
+
+
+def fork_and_exit_code(child: Callable[[], bool]) -> int:
+    """The exit code of a forked child that runs ``child`` (0: True, 1: False, 2: it
+    raised; killed by SIGALRM if it hangs 30 s, a guard, not a measurement)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(30)
+            os._exit(0 if child() else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_child_forked_while_the_parents_latency_was_locked_reports_all_the_same() -> None:
+    """A fork while another thread of the parent is in observe() (its lock held) gives the
+    child a lock of its own: its reports do not wait for a thread it does not have."""
+    sent: list[list[float]] = []
+    lat = Latency("chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=0)
+    lat._lock.acquire()
+    try:
+
+        def child() -> bool:
+            lat.observe(0.02)
+            return lat.close(timeout=30) and sent == [[0.02]]
+
+        code = fork_and_exit_code(child)
+    finally:
+        lat._lock.release()
+    assert code == 0
+
+
+def sending_into_a_hung_call() -> tuple[HungGpud, Latency]:
+    """A Latency sending each request alone, its first report's call taken by a gpud that
+    answers once ``gpud.answer`` is set."""
+    clock = Clock()
+    gpud = HungGpud(clock)
+    lat = Latency("chat", clock=clock, send=gpud, flush_every_s=0)
+    lat.observe(0.01)
+    assert gpud.calling.wait(timeout=30)  # a guard against a hang, not a measurement
+    return gpud, lat
+
+
+def test_a_child_forked_during_a_hung_call_flushes_and_closes_at_once() -> None:
+    """The parent's sender thread, in a call gpud does not answer, with reports waiting
+    behind it, is not in the child: its flush() and close() do not wait for them."""
+    gpud, lat = sending_into_a_hung_call()
+    lat.observe(0.02)
+    try:
+        code = fork_and_exit_code(
+            lambda: lat.flush(timeout=5) and lat.close(timeout=5) and lat.dropped == 0
+        )
+    finally:
+        gpud.answer.set()
+    assert code == 0
+    assert lat.close(timeout=30) and [s for s, _ in gpud.sent] == [[0.01], [0.02]]
+
+
+def test_a_forked_child_does_not_send_what_its_parent_held() -> None:
+    """The batch the parent held at the fork is the parent's to send: the child's first
+    report holds its own requests alone."""
+    clock = Clock()
+    sent: list[list[float]] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(s), flush_every_s=1.0)
+    lat.observe(0.01)  # held: a second has not passed
+
+    def child() -> bool:
+        lat.observe(0.02)
+        return lat.close(timeout=30) and sent == [[0.02]]
+
+    assert fork_and_exit_code(child) == 0
+    assert lat.close(timeout=30) and sent == [[0.01]]
+
+
+def test_an_idle_sender_thread_ends_and_its_latency_is_collected() -> None:
+    """A sender thread with nothing to send for ``idle_s`` ends, holding its Latency only
+    weakly: a service that makes one per model and drops them keeps no thread for each.
+    The next report starts another thread."""
+    threads: list[threading.Thread] = []
+
+    def start(target: Callable[[], None], name: str) -> None:
+        threads.append(threading.Thread(target=target, name=name, daemon=True))
+        threads[-1].start()
+
+    sent: list[list[float]] = []
+    lat = Latency(
+        "chat",
+        clock=Clock(),
+        send=lambda j, s, a: sent.append(s),
+        flush_every_s=0,
+        idle_s=0,
+        start=start,
+    )
+    lat.observe(0.01)
+    threads[0].join(timeout=30)  # a guard against a hang, not a measurement
+    assert not threads[0].is_alive() and sent == [[0.01]]
+    lat.observe(0.02)
+    assert lat.close(timeout=30) and sent == [[0.01], [0.02]] and len(threads) == 2
+    threads[1].join(timeout=30)
+    collected = weakref.ref(lat)
+    del lat
+    gc.collect()
+    assert collected() is None
+
+
+def test_a_latency_that_never_sends_on_its_own_sends_each_flush() -> None:
+    """``flush_every_s=inf`` (reports only when flushed): the sender thread waits for the
+    next flush however long, and sends it."""
+    sent: list[list[float]] = []
+    lat = Latency(
+        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=math.inf
+    )
+    for seconds in (0.01, 0.02):
+        lat.observe(seconds)
+        assert lat.flush(timeout=30)
+    assert lat.close(timeout=30) and sent == [[0.01], [0.02]] and lat.dropped == 0
+
+
+def test_without_batching_a_report_sent_within_a_calls_deadline_says_no_age() -> None:
+    """With ``flush_every_s=0`` a report that waits behind a call is late only past the
+    call's deadline: one that waited half a second is counted from its arrival."""
+    gpud, lat = sending_into_a_hung_call()
+    lat.observe(0.02)
+    gpud.clock.t += CALL_TIMEOUT_S / 2
+    gpud.answer.set()
+    assert lat.close(timeout=30)
+    assert gpud.sent == [([0.01], None), ([0.02], None)]
+
+
+def test_a_flush_after_a_close_that_timed_out_waits_for_the_call_still_in_gpud() -> None:
+    """A close() that timed out leaves its thread's call in gpud; the next thread's calls
+    done, flush() still says a call is in flight until that one ends."""
+    gpud, lat = sending_into_a_hung_call()
+    assert not lat.close(timeout=0)
+    quick: list[list[float]] = []
+    lat._send = lambda j, s, a: quick.append(s)
+    lat.observe(0.02)
+    assert not lat.flush(timeout=1) and quick == [[0.02]]
+    gpud.answer.set()
+    assert lat.close(timeout=30) and gpud.sent == [([0.01], None)]
+
+
+def test_a_clock_that_fails_on_the_sender_thread_drops_that_report_and_the_thread_goes_on() -> None:
+    """A clock that raises where the sender thread reads it costs that one report, counted
+    in ``dropped``: the thread is not left dead with a call counted in flight."""
+    serving = threading.get_ident()
+    fails = [True, False]  # the sender thread's first read raises, its second does not
+
+    def clock() -> float:
+        if threading.get_ident() != serving and fails.pop(0):
+            raise OSError("clock_gettime failed")
+        return 100.0
+
+    sent: list[list[float]] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s, a: sent.append(s), flush_every_s=0)
+    lat.observe(0.01)
+    assert lat.flush(timeout=30) and lat.dropped == 1
+    lat.observe(0.02)
+    assert lat.close(timeout=30) and sent == [[0.02]]
 
 
 def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(

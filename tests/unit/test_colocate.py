@@ -529,6 +529,21 @@ def test_a_refusal_names_no_peak_that_shows_no_more_than_declared_or_used_now(
     assert said.endswith("gives it 1/2 of its speed on a whole GPU"), said
 
 
+def test_a_refusal_on_two_mig_gpus_names_the_job_held_at_its_runs_peak_once() -> None:
+    planner = Planner(InterferencePredictor())
+    free = (MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("2g.20gb", 2 / 7, 20 * GIB))
+    mig_mode = [
+        GpuView(index=i, memory_total=80 * GIB, mig_options=free, whole=False) for i in (0, 1)
+    ]
+    job = training("a", sm=0.1, mem_gib=4, used_gib=5)
+    job.shape.observe_memory(30 * GIB)
+    busy = replace(gpus(1)[0], index=2)
+    why = planner.plan([*mig_mode, busy], [training("x", mem_gib=70, gpu=2), job]).waiting["a"]
+    assert why.count("holds its run's peak") == 1, why
+    assert why.endswith("; a holds its run's peak 30 GiB (now 5 GiB)"), why
+    assert why.count("GPU 1: in MIG mode: no free instance (1g.10gb, 2g.20gb) holds its") == 1
+
+
 def test_a_mig_instance_holds_its_own_memory_and_goes_to_one_job() -> None:
     """Jobs that fill their instances crowd no one: none is evicted for the GPU's memory,
     and a free instance is still given; one free instance goes to the first job only."""
