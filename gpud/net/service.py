@@ -178,6 +178,8 @@ class _JobReports:
     arrived_at: float = 0.0
     # told of as net.slow_reports: said once while gpud knows the job
     slow_said: bool = False
+    # the last report's own stamp (unix seconds), to know a report sent again for one
+    stamp: float = 0.0
 
     @property
     def cadence_s(self) -> float | None:
@@ -516,6 +518,12 @@ class TrafficService:
                 and r.iterations < prev.iterations
                 and (not r.session or r.session == prev.session)
             ):
+                if r.timestamp < prev.stamp:
+                    # late, not going backwards: a batch Progress sent again when gpud
+                    # took it after the call's deadline. Nothing new: taken, not counted
+                    # as an arrival
+                    self.accepted_reports += 1
+                    return
                 raise InvalidArgument(
                     f"job {r.job!r}: {r.iterations} iterations after {prev.iterations}"
                     " (going backwards; a restarted job reports from a new session)",
@@ -551,6 +559,7 @@ class TrafficService:
                 usual,
                 arrived,
                 said,
+                r.timestamp,
             )
             self.accepted_reports += 1
 

@@ -3220,3 +3220,23 @@ def test_a_job_that_never_reported_keeps_its_tag_for_a_while_after_its_run_ends(
     rig.clock.t += rig.config.idle_after_s + 1
     assert rig.service.tag("d") == dscp
     assert "net.reclaim" in rig.kinds()
+
+
+def test_a_batch_sent_again_after_its_deadline_is_taken_not_refused_as_going_backwards(
+    rig: Rig,
+) -> None:
+    """A job's Progress sends its batch again when gpud answered after the call's deadline
+    (a slow gpud that took it): the reports it already has, stamped before its
+    newest, are late, not a count going backwards. Taken and ignored; a lower count stamped
+    later in the session is still refused."""
+    s = rig.service
+    t = rig.clock.t
+    batch = [Report("a", i, t - 10 + i, session="s") for i in range(1, 6)]
+    assert s.report_batch(batch) == (5, [])
+    assert s.report_batch(batch) == (5, [])  # sent again
+    assert s.rejected_reports == 0
+    s.tick()
+    (a,) = [j for j in s.local_report().jobs if j.job == "a"]
+    assert a.iterations == 5
+    with pytest.raises(InvalidArgument, match=r"iterations: .*4 iterations after 5"):
+        s.report(Report("a", 4, t, session="s"))
