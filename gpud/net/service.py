@@ -178,6 +178,8 @@ class _JobReports:
     arrived_at: float = 0.0
     # told of as net.slow_reports: said once while gpud knows the job
     slow_said: bool = False
+    # the last report's own stamp (unix seconds), to know a report sent again for one
+    stamp: float = 0.0
 
     @property
     def cadence_s(self) -> float | None:
@@ -516,6 +518,12 @@ class TrafficService:
                 and r.iterations < prev.iterations
                 and (not r.session or r.session == prev.session)
             ):
+                if r.timestamp < prev.stamp:
+                    # late, not going backwards: a batch Progress sent again when gpud
+                    # took it after the call's deadline. Nothing new: taken, not counted
+                    # as an arrival
+                    self.accepted_reports += 1
+                    return
                 raise InvalidArgument(
                     f"job {r.job!r}: {r.iterations} iterations after {prev.iterations}"
                     " (going backwards; a restarted job reports from a new session)",
@@ -551,6 +559,7 @@ class TrafficService:
                 usual,
                 arrived,
                 said,
+                r.timestamp,
             )
             self.accepted_reports += 1
 
@@ -1167,8 +1176,9 @@ class TrafficService:
             )
         named = f": {first_few(quiet, _QUIET_SHOWN)}" if quiet else ""
         return (
-            f", each by a job that runs, is pinned, or was given its tag or reported in the"
-            f" last {wait:g} s (traffic.idle_after_s), or, reporting less often, within twice"
+            f", each by a job that runs, is pinned, or was given its tag, ended a run or"
+            f" reported in the last {wait:g} s (traffic.idle_after_s), or, reporting less"
+            " often, within twice"
             f" its usual interval between reports, at most {QUIET_CAP_IDLES:g} times"
             f" traffic.idle_after_s{named}; widen traffic.dscp_pool or remove jobs"
             " (gpuctl jobs rm)"
@@ -1188,11 +1198,11 @@ class TrafficService:
     def _quiet_left(self, jobs: Sequence[str], now: float) -> dict[str, _Quiet | None]:
         """Each of ``jobs``, None where it is in use (a reservation, a pin, a process in
         its cgroup), else when it was last used and how long until it counts as idle: no
-        progress report or tag handed out for ``traffic.idle_after_s`` (nor since gpud
-        started), nor a report for the job's :meth:`_quiet_s`. A job whose run ended is no
-        exception: a run of it may have been given its tag again before the end was said
-        (``gpuctl run`` tags before it reserves) and would start without it, and a user
-        running it again at once would find its tag gone."""
+        progress report, tag handed out or run ended for ``traffic.idle_after_s`` (nor
+        since gpud started), nor a report for the job's :meth:`_quiet_s`. A job whose run
+        ended is no exception: a run of it may have been given its tag again before the end
+        was said (``gpuctl run`` tags before it reserves) and would start without it, and a
+        user running it again at once would find its tag gone."""
         active = self._active()
         pins = self.tags.pins()
         out: dict[str, _Quiet | None] = {}
@@ -1201,7 +1211,10 @@ class TrafficService:
                 out[job] = None
                 continue
             reports = self._reports.get(job)
-            since = max(self._started_at, self._tagged_at.get(job, 0.0))
+            # a run's reservation is use up to its release: a job that ran for hours
+            # without a report is not idle the moment it ends
+            ended = self._run_end(job)
+            since = max(self._started_at, self._tagged_at.get(job, 0.0), ended or 0.0)
             left = self.config.idle_after_s - (now - since)
             if reports is not None:
                 left = max(left, self._quiet_s(reports) - (now - reports.heard_at))

@@ -1694,7 +1694,7 @@ def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> No
     s.pin("b", 1)
     with pytest.raises(
         ResourceExhausted,
-        match="each by a job that runs, is pinned, or was given its tag or reported",
+        match="each by a job that runs, is pinned, or was given its tag, ended a run or reported",
     ):
         s.tag("new")
     (rig.cgroups.dir("a") / "cgroup.procs").write_text("")
@@ -3191,3 +3191,52 @@ def test_an_interface_taken_out_whose_root_is_not_gpuds_keeps_it(
         " qdisc found (bfifo 1:) is left as it is"
     )
     assert "eth1" not in ShapedInterfaces(rig.store).all()
+
+
+def test_a_job_that_never_reported_keeps_its_tag_for_a_while_after_its_run_ends(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job that ran long without a progress report (nothing in it imports Progress) was
+    in use until its release: its tag is not handed over at its end, so a run of it started
+    again soon after (a restart wrapper) finds it; it goes once the job has been idle for
+    traffic.idle_after_s from its end."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")
+    rig.active = {"a", "b", "c"}
+    rig.service.tick()
+    dscp = rig.service.tags.get("a")
+    assert dscp is not None
+    rig.clock.t += 600  # an hour's training, as good as: no report, no tag handed out since
+    rig.service.tick()
+    rig.active = {"b", "c"}
+    rig.service.run_ended("a")
+    rig.jobs.append("d")
+    with pytest.raises(DscpPoolExhausted):
+        rig.service.tag("d")
+    rig.clock.t += 4
+    assert rig.service.tag("a") == dscp  # run again at once: with its tag
+    assert "net.reclaim" not in rig.kinds()
+    rig.active = {"b", "c"}
+    rig.service.run_ended("a")
+    rig.clock.t += rig.config.idle_after_s + 1
+    assert rig.service.tag("d") == dscp
+    assert "net.reclaim" in rig.kinds()
+
+
+def test_a_batch_sent_again_after_its_deadline_is_taken_not_refused_as_going_backwards(
+    rig: Rig,
+) -> None:
+    """A job's Progress sends its batch again when gpud answered after the call's deadline
+    (a slow gpud that took it): the reports it already has, stamped before its
+    newest, are late, not a count going backwards. Taken and ignored; a lower count stamped
+    later in the session is still refused."""
+    s = rig.service
+    t = rig.clock.t
+    batch = [Report("a", i, t - 10 + i, session="s") for i in range(1, 6)]
+    assert s.report_batch(batch) == (5, [])
+    assert s.report_batch(batch) == (5, [])  # sent again
+    assert s.rejected_reports == 0
+    s.tick()
+    (a,) = [j for j in s.local_report().jobs if j.job == "a"]
+    assert a.iterations == 5
+    with pytest.raises(InvalidArgument, match=r"iterations: .*4 iterations after 5"):
+        s.report(Report("a", 4, t, session="s"))
