@@ -215,6 +215,12 @@ def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:
         return 0
     if ctx.out.json:
         raise CliError(f"{what}: {'; '.join(gpus)}", EXIT_PARTIAL)
+    _say_left_alone(ctx, what, gpus)
+    return EXIT_PARTIAL
+
+
+def _say_left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> None:
+    """``gpuctl: WHAT: GPU N: why`` on stderr for each of ``gpus``, after the answer."""
     # the answer before the lines about it, on a terminal or merged; a reader of stdout
     # that went away (``| head``), or a terminal of stdout's that hung up, does not keep them
     # from stderr: the exit's own flush then fails again and exits 141 (129), as for any
@@ -223,7 +229,6 @@ def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:
         ctx.out.flush()
     for gpu in gpus:
         print(f"gpuctl: {what}: {gpu}", file=sys.stderr)
-    return EXIT_PARTIAL
 
 
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
@@ -444,6 +449,10 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
         for line in resp.faulty:
             ctx.out.print(f"{line} (not checked)")
     if not resp.matches:
+        # the differences decide the exit; a GPU not checked is still said, for one who
+        # reads only stderr (under --json the answer's ``faulty`` says it)
+        if not ctx.out.json:
+            _say_left_alone(ctx, "not checked", resp.faulty)
         return EXIT_DIFFERS
     return _left_alone(ctx, "not checked", resp.faulty)
 

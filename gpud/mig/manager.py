@@ -583,6 +583,29 @@ class MigManager:
                 raise
         return result
 
+    def _left_alone_desired(
+        self,
+        layouts: Mapping[int, DeviceLayout],
+        faulty: Mapping[int, str],
+        ids: Sequence[GpuIdentity],
+    ) -> dict[str, tuple[int, DeviceLayout]]:
+        """The layouts the config gives the GPUs an apply leaves alone as faulty, by UUID:
+        their desired layouts too, so that the reconcile step brings each there once it
+        answers, not back to what an earlier apply wanted. A GPU lost since before gpud
+        started has no UUID read from the driver; its index's record (no GPU read now has
+        that UUID) is the GPU it most likely is, as the reconcile step takes it. One with
+        no such record stays unmanaged: a UUID is what the record is kept under."""
+        known = {g.uuid for g in ids if g.uuid}
+        stored = {
+            r.gpu_index: uuid for uuid, r in self._store.desired().items() if uuid not in known
+        }
+        out: dict[str, tuple[int, DeviceLayout]] = {}
+        for i in sorted(set(faulty) & set(layouts)):
+            uuid = ids[i].uuid if i < len(ids) and ids[i].uuid else stored.get(i)
+            if uuid:
+                out[uuid] = (i, layouts[i])
+        return out
+
     @contextlib.contextmanager
     def _only_apply(self, name: str, start: float, *, dry_run: bool) -> Iterator[None]:
         """Refuse the apply (or dry run) of ``name`` while another apply runs: it would wait
@@ -710,7 +733,10 @@ class MigManager:
         prior = self._store.inflight()
         self._store.begin_apply(
             name,
-            {by_index[i].uuid: (i, layouts[i]) for i in plans},
+            {
+                **self._left_alone_desired(layouts, faulty, ids),
+                **{by_index[i].uuid: (i, layouts[i]) for i in plans},
+            },
             all_steps,
             opts,
             self._wall(),

@@ -1610,6 +1610,41 @@ def test_telemetry_faults_are_not_called(a100: Host) -> None:
     d.node.faults.clear(1)
 
 
+def test_a_gpu_faulty_during_an_apply_takes_that_layout_once_it_answers_again(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The apply leaves a faulty GPU alone but makes the config it names that GPU's desired
+    layout: once it answers, the reconcile step brings it there, not back to the layout
+    an earlier apply gave it."""
+    d = enable(host, config, "all-balanced")
+    host.faults[1] = "not answering: a driver call is outstanding"
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert d.mig.desired()[d.mig.show()[1].identity.uuid].config_name == "all-3g.40gb"
+    host.faults.clear()
+    assert [o.status for o in d.mig.reconcile()] == ["ok", "changed"]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_gpu_lost_before_start_takes_the_layout_an_apply_gave_it_once_it_answers(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU lost since before gpud started has no UUID to record a layout under: the
+    apply gives its new layout to the record its index had (the GPU it most likely is)."""
+    first = enable(host, config, "all-balanced")
+    first.node.faults.lose(1)  # device state: still lost when the next daemon starts
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {
+        0: "all-3g.40gb",
+        1: "all-3g.40gb",
+    }
+    d.node.faults.clear(1)
+    assert [o.status for o in d.mig.reconcile()] == ["ok", "changed"]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
 def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
     d = a100.start()
     d.mig.show()  # identities and tables known

@@ -517,6 +517,23 @@ def test_show_and_assert_name_each_faulty_gpu_on_stderr(
         assert error["exit_code"] == 11 and error["message"].startswith(said), error
 
 
+def test_an_assert_whose_gpus_differ_still_names_the_gpu_it_did_not_check_on_stderr(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """GPU 0 differs (exit 1) and GPU 1 is lost: one who reads only stderr (stdout to a
+    file) learns that GPU 1 was not checked, as where the others match."""
+    node.sim.faults.lose(1)
+    check = ("mig", "assert", "-f", CONFIG, "-c", "all-3g.40gb")
+    code, out, err = gpuctl(capsys, node, *check)
+    assert code == 1 and out.startswith("GPU 0: has MIG disabled"), out
+    assert err.startswith("gpuctl: not checked: GPU 1: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("GPU is lost"), err
+    code, out, err = gpuctl(capsys, node, "--json", *check)
+    assert code == 1 and err == "", err  # the answer says it: matches false, faulty GPU 1
+    answer = json.loads(out)
+    assert not answer["matches"] and answer["faulty"][0].startswith("GPU 1: "), answer
+
+
 ONLY_GPU_3 = """version: v1
 mig-configs:
   gpu3:
