@@ -395,13 +395,16 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             " would destroy (use --drain or --force)",
             EXIT_BUSY,
         )
+    faulty = [_why_left_alone(o) for o in resp.gpus if o.status == "faulty"]
     if resp.result == "partial":
-        return _left_alone(
-            ctx,
-            "faulty, left alone",
-            [_why_left_alone(o) for o in resp.gpus if o.status == "faulty"],
-        )
-    return EXIT_FAILED if resp.result == "failed" else 0
+        return _left_alone(ctx, "faulty, left alone", faulty)
+    if resp.result == "failed":
+        # the failure decides the exit; a GPU left alone is still said, for one who reads
+        # only stderr (under --json the answer's GPUs say it)
+        if faulty and not ctx.out.json:
+            _say_left_alone(ctx, "faulty, left alone", faulty)
+        return EXIT_FAILED
+    return 0
 
 
 def _answers(ctx: Context) -> bool:

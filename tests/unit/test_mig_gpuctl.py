@@ -23,6 +23,7 @@ from gpud.api import ApiServer
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
 from gpud.cli.main import main
+from gpud.errors import InsufficientResources
 from gpud.events import EventLog
 from gpud.metrics import Collector
 from gpud.mig.api import MigServicer
@@ -532,6 +533,39 @@ def test_an_assert_whose_gpus_differ_still_names_the_gpu_it_did_not_check_on_std
     assert code == 1 and err == "", err  # the answer says it: matches false, faulty GPU 1
     answer = json.loads(out)
     assert not answer["matches"] and answer["faulty"][0].startswith("GPU 1: "), answer
+
+
+class _NoRoomOnGpu0:
+    """The backend, except that GPU 0 has no room for any GPU instance (the driver's
+    INSUFFICIENT_RESOURCES): its apply fails, not for a fault of the GPU."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def create_gpu_instance(self, gpu: int, profile_id: int, placement: Any) -> Any:
+        if gpu == 0:
+            raise InsufficientResources("nvmlDeviceCreateGpuInstance failed on GPU 0")
+        return self._backend.create_gpu_instance(gpu, profile_id, placement)
+
+
+def test_an_apply_that_failed_still_names_the_gpu_it_left_alone_on_stderr(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """GPU 0's apply fails (exit 1) and GPU 1 is lost: one who reads only stderr learns
+    that GPU 1 was left alone, as where the others succeed (exit 11)."""
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)], wrap=_NoRoomOnGpu0) as n:
+        n.sim.faults.lose(1)
+        argv = ("mig", "apply", "-f", CONFIG, "-c", "all-3g.40gb")
+        code, out, err = gpuctl(capsys, n, *argv)
+        assert code == 1 and "all-3g.40gb: failed" in out, (out, err)
+        assert err.startswith("gpuctl: faulty, left alone: GPU 1") and err.count("\n") == 1, err
+        assert err.rstrip().endswith("GPU is lost"), err
+        code, out, err = gpuctl(capsys, n, "--json", *argv)
+    assert code == 1 and err == "", err  # the answer says it: GPU 1 faulty
+    assert [g["status"] for g in json.loads(out)["gpus"]][1] == "faulty", out
 
 
 ONLY_GPU_3 = """version: v1
