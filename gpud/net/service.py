@@ -117,6 +117,11 @@ _ONE_ARRIVAL_S = 0.5
 # QUIET_INTERVALS, see TrafficService.__init__): reports that never pause are an arrival
 # each, whose short interval is the job's cadence
 _ARRIVAL_MAX_S = 5.0
+# how far a late report's stamp, mapped on the monotonic clock, may fall after the newest
+# report's: NTP slews the wall clock up to 500 ppm against the monotonic one, so a batch
+# sent again seconds after it was taken maps a few ms off where it first did. A restart
+# reports seconds after the newest report at the least
+_LATE_SLACK_S = 0.05
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -513,17 +518,18 @@ class TrafficService:
                 self._require_job(r.job)
             self._known_jobs.add(r.job)
             prev = self._reports.get(r.job)
+            heard = self._monotonic()
+            if prev is not None and self._late(r, prev, heard - max(0.0, now - r.timestamp)):
+                # a batch Progress sent again when gpud took it after the call's deadline:
+                # nothing new, taken and not counted as an arrival (an arrival counted
+                # would make the job's usual interval between reports that of the resend)
+                self.accepted_reports += 1
+                return
             if (
                 prev is not None
                 and r.iterations < prev.iterations
                 and (not r.session or r.session == prev.session)
             ):
-                if r.timestamp < prev.stamp:
-                    # late, not going backwards: a batch Progress sent again when gpud
-                    # took it after the call's deadline. Nothing new: taken, not counted
-                    # as an arrival
-                    self.accepted_reports += 1
-                    return
                 raise InvalidArgument(
                     f"job {r.job!r}: {r.iterations} iterations after {prev.iterations}"
                     " (going backwards; a restarted job reports from a new session)",
@@ -532,7 +538,6 @@ class TrafficService:
             if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
                 self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
             self._tracker.report(r.job, r.iterations, r.timestamp)
-            heard = self._monotonic()
             if (
                 prev is not None
                 and heard - prev.heard_at > self._quiet_s(prev)
@@ -562,6 +567,25 @@ class TrafficService:
                 r.timestamp,
             )
             self.accepted_reports += 1
+
+    @staticmethod
+    def _late(r: Report, prev: _JobReports, stamped: float) -> bool:
+        """Whether ``r`` is one of its job's reports gpud already took, sent again
+        (``prev``: the job's newest; ``stamped``: ``r``'s stamp on the monotonic clock).
+        Only a session (``Progress`` sends one per process) tells that a report is one the
+        process sent before: without one, a lower count is a restart whatever its stamp.
+        A lower count stamped before the newest is late only where its stamp maps on the
+        monotonic clock to no later than the newest's: after the wall clock steps back, a
+        report sent since is stamped before the newest too, but maps after it."""
+        if not r.session or r.session != prev.session:
+            return False
+        if r.iterations == prev.iterations and r.timestamp == prev.stamp:
+            return True  # the newest itself, the last of its batch
+        return (
+            r.iterations < prev.iterations
+            and r.timestamp < prev.stamp
+            and stamped <= prev.last_report_at + _LATE_SLACK_S
+        )
 
     def _quiet_s(self, reports: _JobReports) -> float:
         """How long ``reports``' job may go without a report before it counts as idle

@@ -3240,3 +3240,67 @@ def test_a_batch_sent_again_after_its_deadline_is_taken_not_refused_as_going_bac
     assert a.iterations == 5
     with pytest.raises(InvalidArgument, match=r"iterations: .*4 iterations after 5"):
         s.report(Report("a", 4, t, session="s"))
+
+
+def _row(rig: Rig, job: str = "a") -> JobTraffic:
+    (row,) = [j for j in rig.service.view().jobs if j.job == job]
+    return row
+
+
+def test_a_job_without_a_session_restarted_after_the_clock_stepped_back_is_refused(
+    rig: Rig,
+) -> None:
+    """A job reporting without a session (``gpuctl net report`` from a script) restarts from
+    a checkpoint after NTP stepped the wall clock back an hour: its lower count, stamped
+    before its newest, is refused as going backwards, not taken as late and ignored while
+    the job reads ended."""
+    s = rig.service
+    rig.active = {"a"}
+    for n in range(1, 11):
+        rig.clock.t += 1
+        s.report(Report("a", n, rig.clock.t))
+    rig.clock.step(-3600)
+    rig.clock.t += 1
+    with pytest.raises(InvalidArgument, match=r"iterations: .*1 iterations after 10 \(going"):
+        s.report(Report("a", 1, rig.clock.t))
+    s.tick()
+    assert s.rejected_reports == 1 and _row(rig).iterations == 10
+
+
+def test_a_lower_count_in_its_session_after_the_clock_stepped_back_is_refused_not_late(
+    rig: Rig,
+) -> None:
+    """A batch sent again seconds after gpud took it maps on the monotonic clock to when it
+    was first taken: late, and ignored. A lower count in the session after the wall clock
+    stepped back is stamped before the newest too, but maps after it: refused as going
+    backwards."""
+    s = rig.service
+    rig.active = {"a"}
+    batch = []
+    for n in range(1, 6):
+        rig.clock.t += 1
+        batch.append(Report("a", n, rig.clock.t, session="s"))
+    assert s.report_batch(batch) == (5, [])
+    rig.clock.t += 3
+    assert s.report_batch(batch) == (5, [])  # sent again after the call's deadline
+    assert s.rejected_reports == 0
+    rig.clock.step(-3600)
+    rig.clock.t += 1
+    with pytest.raises(InvalidArgument, match=r"iterations: .*1 iterations after 5 \(going"):
+        s.report(Report("a", 1, rig.clock.t, session="s"))
+    s.tick()
+    assert _row(rig).iterations == 5
+
+
+def test_a_batch_sent_again_is_no_arrival_and_keeps_a_seldom_reporting_jobs_quiet_time(
+    rig: Rig,
+) -> None:
+    """A job reporting every 300 s (traffic.idle_after_s = 60) has its batch, its newest
+    report, sent again 2.5 s after gpud took it: the same count and stamp are no new
+    arrival, so its usual interval stays 300 s and it does not read ended 60 s later."""
+    rig.active = {"b"}
+    _every(rig, 900, 300)
+    newest = Report("a", _row(rig).iterations or 0, rig.clock.t, session="s")
+    rig.clock.t += 2.5
+    rig.service.report(newest)
+    assert not any(_ended(_every(rig, 300, 10**6)))
