@@ -3839,6 +3839,61 @@ def test_a_throttled_jobs_rate_is_not_read_from_the_reports_between_its_sleeps_s
     assert t.duty == 0.1 and len(rates) >= 100
     wrong = [r for r in rates if r is not None and not 0.45 <= r <= 0.55]
     assert wrong == [], wrong
+    # its iteration and sleep (20 s) outlast the rate's window (10 s): read over the last
+    assert any(r is not None for r in rates), rates
+
+
+def test_a_duty_told_in_the_middle_of_a_sleep_counts_from_then_in_the_rate(
+    tmp_path: Path,
+) -> None:
+    """Training of 10 s iterations at duty 0.5 is told 0.1 one slice (1 s) into its sleep:
+    it sleeps 90 s in all, so it runs 10 s in 100 (0.1 iterations per second of running
+    time). Charged at 0.5 for the whole sleep it would read five times slower."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc._directives["train"] = Directive(0.5, False, "SLO guard")
+    rates: dict[float, float | None] = {}  # the loop's rate read as each slice begins
+
+    def sleep(seconds: float) -> None:
+        rates[clock.t] = svc._rate(svc._jobs["train"], clock.t)
+        clock.t += seconds
+        svc._directives["train"] = Directive(0.1, False, "SLO guard")  # after its first slice
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        return dataclasses.astuple(svc.throttle_point(job, iterations))
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call)
+    t.point()
+    clock.t += 10.0  # an iteration, then its sleep
+    assert t.point() == pytest.approx(90.0)
+    clock.t += 10.0  # the next iteration, read as its sleep begins
+    t.point()
+    assert rates[210.0] == pytest.approx(0.1, abs=0.002)
+
+
+def test_a_job_stalled_before_its_first_iteration_is_learned_nothing_alone(
+    tmp_path: Path,
+) -> None:
+    """Training that called its first throttle point and compiles for 30 s (its SMs 0.05
+    busy) is a job that reports making no progress, not one that never reports: nothing is
+    learned alone from the compile; from its iterations (SMs 0.6) it is."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    svc.throttle_point("long", 0)
+    for _ in range(30):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") is None
+    for _ in range(60):
+        svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    learned = svc._jobs["long"].learned("GPU 0")
+    assert learned is not None and learned.sm == pytest.approx(0.6)
 
 
 def colo_show(resp: colo_pb2.ShowColoResponse, *, json_output: bool = False) -> str:
