@@ -32,6 +32,7 @@ from gpud.client.colo import (
     REPORT_BACKOFF_MAX_S,
     Latency,
     Throttle,
+    _close_at_exit,
 )
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
@@ -2361,6 +2362,39 @@ def test_a_latency_whose_thread_cannot_start_sends_that_report_itself_and_never_
     assert lat.close(timeout=30) and lat.dropped == 0
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_reports_sent_at_exit_to_a_gpud_that_never_answers_wait_one_calls_deadline_in_all(
+    background: bool,
+) -> None:
+    """Eight services, each holding a report at exit, their sends made on the exiting
+    thread (no thread starts at shutdown on 3.12+; or ``background=False``), to a gpud
+    that accepts each call and answers none: the exit waits one call's deadline in all, not
+    one each; the reports past it are dropped and counted."""
+    clock = Clock()
+    start_t = clock.t
+    by_job: dict[str, Latency] = {}
+    waited: list[float] = []
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        timeout = by_job[job].call_timeout()  # the call waits its whole deadline, unanswered
+        waited.append(timeout)
+        clock.t += timeout
+        raise TimeoutError("deadline exceeded")
+
+    def start(target: Callable[[], None], name: str) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    for i in range(8):
+        by_job[f"chat{i}"] = Latency(
+            f"chat{i}", clock=clock, send=send, start=start, background=background
+        )
+        by_job[f"chat{i}"].observe(0.01)
+    _close_at_exit(by_job.values(), clock)
+    assert clock.t - start_t <= CALL_TIMEOUT_S
+    assert sum(waited) == pytest.approx(CALL_TIMEOUT_S)
+    assert [lat.dropped for lat in by_job.values()] == [1] * 8
+
+
 def fork_and_exit_code(child: Callable[[], bool]) -> int:
     """The exit code of a forked child that runs ``child`` (0: True, 1: False, 2: it
     raised; killed by SIGALRM if it hangs 30 s, a guard, not a measurement)."""
@@ -2373,6 +2407,40 @@ def fork_and_exit_code(child: Callable[[], bool]) -> int:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_reports_its_own_iterations_not_its_parents() -> None:
+    """A training process forks (a data loader) with 4 iterations not yet reported and
+    another thread in throttle_point() (the process-wide lock held): the child reports
+    only the iteration it made, and its own throttle_point() does not wait for the
+    parent's lock."""
+    from gpud.client import colo
+
+    clock = Clock()
+    reported: list[int] = []
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        reported.append(iterations)
+        return 1.0, False, ""
+
+    t = Throttle("train", clock=clock, call=call, report_every_s=10.0)
+    for _ in range(4):
+        t.point()  # the first asks at once, reporting none: all 4 wait
+    assert reported == [0] and t._pending == 4
+
+    def child() -> bool:
+        clock.t += 10.0
+        t.point()
+        held = colo._default_lock[0].locked() or "process" in colo._default
+        return reported == [0, 1] and not held
+
+    colo._default["process"] = t
+    try:
+        with colo._default_lock[0]:
+            code = fork_and_exit_code(child)
+    finally:
+        colo._default.clear()
+    assert code == 0
 
 
 def test_a_child_forked_while_the_parents_latency_was_locked_reports_all_the_same() -> None:
