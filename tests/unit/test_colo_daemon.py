@@ -6100,6 +6100,31 @@ def test_training_of_long_iterations_is_learned_alone(tmp_path: Path) -> None:
     assert svc._jobs["long"].learned("GPU 0") == stale
 
 
+def test_a_duty_told_to_a_stalled_job_is_no_progress_to_learn_from(tmp_path: Path) -> None:
+    """Training making an iteration a second alone (SMs 0.6), then checkpointing (SMs
+    0.05) for 40 s, told another duty 15 s into it (a report of no iteration, kept for its
+    rate): the duty is no iteration, and nothing is learned alone from the checkpoint once
+    10 s passed without one."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    for _ in range(60):
+        svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    for _ in range(12):  # the checkpoint's first seconds, its iterations' pace within them
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    stale = svc._jobs["long"].learned("GPU 0")
+    for t in range(28):
+        if t == 3:
+            svc._directives["long"] = Directive(0.5, False, "SLO guard")
+            svc.throttle_point("long", 0)
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") == stale
+
+
 class ViewsSeen(ColoService):
     """A loop that keeps each view it made of a job, with the job."""
 
