@@ -15,7 +15,8 @@ the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL
 after it was made says its age, as a batch held through a quiet spell does. ``flush()``
 sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
 thread: call one before exit to wait longer than the exit's own close, 1 s in all. A forked
-child starts with none of its parent's batch, reports, thread or locks.
+child starts with none of its parent's batch, reports, thread or locks, and reports none of
+its parent's iterations.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
@@ -34,7 +35,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpud.client.progress import token_metadata
@@ -100,7 +101,9 @@ class _Channel:
 
 
 class Throttle:
-    """The state behind :func:`throttle_point`; one per process (or per test)."""
+    """The state behind :func:`throttle_point`; one per process (or per test). A forked
+    child keeps the directive it was told, not the parent's iterations waiting to be
+    reported, nor its gRPC channel."""
 
     def __init__(
         self,
@@ -154,6 +157,13 @@ class Throttle:
         self.duty = 1.0
         self.evict = False
         self.reason = ""
+        _THROTTLES.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the iterations waiting are the parent's to report, and its
+        gRPC channel is the parent's."""
+        self._pending = 0
+        self._channel.forget()
 
     def _grpc_call(self, job: str, iterations: int) -> tuple[float, bool, str]:
         from gpud.v1 import colo_pb2
@@ -250,11 +260,14 @@ class Throttle:
 
 
 _default: dict[str, Throttle] = {}
-_default_lock = threading.Lock()
+# the one lock guarding it, in a list so that a forked child puts its own in its place
+_default_lock = [threading.Lock()]
+# Every Throttle not yet collected: a forked child reports none of its parent's iterations.
+_THROTTLES: weakref.WeakSet[Throttle] = weakref.WeakSet()
 
 
 def _throttle() -> Throttle:
-    with _default_lock:
+    with _default_lock[0]:
         if "process" not in _default:
             _default["process"] = Throttle()
         return _default["process"]
@@ -292,7 +305,8 @@ class Latency:
 
     The thread ends after ``idle_s`` with nothing to send (the next report starts another)
     and holds the ``Latency`` only weakly, so one dropped is collected. At interpreter exit
-    every live ``Latency`` is closed (waiting :data:`CALL_TIMEOUT_S` for all of them); call
+    every live ``Latency`` is closed (waiting :data:`CALL_TIMEOUT_S` for all of them, also
+    where their calls are made on the exiting thread: see :meth:`call_timeout`); call
     :meth:`close` before then to wait longer. A forked child starts with nothing of the
     parent's: no batch, no reports waiting, no thread, locks and gRPC channel anew."""
 
@@ -358,14 +372,26 @@ class Latency:
         self._sending = 0
         self._ready = threading.Condition()
         self._sender = 0  # the number of the sender thread that runs; 0: none
+        # the exit's deadline, by its clock: no call waits past it (None: not exiting)
+        self._until: tuple[float, Callable[[], float]] | None = None
         self._channel.forget()
+
+    def call_timeout(self) -> float:
+        """The longest the next call may wait for gpud: :data:`CALL_TIMEOUT_S`, less as
+        the interpreter's exit nears its deadline, so that every report made at exit waits
+        one call's deadline in all (a ``send`` given should wait no longer). At or past
+        that deadline, 0: the report is dropped and counted, not sent."""
+        if self._until is None:
+            return CALL_TIMEOUT_S
+        deadline, clock = self._until
+        return max(0.0, min(CALL_TIMEOUT_S, deadline - clock()))
 
     def _grpc_send(self, job: str, seconds: list[float], age_s: float | None) -> None:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
             colo_pb2.ReportLatencyRequest(job=job, seconds=seconds, age_s=age_s),
-            timeout=CALL_TIMEOUT_S,
+            timeout=self.call_timeout(),
             metadata=self._channel.metadata,
         )
 
@@ -487,9 +513,12 @@ class Latency:
     def _call(self, report: _Report) -> None:
         """One report; its age (clamped to ``MAX_REPORT_AGE_S``) where it was held through
         a quiet spell or waited longer than ``flush_every_s`` (and a call's deadline) to
-        be sent. Never raises: a failure of the clock or the call drops and counts it."""
+        be sent. Never raises: a failure of the clock or the call drops and counts it, as
+        does the exit's deadline passed (:meth:`call_timeout`)."""
         batch, began, aged, taken = report
         try:
+            if self.call_timeout() <= 0.0:
+                raise TimeoutError("past the exit's deadline")
             now = self._clock()
             late = now - taken > max(self._every, CALL_TIMEOUT_S)
             age = min(MAX_REPORT_AGE_S, max(0.0, now - began)) if aged or late else None
@@ -512,19 +541,34 @@ def _start_daemon(target: Callable[[], None], name: str) -> None:
     threading.Thread(target=target, name=name, daemon=True).start()
 
 
-def _close_at_exit() -> None:
-    """Send what every live :class:`Latency` holds, as the interpreter exits: all handed
-    to their threads first, then waited for :data:`CALL_TIMEOUT_S` in all, so that a gpud
-    that never answers delays a job's exit by one call's deadline, however many it made."""
-    live = list(_LIVE)
+def _close_at_exit(
+    live: Iterable[Latency] | None = None, clock: Callable[[], float] = time.monotonic
+) -> None:
+    """Send what every live :class:`Latency` holds (``live``: those of :data:`_LIVE`), as
+    the interpreter exits: all handed to their threads first, then waited for
+    :data:`CALL_TIMEOUT_S` in all, by ``clock``, so that a gpud that never answers delays a
+    job's exit by one call's deadline, however many it made. Where the reports are sent on
+    this thread (``background=False``; 3.12+, which starts no thread at shutdown) each call
+    waits only what is left of that deadline, and one made after it is dropped and
+    counted."""
+    live = list(_LIVE if live is None else live)
+    deadline = clock() + CALL_TIMEOUT_S
+    for lat in live:
+        lat._until = (deadline, clock)
     for lat in live:
         lat.flush(timeout=0)
-    deadline = time.monotonic() + CALL_TIMEOUT_S
     for lat in live:
-        lat.close(timeout=max(0.0, deadline - time.monotonic()))
+        lat.close(timeout=max(0.0, deadline - clock()))
 
 
 def _fresh_in_child() -> None:
+    # the parent's process-wide Throttle is the parent's (its iterations, its count of
+    # reports) and its lock may have been held by another of the parent's threads at the
+    # fork: the child makes its own at its first throttle_point()
+    _default_lock[0] = threading.Lock()
+    _default.clear()
+    for t in list(_THROTTLES):
+        t._forked()
     for lat in list(_LIVE):
         lat._fresh()
 

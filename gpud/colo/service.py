@@ -217,8 +217,12 @@ class _JobState:
     reports: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
     )
-    # (time, iterations so far, duty told at that report: what it ran at until the next)
+    # (time, iterations so far, duty told at that report: what it ran at until the next);
+    # a report of no iteration is a point only where it told another duty
     progress: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # it called throttle_point: a job that reports, its first iteration still running (a
+    # compile, an evaluation) or not, is judged by its progress, never as one that never does
+    reporting: bool = False
     # alone on all its devices: training's iterations per busy second (duty taken out); an
     # inference service's M/M/1 service rate (requests/s, see ColoService.service_rate)
     alone_rate: float | None = None
@@ -529,12 +533,17 @@ def _learned(st: _JobState) -> dict[str, Any]:
 def _working(st: _JobState, now: float) -> bool:
     """Whether a training job that reports its progress works now: its company settled,
     and it reported an iteration within ``RATE_WINDOW_S`` or twice the time between its
-    last two (an iteration of its pace, its throttled sleep with it), whichever is longer."""
+    last two (an iteration of its pace, its throttled sleep with it), whichever is longer.
+    One that reported no iteration yet does not: its first may be a compile."""
     if now <= st.since:
         return False
-    last = st.progress[-1][0]
-    gap = last - st.progress[-2][0] if len(st.progress) >= 2 else 0.0
-    return now - last <= max(RATE_WINDOW_S, 2 * gap)
+    points = st.progress
+    # the points an iteration was reported at, not those that only told another duty
+    ends = [p[0] for i, p in enumerate(points) if i == 0 or p[1] > points[i - 1][1]]
+    if not ends:
+        return False
+    gap = ends[-1] - ends[-2] if len(ends) >= 2 else 0.0
+    return now - ends[-1] <= max(RATE_WINDOW_S, 2 * gap)
 
 
 def _config(jobs: Sequence[RunningJob]) -> str:
@@ -1031,8 +1040,9 @@ class ColoService:
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at. A
         report of 0 iterations (the client asks between the slices of a throttled sleep)
-        is heard, not kept as progress: a point in the middle of a sleep would cut the
-        iteration and its sleep apart, and a rate window inside one sleep would read 0."""
+        is kept as a point only where the duty it is told differs from the last point's:
+        the rest of the sleep runs at the new one, and :meth:`_rate` charges each stretch
+        at the duty told at its start. Any report marks the job as one that reports."""
         if not 0 <= iterations <= MAX_ITERATIONS:
             raise InvalidArgument(
                 f"job {job}: {iterations} iterations since the last throttle point, "
@@ -1048,7 +1058,8 @@ class ColoService:
                 d = self._directives.get(job, Directive(1.0, False, "no directive"))
             else:
                 d = Directive(1.0, False, "co-location is off")
-            if iterations > 0:
+            st.reporting = True
+            if iterations > 0 or (st.progress and st.progress[-1][2] != d.duty):
                 total = (st.progress[-1][1] if st.progress else 0) + iterations
                 st.progress.append((now, total, d.duty))
             return d
@@ -1088,10 +1099,14 @@ class ColoService:
 
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since
-        the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back). None
-        where no iteration ended in the window after its first: a window inside one
-        throttled sleep says nothing of the job's speed."""
-        points = [p for p in st.progress if p[0] >= max(st.since, now - RATE_WINDOW_S)]
+        the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back), from
+        the last point at or before that start: a job whose iteration and sleep take longer
+        than the window is read over its last whole one. None where no iteration was
+        reported after that point: a window inside one throttled sleep says nothing of the
+        job's speed."""
+        start = max(st.since, now - RATE_WINDOW_S)
+        before = [p for p in st.progress if p[0] <= start][-1:]
+        points = before + [p for p in st.progress if p[0] > start]
         if len(points) < 2:
             return None
         busy = sum((b[0] - a[0]) * a[2] for a, b in itertools.pairwise(points))
@@ -1969,7 +1984,7 @@ class ColoService:
                         self._unseen(st, r, now)
                         continue
                     st.unseen_since = None
-                    if kind == "training" and st.progress and not _working(st, now):
+                    if kind == "training" and st.reporting and not _working(st, now):
                         # training that reports its progress and made none of late (a
                         # checkpoint), or whose company just changed: the device's
                         # readings are not what it does either

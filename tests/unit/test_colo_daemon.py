@@ -32,6 +32,7 @@ from gpud.client.colo import (
     REPORT_BACKOFF_MAX_S,
     Latency,
     Throttle,
+    _close_at_exit,
 )
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
@@ -2361,6 +2362,39 @@ def test_a_latency_whose_thread_cannot_start_sends_that_report_itself_and_never_
     assert lat.close(timeout=30) and lat.dropped == 0
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_reports_sent_at_exit_to_a_gpud_that_never_answers_wait_one_calls_deadline_in_all(
+    background: bool,
+) -> None:
+    """Eight services, each holding a report at exit, their sends made on the exiting
+    thread (no thread starts at shutdown on 3.12+; or ``background=False``), to a gpud
+    that accepts each call and answers none: the exit waits one call's deadline in all, not
+    one each; the reports past it are dropped and counted."""
+    clock = Clock()
+    start_t = clock.t
+    by_job: dict[str, Latency] = {}
+    waited: list[float] = []
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        timeout = by_job[job].call_timeout()  # the call waits its whole deadline, unanswered
+        waited.append(timeout)
+        clock.t += timeout
+        raise TimeoutError("deadline exceeded")
+
+    def start(target: Callable[[], None], name: str) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    for i in range(8):
+        by_job[f"chat{i}"] = Latency(
+            f"chat{i}", clock=clock, send=send, start=start, background=background
+        )
+        by_job[f"chat{i}"].observe(0.01)
+    _close_at_exit(by_job.values(), clock)
+    assert clock.t - start_t <= CALL_TIMEOUT_S
+    assert sum(waited) == pytest.approx(CALL_TIMEOUT_S)
+    assert [lat.dropped for lat in by_job.values()] == [1] * 8
+
+
 def fork_and_exit_code(child: Callable[[], bool]) -> int:
     """The exit code of a forked child that runs ``child`` (0: True, 1: False, 2: it
     raised; killed by SIGALRM if it hangs 30 s, a guard, not a measurement)."""
@@ -2373,6 +2407,40 @@ def fork_and_exit_code(child: Callable[[], bool]) -> int:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_reports_its_own_iterations_not_its_parents() -> None:
+    """A training process forks (a data loader) with 4 iterations not yet reported and
+    another thread in throttle_point() (the process-wide lock held): the child reports
+    only the iteration it made, and its own throttle_point() does not wait for the
+    parent's lock."""
+    from gpud.client import colo
+
+    clock = Clock()
+    reported: list[int] = []
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        reported.append(iterations)
+        return 1.0, False, ""
+
+    t = Throttle("train", clock=clock, call=call, report_every_s=10.0)
+    for _ in range(4):
+        t.point()  # the first asks at once, reporting none: all 4 wait
+    assert reported == [0] and t._pending == 4
+
+    def child() -> bool:
+        clock.t += 10.0
+        t.point()
+        held = colo._default_lock[0].locked() or "process" in colo._default
+        return reported == [0, 1] and not held
+
+    colo._default["process"] = t
+    try:
+        with colo._default_lock[0]:
+            code = fork_and_exit_code(child)
+    finally:
+        colo._default.clear()
+    assert code == 0
 
 
 def test_a_child_forked_while_the_parents_latency_was_locked_reports_all_the_same() -> None:
@@ -3839,6 +3907,61 @@ def test_a_throttled_jobs_rate_is_not_read_from_the_reports_between_its_sleeps_s
     assert t.duty == 0.1 and len(rates) >= 100
     wrong = [r for r in rates if r is not None and not 0.45 <= r <= 0.55]
     assert wrong == [], wrong
+    # its iteration and sleep (20 s) outlast the rate's window (10 s): read over the last
+    assert any(r is not None for r in rates), rates
+
+
+def test_a_duty_told_in_the_middle_of_a_sleep_counts_from_then_in_the_rate(
+    tmp_path: Path,
+) -> None:
+    """Training of 10 s iterations at duty 0.5 is told 0.1 one slice (1 s) into its sleep:
+    it sleeps 90 s in all, so it runs 10 s in 100 (0.1 iterations per second of running
+    time). Charged at 0.5 for the whole sleep it would read five times slower."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc._directives["train"] = Directive(0.5, False, "SLO guard")
+    rates: dict[float, float | None] = {}  # the loop's rate read as each slice begins
+
+    def sleep(seconds: float) -> None:
+        rates[clock.t] = svc._rate(svc._jobs["train"], clock.t)
+        clock.t += seconds
+        svc._directives["train"] = Directive(0.1, False, "SLO guard")  # after its first slice
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        return dataclasses.astuple(svc.throttle_point(job, iterations))
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call)
+    t.point()
+    clock.t += 10.0  # an iteration, then its sleep
+    assert t.point() == pytest.approx(90.0)
+    clock.t += 10.0  # the next iteration, read as its sleep begins
+    t.point()
+    assert rates[210.0] == pytest.approx(0.1, abs=0.002)
+
+
+def test_a_job_stalled_before_its_first_iteration_is_learned_nothing_alone(
+    tmp_path: Path,
+) -> None:
+    """Training that called its first throttle point and compiles for 30 s (its SMs 0.05
+    busy) is a job that reports making no progress, not one that never reports: nothing is
+    learned alone from the compile; from its iterations (SMs 0.6) it is."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    svc.throttle_point("long", 0)
+    for _ in range(30):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") is None
+    for _ in range(60):
+        svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    learned = svc._jobs["long"].learned("GPU 0")
+    assert learned is not None and learned.sm == pytest.approx(0.6)
 
 
 def colo_show(resp: colo_pb2.ShowColoResponse, *, json_output: bool = False) -> str:
@@ -5972,6 +6095,31 @@ def test_training_of_long_iterations_is_learned_alone(tmp_path: Path) -> None:
     stale = svc._jobs["long"].learned("GPU 0")
     assert stale is not None and stale.sm < 0.6
     for _ in range(20):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") == stale
+
+
+def test_a_duty_told_to_a_stalled_job_is_no_progress_to_learn_from(tmp_path: Path) -> None:
+    """Training making an iteration a second alone (SMs 0.6), then checkpointing (SMs
+    0.05) for 40 s, told another duty 15 s into it (a report of no iteration, kept for its
+    rate): the duty is no iteration, and nothing is learned alone from the checkpoint once
+    10 s passed without one."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    for _ in range(60):
+        svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    for _ in range(12):  # the checkpoint's first seconds, its iterations' pace within them
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    stale = svc._jobs["long"].learned("GPU 0")
+    for t in range(28):
+        if t == 3:
+            svc._directives["long"] = Directive(0.5, False, "SLO guard")
+            svc.throttle_point("long", 0)
         svc.tick(busy_snapshot({0: (0.05, 0.0)}))
         clock.t += 1
     assert svc._jobs["long"].learned("GPU 0") == stale
