@@ -608,8 +608,8 @@ class MigManager:
         (``last_seen``), its index's newest record (no GPU read now has that UUID) is the
         GPU it most likely is, as the reconcile step takes it (with no such record it
         stays unmanaged); with no product seen its layout cannot be checked and its record
-        is left as it was. A GPU never
-        read that a ``device-filter`` may name (its PCI device id unknown) is told so too."""
+        is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
+        device id unknown) keeps its record too, and is told so."""
         known = {g.uuid for g in ids if g.uuid}
         stored: dict[int, DesiredRecord] = {}
         for uuid, r in self._store.desired().items():
