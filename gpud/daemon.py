@@ -609,6 +609,7 @@ class Daemon:
             reserved=self._jobs_reserving,
             hold_placement=self.jobs.placing_none_on,
             after_change=self._devices_changed,
+            last_seen=self._last_seen,
         )
         self.colo = ColoService(
             config.colocate,

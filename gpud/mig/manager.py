@@ -109,9 +109,10 @@ from gpud.mig.plan import (
 )
 from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, InflightRecord, MigStore
-from gpud.mig.validate import ProfileTable, load_table, reference_table
+from gpud.mig.validate import ProfileTable, load_table, reference_table, validate_layout
 from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
 from gpud.store import StateStore
+from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class MigManager:
         reserved: Reserved | None = None,
         hold_placement: HoldPlacement | None = None,
         after_change: Callable[[], None] | None = None,
+        last_seen: LastSeenSource = dict,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -251,7 +253,10 @@ class MigManager:
         reopens on the instances the driver has now, never on one the steps destroyed. One
         that raises is logged: the apply was made. A read's deadline is on ``monotonic``,
         and ``read_wait`` (:data:`ReadAwait`) waits for its answers: given one, the other.
+        ``last_seen()``: how an earlier run last saw each GPU never read in this one (its
+        product checks the layout an apply saves for it while it is faulty).
         """
+        self._last_seen = last_seen
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
         self._backend = cast(GpuBackend, _Answering(backend, self._reading))
@@ -588,23 +593,55 @@ class MigManager:
         layouts: Mapping[int, DeviceLayout],
         faulty: Mapping[int, str],
         ids: Sequence[GpuIdentity],
-    ) -> dict[str, tuple[int, DeviceLayout]]:
+        where: str,
+    ) -> tuple[dict[str, tuple[int, DeviceLayout]], dict[int, str]]:
         """The layouts the config gives the GPUs an apply leaves alone as faulty, by UUID:
         their desired layouts too, so that the reconcile step brings each there once it
-        answers, not back to what an earlier apply wanted. A GPU lost since before gpud
-        started has no UUID read from the driver; its index's record (no GPU read now has
-        that UUID) is the GPU it most likely is, as the reconcile step takes it. One with
-        no such record stays unmanaged: a UUID is what the record is kept under."""
+        answers, not back to what an earlier apply wanted; and, by GPU index, why one keeps
+        its earlier desired layout instead (for its line in the apply's answer).
+
+        Each is checked against its product's profile table as a healthy GPU's layout is
+        (the table the driver gave it, else the published one): a layout it cannot take is
+        refused (:class:`InvalidArgument` naming ``where``, the GPU and the profile), not
+        saved for the reconcile step to fail on once it answers. A GPU lost since before
+        gpud started has no UUID read from the driver: with a product an earlier run saw
+        (``last_seen``), its index's newest record (no GPU read now has that UUID) is the
+        GPU it most likely is, as the reconcile step takes it (with no such record it
+        stays unmanaged); with no product seen its layout cannot be checked and its record
+        is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
+        device id unknown) keeps its record too, and is told so."""
         known = {g.uuid for g in ids if g.uuid}
-        stored = {
-            r.gpu_index: uuid for uuid, r in self._store.desired().items() if uuid not in known
-        }
+        stored: dict[int, DesiredRecord] = {}
+        for uuid, r in self._store.desired().items():
+            if uuid not in known and (
+                r.gpu_index not in stored or r.updated_at >= stored[r.gpu_index].updated_at
+            ):
+                stored[r.gpu_index] = r
+        seen = self._last_seen()
         out: dict[str, tuple[int, DeviceLayout]] = {}
-        for i in sorted(set(faulty) & set(layouts)):
-            uuid = ids[i].uuid if i < len(ids) and ids[i].uuid else stored.get(i)
-            if uuid:
-                out[uuid] = (i, layouts[i])
-        return out
+        unchanged: dict[int, str] = {}
+        for i in sorted(faulty):
+            if i not in layouts:
+                unchanged[i] = (
+                    "its product unknown: the config's device-filter cannot be judged;"
+                    " its desired layout is unchanged"
+                )
+                continue
+            gpu = ids[i] if ids[i].read else _seen_identity(i, seen.get(i))
+            if gpu is None:
+                unchanged[i] = (
+                    "its product unknown: the config's layout for it cannot be checked;"
+                    " its desired layout is unchanged"
+                )
+                continue
+            _check_layout(gpu, layouts[i], self._tables.get(gpu.uuid), where)
+            if ids[i].read:
+                out[gpu.uuid] = (i, layouts[i])
+            elif i in stored:
+                out[stored[i].gpu_uuid] = (i, layouts[i])
+            else:
+                unchanged[i] = "its UUID never read and no earlier apply recorded it: unmanaged"
+        return out, unchanged
 
     @contextlib.contextmanager
     def _only_apply(self, name: str, start: float, *, dry_run: bool) -> Iterator[None]:
@@ -667,6 +704,8 @@ class MigManager:
         healthy = [by_index[i] for i in sorted(layouts) if i not in faulty]
         planned = self._plan_bounded(healthy, layouts)
         plans = _answers(healthy, planned, faulty, config.where(name))
+        # after planning: a GPU found faulty there is left alone too
+        left_desired, unchanged = self._left_alone_desired(layouts, faulty, ids, config.where(name))
 
         def left_alone() -> tuple[GpuOutcome, ...]:
             return tuple(
@@ -676,7 +715,8 @@ class MigManager:
                     (),
                     False,
                     "faulty",
-                    f"GPU {i}{_product(by_index[i])} is faulty, left alone: {reason}",
+                    f"GPU {i}{_product(by_index[i])} is faulty, left alone: {reason}"
+                    + (f"; {unchanged[i]}" if i in unchanged else ""),
                 )
                 for i, reason in sorted(faulty.items())
             )
@@ -734,7 +774,7 @@ class MigManager:
         self._store.begin_apply(
             name,
             {
-                **self._left_alone_desired(layouts, faulty, ids),
+                **left_desired,
                 **{by_index[i].uuid: (i, layouts[i]) for i in plans},
             },
             all_steps,
@@ -2034,3 +2074,41 @@ def _mode_needs_reset(gpu: GpuIdentity) -> bool:
 
 def _product(gpu: GpuIdentity) -> str:
     return f" ({gpu.product})" if gpu.product else ""
+
+
+def _seen_identity(index: int, seen: SeenIdentity | None) -> GpuIdentity | None:
+    """GPU ``index`` as an earlier run last saw it, for checking a layout against its
+    product's published profile table; None where that run did not keep its product."""
+    if seen is None or not seen.product:
+        return None
+    spec = lookup(seen.product)
+    return dataclasses.replace(
+        unknown_identity(index),
+        uuid=seen.uuid,
+        name=seen.name,
+        product=seen.product,
+        pci_bus_id=seen.pci_bus_id,
+        # the product's, as NVML reports it (nvmlDeviceGetMemoryInfo().total)
+        memory_total_bytes=spec.memory_mib << 20 if spec else 0,
+        mig_capable=spec is not None and spec.mig_capable,
+    )
+
+
+def _check_layout(
+    gpu: GpuIdentity, layout: DeviceLayout, table: ProfileTable | None, where: str
+) -> None:
+    """Refuse ``layout`` for ``gpu`` (not called: it is faulty) as an apply refuses it for
+    a GPU it plans: with ``table`` (the driver's, read earlier) or the product's published
+    one, :class:`InvalidArgument` naming ``where`` (the config), the GPU and the profile."""
+    if not layout.mig_enabled:
+        return
+    table = table or reference_table(gpu)
+    try:
+        if table is not None:
+            validate_layout(table, layout)
+        elif not gpu.mig_capable:
+            raise InvalidArgument(
+                f"GPU {gpu.index} ({gpu.product}): does not support MIG", field="mig-enabled"
+            )
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{where}: {err}") from err

@@ -333,6 +333,14 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
         (mps1,) = [d for d in json.loads(out)["devices"] if d["gpu"] == 1]
         assert (mps1["uuid"], mps1["profile"]) == (uuid, product)
         assert mps1["memory_total_bytes"] is None and mps1["pipe_directory"] is None
+        # a layout its product (as last seen) cannot take is refused, not kept for it
+        layout = root / "gpu1-3g40.yaml"
+        layout.write_text(
+            "version: v1\nmig-configs:\n  big:\n    - devices: [1]\n      mig-enabled: true\n"
+            '      mig-devices:\n        "3g.40gb": 1\n'
+        )
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "big")
+        assert code == 2 and "GPU 1 (A100-SXM4-40GB)" in err and "'3g.40gb'" in err, out + err
 
     run_daemon(config, again)
 

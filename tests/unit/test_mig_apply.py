@@ -35,6 +35,7 @@ from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Rele
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
+from gpud.telemetry.snapshot import SeenIdentity
 from tests.unit.nvml_doubles import Refusing, Sleeps
 from tests.unit.store_support import held_write_lock
 
@@ -168,6 +169,8 @@ class Host:
         # how a slow driver call hangs (None: on the daemon life's clock)
         self.driver_sleep: Callable[[float], None] | None = None
         self.clock = ReadClock()  # the latest daemon life's
+        # how an earlier daemon life last saw each GPU never read in this one
+        self.last_seen: dict[int, SeenIdentity] = {}
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -203,6 +206,7 @@ class Host:
             reserved=lambda: {u: list(jobs) for u, jobs in self.reserved.items()},
             hold_placement=self.placement.hold,
             after_change=self.after_change,
+            last_seen=lambda: self.last_seen,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep, clock)
         self.daemons.append(d)
@@ -1629,9 +1633,11 @@ def test_a_gpu_faulty_during_an_apply_takes_that_layout_once_it_answers_again(
 def test_a_gpu_lost_before_start_takes_the_layout_an_apply_gave_it_once_it_answers(
     host: Host, config: MigConfigFile
 ) -> None:
-    """A GPU lost since before gpud started has no UUID to record a layout under: the
-    apply gives its new layout to the record its index had (the GPU it most likely is)."""
+    """A GPU lost since before gpud started has no UUID to record a layout under: where
+    an earlier run saw its product (so the layout is checked against it), the apply gives
+    its new layout to the record its index had (the GPU it most likely is)."""
     first = enable(host, config, "all-balanced")
+    host.last_seen = {1: seen(first, 1)}
     first.node.faults.lose(1)  # device state: still lost when the next daemon starts
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb")
@@ -1643,6 +1649,85 @@ def test_a_gpu_lost_before_start_takes_the_layout_an_apply_gave_it_once_it_answe
     d.node.faults.clear(1)
     assert [o.status for o in d.mig.reconcile()] == ["ok", "changed"]
     assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def seen(d: Daemon, gpu: int) -> SeenIdentity:
+    """GPU ``gpu`` as daemon life ``d`` read it: how a later life last saw it."""
+    g = d.mig.show()[gpu].identity
+    return SeenIdentity(g.uuid, g.name, g.pci_bus_id, g.product)
+
+
+def test_a_layout_a_faulty_gpu_cannot_take_is_refused_as_for_a_healthy_one(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """A GPU left alone as faulty gets the config's layout as its desired one: a profile
+    its product lacks is refused as it is while the GPU answers, naming the GPU and the
+    profile, not saved for every reconcile after the fault clears to fail on."""
+    host = Host(tmp_path, [(H100, 1), (A100, 1)])
+    try:
+        d = host.start()
+        with pytest.raises(InvalidArgument) as healthy:
+            d.mig.apply(config, "all-3g.40gb")
+        assert "GPU 1" in str(healthy.value) and "'3g.40gb'" in str(healthy.value)
+        host.faults[1] = "not answering: a driver call is outstanding"
+        with pytest.raises(InvalidArgument) as faulty:
+            d.mig.apply(config, "all-3g.40gb")
+        assert str(faulty.value) == str(healthy.value)
+        with pytest.raises(InvalidArgument):
+            d.mig.apply(config, "all-3g.40gb", dry_run=True)
+        assert d.mig.desired() == {}
+        # lost since before a later start: the product an earlier run saw is checked
+        host.last_seen = {1: seen(d, 1)}
+        d.node.faults.lose(1)
+        later = host.start()
+        with pytest.raises(InvalidArgument, match=r"GPU 1 .*'3g\.40gb'"):
+            later.mig.apply(config, "all-3g.40gb")
+        assert later.mig.desired() == {}
+    finally:
+        host.close()
+
+
+def test_a_gpu_lost_before_start_with_no_product_seen_keeps_its_desired_layout(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU never read whose product no earlier run kept: the layout it would get cannot
+    be checked, so its record keeps the earlier apply's layout and the apply says so."""
+    first = enable(host, config, "all-balanced")
+    first.node.faults.lose(1)
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert result.gpus[1].detail.endswith(
+        "; its product unknown: the config's layout for it cannot be checked;"
+        " its desired layout is unchanged"
+    )
+    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {
+        0: "all-3g.40gb",
+        1: "all-balanced",
+    }
+
+
+def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Two records kept for one GPU index, neither of a GPU read now (a GPU replaced while
+    gpud was down): an apply's layout goes to the newer one, whatever order the store
+    lists them in."""
+    first = enable(host, config, "all-balanced")
+    host.last_seen = {1: seen(first, 1)}
+    newest = first.mig.show()[1].identity.uuid
+    older = first.mig.desired()[newest].updated_at - 60
+    layout = first.mig.desired()[newest].layout
+    MigStore(first.store).begin_apply(
+        "all-balanced", {"GPU-replaced": (1, layout)}, (), ApplyOptions(), older, inflight=False
+    )
+    first.node.faults.lose(1)
+    d = host.start()
+    d.mig.apply(config, "all-3g.40gb")
+    assert {u: r.config_name for u, r in d.mig.desired().items() if r.gpu_index == 1} == {
+        newest: "all-3g.40gb",
+        "GPU-replaced": "all-balanced",
+    }
 
 
 def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
@@ -2012,6 +2097,10 @@ def test_a_gpu_never_read_is_faulty_in_an_apply_that_filters_devices(
     assert dry.result == "partial", dry
     assert [(o.gpu, o.status) for o in dry.gpus] == [(0, "differs"), (1, "faulty")]
     assert dry.gpus[1].detail.startswith("GPU 1 is faulty, left alone: identity: GPU lost")
+    assert dry.gpus[1].detail.endswith(
+        "; its product unknown: the config's device-filter cannot be judged;"
+        " its desired layout is unchanged"
+    )
     result = d.mig.apply(config, "all-1g.10gb")
     assert result.result == "partial", result
     assert [(o.gpu, o.status) for o in result.gpus] == [(0, "changed"), (1, "faulty")]
