@@ -546,6 +546,23 @@ def _working(st: _JobState, now: float) -> bool:
     return now - ends[-1] <= max(RATE_WINDOW_S, 2 * gap)
 
 
+def _of_its_pace(points: Sequence[tuple[float, int, float]], ends: Sequence[int], at: int) -> bool:
+    """Whether the stretch from the iteration that ended at ``points[at]`` to the next one
+    is of the job's pace: its running time (the throttle's sleeps taken out) within
+    ``RATE_WINDOW_S`` or twice that of the stretch before it, as :func:`_working` judges,
+    so that a checkpoint or a restart is not read as iterations. The first iteration read
+    has no stretch before it to judge by, and is taken."""
+    after = [i for i in ends if i > at]
+    k = ends.index(at)
+    if not after or not k:
+        return True
+
+    def running(a: int, b: int) -> float:
+        return sum((q[0] - p[0]) * p[2] for p, q in itertools.pairwise(points[a : b + 1]))
+
+    return running(at, after[0]) <= max(RATE_WINDOW_S, 2 * running(ends[k - 1], at))
+
+
 def _config(jobs: Sequence[RunningJob]) -> str:
     """What a job runs at on its devices, as its rate depends on it: its MIG profile or
     MPS thread percentage on each ("50%", "MIG 3g.40gb")."""
@@ -1100,15 +1117,27 @@ class ColoService:
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since
         the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back), from
-        the last point at or before that start: a job whose iteration and sleep take longer
-        than the window is read over its last whole one. None where no iteration was
+        the end of the last iteration at or before that start and after the change, while
+        the stretch from it is of the job's pace (:func:`_of_its_pace`): a job whose
+        iteration and sleep take longer than the window is read over its last whole one.
+        Else from the first iteration's end inside the window. None where no iteration was
         reported after that point: a window inside one throttled sleep says nothing of the
         job's speed."""
         start = max(st.since, now - RATE_WINDOW_S)
-        before = [p for p in st.progress if p[0] <= start][-1:]
-        points = before + [p for p in st.progress if p[0] > start]
-        if len(points) < 2:
-            return None
+        pts = list(st.progress)
+        # read from an iteration's end, never from a point that only told another duty
+        # (the sleep before it would go uncounted): the last one at or before the start,
+        # in the job's present company, while the stretch from it to the next is of the
+        # job's pace (not a checkpoint, a restart or a stall read as the job crawling);
+        # else the first one inside the window
+        ends = [i for i, p in enumerate(pts) if i == 0 or p[1] > pts[i - 1][1]]
+        inside = [i for i in ends if st.since <= pts[i][0] <= start]
+        first = inside[-1] if inside and _of_its_pace(pts, ends, inside[-1]) else None
+        if first is None:
+            first = next((i for i in ends if pts[i][0] > start), None)
+            if first is None:
+                return None
+        points = pts[first:]
         busy = sum((b[0] - a[0]) * a[2] for a, b in itertools.pairwise(points))
         done = points[-1][1] - points[0][1]
         return done / busy if busy > 0 and done > 0 else None
