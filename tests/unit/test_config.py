@@ -887,6 +887,17 @@ def test_the_loopback_in_an_old_file_with_traffic_off_is_warned_about_not_refuse
         config.load(enabled)
 
 
+def test_a_reload_keeps_the_shaped_interfaces_until_a_restart(tmp_path: Path) -> None:
+    """``traffic.interfaces`` is read once, by the service built at start: an interface
+    taken out of the file on SIGHUP stays enforced, and counted from its last reading,
+    until a restart builds a new service (with nothing read yet)."""
+    path = write(tmp_path, '[traffic]\ninterfaces = ["eth9"]\n')
+    with _reloaded_from(tmp_path, path) as daemon:
+        (event,) = daemon.events.recent(1, "config.reload")
+        assert "traffic.interfaces" in event.fields["restart_needed"]
+        assert daemon.traffic.config.interfaces == daemon.config.traffic.interfaces == ()
+
+
 def test_the_loopback_in_rdma_interfaces_is_refused_with_traffic_on_and_warned_about_off(
     tmp_path: Path,
 ) -> None:
