@@ -743,6 +743,22 @@ class TcNetlink:
             raise err
         return seen, str(renamed)
 
+    def _ours_at(self, index: int) -> bool:
+        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``); False
+        when it cannot be read."""
+        try:
+            msgs, err = self._nl.dump(RTM_GETQDISC, _TCMSG.pack(0, index, 0, 0, 0))
+        except OSError:
+            return False
+        if err is not None:
+            return False
+        roots = (
+            RootQdisc(q.kind, q.handle)
+            for q in map(_decode_tcmsg, msgs)
+            if q.ifindex == index and q.parent == TC_H_ROOT
+        )
+        return any(_is_ours(root) for root in roots)
+
     def _resolve(self, iface: str, *, shaping: bool = True) -> int:
         """Look ``iface`` up afresh: an interface renamed away, or deleted and created
         again, is another index (what was seen of the old one is forgotten). One renamed
@@ -753,10 +769,12 @@ class TcNetlink:
         try:
             idx = self.ifindex(iface)
         except TcError as err:
-            _seen, renamed = self._renamed(iface, err)
+            seen, renamed = self._renamed(iface, err)
+            tree = ", gpud's tree still on it" if self._ours_at(seen) else ""
             raise TcError(
                 iface,
-                f"no such network interface (renamed to {renamed}: gpud leaves {renamed} alone)",
+                f"no such network interface (renamed to {renamed}, ifindex {seen}{tree}:"
+                f" gpud leaves {renamed} alone)",
                 errno=errno_mod.ENODEV,
             ) from err
         if shaping and iface in self._loopbacks:

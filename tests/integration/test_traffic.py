@@ -708,10 +708,12 @@ def test_an_interface_renamed_away_and_back_is_named_then_enforced_again(bed: Be
     bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
     bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
     leaf = bed.leaf("keep")
+    index = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
     run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
     bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
     assert _iface(bed, "a0")["error"] == (
-        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+        f"a0: no such network interface (renamed to x0, ifindex {index}, gpud's tree still on it:"
+        " gpud leaves x0 alone)"
     )
     assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "x0")
     time.sleep(1.5)  # a few ticks: the same error, one event
@@ -767,9 +769,11 @@ def test_without_link_rates_a_missing_interface_is_named_as_missing(bed: Bed) ->
     bed.start()
     bed.wait("a0 enforced", lambda: bool(_iface(bed, "a0").get("enforced")), timeout=10)
     assert _iface(bed, "nope0")["error"] == "nope0: no such network interface"
+    index = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
     run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
     bed.wait("a0 broken", lambda: not _iface(bed, "a0").get("enforced"), timeout=10)
     assert _iface(bed, "a0")["error"] == (
-        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+        f"a0: no such network interface (renamed to x0, ifindex {index}, gpud's tree still on it:"
+        " gpud leaves x0 alone)"
     )
     assert _iface(bed, "a0")["rate_bits_per_second"] == 10_000_000_000
