@@ -743,21 +743,42 @@ LOOPBACK = (
     "'lo' is the loopback: shaping it slows this node's local gRPC and etcd traffic, never"
     " GPU traffic between nodes"
 )
+# what listing the loopback does, per key that takes netdevs: no GPU traffic between nodes
+# crosses it, nor any RDMA (no NIC, so no DSCP -> priority map to own)
+_LOOPBACK_WHY = {
+    "traffic.interfaces": LOOPBACK,
+    "traffic.rdma_interfaces": (
+        "'lo' is the loopback: it has no NIC, so no DSCP -> priority map, and carries no"
+        " RDMA traffic"
+    ),
+}
+
+
+def loopback_listed(t: TrafficConfig) -> list[tuple[str, str]]:
+    """``(key, why)`` for each of ``traffic.interfaces`` and ``traffic.rdma_interfaces``
+    that lists ``lo``: refused with traffic on (:func:`validate`), warned about with it off
+    (:func:`config_warnings`). By name only: the file is checked where the netdevs may not
+    be (``gpud --check-config`` on another host), so a loopback under another name is
+    found by the first pass on it (the kernel's ``ARPHRD_LOOPBACK``, see
+    :mod:`netshaper.tc_netlink`)."""
+    listed = (("traffic.interfaces", t.interfaces), ("traffic.rdma_interfaces", t.rdma_interfaces))
+    return [(key, _LOOPBACK_WHY[key]) for key, names in listed if "lo" in names]
 
 
 def config_warnings(cfg: Config, *, path: str = "") -> list[str]:
     """What the config file takes but an operator should hear of, outside the traffic
     settings (:func:`gpud.net.wiring.config_warnings`): an odd ``cluster.etcd_prefix``;
-    ``lo`` in ``traffic.interfaces`` with traffic off (refused with it on). Said at start
+    ``lo`` in ``traffic.interfaces`` or ``traffic.rdma_interfaces`` with traffic off
+    (refused with it on, :func:`loopback_listed`). Said at start
     and by ``gpud --check-config``, naming ``FILE:KEY`` as an error would."""
     out = []
     odd = etcd_prefix_warning(cfg.cluster.etcd_prefix)
     if odd:
         where = f"{path}:cluster.etcd_prefix" if path else "cluster.etcd_prefix"
         out.append(f"{where}: {cfg.cluster.etcd_prefix!r} {odd}")
-    if "lo" in cfg.traffic.interfaces and not cfg.traffic.enabled:
-        where = f"{path}:traffic.interfaces" if path else "traffic.interfaces"
-        out.append(f"{where}: {LOOPBACK}: refused once traffic.enabled = true")
+    for key, why in loopback_listed(cfg.traffic) if not cfg.traffic.enabled else ():
+        where = f"{path}:{key}" if path else key
+        out.append(f"{where}: {why}: refused once traffic.enabled = true")
     return out
 
 
@@ -844,14 +865,12 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ConfigError(f"{', '.join(twice)} listed twice", path=path, key=key)
-    if "lo" in t.interfaces and t.enabled:
+    for key, why in loopback_listed(t) if t.enabled else ():
         # HTB on the loopback shapes this node's own gRPC, etcd and metrics traffic, and
         # no GPU traffic between nodes ever crosses it. With traffic off nothing is shaped:
         # refusing there would stop a gpud upgraded under an old file, all of it, for a
         # setting it does not use (config_warnings says it instead)
-        raise ConfigError(
-            f"{LOOPBACK}; list the NICs that carry it", path=path, key="traffic.interfaces"
-        )
+        raise ConfigError(f"{why}; list the NICs that carry GPU traffic", path=path, key=key)
 
     rated: set[str] = set()
     for entry in t.link_rates:

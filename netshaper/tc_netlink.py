@@ -135,6 +135,7 @@ RTM_NEWTFILTER = 44
 RTM_DELTFILTER = 45
 RTM_GETTFILTER = 46
 IFLA_IFNAME = 3
+ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 TCA_KIND = 1
 TCA_OPTIONS = 2
 TCA_STATS2 = 7
@@ -296,6 +297,9 @@ class Restored:
     ours: bool
     replaced: str = ""
     root: RootQdisc | None = None
+    renamed: str = ""
+    """The netdev's name now, when it was renamed away from ``iface`` since this adapter
+    last looked it up (same ifindex, so still the netdev gpud shaped): "" when not."""
 
 
 # --- encoding ---------------------------------------------------------------------------
@@ -673,6 +677,7 @@ class TcNetlink:
         self._cache_index: dict[str, int] = {}  # the index each cached state was read on
         # names found on another netdev than the last pass's, until a pass reports it
         self._replaced: dict[str, str] = {}
+        self._loopbacks: set[str] = set()  # names whose last look-up was ARPHRD_LOOPBACK
 
     def close(self) -> None:
         self._nl.close()
@@ -699,7 +704,11 @@ class TcNetlink:
         if err is not None or not msgs:
             errnum = err.errno if err is not None else errno_mod.EIO
             raise TcError(iface, f"cannot look the interface up: {_errname(errnum)}", errno=errnum)
-        _fam, _type, index, _flags, _change = _IFINFOMSG.unpack_from(msgs[0], 0)
+        _fam, kind, index, _flags, _change = _IFINFOMSG.unpack_from(msgs[0], 0)
+        if kind == ARPHRD_LOOPBACK:
+            self._loopbacks.add(iface)
+        else:
+            self._loopbacks.discard(iface)
         return int(index)
 
     def ifindex(self, iface: str) -> int:
@@ -723,23 +732,59 @@ class TcNetlink:
             return None
         return bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
 
-    def _resolve(self, iface: str) -> int:
+    def _renamed(self, iface: str, err: TcError) -> tuple[int, str]:
+        """The index and name now of the netdev ``iface`` was when this adapter last looked
+        it up, where the look-up by name failed (``err``) because it was renamed away;
+        ``err`` raised otherwise. Only this adapter's own look-up: an index recorded by an
+        earlier run may be another netdev's since a reboot."""
+        seen = self._cache_index.get(iface)
+        renamed = self._name_of(seen) if seen is not None else None
+        if err.errno != errno_mod.ENODEV or seen is None or renamed in (None, iface):
+            raise err
+        return seen, str(renamed)
+
+    def _ours_at(self, index: int) -> bool:
+        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``); False
+        when it cannot be read."""
+        try:
+            msgs, err = self._nl.dump(RTM_GETQDISC, _TCMSG.pack(0, index, 0, 0, 0))
+        except OSError:
+            return False
+        if err is not None:
+            return False
+        roots = (
+            RootQdisc(q.kind, q.handle)
+            for q in map(_decode_tcmsg, msgs)
+            if q.ifindex == index and q.parent == TC_H_ROOT
+        )
+        return any(_is_ours(root) for root in roots)
+
+    def _resolve(self, iface: str, *, shaping: bool = True) -> int:
         """Look ``iface`` up afresh: an interface renamed away, or deleted and created
         again, is another index (what was seen of the old one is forgotten). One renamed
-        away is named in the error: gpud's tree went with it, to a name gpud never shapes."""
+        away is named in the error: gpud's tree went with it, to a name gpud never shapes.
+        With ``shaping``, the loopback is refused under any name: the kernel's
+        ``ARPHRD_LOOPBACK`` (``/sys/class/net/IF/type`` 772), as gpud's namespace sees it."""
         self._ifindex.pop(iface, None)
         try:
             idx = self.ifindex(iface)
         except TcError as err:
-            seen = self._cache_index.get(iface)
-            renamed = self._name_of(seen) if seen is not None else None
-            if err.errno != errno_mod.ENODEV or renamed in (None, iface):
-                raise
+            seen, renamed = self._renamed(iface, err)
+            tree = ", gpud's tree still on it" if self._ours_at(seen) else ""
             raise TcError(
                 iface,
-                f"no such network interface (renamed to {renamed}: gpud leaves {renamed} alone)",
+                f"no such network interface (renamed to {renamed}, ifindex {seen}{tree}:"
+                f" gpud leaves {renamed} alone)",
                 errno=errno_mod.ENODEV,
             ) from err
+        if shaping and iface in self._loopbacks:
+            raise TcError(
+                iface,
+                f"the loopback (ARPHRD_LOOPBACK, type 772), named {iface}: shaping it slows"
+                " this node's local gRPC and etcd traffic, never GPU traffic between nodes;"
+                " not shaped (list the NICs that carry GPU traffic in traffic.interfaces)",
+                errno=errno_mod.EINVAL,
+            )
         was = self._cache_index.get(iface)
         if was is not None and was != idx:
             self._cache.pop(iface, None)
@@ -991,11 +1036,31 @@ class TcNetlink:
         ifindex: one given the old ifindex explicitly, or moved in from another namespace
         keeping it, is taken for the old one. The original re-installed, a failed read of
         it gives ``root`` None (the kernel acked the replace).
+
+        A netdev renamed away from ``iface`` (``ip link set dev IF name NEW``) keeps its
+        ifindex and gpud's tree: it is restored by the ifindex this adapter last looked up
+        under ``iface``, whatever its name now, which ``renamed`` says.
         """
-        idx = self._resolve(iface)
+        try:
+            idx = self._resolve(iface, shaping=False)
+        except TcError as err:
+            idx, renamed = self._renamed(iface, err)
+            # the reads and requests below go to that netdev by its index, under the old
+            # name in their messages; forgotten after, so no pass shapes it as iface
+            self._ifindex[iface] = idx
+            try:
+                done = self._restore_at(iface, idx, original, "")
+            finally:
+                self._ifindex.pop(iface, None)
+            return replace(done, renamed=renamed)
         replaced = self._replaced.pop(iface, "")
         if not replaced and ifindex is not None and ifindex != idx:
             replaced = f"ifindex {idx}, was {ifindex}"
+        return self._restore_at(iface, idx, original, replaced)
+
+    def _restore_at(
+        self, iface: str, idx: int, original: RootQdisc | None, replaced: str
+    ) -> Restored:
         self._cache.pop(iface, None)
         state = self.read(iface)
         if not _is_ours(state.root):

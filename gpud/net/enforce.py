@@ -67,7 +67,8 @@ class AdoptedLike(Protocol):
 class RestoredLike(Protocol):
     """What a restore did: ``ours`` (gpud's HTB root was there and is deleted; False: the
     root found is left as it is), ``replaced`` ("ifindex NEW, was OLD": the name is another
-    netdev's than the original's; "" when not) and the ``root`` left on the interface."""
+    netdev's than the original's; "" when not), the ``root`` left on the interface and the
+    name it was ``renamed`` to since gpud last looked it up ("" when not)."""
 
     @property
     def ours(self) -> bool: ...
@@ -75,6 +76,8 @@ class RestoredLike(Protocol):
     def replaced(self) -> str: ...
     @property
     def root(self) -> tcplan.RootQdisc | None: ...
+    @property
+    def renamed(self) -> str: ...
 
 
 class TcPort(Protocol):
@@ -163,6 +166,7 @@ class FakeRestored:
     ours: bool
     replaced: str = ""
     root: tcplan.RootQdisc | None = None
+    renamed: str = ""
 
 
 @dataclass

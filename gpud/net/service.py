@@ -1874,9 +1874,15 @@ class TrafficService:
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
+                # a netdev renamed away is restored by its ifindex: gpud's tree went with it
+                renamed = (
+                    f"renamed to {done.renamed} since gpud shaped it, restored there: "
+                    if done.renamed
+                    else ""
+                )
                 self._events.emit(
                     "net.unshaped",
-                    f"{iface}: traffic.shutdown = restore: "
+                    f"{iface}: traffic.shutdown = restore: {renamed}"
                     + _unshaped(original, done, done.replaced or was),
                     interface=iface,
                 )

@@ -433,14 +433,21 @@ def test_a_sync_of_an_unchanged_plan_checks_the_kernel(net: Net, adapter: TcNetl
 def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -> None:
     want = plan({"alpha": 0})
     assert adapter.sync(want).ok
+    index = adapter.ifindex("a0")
     _run("ip", "-n", net.snd, "link", "set", "a0", "name", "old0")
     result = adapter.drift(want)
-    # the error says where the tree went (the index gpud shaped is old0 now)
-    renamed = "a0: no such network interface (renamed to old0: gpud leaves old0 alone)"
+    # the error says where the tree went (the index gpud shaped is old0 now, with it)
+    renamed = (
+        f"a0: no such network interface (renamed to old0, ifindex {index}, gpud's tree still"
+        " on it: gpud leaves old0 alone)"
+    )
     assert str(result.errors["a0"]) == renamed
     assert str(adapter.sync(want).errors["a0"]) == renamed  # the same each tick: one event
     assert "htb 6764:" in net.tc("qdisc", "show", "dev", "old0")
     net.tc("qdisc", "del", "dev", "old0", "root")  # no longer gpud's to repair
+    assert str(adapter.sync(want).errors["a0"]) == (
+        f"a0: no such network interface (renamed to old0, ifindex {index}: gpud leaves old0 alone)"
+    )
     # a new a0 (another index) is shaped; old0 is not touched again
     _run("ip", "-n", net.snd, "link", "add", "a0", "type", "veth", "peer", "name", "b9")
     assert adapter.sync(want).ok

@@ -708,10 +708,12 @@ def test_an_interface_renamed_away_and_back_is_named_then_enforced_again(bed: Be
     bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
     bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
     leaf = bed.leaf("keep")
+    index = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
     run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
     bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
     assert _iface(bed, "a0")["error"] == (
-        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+        f"a0: no such network interface (renamed to x0, ifindex {index}, gpud's tree still on it:"
+        " gpud leaves x0 alone)"
     )
     assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "x0")
     time.sleep(1.5)  # a few ticks: the same error, one event
@@ -722,6 +724,42 @@ def test_an_interface_renamed_away_and_back_is_named_then_enforced_again(bed: Be
     assert "renamed to x0" in str(broke["message"])
     (back,) = _events(bed, "net.interface")
     assert str(back["message"]).startswith("a0: enforced again (was: ")
+    assert _events(bed, "net.takeover") == []  # its own tree, not one from before the start
+
+
+def test_restore_at_the_stop_finds_an_interface_renamed_away_by_its_ifindex(bed: Bed) -> None:
+    """``ip link set a0 name x0`` while gpud shapes a0: the netdev keeps its ifindex and
+    gpud's tree. The stop's restore gives x0 its root from before gpud and says so, rather
+    than leaving gpud's tree there unsaid."""
+    run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    bed.extra = 'shutdown = "restore"\n'
+    daemon = bed.start()
+    bed.wait("enforced", lambda: _enforced(bed))
+    run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
+    bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
+    assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "x0")
+    stop_daemon(daemon)
+    bed.daemon = None
+    assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "x0").startswith("qdisc pfifo_fast ")
+    said = (
+        "a0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, restored there:"
+        " gpud's HTB root removed, its root qdisc from before gpud is back: pfifo_fast"
+    )
+    assert said in daemon.log.read_text()
+
+
+def test_the_loopback_under_another_name_is_not_shaped(bed: Bed) -> None:
+    """``ip link set lo name lb0``: the config's check knows ``lo`` by name only; the
+    first pass knows the kernel's ARPHRD_LOOPBACK and leaves lb0 alone, saying why."""
+    run("ip", "-n", bed.snd, "link", "set", "lo", "name", "lb0")
+    bed.interfaces = ("a0", "lb0")
+    bed.start()
+    bed.wait("lb0 refused", lambda: bool(_iface(bed, "lb0").get("error")), timeout=10)
+    assert str(_iface(bed, "lb0")["error"]).startswith(
+        "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0:"
+    )
+    bed.wait("a0 enforced", lambda: bool(_iface(bed, "a0").get("enforced")), timeout=10)
+    assert "6764:" not in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "lb0")
 
 
 def test_without_link_rates_a_missing_interface_is_named_as_missing(bed: Bed) -> None:
@@ -731,9 +769,11 @@ def test_without_link_rates_a_missing_interface_is_named_as_missing(bed: Bed) ->
     bed.start()
     bed.wait("a0 enforced", lambda: bool(_iface(bed, "a0").get("enforced")), timeout=10)
     assert _iface(bed, "nope0")["error"] == "nope0: no such network interface"
+    index = run("ip", "-n", bed.snd, "-o", "link", "show", "a0").split(":")[0]
     run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
     bed.wait("a0 broken", lambda: not _iface(bed, "a0").get("enforced"), timeout=10)
     assert _iface(bed, "a0")["error"] == (
-        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+        f"a0: no such network interface (renamed to x0, ifindex {index}, gpud's tree still on it:"
+        " gpud leaves x0 alone)"
     )
     assert _iface(bed, "a0")["rate_bits_per_second"] == 10_000_000_000

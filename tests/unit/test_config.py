@@ -887,6 +887,32 @@ def test_the_loopback_in_an_old_file_with_traffic_off_is_warned_about_not_refuse
         config.load(enabled)
 
 
+def test_a_reload_keeps_the_shaped_interfaces_until_a_restart(tmp_path: Path) -> None:
+    """``traffic.interfaces`` is read once, by the service built at start: an interface
+    taken out of the file on SIGHUP stays enforced, and counted from its last reading,
+    until a restart builds a new service (with nothing read yet)."""
+    path = write(tmp_path, '[traffic]\ninterfaces = ["eth9"]\n')
+    with _reloaded_from(tmp_path, path) as daemon:
+        (event,) = daemon.events.recent(1, "config.reload")
+        assert "traffic.interfaces" in event.fields["restart_needed"]
+        assert daemon.traffic.config.interfaces == daemon.config.traffic.interfaces == ()
+
+
+def test_the_loopback_in_rdma_interfaces_is_refused_with_traffic_on_and_warned_about_off(
+    tmp_path: Path,
+) -> None:
+    """``lo`` has no NIC, so no DSCP -> priority map to own: refused as in
+    ``traffic.interfaces``, naming its own key, and only warned about with traffic off."""
+    on = write(tmp_path, '[traffic]\nenabled = true\nrdma_interfaces = ["eth0", "lo"]\n')
+    with pytest.raises(ConfigError, match="'lo' is the loopback: it has no NIC") as info:
+        config.load(on)
+    assert info.value.key == "traffic.rdma_interfaces" and str(on) in str(info.value)
+    off = write(tmp_path, '[traffic]\nenabled = false\nrdma_interfaces = ["lo"]\n')
+    (warning,) = config.config_warnings(config.load(off), path=str(off))
+    assert warning.startswith(f"{off}:traffic.rdma_interfaces: 'lo' is the loopback")
+    assert warning.endswith("refused once traffic.enabled = true")
+
+
 def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> None:
     assert config.Config().telemetry.ignored_xids == (13, 31, 43, 45, 68, 109)
     loaded = config.load(write(tmp_path, "[telemetry]\nignored_xids = [13, 43]\n"))

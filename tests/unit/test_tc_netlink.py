@@ -25,6 +25,7 @@ from netshaper.tc_netlink import (
     TC_H_ROOT,
     Ack,
     InterfaceResult,
+    TcError,
     TcNetlink,
     _answer,
 )
@@ -32,11 +33,12 @@ from netshaper.tc_netlink import (
 LINKS = {"eth0": 1, "eth1": 2}
 
 
-def _ifinfo(index: int, name: str) -> memoryview:
+def _ifinfo(index: int, name: str, kind: int = 1) -> memoryview:
+    """An RTM_NEWLINK answer: ``kind`` is ifi_type (ARPHRD_ETHER unless said)."""
     attr_payload = name.encode() + b"\0"
     attr = struct.pack("=HH", 4 + len(attr_payload), 3) + attr_payload
     attr += b"\0" * (-len(attr) % 4)
-    return memoryview(struct.pack("=BxHiII", 0, 0, index, 0, 0) + attr)
+    return memoryview(struct.pack("=BxHiII", 0, kind, index, 0, 0) + attr)
 
 
 def _ifname(body: bytes) -> str:
@@ -121,6 +123,8 @@ class RenamingLinks:
 
     links: dict[str, int] = field(default_factory=lambda: {"eth0": 1})
     sent: list[tuple[int, int]] = field(default_factory=list)  # (type, ifindex)
+    loopbacks: set[str] = field(default_factory=set)  # names whose ifi_type is 772
+    dumped: list[int] = field(default_factory=list)  # the ifindex of each tc dump
 
     def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
         for mtype, _flags, body in msgs:
@@ -131,13 +135,21 @@ class RenamingLinks:
     def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         assert mtype == RTM_GETLINK
         name = _ifname(body)
+        if not name:  # by index
+            (index,) = struct.unpack_from("=i", body, 4)
+            by_index = {i: n for n, i in self.links.items()}
+            if index not in by_index:
+                return [], Ack(0, errno.ENODEV, None)
+            name = by_index[index]
         if name not in self.links:
             return [], Ack(0, errno.ENODEV, None)
-        return [_ifinfo(self.links[name], name)], None
+        return [_ifinfo(self.links[name], name, 772 if name in self.loopbacks else 1)], None
 
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         if mtype == RTM_GETLINK:
             return [_ifinfo(i, n) for n, i in self.links.items()], None
+        (ifindex,) = struct.unpack_from("=i", body, 4)
+        self.dumped.append(ifindex)
         return [], None
 
     def close(self) -> None:
@@ -154,7 +166,9 @@ def test_a_renamed_interface_is_not_shaped_under_its_old_name() -> None:
     nl.links = {"old0": 1}
     nl.sent.clear()
     result = tc.drift(plan)
-    assert str(result.errors["eth0"]) == "eth0: no such network interface"
+    assert str(result.errors["eth0"]) == (
+        "eth0: no such network interface (renamed to old0, ifindex 1: gpud leaves old0 alone)"
+    )
     assert nl.sent == []
 
     # a new eth0 appears (another ifindex): that one is shaped, the old one never again
@@ -170,6 +184,37 @@ def test_a_renamed_interface_is_not_shaped_under_its_old_name() -> None:
     assert tc.sync(moved).ok
     assert {i for _, i in nl.sent} == {9}
     assert tc.counters("eth0") == {}
+    tc.close()
+
+
+def test_the_loopback_under_another_name_is_refused_by_its_link_type() -> None:
+    """``ip link set lo name lb0`` and lb0 in traffic.interfaces: the name passes the
+    config's check, the kernel's ARPHRD_LOOPBACK does not, and nothing is sent to it."""
+    nl = RenamingLinks(links={"lb0": 1}, loopbacks={"lb0"})
+    tc = TcNetlink(transport=nl)
+    (found,) = tc.adopt(["lb0"]).values()
+    assert isinstance(found, TcError) and str(found).startswith(
+        "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0: shaping it slows"
+    )
+    plan = tp.plan({"lb0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+    assert "ARPHRD_LOOPBACK" in str(tc.sync(plan).errors["lb0"])
+    assert nl.sent == [] and nl.dumped == []
+    tc.close()
+
+
+def test_a_restore_finds_the_netdev_renamed_away_by_its_ifindex() -> None:
+    """Shaped as eth0, renamed old0 before the stop: the restore reads (and would remove
+    gpud's root from) ifindex 1 under its new name, and says the name."""
+    nl = RenamingLinks()
+    tc = TcNetlink(transport=nl)
+    plan = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+    assert tc.sync(plan).ok
+    nl.links = {"old0": 1, "eth1": 2}
+    nl.dumped.clear()
+    done = tc.restore("eth0", None)
+    assert done.renamed == "old0" and not done.replaced and set(nl.dumped) == {1}
+    # the name is not taken for that netdev after: a pass on eth0 still finds none
+    assert "renamed to old0" in str(tc.sync(plan).errors["eth0"])
     tc.close()
 
 
