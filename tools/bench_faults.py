@@ -12,18 +12,22 @@ Two scenarios on eight simulated GPUs, each watched through the API every 0.1 s:
 - all eight hang: how long ``GetStatus`` still counted them healthy.
 
 Ages are reported as multiples of the interval (the ratio is what the target is about).
+Each scenario's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
+its directory removed, the scenarios done so far reported, "cut short by SIGNAL", exit 128 +
+its number.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import grpc
 
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
-from tools.simdaemon import simulated_gpud
+from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
 
 GPUS = 8
 
@@ -79,32 +83,45 @@ def all_hung(stub: pb_grpc.NodeStub, hang_s: float) -> float:
     return counted
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--call-timeout", type=float, default=5.7)
     parser.add_argument("--hang", type=float, default=5.7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = (
         f"[telemetry]\ninterval_s = {args.interval}\ncall_timeout_s = {args.call_timeout}\n"
         "[daemon]\ntick_s = 1.0\n"
     )
-    with simulated_gpud(f"H100-SXM5-80GB:{GPUS}", config_text=config) as daemon:
-        channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+    done = 0
+    with (
+        stopped_by_signal() as stopped,
+        simulated_gpud(f"H100-SXM5-80GB:{GPUS}", config_text=config) as daemon,
+        grpc.insecure_channel(f"unix:{daemon.socket}") as channel,
+    ):
+        print(
+            f"interval {args.interval:g} s, call timeout {args.call_timeout:g} s,"
+            f" hang {args.hang:g} s",
+            flush=True,
+        )
         stub = pb_grpc.NodeStub(channel)
         worst, unhealthy_after = one_hung(stub, args.hang)
+        print(
+            f"one GPU hung: others' largest sample age {worst:.2f} s"
+            f" = {worst / args.interval:.2f} x interval (target <= 2)"
+        )
+        print(
+            f"one GPU hung: reported not healthy {unhealthy_after:.2f} s after the hang began",
+            flush=True,
+        )
+        done += 1
         counted = all_hung(stub, args.hang)
-        channel.close()
-    print(
-        f"interval {args.interval:g} s, call timeout {args.call_timeout:g} s, hang {args.hang:g} s"
-    )
-    print(
-        f"one GPU hung: others' largest sample age {worst:.2f} s"
-        f" = {worst / args.interval:.2f} x interval (target <= 2)"
-    )
-    print(f"one GPU hung: reported not healthy {unhealthy_after:.2f} s after the hang began")
-    print(f"all {GPUS} hung: status counted them healthy for {counted:.2f} s")
+        print(f"all {GPUS} hung: status counted them healthy for {counted:.2f} s", flush=True)
+        done += 1
+    if stopped.by:
+        return cut_short(stopped.by, f"{done} of 2 scenarios")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,10 @@ every quote (each waiting run's poll, each listing, each scrape) is made from.
 
 ``--timeout``: the waiting runs' ``gpuctl --timeout`` (default gpuctl's): a gpud that
 takes long to answer them while they queue fails the benchmark, with what the run said.
+
+Each phase's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
+its directory removed, the phases done so far reported, "cut short by SIGNAL", exit 128 +
+its number.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpud.admission.service import request_of, run_request_to_json
 from gpud.jobs.ends import EndCause
 from gpud.jobs.service import RunRequest
-from tools.simdaemon import SimDaemon, simulated_gpud
+from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 NO_ANSWER = "did not answer the withdrawal"
@@ -139,18 +144,49 @@ def wait_queued(
     raise RuntimeError(f"fewer than {count} runs queued after {timeout_s:.0f} s")
 
 
+def stop_runs(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGINT to every ``gpuctl run`` still there (a Ctrl-C: it leaves the queue, or stops
+    its command), killed if it has not exited 30 s later."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@dataclass
+class Phases:
+    """The phases a run measures: each one's figures printed as it ends, so that a run cut
+    short still shows those it finished."""
+
+    planned: int
+    done: int = 0
+
+    def said(self, figures: str) -> None:
+        print(figures, flush=True)
+        self.done += 1
+
+
 def hand_over(daemon: SimDaemon, runs: int, work: Path) -> list[float]:
     starts, ends = work / "starts", work / "ends"
     script = f"date +%s.%N >> {starts}; sleep 0.3; date +%s.%N >> {ends}"
-    procs = [
-        subprocess.Popen(
-            gpuctl(daemon, *RUN, f"h{i}", "--", "sh", "-c", script),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for i in range(runs)
-    ]
-    failed = sum(1 for p in procs if p.wait() != 0)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(runs):
+            procs.append(
+                subprocess.Popen(
+                    gpuctl(daemon, *RUN, f"h{i}", "--", "sh", "-c", script),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        failed = sum(1 for p in procs if p.wait() != 0)
+    finally:
+        stop_runs(procs)  # cut short: those still queued or running would outlive the tool
     if failed:
         raise RuntimeError(f"{failed} of {runs} runs failed")
     began = sorted(float(x) for x in starts.read_text().split())
@@ -220,6 +256,7 @@ def at_scale(
     timeout_s: float | None,
     *,
     history: int = 0,
+    said: Callable[[str], None] = print,
 ) -> None:
     import grpc
 
@@ -261,7 +298,7 @@ def at_scale(
             stub = queue_pb2_grpc.QueueStub(channel)
             lists = timed(lambda: stub.ListQueue(queue_pb2.ListQueueRequest(), timeout=30))
         scrapes = timed(lambda: urllib.request.urlopen(daemon.metrics_url, timeout=30).read())
-        print(
+        said(
             f"{waiters} queued, {history} runs in the history: ListQueue {statistics.median(lists) * 1e3:.0f} ms median"
             f" ({max(lists) * 1e3:.0f} ms max), /metrics {statistics.median(scrapes) * 1e3:.0f}"
             f" ms median ({max(scrapes) * 1e3:.0f} ms max)"
@@ -269,7 +306,7 @@ def at_scale(
         before = cpu_seconds(daemon.pid)
         time.sleep(idle_s)
         used = cpu_seconds(daemon.pid) - before
-        print(
+        said(
             f"{waiters} idle waiters: gpud used {used:.2f} CPU s in {idle_s:g} s"
             f" ({100 * used / idle_s:.1f} % of a CPU)"
         )
@@ -282,23 +319,15 @@ def at_scale(
         began = sorted(float(x) for x in starts.read_text().split())
         ended = sorted(float(x) for x in ends.read_text().split())
         gaps = [began[i] - ended[i] for i in range(10)]
-        print(
+        said(
             f"hand-over with {waiters} waiting: median {statistics.median(gaps):.3f} s,"
             f" max {max(gaps):.3f} s (ten in a row)"
         )
     finally:
-        for p in [holder, *procs]:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGINT)
-        for p in [holder, *procs]:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_runs([holder, *procs])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--leavers", type=int, default=80)
@@ -308,28 +337,38 @@ def main() -> int:
     parser.add_argument(
         "--timeout", type=float, default=None, help="the waiting runs' gpuctl --timeout"
     )
-    args = parser.parse_args()
-    if args.waiters:
-        with (
-            simulated_gpud("H100-SXM5-80GB:1") as daemon,
-            tempfile.TemporaryDirectory() as tmp,
-        ):
+    args = parser.parse_args(argv)
+    phases = Phases(3 if args.waiters else 2)
+    with (
+        stopped_by_signal() as stopped,
+        simulated_gpud("H100-SXM5-80GB:1") as daemon,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        print(f"measuring: {phases.planned} phases", flush=True)
+        if args.waiters:
             at_scale(
-                daemon, args.waiters, args.idle_s, Path(tmp), args.timeout, history=args.history
+                daemon,
+                args.waiters,
+                args.idle_s,
+                Path(tmp),
+                args.timeout,
+                history=args.history,
+                said=phases.said,
             )
-        return 0
-    with simulated_gpud("H100-SXM5-80GB:1") as daemon, tempfile.TemporaryDirectory() as tmp:
-        gaps = hand_over(daemon, args.runs, Path(tmp))
-        print(
-            f"hand-over, {args.runs} queued 0.3 s runs: mean {statistics.mean(gaps):.3f} s,"
-            f" min {min(gaps):.3f} s, max {max(gaps):.3f} s"
-        )
-        took, unanswered = withdrawals(daemon, args.leavers)
-        print(
-            f"withdrawals, {args.leavers} queued runs stopped at once: exit after"
-            f" {statistics.median(took):.2f} s median, {max(took):.2f} s max;"
-            f" {unanswered} said gpud did not answer within 2 s"
-        )
+        else:
+            gaps = hand_over(daemon, args.runs, Path(tmp))
+            phases.said(
+                f"hand-over, {args.runs} queued 0.3 s runs: mean {statistics.mean(gaps):.3f} s,"
+                f" min {min(gaps):.3f} s, max {max(gaps):.3f} s"
+            )
+            took, unanswered = withdrawals(daemon, args.leavers)
+            phases.said(
+                f"withdrawals, {args.leavers} queued runs stopped at once: exit after"
+                f" {statistics.median(took):.2f} s median, {max(took):.2f} s max;"
+                f" {unanswered} said gpud did not answer within 2 s"
+            )
+    if stopped.by:
+        return cut_short(stopped.by, f"{phases.done} of {phases.planned} phases")
     return 0
 
 

@@ -33,7 +33,9 @@ take up to twice as long. So by default everything runs on one CPU (``--cpu N`` 
 which compares the two sides' CPU cost under the same cache conditions; ``--cpu all`` shows
 the unpinned figures too (the output says which way they were taken).
 
-Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB.
+Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB. A SIGTERM or SIGINT stops it
+(its gpud stopped, its directory removed): each side's CPU time over the repetitions done so
+far is printed, "cut short by SIGNAL", exit 128 + its number.
 
     .venv/bin/python -m tools.bench_telemetry [--json] [--reps N] [--no-daemon] [--cpu N|all]
 """
@@ -50,7 +52,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 from prometheus_client import generate_latest
@@ -61,7 +63,7 @@ from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import Snapshot
-from tools.simdaemon import simulated_gpud
+from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
 
 SPEC = "H100-SXM5-80GB:8"
 PROFILE = "1g.10gb"
@@ -229,7 +231,15 @@ def record_tick_calls(node: SimNode) -> list[Call]:
         backend.close()
 
 
-def run(reps: int, with_daemon: bool) -> dict[str, Any]:
+def run(
+    reps: int,
+    with_daemon: bool,
+    cpu: dict[str, list[float]] | None = None,
+    progress: TextIO = sys.stdout,
+) -> dict[str, Any]:
+    """The figures, from ``reps`` repetitions; ``cpu``, each side's CPU seconds, one per
+    repetition done, filled as they are (what a run cut short has measured)."""
+    cpu = {} if cpu is None else cpu
     node = SimNode(parse_simulate_spec(SPEC), seed=0)
     backend = NvmlBackend(node.nvml)
     build_node(backend, node)
@@ -252,9 +262,10 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
             ("adapter", adapter),
             ("tick", sampler.tick),
         ]
-        cpu: dict[str, list[float]] = {name: [] for name, _ in sides}
+        cpu.update({name: [] for name, _ in sides})
         scrapes: list[float] = []
         scrape_walls: list[float] = []
+        print(f"measuring: {reps} repetitions", file=progress, flush=True)
         rep = 0
         while rep < reps:
             clock.refresh()  # the sampler's threads, should one have been replaced
@@ -332,6 +343,24 @@ def _ok(good: bool) -> str:
     return "ok" if good else "OVER TARGET"
 
 
+LABELS = {"bare": "bare NVML loop", "adapter": "backend calls only", "tick": "sampler tick"}
+
+
+def so_far(cpu: dict[str, list[float]]) -> int:
+    """Print each side's CPU time over the repetitions done; how many were."""
+    done = min((len(figures) for figures in cpu.values()), default=0)
+    if not done:
+        return 0
+    for side, label in LABELS.items():
+        figures = cpu[side]
+        ratio = statistics.median(t / b for t, b in zip(figures, cpu["bare"], strict=True))
+        print(
+            f"{label:<20}{statistics.median(figures) * 1000:8.3f} ms CPU   {ratio:.2f} x bare"
+            f" (median of {done}; min {min(figures) * 1000:.3f} ms)"
+        )
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_telemetry", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -354,7 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             p.error(f"--cpu: a CPU number or 'all', not {args.cpu!r}")
         os.sched_setaffinity(0, {args.cpu})  # before any thread starts: they inherit it
-    r = run(max(1, args.reps), with_daemon=not args.no_daemon)
+    reps = max(1, args.reps)
+    cpu: dict[str, list[float]] = {}
+    with stopped_by_signal() as stopped:
+        r = run(
+            reps,
+            with_daemon=not args.no_daemon,
+            cpu=cpu,
+            progress=sys.stderr if args.json else sys.stdout,
+        )
+    if stopped.by:
+        return cut_short(stopped.by, f"{so_far(cpu)} of {reps} repetitions")
     r["cpu"] = args.cpu
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))

@@ -205,6 +205,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stop_and_remove(started: list[subprocess.Popen[bytes]], work: Path) -> None:
+    """Stop the daemon (SIGTERM, killed if it has not stopped 20 s later), the MPS control
+    daemons it left, and remove its directory; a signal meanwhile waits (held)."""
+    with held():
+        for proc in started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        kill_mps_daemons(work / "run")
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @contextmanager
 def simulated_gpud(
     spec: str,
@@ -213,59 +229,54 @@ def simulated_gpud(
     prepare: Callable[[Path], None] | None = None,
     start_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    root: Path | None = None,
 ) -> Iterator[SimDaemon]:
     """A running ``gpud --simulate SPEC`` with ``config_text`` as its gpud.toml; raises
     RuntimeError (with its log) if it does not start.
 
     ``prepare(run_dir)`` runs before the daemon starts, e.g. to write the simulated
     driver's state (``<run_dir>/sim/node.json``) as a node that already has MIG instances.
-    ``env``: the daemon's environment (default: this process's).
+    ``env``: the daemon's environment (default: this process's). ``root``: where its
+    ``gpud-sim-*`` directory is made (default: the system's temporary directory, TMPDIR).
     """
     with contextlib.ExitStack() as stack:
         # a tool's SIGTERM (timeout) cleans up as its Ctrl-C does, unless it chose its own
         if _signals is None and threading.current_thread() is threading.main_thread():
             stack.enter_context(stop_on_signals())
-        # removed by hand, in the cleanup a signal does not cut short (held)
-        work = Path(tempfile.mkdtemp(prefix="gpud-sim-"))
-        proc: subprocess.Popen[bytes] | None = None
-        try:
-            if prepare is not None:
-                prepare(work / "run")
-            sock = work / "run" / "gpud.sock"
-            port = free_port()
-            (work / "gpud.toml").write_text(config_text)
-            cmd = [
-                sys.executable, "-c", _launcher(os.getpid()),
-                "--simulate", spec,
-                "--config", str(work / "gpud.toml"),
-                "--state-dir", str(work / "state"),
-                "--run-dir", str(work / "run"),
-                "--socket", str(sock),
-                "--metrics-address", f"127.0.0.1:{port}",
-                "--log-level", "warning",
-            ]  # fmt: skip
-            log_path = work / "gpud.log"
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
-                )
-            deadline = time.monotonic() + start_timeout_s
-            while not sock.exists():
-                if proc.poll() is not None:
-                    tail = log_path.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"gpud exited with {proc.returncode}:\n{tail}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"gpud did not open {sock} within {start_timeout_s:g} s")
-                time.sleep(0.1)
-            yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
-        finally:
-            with held():
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait(5)
-                kill_mps_daemons(work / "run")
-                shutil.rmtree(work, ignore_errors=True)
+        # a signal arriving before its removal is registered would leave the directory:
+        # held, it is raised once the removal is sure to run
+        with held():
+            work = Path(tempfile.mkdtemp(prefix="gpud-sim-", dir=root))
+            started: list[subprocess.Popen[bytes]] = []
+            stack.callback(_stop_and_remove, started, work)
+        if prepare is not None:
+            prepare(work / "run")
+        sock = work / "run" / "gpud.sock"
+        port = free_port()
+        (work / "gpud.toml").write_text(config_text)
+        cmd = [
+            sys.executable, "-c", _launcher(os.getpid()),
+            "--simulate", spec,
+            "--config", str(work / "gpud.toml"),
+            "--state-dir", str(work / "state"),
+            "--run-dir", str(work / "run"),
+            "--socket", str(sock),
+            "--metrics-address", f"127.0.0.1:{port}",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        log_path = work / "gpud.log"
+        # held: one started and not yet noted would be left running
+        with log_path.open("wb") as log, held():
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
+            )
+            started.append(proc)
+        deadline = time.monotonic() + start_timeout_s
+        while not sock.exists():
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"gpud exited with {proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gpud did not open {sock} within {start_timeout_s:g} s")
+            time.sleep(0.1)
+        yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)

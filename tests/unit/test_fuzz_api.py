@@ -13,6 +13,8 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -206,3 +208,23 @@ def test_a_benchmark_in_rounds_stopped_says_how_many_it_did_and_fails() -> None:
         assert re.search(r"cut short by SIGINT after \d+ of 100000 repetitions", rest), rest
         assert list(tool.tmp.iterdir()) == []
         assert tool.left() == []
+
+
+def test_a_signal_just_as_the_simulated_gpud_directory_is_made_still_has_it_removed(
+    tmp_path: Path,
+) -> None:
+    def as_mkdtemp_returns(frame: FrameType, event: str, arg: object) -> None:
+        # SIGTERM the moment the directory exists: its handler runs back in simulated_gpud,
+        # before anything after the mkdtemp call
+        if event == "return" and frame.f_code.co_name == "mkdtemp":
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with pytest.raises(Terminated):
+            sys.setprofile(as_mkdtemp_returns)
+            with simdaemon.simulated_gpud("H100-SXM5-80GB:1", root=tmp_path):
+                pytest.fail("gpud started despite the SIGTERM")
+    finally:
+        sys.setprofile(None)
+    assert list(tmp_path.iterdir()) == []
