@@ -76,7 +76,7 @@ class NetServicer:
 
     def ReportProgressBatch(self, request, context):
         """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-        the response lists the rejected ones. At most 4096 reports per call.
+        the response lists the rejected ones. At most 256 reports per call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,7 @@ class NetStub:
     """
     ReportProgressBatch: _grpc.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]
     """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-    the response lists the rejected ones. At most 4096 reports per call.
+    the response lists the rejected ones. At most 256 reports per call.
     """
     ShowNet: _grpc.UnaryUnaryMultiCallable[_net_pb2.ShowNetRequest, _net_pb2.ShowNetResponse]
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
@@ -70,7 +70,7 @@ class NetAsyncStub(NetStub):
     """
     ReportProgressBatch: _aio.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]  # type: ignore[assignment]
     """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-    the response lists the rejected ones. At most 4096 reports per call.
+    the response lists the rejected ones. At most 256 reports per call.
     """
     ShowNet: _aio.UnaryUnaryMultiCallable[_net_pb2.ShowNetRequest, _net_pb2.ShowNetResponse]  # type: ignore[assignment]
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
@@ -103,7 +103,7 @@ class NetServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_net_pb2.ReportProgressBatchResponse, _abc.Awaitable[_net_pb2.ReportProgressBatchResponse]]:
         """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-        the response lists the rejected ones. At most 4096 reports per call.
+        the response lists the rejected ones. At most 256 reports per call.
         """
 
     @_abc_1.abstractmethod
