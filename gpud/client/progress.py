@@ -47,6 +47,8 @@ own) and its exit does not wait for gpud. Create a new ``Progress`` in a child t
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
+Sessions that report at once (ranks with ``active=True``) are ranks of one job, not
+restarts: gpud counts the job at its lowest rank's count and pace.
 
 Only the standard library and ``grpc`` (with the generated ``gpud.v1`` messages) are used.
 """

@@ -6,7 +6,8 @@ Register on the daemon's ``ApiServer``::
 
 Reports are checked field by field (the call's report token must be a run's of the job,
 :mod:`gpud.api.access`; the job must be registered, the timestamp not in the future,
-iterations not going backwards within a session); a rejected report changes nothing. Calls run in a worker thread: the service's lock may be held by the tick.
+iterations not going backwards within a session, at most ``MAX_JOB_SESSIONS`` sessions of a
+job live at once); a rejected report changes nothing. Calls run in a worker thread: the service's lock may be held by the tick.
 """
 
 from __future__ import annotations

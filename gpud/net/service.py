@@ -54,6 +54,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
@@ -122,6 +123,9 @@ _ARRIVAL_MAX_S = 5.0
 # sent again seconds after it was taken maps a few ms off where it first did. A restart
 # reports seconds after the newest report at the least
 _LATE_SLACK_S = 0.05
+# the most sessions of one job reporting at once (its ranks, each a Progress): one more is
+# refused, so that a client making a session per report cannot grow gpud's memory
+MAX_JOB_SESSIONS = 1024
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -164,9 +168,21 @@ class InterfaceStatus:
     repairs: int = 0
 
 
+class _Session(NamedTuple):
+    """One session's last report (a ``Progress``: one process, one rank of its job)."""
+
+    iterations: int
+    stamp: float  # its own stamp (unix seconds), to know a report sent again for one
+    last_report_at: float  # its newest stamp on the monotonic clock (_JobReports)
+    heard_at: float  # when it arrived (the monotonic clock)
+
+
 @dataclass
 class _JobReports:
+    # the job's count, as the tracker has it: the lowest of its live sessions' once that
+    # passes it (ranks of one job: its count is its slowest rank's), or a restart's
     iterations: int
+    # the session the count started from: the job's first, or the one that restarted it
     session: str
     # the newest stamp, on the service's monotonic clock: the arrival less how far the stamp
     # was behind the wall clock then. Shown mapped back to wall time at each read, so a wall
@@ -183,8 +199,9 @@ class _JobReports:
     arrived_at: float = 0.0
     # told of as net.slow_reports: said once while gpud knows the job
     slow_said: bool = False
-    # the last report's own stamp (unix seconds), to know a report sent again for one
-    stamp: float = 0.0
+    # its sessions heard within traffic.progress_window_s (and since its last run ended):
+    # reporting together, they are ranks of the job, not restarts of it
+    sessions: Mapping[str, _Session] = field(default_factory=dict)
 
     @property
     def cadence_s(self) -> float | None:
@@ -220,6 +237,28 @@ def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -
         and now.last_report_at > end
         and (then is None or now.iterations > then.iterations or now.session != then.session)
     )
+
+
+def _job_count(
+    prev: _JobReports | None, sessions: Mapping[str, _Session], session: str
+) -> tuple[int, str, _Session | None]:
+    """The job's count once ``session`` reported (``sessions``: its live ones, that report
+    among them), the session the count started from, and the report the progress tracker
+    is told (None: the count did not move).
+
+    Its ranks' sessions move together, their counts a little apart: the job's count is
+    their lowest once that passes it, as synchronous training moves at its slowest rank's
+    pace; a rank behind it (one just started) does not take it back. It goes back only
+    where every live session is below it: those that reached it are gone, and the job
+    restarted (from a checkpoint) in the sessions that report now."""
+    if prev is None:
+        return sessions[session].iterations, session, sessions[session]
+    lowest = min(sessions.values(), key=lambda s: (s.iterations, -s.stamp))
+    if max(s.iterations for s in sessions.values()) < prev.iterations:
+        return lowest.iterations, session, lowest
+    if lowest.iterations > prev.iterations:
+        return lowest.iterations, prev.session, lowest
+    return prev.iterations, prev.session, None
 
 
 class _Quiet(NamedTuple):
@@ -519,30 +558,40 @@ class TrafficService:
             self._known_jobs.add(r.job)
             prev = self._reports.get(r.job)
             heard = self._monotonic()
-            if prev is not None and self._late(r, prev, heard - max(0.0, now - r.timestamp)):
+            stamped = heard - max(0.0, now - r.timestamp)
+            own = prev.sessions.get(r.session) if prev is not None else None
+            if own is not None and self._late(r, own, stamped):
                 # a batch Progress sent again when gpud took it after the call's deadline:
                 # nothing new, taken and not counted as an arrival (an arrival counted
                 # would make the job's usual interval between reports that of the resend)
                 self.accepted_reports += 1
                 return
-            if (
-                prev is not None
-                and r.iterations < prev.iterations
-                and (not r.session or r.session == prev.session)
-            ):
+            # without a session, a report is checked against the job's count
+            before = own if r.session else prev
+            if before is not None and r.iterations < before.iterations:
                 raise InvalidArgument(
-                    f"job {r.job!r}: {r.iterations} iterations after {prev.iterations}"
+                    f"job {r.job!r}: {r.iterations} iterations after {before.iterations}"
                     " (going backwards; a restarted job reports from a new session)",
                     field="iterations",
                 )
-            if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
-                self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
-            self._tracker.report(r.job, r.iterations, r.timestamp)
-            if (
+            silent = (
                 prev is not None
                 and heard - prev.heard_at > self._quiet_s(prev)
                 and r.job not in self._held_now()
-            ):
+            )
+            sessions = self._live_sessions(r, prev, heard, silent=silent)
+            sessions[r.session] = _Session(
+                r.iterations,
+                r.timestamp,
+                max(stamped, own.last_report_at) if own is not None else stamped,
+                heard,
+            )
+            if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
+                self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
+            count, origin, told = _job_count(prev, sessions, r.session)
+            if told is not None:
+                self._tracker.report(r.job, told.iterations, told.stamp)
+            if prev is not None and silent:
                 # it ended with its reports (see _ended_at): only progress runs it again.
                 # An end it has progressed past (it ran again, then fell silent again) is
                 # over: this one replaces it, else the count it reached since would read
@@ -551,12 +600,11 @@ class TrafficService:
                     known = self._ends.get(r.job)
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
-            stamped = heard - max(0.0, now - r.timestamp)
             interval, usual, arrived = _intervals(prev, heard, self._arrival_max_s)
             said = self._say_slow_reports(r.job, usual, said=prev is not None and prev.slow_said)
             self._reports[r.job] = _JobReports(
-                r.iterations,
-                r.session,
+                count,
+                origin,
                 max(stamped, prev.last_report_at) if prev else stamped,
                 heard,
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
@@ -564,27 +612,58 @@ class TrafficService:
                 usual,
                 arrived,
                 said,
-                r.timestamp,
+                sessions,
             )
             self.accepted_reports += 1
 
+    def _live_sessions(
+        self, r: Report, prev: _JobReports | None, heard: float, *, silent: bool
+    ) -> dict[str, _Session]:
+        """``r``'s job's sessions other than ``r``'s that are live when ``r`` arrives at
+        ``heard``: heard within ``traffic.progress_window_s``, after the job's last run
+        ended, and not before a silence that ended it (``silent``). Sessions reporting
+        together are ranks of one job: a new one with a lower count is a rank behind, not a
+        restart, while any of the job's sessions is live. Raises ResourceExhausted when
+        ``r`` is a new session over :data:`MAX_JOB_SESSIONS` live ones (call under the
+        lock)."""
+        if prev is None or silent:
+            return {}
+        window = self._tracker.config.window_s
+        with self._ends_lock:
+            known = self._ends.get(r.job)
+        end = known[0] if known is not None else -math.inf
+        live = {
+            name: s
+            for name, s in prev.sessions.items()
+            if name != r.session and heard - s.heard_at <= window and s.heard_at > end
+        }
+        if r.session not in prev.sessions and len(live) >= MAX_JOB_SESSIONS:
+            raise ResourceExhausted(
+                f"job {r.job!r}: {len(live)} sessions reported within"
+                f" traffic.progress_window_s ({window:g} s), at most {MAX_JOB_SESSIONS}:"
+                f" session {r.session!r} refused (each process reporting makes one Progress,"
+                " not one per report)"
+            )
+        return live
+
     @staticmethod
-    def _late(r: Report, prev: _JobReports, stamped: float) -> bool:
+    def _late(r: Report, own: _Session, stamped: float) -> bool:
         """Whether ``r`` is one of its job's reports gpud already took, sent again
-        (``prev``: the job's newest; ``stamped``: ``r``'s stamp on the monotonic clock).
-        Only a session (``Progress`` sends one per process) tells that a report is one the
-        process sent before: without one, a lower count is a restart whatever its stamp.
-        A lower count stamped before the newest is late only where its stamp maps on the
-        monotonic clock to no later than the newest's: after the wall clock steps back, a
-        report sent since is stamped before the newest too, but maps after it."""
-        if not r.session or r.session != prev.session:
+        (``own``: the newest of ``r``'s session; ``stamped``: ``r``'s stamp on the
+        monotonic clock). Only a session (``Progress`` sends one per process) tells that a
+        report is one the process sent before: without one, a lower count is a restart
+        whatever its stamp. A lower count stamped before the session's newest is late only
+        where its stamp maps on the monotonic clock to no later than the newest's: after
+        the wall clock steps back, a report sent since is stamped before the newest too,
+        but maps after it."""
+        if not r.session:
             return False
-        if r.iterations == prev.iterations and r.timestamp == prev.stamp:
+        if r.iterations == own.iterations and r.timestamp == own.stamp:
             return True  # the newest itself, the last of its batch
         return (
-            r.iterations < prev.iterations
-            and r.timestamp < prev.stamp
-            and stamped <= prev.last_report_at + _LATE_SLACK_S
+            r.iterations < own.iterations
+            and r.timestamp < own.stamp
+            and stamped <= own.last_report_at + _LATE_SLACK_S
         )
 
     def _quiet_s(self, reports: _JobReports) -> float:

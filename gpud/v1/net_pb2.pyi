@@ -42,9 +42,12 @@ class ReportProgressRequest(_message.Message):
     contention_free_iteration_s: _builtins.float
     """profiled alone; learned when absent"""
     session: _builtins.str
-    """Identifies one reporting process (gpud.client picks a random one). A new session may
-    start counting again (the job restarted from a checkpoint); within one session, and
-    without one, iterations may not go backwards.
+    """Identifies one reporting process (gpud.client picks a random one). Sessions heard
+    within traffic.progress_window_s of each other are ranks of one job: its count is their
+    lowest, its rate its slowest rank's. A new session may start counting again (the job
+    restarted from a checkpoint) once every session that reached the job's count has been
+    silent for that window, or its run ended; within one session, and without one,
+    iterations may not go backwards.
     """
     def __init__(
         self,

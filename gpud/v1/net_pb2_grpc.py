@@ -67,7 +67,8 @@ class NetServicer:
     def ReportProgress(self, request, context):
         """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
         a timestamp in the future or iterations going backwards (unless the report starts a
-        new session); nothing changes on an error.
+        new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+        nothing changes on an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,7 +76,7 @@ class NetServicer:
 
     def ReportProgressBatch(self, request, context):
         """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-        the response lists the rejected ones. At most 4096 reports per call.
+        the response lists the rejected ones. At most 256 reports per call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

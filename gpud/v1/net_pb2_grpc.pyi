@@ -41,11 +41,12 @@ class NetStub:
     ReportProgress: _grpc.UnaryUnaryMultiCallable[_net_pb2.ReportProgressRequest, _net_pb2.ReportProgressResponse]
     """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
     a timestamp in the future or iterations going backwards (unless the report starts a
-    new session); nothing changes on an error.
+    new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+    nothing changes on an error.
     """
     ReportProgressBatch: _grpc.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]
     """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-    the response lists the rejected ones. At most 4096 reports per call.
+    the response lists the rejected ones. At most 256 reports per call.
     """
     ShowNet: _grpc.UnaryUnaryMultiCallable[_net_pb2.ShowNetRequest, _net_pb2.ShowNetResponse]
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
@@ -64,11 +65,12 @@ class NetAsyncStub(NetStub):
     ReportProgress: _aio.UnaryUnaryMultiCallable[_net_pb2.ReportProgressRequest, _net_pb2.ReportProgressResponse]  # type: ignore[assignment]
     """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
     a timestamp in the future or iterations going backwards (unless the report starts a
-    new session); nothing changes on an error.
+    new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+    nothing changes on an error.
     """
     ReportProgressBatch: _aio.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]  # type: ignore[assignment]
     """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-    the response lists the rejected ones. At most 4096 reports per call.
+    the response lists the rejected ones. At most 256 reports per call.
     """
     ShowNet: _aio.UnaryUnaryMultiCallable[_net_pb2.ShowNetRequest, _net_pb2.ShowNetResponse]  # type: ignore[assignment]
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
@@ -90,7 +92,8 @@ class NetServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_net_pb2.ReportProgressResponse, _abc.Awaitable[_net_pb2.ReportProgressResponse]]:
         """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
         a timestamp in the future or iterations going backwards (unless the report starts a
-        new session); nothing changes on an error.
+        new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+        nothing changes on an error.
         """
 
     @_abc_1.abstractmethod
@@ -100,7 +103,7 @@ class NetServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_net_pb2.ReportProgressBatchResponse, _abc.Awaitable[_net_pb2.ReportProgressBatchResponse]]:
         """Many reports at once (what gpud.client sends): each is checked and applied on its own;
-        the response lists the rejected ones. At most 4096 reports per call.
+        the response lists the rejected ones. At most 256 reports per call.
         """
 
     @_abc_1.abstractmethod

@@ -982,3 +982,33 @@ def test_show_says_a_job_whose_run_ended_ended_with_no_stop_hint(
     jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
     assert jobs["train-a"]["ended_seconds"] == 180 and jobs["train-a"]["stopped_seconds"] is None
     assert jobs["train-b"]["ended_seconds"] is None
+
+
+def test_a_progress_report_from_one_session_too_many_is_resource_exhausted(
+    node: Node, sock: Path
+) -> None:
+    """A job whose live sessions are at the most gpud keeps (a client making a session per
+    report): the one more is rejected RESOURCE_EXHAUSTED, naming the job, and the others
+    taken."""
+    import grpc
+
+    from gpud.net.service import MAX_JOB_SESSIONS
+    from gpud.v1 import net_pb2, net_pb2_grpc
+
+    now = time.time()
+    reports = [
+        net_pb2.ReportProgressRequest(
+            job="train-a", iterations=1, timestamp_unix_seconds=now, session=f"s{i}"
+        )
+        for i in range(MAX_JOB_SESSIONS + 1)
+    ]
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        stub = net_pb2_grpc.NetStub(channel)
+        for i in range(0, MAX_JOB_SESSIONS, 256):
+            batch = net_pb2.ReportProgressBatchRequest(reports=reports[i : i + 256])
+            assert not stub.ReportProgressBatch(batch).rejected
+        last = net_pb2.ReportProgressBatchRequest(reports=reports[MAX_JOB_SESSIONS:])
+        (rejected,) = stub.ReportProgressBatch(last).rejected
+    assert rejected.code == "RESOURCE_EXHAUSTED"
+    assert rejected.message.startswith(f"job 'train-a': {MAX_JOB_SESSIONS} sessions")
+    assert node.service.accepted_reports == MAX_JOB_SESSIONS

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from gpud.config import TrafficConfig
@@ -40,6 +43,7 @@ from gpud.net.latest import LatestWorker
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.port import JobTraffic, LinkEnforcement, TrafficSummary
 from gpud.net.service import (
+    MAX_JOB_SESSIONS,
     RDMA_RECHECK_S,
     RDMA_RETRY_S,
     Report,
@@ -3304,3 +3308,132 @@ def test_a_batch_sent_again_is_no_arrival_and_keeps_a_seldom_reporting_jobs_quie
     rig.clock.t += 2.5
     rig.service.report(newest)
     assert not any(_ended(_every(rig, 300, 10**6)))
+
+
+def _ranks(rig: Rig, counts: Sequence[int], *, period: float, rounds: int) -> list[float | None]:
+    """Ranks of one job, a ``Progress`` (a session) each, reporting every ``period``
+    seconds, a moment apart, rank ``i`` from ``counts[i]`` on, one iteration more each
+    round: the job's rate after each round."""
+    rates: list[float | None] = []
+    for n in range(rounds):
+        rig.clock.t += period
+        for rank, base in enumerate(counts):
+            rig.service.report(
+                Report("a", base + n, rig.clock.t + 0.01 * rank, 0.5, session=f"rank{rank}")
+            )
+        rates.append(_row(rig).rate)
+    return rates
+
+
+def test_ranks_reporting_together_are_one_job_at_a_steady_rate_not_restarts(rig: Rig) -> None:
+    """Two ranks of a data-parallel job report at once, their counts one apart (100 and 99,
+    101 and 100, ...): they are ranks of one job, not a job restarting at each report. Its
+    count is the lowest rank's, and a steady pace reads as a steady rate."""
+    rig.service.tick()
+    rates = _ranks(rig, [100, 99], period=1.0, rounds=40)
+    row = _row(rig)
+    assert row.iterations == 99 + 39 and row.iteration_s == pytest.approx(1.0, rel=0.01)
+    # past its first rounds, which its long-run rate remembers a while
+    steady = [r for r in rates[30:] if r is not None]
+    assert len(steady) == 10 and max(steady) == pytest.approx(min(steady), rel=0.01)
+    assert steady[-1] == pytest.approx(0.5, rel=0.03)
+
+
+def test_a_job_moves_at_its_slowest_rank_and_shows_its_count(rig: Rig) -> None:
+    """Ranks that do not move together (one does two iterations a round, the other one):
+    the job's rate and iteration time are its slowest rank's, and its count that rank's."""
+    rig.service.tick()
+    for n in range(1, 41):
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", 2 * n, rig.clock.t, 0.5, session="fast"))
+        rig.service.report(Report("a", n, rig.clock.t + 0.01, 0.5, session="slow"))
+    row = _row(rig)
+    assert row.iterations == 40 and row.iteration_s == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_rank_silent_past_the_window_drops_out_and_a_new_session_lower_then_restarts(
+    rig: Rig,
+) -> None:
+    """A rank silent for longer than traffic.progress_window_s is no rank of the job any
+    more: the job's count follows the ranks that report. A new session lower than the
+    job's count while one of its ranks is live is a rank behind (the count stays); once
+    every session that reached the count has gone silent past the window, it is the job
+    restarted from a checkpoint, and the count goes back."""
+    window = rig.config.progress_window_s
+    rig.service.tick()
+    _ranks(rig, [100, 100], period=1.0, rounds=5)
+    assert _row(rig).iterations == 104
+    for n in range(1, int(window) + 3):  # rank1 stops reporting
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", 104 + n, rig.clock.t, session="rank0"))
+    assert _row(rig).iterations == 104 + int(window) + 2
+    rig.service.report(Report("a", 50, rig.clock.t + 0.01, session="late-joiner"))
+    assert _row(rig).iterations == 104 + int(window) + 2  # rank0 is live
+    rig.clock.t += window + 1  # every session silent past the window
+    rig.service.report(Report("a", 60, rig.clock.t, session="restarted"))
+    assert _row(rig).iterations == 60
+
+
+def test_a_rank_going_backwards_in_its_session_is_refused_though_another_reported_since(
+    rig: Rig,
+) -> None:
+    """Each session's count is checked against its own last, whichever rank reported in
+    between: a rank going backwards is refused, not read as the job restarting."""
+    s = rig.service
+    s.report(Report("a", 10, rig.clock.t, session="rank0"))
+    s.report(Report("a", 9, rig.clock.t, session="rank1"))
+    with pytest.raises(InvalidArgument, match=r"iterations: job 'a': 5 iterations after 10"):
+        s.report(Report("a", 5, rig.clock.t, session="rank0"))
+    s.tick()
+    assert _row(rig).iterations == 10
+
+
+def test_sessions_of_one_job_are_bounded_and_one_too_many_is_refused(rig: Rig) -> None:
+    """A job has at most MAX_JOB_SESSIONS sessions live at once: one more (a client making
+    a session per report) is refused with RESOURCE_EXHAUSTED naming the job, and changes
+    nothing; the live ones report on, and once they went silent past the window new ones
+    are taken again."""
+    s = rig.service
+    for i in range(MAX_JOB_SESSIONS):
+        s.report(Report("a", 10, rig.clock.t, session=f"s{i}"))
+    with pytest.raises(ResourceExhausted, match=rf"job 'a': {MAX_JOB_SESSIONS} sessions"):
+        s.report(Report("a", 11, rig.clock.t, session="one-too-many"))
+    s.report(Report("a", 11, rig.clock.t, session="s0"))
+    rig.clock.t += rig.config.progress_window_s + 1
+    s.report(Report("a", 12, rig.clock.t, session="one-too-many"))
+    s.tick()
+    assert _row(rig).iterations == 12
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    behind=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    orders=st.lists(st.permutations(range(8)), min_size=12, max_size=12),
+)
+def test_ranks_reporting_in_any_order_never_take_the_count_back(
+    behind: list[int], orders: list[list[int]]
+) -> None:
+    """Whatever order a job's ranks report in, a moment apart, and however far behind each
+    other they are: the job's count never goes back, and once its first rounds are out of
+    the window (the job's first count was its first rank's, which the others had not
+    reached), its iteration time is theirs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        sysfs = root / "sys" / "class" / "net" / "eth0"
+        sysfs.mkdir(parents=True)
+        (sysfs / "speed").write_text("1000\n")
+        rig = Rig(root, root / "sys", progress_window_s=5.0)
+        rig.service.tick()
+        shown = 0
+        for n, order in enumerate(orders):
+            rig.clock.t += 1.0
+            ranks = [rank for rank in order if rank < len(behind)]
+            for k, rank in enumerate(ranks):
+                count = 100 + n - behind[rank]
+                stamp = rig.clock.t + 0.01 * k
+                rig.service.report(Report("a", count, stamp, session=f"rank{rank}"))
+            row = _row(rig)
+            assert row.iterations is not None and row.iterations >= shown
+            shown = row.iterations
+        assert shown == 100 + len(orders) - 1 - max(behind)
+        assert row.iteration_s == pytest.approx(1.0, rel=0.05)
