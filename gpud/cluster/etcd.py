@@ -139,8 +139,7 @@ def _checked_version_get(
             said = f"a redirect (HTTP {first}) to {resp.url}, answered there HTTP {status}"
             raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"{said} {_clipped(resp.text)}"))
         if status == 200 and not _etcd_version(resp.text):
-            said = f"HTTP 200 {_clipped(resp.text)}"
-            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, said))
+            raise _NotEtcd(_said_200_not_etcd(endpoint, VERSION_PATH, resp.text))
         return resp
 
     return checked
@@ -152,6 +151,12 @@ def _said_not_etcd(endpoint: str, request: str, said: str) -> str:
         "etcd's client port (2379 by default; 2380 is the peer port)? check "
         "cluster.etcd_endpoints"
     )
+
+
+def _said_200_not_etcd(endpoint: str, request: str, body: str) -> str:
+    """``endpoint`` answered ``request`` with 200 and ``body``, which is not etcd's (a web
+    server's page, a proxy's login form)."""
+    return _said_not_etcd(endpoint, request, f"HTTP 200 {_clipped(body)}")
 
 
 def _not_etcd(err: BaseException, endpoint: str, request: str) -> str:
@@ -301,6 +306,13 @@ class EtcdClient:
                 self._say_not_etcd(endpoint, str(err))
                 wrong.append(str(err))
                 continue
+            except json.JSONDecodeError as err:
+                # a 200 whose body is no JSON (requests' error is an OSError too, and would
+                # read as unreachable): etcd's gateway answers every API path in JSON
+                not_etcd = _said_200_not_etcd(endpoint, request, err.doc)
+                self._say_not_etcd(endpoint, not_etcd)
+                wrong.append(not_etcd)
+                continue
             except self._unreachable as err:
                 last = err
                 continue
@@ -349,10 +361,9 @@ class EtcdClient:
         these from an etcd it cannot reach by it)."""
         s = self._settings
         if "authentication failed" in said:
-            source = f" ({s.password_file})" if s.password_file else ""
             return (
                 f"etcd refused the login of user {s.username!r} ({said}): check "
-                f"cluster.etcd_username and the password in cluster.etcd_password_file{source}"
+                f"{self._login_settings()}"
             )
         if "user name is empty" in said:
             return (
@@ -368,6 +379,12 @@ class EtcdClient:
             )
         return ""
 
+    def _login_settings(self) -> str:
+        source = self._settings.password_file
+        return "cluster.etcd_username and the password in cluster.etcd_password_file" + (
+            f" ({source})" if source else ""
+        )
+
     def _authenticate(self, index: int, client: Any) -> None:
         if not self._settings.username or index in self._authenticated:
             return
@@ -375,7 +392,18 @@ class EtcdClient:
             client.get_url("/auth/authenticate"),
             data=json.dumps({"name": self._settings.username, "password": self._settings.password}),
         )
-        client.session.headers["Authorization"] = result["token"]
+        token = result.get("token") if isinstance(result, dict) else None
+        if not isinstance(token, str) or not token:
+            # etcd answers a login it accepts with a token and one it refuses with an
+            # error; a 200 without a token is something else answering for it
+            raise StoreRefused(
+                f"etcd refused the login of user {self._settings.username!r}: "
+                f"{self._settings.endpoints[index]} answered /auth/authenticate with HTTP 200 "
+                f"{_clipped(json.dumps(result))}, which carried no token: check "
+                f"{self._login_settings()}, and that cluster.etcd_endpoints names etcd's "
+                "client port (2379 by default)"
+            )
+        client.session.headers["Authorization"] = token
         self._authenticated.add(index)
 
     def alarms(self) -> tuple[str, ...]:
