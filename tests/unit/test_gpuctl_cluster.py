@@ -544,3 +544,20 @@ def test_an_older_gpuds_problems_are_read_from_its_alarms_and_the_list_it_sent()
     # ... and without any: unknown
     code, text = exit_and_text(base(store_ok=False, store_state="refused"), json_output=False)
     assert code == 11 and "problems unknown" in text
+
+
+def test_the_leader_keys_lease_is_shown_in_hex_as_etcdctl_prints_it() -> None:
+    """The lease the leader key is attached to, as a follower last read it: in hex, as
+    etcdctl lease timetolive takes it, on the leader line (the etcd leader line on a
+    hint), and in --json as leader_lease; an older gpud's answer has none."""
+    follower = status(base(leader_lease="694d7a2b1c3e4f10"))
+    assert "leader:      n0 at 10.0.0.1:7443, epoch 7, lease 694d7a2b1c3e4f10\n" in follower
+    hinted = status(
+        base(leader="n2", leader_address="10.0.0.2:7443", leader_source="hint", leader_lease="5")
+    )
+    assert "etcd leader: n0 at 10.0.0.1:7443, epoch 7, lease 5, as this node last" in hinted
+    assert "leader:      n0 at 10.0.0.1:7443, epoch 7\n" in status(base())
+    _, text = exit_and_text(base(leader_lease="694d7a2b1c3e4f10"), json_output=True)
+    assert json.loads(text)["leader_lease"] == "694d7a2b1c3e4f10"
+    _, older = exit_and_text(base(), json_output=True)
+    assert json.loads(older)["leader_lease"] is None
