@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -289,6 +290,7 @@ class EtcdClient:
         """POST to the current endpoint, moving on to the next on failure."""
         last: BaseException | None = None
         wrong: list[str] = []  # endpoints that answered, but not as etcd
+        unreachable: list[str] = []  # the others that failed, each with why
         with self._lock:
             start = self._current
         for i in range(len(self._clients)):
@@ -315,6 +317,7 @@ class EtcdClient:
                 continue
             except self._unreachable as err:
                 last = err
+                unreachable.append(f"{endpoint} ({self._why_unreachable(err)})")
                 continue
             except self._refused as err:
                 not_etcd = _not_etcd(err, endpoint, request)
@@ -326,6 +329,7 @@ class EtcdClient:
                 if "invalid auth token" in said and self._settings.username:
                     self._authenticated.discard(index)  # expired: log in again next call
                     last = err
+                    unreachable.append(f"{endpoint} ({said}: logging in again)")
                     continue
                 login = self._login_refusal(said)
                 if login:
@@ -342,11 +346,23 @@ class EtcdClient:
         # every endpoint named wrong is said, whichever was tried last
         if last is None:
             raise Unavailable(f"etcd unreachable: {'; '.join(wrong)}")
-        unreachable = (
-            f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
-            f"{type(last).__name__} {last}".rstrip()
-        )
-        raise Unavailable("; ".join([unreachable, *wrong])) from last
+        # each endpoint's own failure: a dead one refuses at once, a hung etcd (stopped,
+        # overloaded, a blackholed route) times out, and the last alone would hide the other
+        said = f"etcd unreachable at {', '.join(unreachable)}"
+        raise Unavailable("; ".join([said, *wrong])) from last
+
+    def _why_unreachable(self, err: BaseException) -> str:
+        """Why one endpoint gave no answer, in the kernel's words where it said any
+        (``Connection refused``, ``No route to host``, a name that does not resolve), or
+        the TLS library's; etcd3gw keeps requests' text in ``detail_text``, not ``str``."""
+        if type(err).__name__ == "ConnectionTimeoutError":
+            return f"no answer within {self._settings.timeout_s:g} s, cluster.etcd_timeout_s"
+        text = getattr(err, "detail_text", None) or str(err)
+        kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
+        if kernel:
+            return kernel.group(1).strip()
+        cause = text.split("Caused by ", 1)[-1]  # urllib3's preamble names the pool
+        return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
 
     def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
         if endpoint not in self._said_not_etcd:

@@ -161,7 +161,7 @@ def test_a_follower_logs_an_etcd_outage_once_naming_the_endpoint_and_its_end(
         follower.step()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
-        f"cluster: etcd unreachable at {etcd.endpoint}: ConnectionFailedError; "
+        f"cluster: etcd unreachable at {etcd.endpoint} (Connection refused); "
         "the last order stays in force",
         "cluster: etcd reachable again",
     ]

@@ -101,7 +101,7 @@ def test_an_endpoint_not_etcd_is_named_whichever_endpoint_fails_last(
         with pytest.raises(Unavailable) as unreachable:
             _client(*endpoints).get("/x")
         said = str(unreachable.value)
-        assert said.startswith(f"etcd unreachable at {', '.join(endpoints)}: Connection"), said
+        assert said.startswith(f"etcd unreachable at {down} (Connection refused); "), said
         assert f"{peer} answered /kv/range with 'Not Found', not as etcd's client API" in said
 
 
@@ -300,3 +300,30 @@ def test_a_login_answered_without_a_token_is_a_refusal_naming_the_endpoint_and_s
         "(/etc/gpud/pw), and that cluster.etcd_endpoints names etcd's client port "
         "(2379 by default)"
     )
+
+
+@pytest.fixture
+def hung() -> Iterator[str]:
+    """An endpoint whose kernel takes the connection but that never answers: an etcd
+    stopped (SIGSTOP), overloaded, or a proxy whose backend hangs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_each_endpoint_unreachable_is_said_with_its_own_failure(hung: str) -> None:
+    """A dead endpoint beside a hung etcd: the error says the one refused the connection
+    and the other gave no answer in time, naming the setting, in either order, not only
+    the failure of the one tried last."""
+    down = _nobody()
+    for endpoints in ((hung, down), (down, hung)):
+        client = EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=0.2))
+        with pytest.raises(Unavailable) as unreachable:
+            client.get("/x")
+        reasons = {
+            hung: "no answer within 0.2 s, cluster.etcd_timeout_s",
+            down: "Connection refused",
+        }
+        said = ", ".join(f"{e} ({reasons[e]})" for e in endpoints)
+        assert str(unreachable.value) == f"etcd unreachable at {said}"
