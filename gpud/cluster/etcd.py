@@ -78,6 +78,10 @@ def _refusal(err: BaseException) -> str:
 # refusal instead
 _NO_SUCH_API = frozenset({"Not Found", "Method Not Allowed", "Not Implemented"})
 _AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication Required"})
+AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while auth is off
+# refusals that a login again mends: a token expired, or a call without one (authentication
+# turned on after calls went without it)
+_LOGIN_AGAIN = ("invalid auth token", "user name is empty")
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -279,6 +283,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._authenticated: set[int] = set()
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
+        self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
     @property
     def timeout_s(self) -> float:
@@ -326,8 +331,8 @@ class EtcdClient:
                     wrong.append(not_etcd)
                     continue
                 said = _refusal(err)
-                if "invalid auth token" in said and self._settings.username:
-                    self._authenticated.discard(index)  # expired: log in again next call
+                if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
+                    self._authenticated.discard(index)  # log in again next call
                     last = err
                     unreachable.append(f"{endpoint} ({said}: logging in again)")
                     continue
@@ -404,10 +409,30 @@ class EtcdClient:
     def _authenticate(self, index: int, client: Any) -> None:
         if not self._settings.username or index in self._authenticated:
             return
-        result = client.post(
-            client.get_url("/auth/authenticate"),
-            data=json.dumps({"name": self._settings.username, "password": self._settings.password}),
-        )
+        try:
+            result = client.post(
+                client.get_url("/auth/authenticate"),
+                data=json.dumps(
+                    {"name": self._settings.username, "password": self._settings.password}
+                ),
+            )
+        except self._refused as err:
+            if AUTH_OFF not in _refusal(err):
+                raise
+            # etcd's own client (clientv3, etcdctl) calls on without a token then: the
+            # user can be set up before `etcdctl auth enable`, which a call then meets as
+            # "user name is empty" and logs in again
+            endpoint = self._settings.endpoints[index]
+            if endpoint not in self._said_auth_off:
+                self._said_auth_off.add(endpoint)
+                log.warning(
+                    "cluster: etcd at %s has authentication off: calls go without the login "
+                    "of cluster.etcd_username %r until it is on (etcdctl auth enable)",
+                    endpoint,
+                    self._settings.username,
+                )
+            self._authenticated.add(index)
+            return
         token = result.get("token") if isinstance(result, dict) else None
         if not isinstance(token, str) or not token:
             # etcd answers a login it accepts with a token and one it refuses with an
