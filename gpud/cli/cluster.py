@@ -418,6 +418,14 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             " key: this gpud's previous run until its lease expires (cluster.lease_ttl_s),"
             " or another gpud under the same cluster.node (give each its own)"
         )
+    elif resp.mode in ("holding", "local") and kind == "not_leader":
+        # the leader answered: it stepped down; reaching it mends nothing
+        if resp.store_ok:
+            actions.append(
+                "wait: the leader etcd named answered that it no longer leads (it stepped"
+                " down), and etcd names its successor within cluster.lease_ttl_s; the node"
+                " follows by itself"
+            )
     elif resp.mode in ("holding", "local") and resp.last_error:
         actions.append(
             "make the leader reachable from this node (see error: its cluster.advertise"
