@@ -15,7 +15,10 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
                                                             leader key is still its own
 
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
-authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
+authentication are supported (with etcd's authentication off, calls go without a token, as
+etcdctl's do). Every failure to reach etcd is :class:`~gpud.errors.Unavailable`, naming each
+endpoint with its own failure (the kernel's ``Connection refused``, or no answer within the
+timeout: a stopped etcd);
 so is an endpoint that answers but not as etcd (its peer port, another service: the
 next endpoint is tried, and the error names each such endpoint, logged once); a write
 refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
