@@ -262,13 +262,16 @@ def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     if not resp.leader:
         return [f"leader:      none known, epoch {resp.epoch}"]
     leader = f"{resp.leader} at {resp.leader_address}" if resp.leader_address else resp.leader
+    # the leader key's lease, hex as etcdctl prints it (etcdctl lease timetolive ID): the
+    # elected leader's, absent from an older gpud
+    lease = f", lease {resp.leader_lease}" if resp.leader_lease else ""
     if resp.leader_source != "hint":
         stale = (
             " (as this node last read etcd)"
             if resp.election == "etcd" and not resp.store_ok
             else ""
         )
-        return [f"leader:      {leader}, epoch {resp.epoch}{stale}"]
+        return [f"leader:      {leader}, epoch {resp.epoch}{lease}{stale}"]
     since = ""
     if resp.HasField("leader_since_unix_seconds"):
         since = f" for {seconds(max(0.0, time.time() - resp.leader_since_unix_seconds))}"
@@ -278,7 +281,7 @@ def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     return [
         f"leader:      {leader}, not from etcd: named by {resp.elected_leader} when it refused"
         f" this node's report; reporting there{since}",
-        f"etcd leader: {elected}, epoch {resp.epoch}, as this node last read etcd;"
+        f"etcd leader: {elected}, epoch {resp.epoch}{lease}, as this node last read etcd;"
         f" {resp.elected_leader} does not lead now",
     ]
 
@@ -415,6 +418,14 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             " key: this gpud's previous run until its lease expires (cluster.lease_ttl_s),"
             " or another gpud under the same cluster.node (give each its own)"
         )
+    elif resp.mode in ("holding", "local") and kind == "not_leader":
+        # the leader answered: it stepped down; reaching it mends nothing
+        if resp.store_ok:
+            actions.append(
+                "wait: the leader etcd named answered that it no longer leads (it stepped"
+                " down), and etcd names its successor within cluster.lease_ttl_s; the node"
+                " follows by itself"
+            )
     elif resp.mode in ("holding", "local") and resp.last_error:
         actions.append(
             "make the leader reachable from this node (see error: its cluster.advertise"

@@ -177,15 +177,15 @@ class EtcdElection:
                     self._epoch,
                     leading=True,
                     store_ok=store_ok,
+                    detail=self._detail,  # why renewals fail while the lease holds
                     store_state=state,
                     lease=held,
                 )
             if self._lease is not None:
                 # past the deadline but the thread has not noticed yet: not leading
                 overdue = STORE_UNREACHABLE if state == STORE_OK else state
-                return LeaderInfo(
-                    "", "", self._epoch, False, False, "lease renewal overdue", overdue
-                )
+                why = "lease renewal overdue" + (f": {self._detail}" if self._detail else "")
+                return LeaderInfo("", "", self._epoch, False, False, why, overdue)
             return LeaderInfo(
                 self._leader,
                 self._leader_address,
@@ -278,6 +278,7 @@ class EtcdElection:
         except GpudError as err:
             with self._lock:
                 self._store_state = store_state(err)
+                self._detail = str(err)
                 overdue = self._clock() >= self._valid_until - self.margin_s
             if overdue:
                 self._step_down(f"cannot reach etcd before the lease could expire: {err}")
@@ -293,6 +294,7 @@ class EtcdElection:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
             self._store_state = STORE_OK
+            self._detail = ""
         if self._candidacy is not None and self._clock() - self._checked_at >= CHECK_S:
             self._checked_at = self._clock()
             try:

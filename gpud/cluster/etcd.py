@@ -15,7 +15,10 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
                                                             leader key is still its own
 
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
-authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
+authentication are supported (with etcd's authentication off, calls go without a token, as
+etcdctl's do). Every failure to reach etcd is :class:`~gpud.errors.Unavailable`, naming each
+endpoint with its own failure (the kernel's ``Connection refused``, or no answer within the
+timeout: a stopped etcd);
 so is an endpoint that answers but not as etcd (its peer port, another service: the
 next endpoint is tried, and the error names each such endpoint, logged once); a write
 refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
@@ -30,6 +33,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +81,10 @@ def _refusal(err: BaseException) -> str:
 # refusal instead
 _NO_SUCH_API = frozenset({"Not Found", "Method Not Allowed", "Not Implemented"})
 _AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication Required"})
+AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while auth is off
+# refusals that a login again mends: a token expired, or a call without one (authentication
+# turned on after calls went without it)
+_LOGIN_AGAIN = ("invalid auth token", "user name is empty")
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -139,8 +147,7 @@ def _checked_version_get(
             said = f"a redirect (HTTP {first}) to {resp.url}, answered there HTTP {status}"
             raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, f"{said} {_clipped(resp.text)}"))
         if status == 200 and not _etcd_version(resp.text):
-            said = f"HTTP 200 {_clipped(resp.text)}"
-            raise _NotEtcd(_said_not_etcd(endpoint, VERSION_PATH, said))
+            raise _NotEtcd(_said_200_not_etcd(endpoint, VERSION_PATH, resp.text))
         return resp
 
     return checked
@@ -152,6 +159,12 @@ def _said_not_etcd(endpoint: str, request: str, said: str) -> str:
         "etcd's client port (2379 by default; 2380 is the peer port)? check "
         "cluster.etcd_endpoints"
     )
+
+
+def _said_200_not_etcd(endpoint: str, request: str, body: str) -> str:
+    """``endpoint`` answered ``request`` with 200 and ``body``, which is not etcd's (a web
+    server's page, a proxy's login form)."""
+    return _said_not_etcd(endpoint, request, f"HTTP 200 {_clipped(body)}")
 
 
 def _not_etcd(err: BaseException, endpoint: str, request: str) -> str:
@@ -273,6 +286,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._authenticated: set[int] = set()
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
+        self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
     @property
     def timeout_s(self) -> float:
@@ -284,6 +298,7 @@ class EtcdClient:
         """POST to the current endpoint, moving on to the next on failure."""
         last: BaseException | None = None
         wrong: list[str] = []  # endpoints that answered, but not as etcd
+        unreachable: list[str] = []  # the others that failed, each with why
         with self._lock:
             start = self._current
         for i in range(len(self._clients)):
@@ -301,8 +316,16 @@ class EtcdClient:
                 self._say_not_etcd(endpoint, str(err))
                 wrong.append(str(err))
                 continue
+            except json.JSONDecodeError as err:
+                # a 200 whose body is no JSON (requests' error is an OSError too, and would
+                # read as unreachable): etcd's gateway answers every API path in JSON
+                not_etcd = _said_200_not_etcd(endpoint, request, err.doc)
+                self._say_not_etcd(endpoint, not_etcd)
+                wrong.append(not_etcd)
+                continue
             except self._unreachable as err:
                 last = err
+                unreachable.append(f"{endpoint} ({self._why_unreachable(err)})")
                 continue
             except self._refused as err:
                 not_etcd = _not_etcd(err, endpoint, request)
@@ -311,9 +334,10 @@ class EtcdClient:
                     wrong.append(not_etcd)
                     continue
                 said = _refusal(err)
-                if "invalid auth token" in said and self._settings.username:
-                    self._authenticated.discard(index)  # expired: log in again next call
+                if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
+                    self._authenticated.discard(index)  # log in again next call
                     last = err
+                    unreachable.append(f"{endpoint} ({said}: logging in again)")
                     continue
                 login = self._login_refusal(said)
                 if login:
@@ -330,11 +354,23 @@ class EtcdClient:
         # every endpoint named wrong is said, whichever was tried last
         if last is None:
             raise Unavailable(f"etcd unreachable: {'; '.join(wrong)}")
-        unreachable = (
-            f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
-            f"{type(last).__name__} {last}".rstrip()
-        )
-        raise Unavailable("; ".join([unreachable, *wrong])) from last
+        # each endpoint's own failure: a dead one refuses at once, a hung etcd (stopped,
+        # overloaded, a blackholed route) times out, and the last alone would hide the other
+        said = f"etcd unreachable at {', '.join(unreachable)}"
+        raise Unavailable("; ".join([said, *wrong])) from last
+
+    def _why_unreachable(self, err: BaseException) -> str:
+        """Why one endpoint gave no answer, in the kernel's words where it said any
+        (``Connection refused``, ``No route to host``, a name that does not resolve), or
+        the TLS library's; etcd3gw keeps requests' text in ``detail_text``, not ``str``."""
+        if type(err).__name__ == "ConnectionTimeoutError":
+            return f"no answer within {self._settings.timeout_s:g} s, cluster.etcd_timeout_s"
+        text = getattr(err, "detail_text", None) or str(err)
+        kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
+        if kernel:
+            return kernel.group(1).strip()
+        cause = text.split("Caused by ", 1)[-1]  # urllib3's preamble names the pool
+        return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
 
     def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
         if endpoint not in self._said_not_etcd:
@@ -349,10 +385,9 @@ class EtcdClient:
         these from an etcd it cannot reach by it)."""
         s = self._settings
         if "authentication failed" in said:
-            source = f" ({s.password_file})" if s.password_file else ""
             return (
                 f"etcd refused the login of user {s.username!r} ({said}): check "
-                f"cluster.etcd_username and the password in cluster.etcd_password_file{source}"
+                f"{self._login_settings()}"
             )
         if "user name is empty" in said:
             return (
@@ -368,14 +403,51 @@ class EtcdClient:
             )
         return ""
 
+    def _login_settings(self) -> str:
+        source = self._settings.password_file
+        return "cluster.etcd_username and the password in cluster.etcd_password_file" + (
+            f" ({source})" if source else ""
+        )
+
     def _authenticate(self, index: int, client: Any) -> None:
         if not self._settings.username or index in self._authenticated:
             return
-        result = client.post(
-            client.get_url("/auth/authenticate"),
-            data=json.dumps({"name": self._settings.username, "password": self._settings.password}),
-        )
-        client.session.headers["Authorization"] = result["token"]
+        try:
+            result = client.post(
+                client.get_url("/auth/authenticate"),
+                data=json.dumps(
+                    {"name": self._settings.username, "password": self._settings.password}
+                ),
+            )
+        except self._refused as err:
+            if AUTH_OFF not in _refusal(err):
+                raise
+            # etcd's own client (clientv3, etcdctl) calls on without a token then: the
+            # user can be set up before `etcdctl auth enable`, which a call then meets as
+            # "user name is empty" and logs in again
+            endpoint = self._settings.endpoints[index]
+            if endpoint not in self._said_auth_off:
+                self._said_auth_off.add(endpoint)
+                log.warning(
+                    "cluster: etcd at %s has authentication off: calls go without the login "
+                    "of cluster.etcd_username %r until it is on (etcdctl auth enable)",
+                    endpoint,
+                    self._settings.username,
+                )
+            self._authenticated.add(index)
+            return
+        token = result.get("token") if isinstance(result, dict) else None
+        if not isinstance(token, str) or not token:
+            # etcd answers a login it accepts with a token and one it refuses with an
+            # error; a 200 without a token is something else answering for it
+            raise StoreRefused(
+                f"etcd refused the login of user {self._settings.username!r}: "
+                f"{self._settings.endpoints[index]} answered /auth/authenticate with HTTP 200 "
+                f"{_clipped(json.dumps(result))}, which carried no token: check "
+                f"{self._login_settings()}, and that cluster.etcd_endpoints names etcd's "
+                "client port (2379 by default)"
+            )
+        client.session.headers["Authorization"] = token
         self._authenticated.add(index)
 
     def alarms(self) -> tuple[str, ...]:

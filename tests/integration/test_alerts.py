@@ -32,7 +32,7 @@ def test_rules_pass_promtool_check() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 18 rules found" in done.stdout
+    assert "SUCCESS: 19 rules found" in done.stdout
 
 
 def test_alerts_fire_as_the_cases_say(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def test_a_follower_logs_an_etcd_outage_once_naming_the_endpoint_and_its_end(
         follower.step()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
-        f"cluster: etcd unreachable at {etcd.endpoint}: ConnectionFailedError; "
+        f"cluster: etcd unreachable at {etcd.endpoint} (Connection refused); "
         "the last order stays in force",
         "cluster: etcd reachable again",
     ]
@@ -463,6 +463,48 @@ def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_pa
     info = election.state()
     assert (info.store_ok, info.store_state) == (False, "refused")
     assert "refused user gpud the keys" in info.detail
+
+
+def test_credentials_set_up_before_etcds_authentication_is_on_serve_once_it_is(
+    etcd: LocalEtcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As etcdctl does, gpud calls on without a token while etcd has authentication off
+    (saying so once), and logs in once it is turned on: the users can be set up first."""
+    from gpud.cluster.runtime import etcd_settings
+    from gpud.config import ClusterConfig
+    from gpud.errors import Unavailable
+
+    def etcdctl(*args: str) -> None:
+        subprocess.run(
+            ["etcdctl", f"--endpoints={etcd.endpoint}", *args], check=True, capture_output=True
+        )
+
+    password = tmp_path / "password"
+    password.write_text("goodpw\n")
+    client = EtcdClient(
+        etcd_settings(
+            ClusterConfig(
+                etcd_endpoints=etcd.endpoint, etcd_username="gpud", etcd_password_file=password
+            )
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        client.put("/gpud/x", "1")
+        assert client.get("/gpud/x") is not None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cluster: etcd at {etcd.endpoint} has authentication off: calls go without the "
+        "login of cluster.etcd_username 'gpud' until it is on (etcdctl auth enable)"
+    ]
+    etcdctl("user", "add", "root:rootpw")
+    etcdctl("user", "grant-role", "root", "root")
+    etcdctl("user", "add", "gpud:goodpw")
+    etcdctl("role", "add", "gpud")
+    etcdctl("role", "grant-permission", "--prefix=true", "gpud", "readwrite", "/gpud/")
+    etcdctl("user", "grant-role", "gpud", "gpud")
+    etcdctl("auth", "enable")
+    with pytest.raises(Unavailable, match=r"user name is empty: logging in again"):
+        client.get("/gpud/x")
+    assert client.get("/gpud/x") is not None
 
 
 async def _round(*agents: ClusterAgent) -> None:

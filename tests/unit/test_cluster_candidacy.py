@@ -346,3 +346,29 @@ def test_a_new_lease_on_the_same_epoch_is_a_leadership_change(
         "cluster leader is n1 (epoch 5, lease 12c)",
         "cluster leader is n1 (epoch 5, lease 190)",
     ]
+
+
+def test_a_leader_whose_renewals_fail_says_why_while_its_lease_holds() -> None:
+    """A leader that cannot reach etcd leads on until its lease could expire; meanwhile
+    its state says etcd is unreachable and why (gpuctl cluster status's detail), and the
+    error stays named once the renewal is overdue."""
+    etcd = FailingEtcd()
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    clock = Clock(0.0)
+    election = EtcdElection(client, node="n1", address="a1", prefix="/c", ttl_s=8, clock=clock)
+    election.step()
+    assert election.state().leading
+    etcd.error = Unavailable("etcd unreachable at http://e1:2379: ReadTimeout")
+    clock.now = 3.0
+    election.step()
+    info = election.state()
+    assert (info.leading, info.store_ok, info.store_state) == (True, False, STORE_UNREACHABLE)
+    assert info.detail == "etcd unreachable at http://e1:2379: ReadTimeout"
+    clock.now = 7.0  # past the margin before the lease could expire, not yet stepped
+    info = election.state()
+    assert not info.leading
+    assert info.detail == "lease renewal overdue: etcd unreachable at http://e1:2379: ReadTimeout"
+    etcd.error = None  # renewed before the thread stepped down: the lease held in etcd
+    election.step()
+    info = election.state()
+    assert (info.leading, info.store_ok, info.detail) == (True, True, "")

@@ -101,7 +101,7 @@ def test_an_endpoint_not_etcd_is_named_whichever_endpoint_fails_last(
         with pytest.raises(Unavailable) as unreachable:
             _client(*endpoints).get("/x")
         said = str(unreachable.value)
-        assert said.startswith(f"etcd unreachable at {', '.join(endpoints)}: Connection"), said
+        assert said.startswith(f"etcd unreachable at {down} (Connection refused); "), said
         assert f"{peer} answered /kv/range with 'Not Found', not as etcd's client API" in said
 
 
@@ -259,3 +259,71 @@ def test_redirects_from_version_ending_anywhere_but_at_etcd_are_said_not_etcd(
         f"etcd unreachable: {proxy} answered /version with {said.format(proxy=proxy)}"
     ), got
     assert "JSONDecodeError" not in got and "check cluster.etcd_endpoints" in got, got
+
+
+def test_an_endpoint_answering_an_api_path_with_a_page_is_said_not_etcd_and_passed_over(
+    servers: list[http.server.ThreadingHTTPServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy that answers etcd's /version but the v3 API with its own page (200): said as
+    an endpoint that is not etcd, with the page clipped, as for /version, not as a JSON
+    parse error of an etcd unreachable; the next endpoint, etcd, answers."""
+    page = _endpoint(servers, Answers({**ETCD, "/v3/kv/range": (200, LOGIN_PAGE)}))
+    with pytest.raises(Unavailable) as unreachable:
+        _client(page).get("/x")
+    said = str(unreachable.value)
+    assert said.startswith(f"etcd unreachable: {page} answered /kv/range with HTTP 200 "), said
+    assert "'<html><head><title>Sign in" in said and "check cluster.etcd_endpoints" in said
+    assert "JSONDecodeError" not in said and len(said) < len(LOGIN_PAGE), said
+    etcd = _endpoint(servers, Answers(dict(ETCD)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        assert _client(page, etcd).get("/x") is None
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and f"{page} answered /kv/range with HTTP 200 '<html>" in logged[0]
+
+
+@pytest.mark.parametrize("answer", [{}, {"header": {"revision": "1"}}, {"token": ""}, ["t"]])
+def test_a_login_answered_without_a_token_is_a_refusal_naming_the_endpoint_and_settings(
+    servers: list[http.server.ThreadingHTTPServer], answer: object
+) -> None:
+    login = Answers({**ETCD, "/v3/auth/authenticate": (200, json.dumps(answer))})
+    endpoint = _endpoint(servers, login)
+    settings = EtcdSettings(
+        endpoints=(endpoint,), username="gpud", password="pw", password_file="/etc/gpud/pw"
+    )
+    with pytest.raises(StoreRefused) as refused:
+        EtcdClient(settings).get("/x")
+    assert str(refused.value) == (
+        f"etcd refused the login of user 'gpud': {endpoint} answered /auth/authenticate "
+        f"with HTTP 200 {json.dumps(answer)!r}, which carried no token: check "
+        "cluster.etcd_username and the password in cluster.etcd_password_file "
+        "(/etc/gpud/pw), and that cluster.etcd_endpoints names etcd's client port "
+        "(2379 by default)"
+    )
+
+
+@pytest.fixture
+def hung() -> Iterator[str]:
+    """An endpoint whose kernel takes the connection but that never answers: an etcd
+    stopped (SIGSTOP), overloaded, or a proxy whose backend hangs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_each_endpoint_unreachable_is_said_with_its_own_failure(hung: str) -> None:
+    """A dead endpoint beside a hung etcd: the error says the one refused the connection
+    and the other gave no answer in time, naming the setting, in either order, not only
+    the failure of the one tried last."""
+    down = _nobody()
+    for endpoints in ((hung, down), (down, hung)):
+        client = EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=0.2))
+        with pytest.raises(Unavailable) as unreachable:
+            client.get("/x")
+        reasons = {
+            hung: "no answer within 0.2 s, cluster.etcd_timeout_s",
+            down: "Connection refused",
+        }
+        said = ", ".join(f"{e} ({reasons[e]})" for e in endpoints)
+        assert str(unreachable.value) == f"etcd unreachable at {said}"

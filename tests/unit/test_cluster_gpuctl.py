@@ -34,7 +34,7 @@ class Leading:
         pass
 
     def state(self) -> LeaderInfo:
-        return LeaderInfo("gpu-01", "10.0.0.1:7443", 12, True)
+        return LeaderInfo("gpu-01", "10.0.0.1:7443", 12, True, lease=0x694D7A2B1C3E4F10)
 
 
 def leading_agent(view: StaticNodeView) -> ClusterAgent:
@@ -77,12 +77,13 @@ def test_status_table_and_json(
     sock, _, _ = served
     assert main(["cluster", "status", "--socket", sock], env={}) == 0
     out = capsys.readouterr().out
-    assert "gpu-01 at 10.0.0.1:7443, epoch 12" in out
+    assert "gpu-01 at 10.0.0.1:7443, epoch 12, lease 694d7a2b1c3e4f10\n" in out
     assert "leader (this node leads: it ranks every node's jobs" in out
     assert "train-a" in out and "LAST REPORT" in out
     assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["epoch"] == 12 and data["mode"] == "leader"
+    assert data["leader_lease"] == "694d7a2b1c3e4f10"  # as etcdctl lease timetolive takes it
     assert [n["node"] for n in data["nodes"]] == ["gpu-01"]
     assert data["jobs"][0]["job"] == "train-a" and data["jobs"][0]["level"] == 0
 

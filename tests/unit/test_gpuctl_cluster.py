@@ -394,8 +394,7 @@ def test_the_errors_kind_comes_from_its_field_not_the_messages_words() -> None:
     reachable = held("leader_unreachable", "leader n0: handshake; does not lead yet")
     assert "action:      make the leader reachable from this node" in reachable
     assert "TLS handshake" not in reachable and "wait:" not in reachable
-    for other in (held("not_leader", "n0 does not lead"), held("a_later_kind", "x")):
-        assert "action:      make the leader reachable from this node" in other
+    assert "action:      make the leader reachable from this node" in held("a_later_kind", "x")
     assert "action:" not in status(base(last_error_kind=""))
 
 
@@ -544,3 +543,46 @@ def test_an_older_gpuds_problems_are_read_from_its_alarms_and_the_list_it_sent()
     # ... and without any: unknown
     code, text = exit_and_text(base(store_ok=False, store_state="refused"), json_output=False)
     assert code == 11 and "problems unknown" in text
+
+
+def test_the_leader_keys_lease_is_shown_in_hex_as_etcdctl_prints_it() -> None:
+    """The lease the leader key is attached to, as a follower last read it: in hex, as
+    etcdctl lease timetolive takes it, on the leader line (the etcd leader line on a
+    hint), and in --json as leader_lease; an older gpud's answer has none."""
+    follower = status(base(leader_lease="694d7a2b1c3e4f10"))
+    assert "leader:      n0 at 10.0.0.1:7443, epoch 7, lease 694d7a2b1c3e4f10\n" in follower
+    hinted = status(
+        base(leader="n2", leader_address="10.0.0.2:7443", leader_source="hint", leader_lease="5")
+    )
+    assert "etcd leader: n0 at 10.0.0.1:7443, epoch 7, lease 5, as this node last" in hinted
+    assert "leader:      n0 at 10.0.0.1:7443, epoch 7\n" in status(base())
+    _, text = exit_and_text(base(leader_lease="694d7a2b1c3e4f10"), json_output=True)
+    assert json.loads(text)["leader_lease"] == "694d7a2b1c3e4f10"
+    _, older = exit_and_text(base(), json_output=True)
+    assert json.loads(older)["leader_lease"] is None
+
+
+def test_a_leader_that_answers_it_does_not_lead_is_not_said_unreachable() -> None:
+    """etcd stopped: the leader steps down and answers this node's report "does not lead".
+    Reaching the leader mends nothing: with etcd unreachable here too, the action is etcd's
+    alone; with etcd readable, the node waits for the successor etcd names."""
+    error = "leader n0 at 10.0.0.1:7443: FAILED_PRECONDITION n0 does not lead"
+    cut_off = status(
+        base(
+            mode="local",
+            store_ok=False,
+            store_state="unreachable",
+            detail="etcd unreachable at http://e:2379 (no answer within 1 s, ...)",
+            last_error=error,
+            last_error_kind="not_leader",
+        )
+    )
+    actions = [line for line in cut_off.splitlines() if line.startswith("action:")]
+    assert actions == [
+        "action:      make etcd reachable from this node (cluster.etcd_endpoints, etcd's TLS"
+        " and auth files; the detail says why it fails): it learns of a new leader only"
+        " from etcd"
+    ]
+    waiting = status(base(mode="holding", last_error=error, last_error_kind="not_leader"))
+    assert "action:      wait: the leader etcd named answered that it no longer leads" in waiting
+    assert "make the leader reachable" not in waiting

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gpud.cluster.fencing import Mode
@@ -63,6 +64,7 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "TrafficRdmaMapFailed",
         "ClusterEtcdAlarm",
         "ClusterLeaderLost",
+        "ClusterStoreDown",
         "ClusterCertificateExpiring",
     }
     for rule in rules:
@@ -103,8 +105,10 @@ def test_a_hung_gpus_reasons_are_left_to_gpu_samples_stale() -> None:
         assert not stale_unless.fullmatch(reason), reason
 
 
-def test_cluster_leader_lost_reads_every_mode_without_a_leader() -> None:
-    match = re.search(r'gpud_cluster_mode\{mode=~"([^"]*)"\}', _alert_expr("ClusterLeaderLost"))
+@pytest.mark.parametrize("alert", ["ClusterLeaderLost", "ClusterStoreDown"])
+def test_cluster_alerts_read_every_mode_without_a_leader(alert: str) -> None:
+    """ClusterLeaderLost fires in those modes, and ClusterStoreDown leaves them to it."""
+    match = re.search(r'gpud_cluster_mode\{mode=~"([^"]*)"\}', _alert_expr(alert))
     assert match
     without = re.compile(match.group(1))
     assert {m for m in Mode if without.fullmatch(m.value)} == {Mode.HOLDING, Mode.LOCAL}
