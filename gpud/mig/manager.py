@@ -111,6 +111,7 @@ from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, InflightRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table, validate_layout
 from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
+from gpud.shared import format_number
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 
@@ -2001,7 +2002,8 @@ def _who(pid: int, job: str | None) -> str:
 
 
 def _no_answer(timeout_s: float) -> str:
-    return f"not answering: no answer from the driver within {timeout_s:.1f} s"
+    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s")
+    return f"not answering: no answer from the driver within {format_number(round(timeout_s, 1))} s"
 
 
 def _nothing_to_resume(

@@ -2314,13 +2314,13 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert len(diff) == 2 and faulty == {}
 
 
-@pytest.mark.parametrize("timeout_s", [0.3, 3600.0])
+@pytest.mark.parametrize(("timeout_s", "said"), [(0.3, "0.3 s"), (3600.0, "3600 s")])
 def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
-    host: Host, config: MigConfigFile, timeout_s: float
+    host: Host, config: MigConfigFile, timeout_s: float, said: str
 ) -> None:
     """Telemetry has not noticed the hang: the GPU is not checked once ``read_timeout_s``
     (telemetry.call_timeout_s) has passed on the clock the manager was given (an hour of it
-    at no real time)."""
+    at no real time), and the deadline is said as a person reads it (a whole one whole)."""
     host.read_timeout_s = timeout_s
     d = enable(host, config, "all-1g.10gb")
     hang = _Hangs(d, 1, "gpu_instances")
@@ -2328,7 +2328,7 @@ def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
     diff, faulty = mig.check(config, "all-1g.10gb")
     assert hang.hanging.is_set() and not hang.returned.is_set()
     assert diff == [] and d.clock.now == pytest.approx(timeout_s)
-    assert faulty == {1: f"not answering: no answer from the driver within {timeout_s:.1f} s"}
+    assert faulty == {1: f"not answering: no answer from the driver within {said}"}
     assert mig.check(config, "all-1g.10gb")[1] == {1: NOT_ANSWERING}
     _let_go(mig, hang)
 
