@@ -63,7 +63,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
@@ -611,13 +611,7 @@ class MigManager:
         stays unmanaged); with no product seen its layout cannot be checked and its record
         is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
         device id unknown) keeps its record too, and is told so."""
-        known = {g.uuid for g in ids if g.uuid}
-        stored: dict[int, DesiredRecord] = {}
-        for uuid, r in self._store.desired().items():
-            if uuid not in known and (
-                r.gpu_index not in stored or r.updated_at >= stored[r.gpu_index].updated_at
-            ):
-                stored[r.gpu_index] = r
+        stored = _newest_unread(self._store.desired().values(), {g.uuid for g in ids if g.uuid})
         seen = self._last_seen()
         out: dict[str, tuple[int, DeviceLayout]] = {}
         unchanged: dict[int, str] = {}
@@ -1442,12 +1436,14 @@ class MigManager:
                     )
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
+            newest = _newest_unread(desired.values(), ids)
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
-                unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
-                if gpu is None and unread and record.gpu_index in faults:
-                    # Lost before its identity was ever read: most likely the GPU it was.
-                    i = record.gpu_index
+                i = record.gpu_index
+                unread = i < len(all_ids) and not all_ids[i].uuid
+                if gpu is None and unread and i in faults and newest[i].gpu_uuid == uuid:
+                    # Lost before its identity was ever read: most likely the GPU its index's
+                    # newest record names; an older one there is of a GPU replaced since.
                     outcomes.append(_left_alone(i, uuid, f"GPU {i}", faults[i]))
                     continue
                 if gpu is None:
@@ -2025,6 +2021,21 @@ def _nothing_to_resume(
         # a faulty GPU's mode is not known, one lost before its identity was read included
         return False
     return all(isinstance(p, GpuPlan) and not p.reset_pending for p in checked.values())
+
+
+def _newest_unread(
+    records: Iterable[DesiredRecord], read: Container[str]
+) -> dict[int, DesiredRecord]:
+    """By GPU index, the newest of ``records`` whose UUID no GPU read now has (``read``):
+    the GPU a GPU never read at that index most likely is. A GPU replaced there (a new
+    UUID at the same index, ``nvidia-smi -L``) leaves its record behind, older."""
+    out: dict[int, DesiredRecord] = {}
+    for r in records:
+        if r.gpu_uuid not in read and (
+            r.gpu_index not in out or r.updated_at >= out[r.gpu_index].updated_at
+        ):
+            out[r.gpu_index] = r
+    return out
 
 
 def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:

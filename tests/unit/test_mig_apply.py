@@ -30,7 +30,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
-from gpud.mig.layout import MigConfigFile, load_config, parse_config
+from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config, parse_config
 from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions, MigStore
@@ -1707,6 +1707,24 @@ def test_a_gpu_lost_before_start_with_no_product_seen_keeps_its_desired_layout(
     }
 
 
+def test_a_gpu_lost_before_start_with_its_product_seen_and_no_record_stays_unmanaged(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU never read whose product an earlier run kept, but that no earlier apply
+    recorded: the layout is checked against that product, yet there is no UUID to record
+    it under, so the GPU stays unmanaged and the apply says so."""
+    first = host.start()
+    host.last_seen = {1: seen(first, 1)}
+    first.node.faults.lose(1)
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert result.gpus[1].detail.endswith(
+        "; its UUID never read and no earlier apply recorded it: unmanaged"
+    ), result.gpus[1].detail
+    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {0: "all-3g.40gb"}
+
+
 def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
     host: Host, config: MigConfigFile
 ) -> None:
@@ -1728,6 +1746,30 @@ def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
         newest: "all-3g.40gb",
         "GPU-replaced": "all-balanced",
     }
+
+
+def test_reconcile_leaves_a_gpu_lost_before_start_alone_under_its_newest_record_only(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Two records kept for one GPU index, neither of a GPU read now (a GPU replaced while
+    gpud was down), the older one listed last and of another layout: reconcile takes the
+    GPU for the one its index's newest record names, as an apply does; the older one is of
+    a GPU not present."""
+    first = enable(host, config, "all-balanced")
+    newest = first.mig.show()[1].identity.uuid
+    older = first.mig.desired()[newest].updated_at - 60
+    MigStore(first.store).begin_apply(
+        "all-disabled",
+        {"GPU-replaced": (1, DeviceLayout(False, ()))},
+        (),
+        ApplyOptions(),
+        older,
+        inflight=False,
+    )
+    first.node.faults.lose(1)
+    d = host.start()
+    outcomes = [(o.uuid, o.status) for o in d.mig.reconcile() if o.gpu == 1]
+    assert sorted(outcomes) == sorted([(newest, "faulty"), ("GPU-replaced", "missing")])
 
 
 def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
