@@ -227,6 +227,7 @@ class MigManager:
         hold_placement: HoldPlacement | None = None,
         after_change: Callable[[], None] | None = None,
         last_seen: LastSeenSource = dict,
+        read_identities: Callable[[], Mapping[int, GpuIdentity]] = dict,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -256,8 +257,12 @@ class MigManager:
         and ``read_wait`` (:data:`ReadAwait`) waits for its answers: given one, the other.
         ``last_seen()``: how an earlier run last saw each GPU never read in this one (its
         product checks the layout an apply saves for it while it is faulty).
+        ``read_identities()``: each GPU's identity as telemetry last read it in this run
+        (``nvmlDeviceGetUUID`` and the rest answered): a faulty GPU this manager never read
+        (lost before start, then back on the bus with its XID 79 uncleared) is named by it.
         """
         self._last_seen = last_seen
+        self._read_identities = read_identities
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
         self._backend = cast(GpuBackend, _Answering(backend, self._reading))
@@ -318,13 +323,20 @@ class MigManager:
         while the GPU is present), so a faulty GPU keeps the UUID and product it had."""
         faults = self._faulty_now()
         out = []
+        read: Mapping[int, GpuIdentity] | None = None
         for i in range(self._backend.gpu_count()):
             if i not in faults:
                 try:
                     self._known[i] = self._backend.identity(i)
                 except BackendError as err:
                     faults[i] = f"identity: {_fault_reason(err)}"
-            out.append(self._known.get(i) or unknown_identity(i))
+            gpu = self._known.get(i)
+            if gpu is None and i in faults:
+                # not called, never read by this manager: as telemetry last read it, if it did
+                read = self._read_identities() if read is None else read
+                told = read.get(i)
+                gpu = told if told is not None and told.read and told.index == i else None
+            out.append(gpu or unknown_identity(i))
         return out, faults
 
     def _faulty_now(self) -> dict[int, str]:
