@@ -290,12 +290,7 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
     gpuctl = Gpuctl(config, capsys)
 
     def first() -> list[dict[str, object]]:
-        gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
-        deadline = time.monotonic() + 20
-        while len(_seen(config)) < 2:  # the "seen" step keeps them after a sample
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        return gpuctl.gpus()
+        return _read_and_kept(config, gpuctl)
 
     before = run_daemon(config, first)
     SimNode(
@@ -355,12 +350,7 @@ def test_a_gpu_back_on_the_bus_with_its_xid_79_uncleared_keeps_its_name_in_mig_s
     gpuctl = Gpuctl(config, capsys)
 
     def first() -> list[dict[str, object]]:
-        gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
-        deadline = time.monotonic() + 20
-        while len(_seen(config)) < 2:  # the "seen" step keeps them after a sample
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        before = gpuctl.gpus()
+        before = _read_and_kept(config, gpuctl)
         assert gpuctl("sim", "fault", "--gpu", "1", "lost")[0] == 0
         gpuctl.wait(lambda gpus: "Xid 79" in str(gpus[1]["reason"]))
         return before
@@ -383,6 +373,16 @@ def test_a_gpu_back_on_the_bus_with_its_xid_79_uncleared_keeps_its_name_in_mig_s
         assert (mig1["uuid"], mig1["product"]) == (uuid, product), mig1
 
     run_daemon(config, again)
+
+
+def _read_and_kept(config: Config, gpuctl: Gpuctl) -> list[dict[str, object]]:
+    """Once both GPUs are read and the "seen" step kept them (after a sample): the GPUs."""
+    gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
+    deadline = time.monotonic() + 20
+    while len(_seen(config)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return gpuctl.gpus()
 
 
 def _seen(config: Config) -> dict[int, Seen]:

@@ -1687,42 +1687,40 @@ def test_a_layout_a_faulty_gpu_cannot_take_is_refused_as_for_a_healthy_one(
         host.close()
 
 
-def test_a_gpu_lost_before_start_with_no_product_seen_keeps_its_desired_layout(
-    host: Host, config: MigConfigFile
+@pytest.mark.parametrize(
+    ("product_seen", "said", "kept"),
+    [
+        # no run kept its product: the layout cannot be checked, the earlier one is kept
+        (
+            False,
+            "; its product unknown: the config's layout for it cannot be checked;"
+            " its desired layout is unchanged",
+            {0: "all-3g.40gb", 1: "all-balanced"},
+        ),
+        # its product seen, but no earlier apply recorded it: no UUID to record it under
+        (
+            True,
+            "; its UUID never read and no earlier apply recorded it: unmanaged",
+            {0: "all-3g.40gb"},
+        ),
+    ],
+    ids=["no-product-seen", "product-seen-unrecorded"],
+)
+def test_a_gpu_lost_before_start_that_cannot_take_a_layout_says_why_on_its_line(
+    host: Host, config: MigConfigFile, product_seen: bool, said: str, kept: dict[int, str]
 ) -> None:
-    """A GPU never read whose product no earlier run kept: the layout it would get cannot
-    be checked, so its record keeps the earlier apply's layout and the apply says so."""
-    first = enable(host, config, "all-balanced")
+    """A GPU never read since gpud started: where no run kept its product, its record keeps
+    the earlier apply's layout; where one did but no earlier apply recorded the GPU (the
+    layout checked against that product), it stays unmanaged. The apply says which."""
+    first = host.start() if product_seen else enable(host, config, "all-balanced")
+    if product_seen:
+        host.last_seen = {1: seen(first, 1)}
     first.node.faults.lose(1)
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb")
     assert [o.status for o in result.gpus] == ["changed", "faulty"]
-    assert result.gpus[1].detail.endswith(
-        "; its product unknown: the config's layout for it cannot be checked;"
-        " its desired layout is unchanged"
-    )
-    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {
-        0: "all-3g.40gb",
-        1: "all-balanced",
-    }
-
-
-def test_a_gpu_lost_before_start_with_its_product_seen_and_no_record_stays_unmanaged(
-    host: Host, config: MigConfigFile
-) -> None:
-    """A GPU never read whose product an earlier run kept, but that no earlier apply
-    recorded: the layout is checked against that product, yet there is no UUID to record
-    it under, so the GPU stays unmanaged and the apply says so."""
-    first = host.start()
-    host.last_seen = {1: seen(first, 1)}
-    first.node.faults.lose(1)
-    d = host.start()
-    result = d.mig.apply(config, "all-3g.40gb")
-    assert [o.status for o in result.gpus] == ["changed", "faulty"]
-    assert result.gpus[1].detail.endswith(
-        "; its UUID never read and no earlier apply recorded it: unmanaged"
-    ), result.gpus[1].detail
-    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {0: "all-3g.40gb"}
+    assert result.gpus[1].detail.endswith(said), result.gpus[1].detail
+    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == kept
 
 
 def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
