@@ -610,6 +610,8 @@ class Daemon:
             hold_placement=self.jobs.placing_none_on,
             after_change=self._devices_changed,
             last_seen=self._last_seen,
+            # a GPU's identity as the latest sample read it in this run
+            read_identities=lambda: {g.index: g for g in self._identities() if g.read},
         )
         self.colo = ColoService(
             config.colocate,

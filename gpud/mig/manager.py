@@ -63,7 +63,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
@@ -111,6 +111,7 @@ from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, InflightRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table, validate_layout
 from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
+from gpud.shared import format_number
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 
@@ -226,6 +227,7 @@ class MigManager:
         hold_placement: HoldPlacement | None = None,
         after_change: Callable[[], None] | None = None,
         last_seen: LastSeenSource = dict,
+        read_identities: Callable[[], Mapping[int, GpuIdentity]] = dict,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -255,8 +257,12 @@ class MigManager:
         and ``read_wait`` (:data:`ReadAwait`) waits for its answers: given one, the other.
         ``last_seen()``: how an earlier run last saw each GPU never read in this one (its
         product checks the layout an apply saves for it while it is faulty).
+        ``read_identities()``: each GPU's identity as telemetry last read it in this run
+        (``nvmlDeviceGetUUID`` and the rest answered): a faulty GPU this manager never read
+        (lost before start, then back on the bus with its XID 79 uncleared) is named by it.
         """
         self._last_seen = last_seen
+        self._read_identities = read_identities
         # each of a bounded read's driver calls notes its answer (see _bounded)
         self._reading = threading.local()
         self._backend = cast(GpuBackend, _Answering(backend, self._reading))
@@ -317,13 +323,20 @@ class MigManager:
         while the GPU is present), so a faulty GPU keeps the UUID and product it had."""
         faults = self._faulty_now()
         out = []
+        read: Mapping[int, GpuIdentity] | None = None
         for i in range(self._backend.gpu_count()):
             if i not in faults:
                 try:
                     self._known[i] = self._backend.identity(i)
                 except BackendError as err:
                     faults[i] = f"identity: {_fault_reason(err)}"
-            out.append(self._known.get(i) or unknown_identity(i))
+            gpu = self._known.get(i)
+            if gpu is None and i in faults:
+                # not called, never read by this manager: as telemetry last read it, if it did
+                read = self._read_identities() if read is None else read
+                told = read.get(i)
+                gpu = told if told is not None and told.read and told.index == i else None
+            out.append(gpu or unknown_identity(i))
         return out, faults
 
     def _faulty_now(self) -> dict[int, str]:
@@ -610,13 +623,7 @@ class MigManager:
         stays unmanaged); with no product seen its layout cannot be checked and its record
         is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
         device id unknown) keeps its record too, and is told so."""
-        known = {g.uuid for g in ids if g.uuid}
-        stored: dict[int, DesiredRecord] = {}
-        for uuid, r in self._store.desired().items():
-            if uuid not in known and (
-                r.gpu_index not in stored or r.updated_at >= stored[r.gpu_index].updated_at
-            ):
-                stored[r.gpu_index] = r
+        stored = _newest_unread(self._store.desired().values(), {g.uuid for g in ids if g.uuid})
         seen = self._last_seen()
         out: dict[str, tuple[int, DeviceLayout]] = {}
         unchanged: dict[int, str] = {}
@@ -1441,12 +1448,14 @@ class MigManager:
                     )
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
+            newest = _newest_unread(desired.values(), ids)
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
-                unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
-                if gpu is None and unread and record.gpu_index in faults:
-                    # Lost before its identity was ever read: most likely the GPU it was.
-                    i = record.gpu_index
+                i = record.gpu_index
+                unread = i < len(all_ids) and not all_ids[i].uuid
+                if gpu is None and unread and i in faults and newest[i].gpu_uuid == uuid:
+                    # Lost before its identity was ever read: most likely the GPU its index's
+                    # newest record names; an older one there is of a GPU replaced since.
                     outcomes.append(_left_alone(i, uuid, f"GPU {i}", faults[i]))
                     continue
                 if gpu is None:
@@ -2001,7 +2010,8 @@ def _who(pid: int, job: str | None) -> str:
 
 
 def _no_answer(timeout_s: float) -> str:
-    return f"not answering: no answer from the driver within {timeout_s:.1f} s"
+    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s")
+    return f"not answering: no answer from the driver within {format_number(round(timeout_s, 1))} s"
 
 
 def _nothing_to_resume(
@@ -2023,6 +2033,21 @@ def _nothing_to_resume(
         # a faulty GPU's mode is not known, one lost before its identity was read included
         return False
     return all(isinstance(p, GpuPlan) and not p.reset_pending for p in checked.values())
+
+
+def _newest_unread(
+    records: Iterable[DesiredRecord], read: Container[str]
+) -> dict[int, DesiredRecord]:
+    """By GPU index, the newest of ``records`` whose UUID no GPU read now has (``read``):
+    the GPU a GPU never read at that index most likely is. A GPU replaced there (a new
+    UUID at the same index, ``nvidia-smi -L``) leaves its record behind, older."""
+    out: dict[int, DesiredRecord] = {}
+    for r in records:
+        if r.gpu_uuid not in read and (
+            r.gpu_index not in out or r.updated_at >= out[r.gpu_index].updated_at
+        ):
+            out[r.gpu_index] = r
+    return out
 
 
 def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:

@@ -195,12 +195,13 @@ class ControlDaemon:
         before that wait ends ``timeout_s`` again."""
         return 3 * self._timeout_s
 
-    def stop_s(self, quit_s: float | None = None) -> float:
-        """How long :meth:`stop` may take at most: its ``quit`` waited on ``quit_s`` (None:
-        ``timeout_s``), the daemon's exit after it, after SIGTERM, and after SIGKILL, each
-        waited on its own time (a process stuck in the driver outlives all three)."""
+    def stop_s(self, quit_s: float | None = None, *, timeout_s: float = _QUIT_EXIT_S) -> float:
+        """How long :meth:`stop` given the same ``quit_s`` and ``timeout_s`` may take at most:
+        its ``quit`` waited on ``quit_s`` (None: the daemon's ``timeout_s``), the daemon's exit
+        after it on ``timeout_s``, after SIGTERM and after SIGKILL each on its own time (a
+        process stuck in the driver outlives all three)."""
         quit_wait = self._timeout_s if quit_s is None else quit_s
-        return quit_wait + _QUIT_EXIT_S + _TERM_EXIT_S + self.kill_s
+        return quit_wait + timeout_s + _TERM_EXIT_S + self.kill_s
 
     @property
     def kill_s(self) -> float:
@@ -325,7 +326,8 @@ class ControlDaemon:
         ``pid``: that process (the caller made sure it is this device's daemon), also when
         no PID file names it any more; ``quit`` goes through the pipe only where one does.
         ``quit_s``: how long the ``quit`` command is waited for (default: the daemon's
-        ``timeout_s``)."""
+        ``timeout_s``); ``timeout_s``: how long the daemon's exit is waited for after it,
+        before SIGTERM. :meth:`stop_s` with the same two is the most this takes."""
         found = self.pid()
         pid = found if pid is None else pid
         if pid is None:

@@ -290,12 +290,7 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
     gpuctl = Gpuctl(config, capsys)
 
     def first() -> list[dict[str, object]]:
-        gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
-        deadline = time.monotonic() + 20
-        while len(_seen(config)) < 2:  # the "seen" step keeps them after a sample
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        return gpuctl.gpus()
+        return _read_and_kept(config, gpuctl)
 
     before = run_daemon(config, first)
     SimNode(
@@ -343,6 +338,51 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
         assert code == 2 and "GPU 1 (A100-SXM4-40GB)" in err and "'3g.40gb'" in err, out + err
 
     run_daemon(config, again)
+
+
+def test_a_gpu_back_on_the_bus_with_its_xid_79_uncleared_keeps_its_name_in_mig_show(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPU 1 falls off the bus (XID 79) and gpud stops; the next run starts with it lost,
+    then it answers again while XID 79 stays uncleared: mig show names it by the product
+    and UUID read from it, beside its fault, as it named it by those last seen while lost."""
+    config = make_config(root)
+    gpuctl = Gpuctl(config, capsys)
+
+    def first() -> list[dict[str, object]]:
+        before = _read_and_kept(config, gpuctl)
+        assert gpuctl("sim", "fault", "--gpu", "1", "lost")[0] == 0
+        gpuctl.wait(lambda gpus: "Xid 79" in str(gpus[1]["reason"]))
+        return before
+
+    before = run_daemon(config, first)
+    uuid, product = before[1]["uuid"], before[1]["product"]
+
+    def again() -> None:
+        code, out, _ = gpuctl("mig", "show")
+        assert code == 11 and f"GPU 1 {product} (last seen) {uuid}: faulty: " in out, out
+        assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
+        gpuctl.wait(lambda gpus: "lost" not in str(gpus[1]["reason"]).lower())
+        gpu1 = gpuctl.gpus()[1]
+        assert gpu1["healthy"] is False and "Xid 79" in str(gpu1["reason"]), gpu1
+        code, out, _ = gpuctl("mig", "show")
+        assert code == 11 and f"GPU 1 {product} {uuid}: faulty: " in out, out
+        assert "Xid 79" in out.split(f"GPU 1 {product} {uuid}: faulty: ", 1)[1], out
+        code, out, _ = gpuctl("--json", "mig", "show")
+        mig1 = json.loads(out)["gpus"][1]
+        assert (mig1["uuid"], mig1["product"]) == (uuid, product), mig1
+
+    run_daemon(config, again)
+
+
+def _read_and_kept(config: Config, gpuctl: Gpuctl) -> list[dict[str, object]]:
+    """Once both GPUs are read and the "seen" step kept them (after a sample): the GPUs."""
+    gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
+    deadline = time.monotonic() + 20
+    while len(_seen(config)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return gpuctl.gpus()
 
 
 def _seen(config: Config) -> dict[int, Seen]:

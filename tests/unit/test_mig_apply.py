@@ -30,7 +30,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
-from gpud.mig.layout import MigConfigFile, load_config, parse_config
+from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config, parse_config
 from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions, MigStore
@@ -1687,24 +1687,40 @@ def test_a_layout_a_faulty_gpu_cannot_take_is_refused_as_for_a_healthy_one(
         host.close()
 
 
-def test_a_gpu_lost_before_start_with_no_product_seen_keeps_its_desired_layout(
-    host: Host, config: MigConfigFile
+@pytest.mark.parametrize(
+    ("product_seen", "said", "kept"),
+    [
+        # no run kept its product: the layout cannot be checked, the earlier one is kept
+        (
+            False,
+            "; its product unknown: the config's layout for it cannot be checked;"
+            " its desired layout is unchanged",
+            {0: "all-3g.40gb", 1: "all-balanced"},
+        ),
+        # its product seen, but no earlier apply recorded it: no UUID to record it under
+        (
+            True,
+            "; its UUID never read and no earlier apply recorded it: unmanaged",
+            {0: "all-3g.40gb"},
+        ),
+    ],
+    ids=["no-product-seen", "product-seen-unrecorded"],
+)
+def test_a_gpu_lost_before_start_that_cannot_take_a_layout_says_why_on_its_line(
+    host: Host, config: MigConfigFile, product_seen: bool, said: str, kept: dict[int, str]
 ) -> None:
-    """A GPU never read whose product no earlier run kept: the layout it would get cannot
-    be checked, so its record keeps the earlier apply's layout and the apply says so."""
-    first = enable(host, config, "all-balanced")
+    """A GPU never read since gpud started: where no run kept its product, its record keeps
+    the earlier apply's layout; where one did but no earlier apply recorded the GPU (the
+    layout checked against that product), it stays unmanaged. The apply says which."""
+    first = host.start() if product_seen else enable(host, config, "all-balanced")
+    if product_seen:
+        host.last_seen = {1: seen(first, 1)}
     first.node.faults.lose(1)
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb")
     assert [o.status for o in result.gpus] == ["changed", "faulty"]
-    assert result.gpus[1].detail.endswith(
-        "; its product unknown: the config's layout for it cannot be checked;"
-        " its desired layout is unchanged"
-    )
-    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == {
-        0: "all-3g.40gb",
-        1: "all-balanced",
-    }
+    assert result.gpus[1].detail.endswith(said), result.gpus[1].detail
+    assert {r.gpu_index: r.config_name for r in d.mig.desired().values()} == kept
 
 
 def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
@@ -1728,6 +1744,30 @@ def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
         newest: "all-3g.40gb",
         "GPU-replaced": "all-balanced",
     }
+
+
+def test_reconcile_leaves_a_gpu_lost_before_start_alone_under_its_newest_record_only(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Two records kept for one GPU index, neither of a GPU read now (a GPU replaced while
+    gpud was down), the older one listed last and of another layout: reconcile takes the
+    GPU for the one its index's newest record names, as an apply does; the older one is of
+    a GPU not present."""
+    first = enable(host, config, "all-balanced")
+    newest = first.mig.show()[1].identity.uuid
+    older = first.mig.desired()[newest].updated_at - 60
+    MigStore(first.store).begin_apply(
+        "all-disabled",
+        {"GPU-replaced": (1, DeviceLayout(False, ()))},
+        (),
+        ApplyOptions(),
+        older,
+        inflight=False,
+    )
+    first.node.faults.lose(1)
+    d = host.start()
+    outcomes = [(o.uuid, o.status) for o in d.mig.reconcile() if o.gpu == 1]
+    assert sorted(outcomes) == sorted([(newest, "faulty"), ("GPU-replaced", "missing")])
 
 
 def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
@@ -2314,13 +2354,13 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert len(diff) == 2 and faulty == {}
 
 
-@pytest.mark.parametrize("timeout_s", [0.3, 3600.0])
+@pytest.mark.parametrize(("timeout_s", "said"), [(0.3, "0.3 s"), (3600.0, "3600 s")])
 def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
-    host: Host, config: MigConfigFile, timeout_s: float
+    host: Host, config: MigConfigFile, timeout_s: float, said: str
 ) -> None:
     """Telemetry has not noticed the hang: the GPU is not checked once ``read_timeout_s``
     (telemetry.call_timeout_s) has passed on the clock the manager was given (an hour of it
-    at no real time)."""
+    at no real time), and the deadline is said as a person reads it (a whole one whole)."""
     host.read_timeout_s = timeout_s
     d = enable(host, config, "all-1g.10gb")
     hang = _Hangs(d, 1, "gpu_instances")
@@ -2328,7 +2368,7 @@ def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
     diff, faulty = mig.check(config, "all-1g.10gb")
     assert hang.hanging.is_set() and not hang.returned.is_set()
     assert diff == [] and d.clock.now == pytest.approx(timeout_s)
-    assert faulty == {1: f"not answering: no answer from the driver within {timeout_s:.1f} s"}
+    assert faulty == {1: f"not answering: no answer from the driver within {said}"}
     assert mig.check(config, "all-1g.10gb")[1] == {1: NOT_ANSWERING}
     _let_go(mig, hang)
 

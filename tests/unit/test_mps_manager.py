@@ -1935,6 +1935,33 @@ def test_every_directory_to_the_pipes_lets_other_users_through(root: Path) -> No
         assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory
 
 
+def test_a_stop_given_a_longer_exit_wait_stays_within_the_bound_it_is_said_in_flight_for(
+    root: Path,
+) -> None:
+    """A daemon stuck in the driver outlives quit, SIGTERM and SIGKILL: :meth:`stop` with
+    an exit wait of its own takes all of it, and :meth:`stop_s` given the same counts it."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    stuck = subprocess.Popen(["sleep", "600"])
+    try:
+        daemon = ControlDaemon(
+            gpu_uuid(0),
+            root / "run",
+            FAKE_CONTROL,
+            sleep=sleep,
+            clock=lambda: now[0],
+            alive=lambda pid, proc_root: True,
+        )
+        assert daemon.stop(timeout_s=30.0, pid=stuck.pid, quit_s=1.0) is None
+        assert 30.0 < now[0] <= daemon.stop_s(1.0, timeout_s=30.0)
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
 def test_with_no_daemon_running_a_stop_says_nothing(root: Path) -> None:
     mgr, store, events = make_manager(root, enabled=False)
     try:
