@@ -2111,6 +2111,25 @@ def test_a_report_interval_that_is_no_number_of_seconds_is_refused_naming_it(
         Throttle("train", call=lambda j, i: (1.0, False, ""), report_every_s=every)
 
 
+@pytest.mark.parametrize("every", [float("nan"), float("inf"), -1.0, -0.0001])
+def test_a_latency_flush_interval_that_is_no_number_of_seconds_is_refused_naming_it(
+    every: float,
+) -> None:
+    """A NaN or infinite interval would hold a quiet service's requests until 4096 came:
+    the guard beside it would read nothing."""
+    with pytest.raises(ValueError, match="Latency flush_every_s must be a finite number"):
+        Latency("chat", send=lambda j, s, a: None, flush_every_s=every)
+
+
+@pytest.mark.parametrize("argument", ["max_batch", "max_pending"])
+@pytest.mark.parametrize("count", [0, -1, 2.5, 8.0, True])
+def test_a_latency_count_that_is_no_whole_number_is_refused_naming_it(
+    argument: str, count: object
+) -> None:
+    with pytest.raises(ValueError, match=f"Latency {argument} must be a whole number >= 1"):
+        Latency("chat", send=lambda j, s, a: None, **{argument: count})
+
+
 @pytest.mark.parametrize("hold", [float("nan"), -1.0])
 def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
     with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
@@ -2534,13 +2553,12 @@ def test_an_idle_sender_thread_ends_and_its_latency_is_collected() -> None:
     assert collected() is None
 
 
-def test_a_latency_that_never_sends_on_its_own_sends_each_flush() -> None:
-    """``flush_every_s=inf`` (reports only when flushed): the sender thread waits for the
-    next flush however long, and sends it."""
+def test_a_latency_that_seldom_sends_on_its_own_sends_each_flush() -> None:
+    """A ``flush_every_s`` of centuries (reports only when flushed): the sender thread
+    waits for the next flush however long (past the longest wait Python takes), and sends
+    it."""
     sent: list[list[float]] = []
-    lat = Latency(
-        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=math.inf
-    )
+    lat = Latency("chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=1e12)
     for seconds in (0.01, 0.02):
         lat.observe(seconds)
         assert lat.flush(timeout=30)
@@ -2569,6 +2587,20 @@ def test_a_flush_after_a_close_that_timed_out_waits_for_the_call_still_in_gpud()
     assert not lat.flush(timeout=1) and quick == [[0.02]]
     gpud.answer.set()
     assert lat.close(timeout=30) and gpud.sent == [([0.01], None)]
+
+
+def test_reports_left_waiting_by_a_close_that_timed_out_are_counted_as_dropped() -> None:
+    """close() ends the sender thread: the reports waiting behind a call gpud does not
+    answer are never sent, and ``dropped`` says so (the call in flight, answered later,
+    is delivered and not counted)."""
+    gpud, lat = sending_into_a_hung_call()
+    lat.observe(0.02)
+    lat.observe(0.03)
+    lat.observe(0.04)
+    assert not lat.close(timeout=0)
+    assert lat.dropped == 3
+    gpud.answer.set()
+    assert lat.flush(timeout=30) and gpud.sent == [([0.01], None)] and lat.dropped == 3
 
 
 def test_a_clock_that_fails_on_the_sender_thread_drops_that_report_and_the_thread_goes_on() -> None:
