@@ -223,6 +223,9 @@ class _JobState:
     # it called throttle_point: a job that reports, its first iteration still running (a
     # compile, an evaluation) or not, is judged by its progress, never as one that never does
     reporting: bool = False
+    # the reservation time (RunningJob.reserved_at, the earliest of its devices') of the
+    # run its progress is of; None: not known, or it does not run
+    run: float | None = None
     # alone on all its devices: training's iterations per busy second (duty taken out); an
     # inference service's M/M/1 service rate (requests/s, see ColoService.service_rate)
     alone_rate: float | None = None
@@ -276,6 +279,14 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
+
+    def new_run(self, now: float) -> None:
+        """A run ended, or another began: what the last one reported (its iterations, that
+        it reports, the company its rate was read in) is not the next one's, whose rate
+        is read from its own iterations once it settled."""
+        self.progress.clear()
+        self.reporting = False
+        self.company, self.since = None, now + SETTLE_S
 
     def unlearn(self) -> None:
         """Forget what it showed: its footprints and rates alone, measured afresh."""
@@ -1329,7 +1340,8 @@ class ColoService:
         self, running: Sequence[RunningJob], now: float, totals: Mapping[str, int]
     ) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
-        restart) arrives anew when it runs again. Jobs first seen in the same tick (all of
+        restart) arrives anew when it runs again, and its progress starts afresh (as where
+        it ended and began again between two ticks: another reservation time). Jobs first seen in the same tick (all of
         them after gpud restarts) arrived in the order of their reservations. ``totals``:
         the memory of each device of a healthy GPU (:func:`_memory_totals`), which bounds
         the reading of a job there its run's peak takes."""
@@ -1347,8 +1359,17 @@ class ColoService:
             reserved.setdefault(r.name, math.inf)
             if r.reserved_at is not None:
                 reserved[r.name] = min(reserved[r.name], r.reserved_at)
+        for name, at in reserved.items():
+            st = self._jobs[name]
+            run = at if at < math.inf else None
+            if None not in (run, st.run) and run != st.run:  # ended and began between ticks
+                st.new_run(now)
+            st.run = run if run is not None else st.run
         for name, st in self._jobs.items():
             if name not in reserved:
+                if st.arrived is not None:  # its run ended
+                    st.new_run(now)
+                st.run = None
                 st.arrived = None
                 st.unseen_since, st.unseen_said = None, False
                 st.memory_peaks.clear()

@@ -6625,3 +6625,44 @@ def test_a_rate_is_read_from_an_iterations_end_not_from_a_duty_told_in_its_sleep
     points = [(100.0, 1, 0.1), (150.0, 1, 0.5), (160.0, 2, 0.5)]
     svc, st = _training_progress(tmp_path, points)
     assert svc._rate(st, 165.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("end_seen", [True, False])
+def test_a_training_job_that_ran_ended_and_runs_again_reads_no_rate_of_its_last_run(
+    tmp_path: Path, end_seen: bool
+) -> None:
+    """An iteration a second; the run ends and `gpuctl run` starts the job again 4 s
+    later (a tick sees it gone, or the new run begins between two ticks: another
+    reservation). Read across the gap from the last run's iterations it would run at 0.6
+    a second: its rate is read from the new run's own iterations only, once they settled."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    svc.throttle_point("train", 0)
+    for _ in range(20):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+    st = svc._jobs["train"]
+    assert svc._rate(st, clock.t) == pytest.approx(1.0)
+    clock.t += 0.5
+    if end_seen:
+        jobs = []
+        svc.tick(snapshot())
+        assert not st.reporting and not st.progress
+    clock.t += 2.0
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    clock.t += 1.5
+    svc.throttle_point("train", 0)  # the new run's first point
+    rates = []  # as each tick, every 3 s, reads them
+    for _ in range(12):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        if clock.t % 3 == 0:
+            svc.tick(snapshot())
+            rates.append(svc._rate(svc._jobs["train"], clock.t))
+    assert all(r is None or r == pytest.approx(1.0) for r in rates), rates
+    assert rates[0] is None and rates[-1] == pytest.approx(1.0), rates
