@@ -3197,25 +3197,31 @@ class ColoService:
                 views = [x for x in running if x.name == name]
                 if not views:
                     continue  # its reservation is gone
+
                 # A service on several GPUs is shown where something bears on its guard: a
                 # faulty GPU (paused), else one with training beside it, else its first.
-                r = min(
-                    views,
-                    key=lambda x: (
-                        x.gpu not in self._faulty,
-                        not any(
-                            o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
-                            for o in running
-                        ),
-                    ),
-                )
+                def beside(x: RunningJob) -> bool:
+                    return any(
+                        o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
+                        for o in running
+                    )
+
+                r = min(views, key=lambda x: (x.gpu not in self._faulty, not beside(x)))
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
-                at_duty = self.p99(
-                    name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES
-                )
+                judged = self._judged_since(st)
+                at_duty = self.p99(name, since=judged, min_samples=MIN_FRESH_SAMPLES)
                 action = g.last.action.value if g.last else "hold"
                 reason = g.last.reason if g.last else "no training on its GPU"
+                if g.last is None and beside(r):
+                    # switched on, started afresh or just beside training: it judges
+                    # none of the window's older reports, and has not judged yet
+                    n = len(self._latencies(name, judged))
+                    reason = (
+                        f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
+                        if n < MIN_FRESH_SAMPLES
+                        else f"judges its {n} latencies at the next tick"
+                    )
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                     if p99 is not None and p99 > g.slo_s:

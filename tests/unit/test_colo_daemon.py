@@ -2696,7 +2696,7 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             svc.report_latency("chat", [0.03] * 30)
             assert main(["--socket", str(path), "colo", "show"], env={}) == 0
             text = capsys.readouterr().out
-            assert "P99 AT DUTY" in text and "95.0 ms  30.0 ms" in text, text
+            assert "P99 JUDGED" in text and "30.0 ms     95.0 ms" in text, text
 
 
 def test_advice_for_a_registered_job_takes_its_declared_memory(
@@ -6666,3 +6666,54 @@ def test_a_training_job_that_ran_ended_and_runs_again_reads_no_rate_of_its_last_
             rates.append(svc._rate(svc._jobs["train"], clock.t))
     assert all(r is None or r == pytest.approx(1.0) for r in rates), rates
     assert rates[0] is None and rates[-1] == pytest.approx(1.0), rates
+
+
+def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The loop off while a service beside training ran at 150 ms, then switched on: the
+    window still holds those, which the guard does not judge. `gpuctl colo show` puts the
+    p99 it judges (none yet) beside the SLO, the window's apart, and says it measures,
+    not that no training is on its GPU."""
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, short_dir
+
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(enabled=False),
+        EventLog(tmp_path / "events.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+    )
+    for _ in range(10):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.15] * 10)
+        svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    for _ in range(4):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.05] * 3)
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.p99_ms == pytest.approx(150.0) and g.p99_at_duty_ms is None
+    assert g.reason == "measuring: 6 of the 20 latencies it judges on", g.reason
+    snap = snapshot()
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(
+            ApiServer(path, servicers=[ColoServicer(svc, snapshots=lambda: snap).register])
+        ):
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("SERVICE"))
+    header, row = lines[at], lines[at + 1]
+    assert header.split()[3:7] == ["P99", "JUDGED", "P99", "WINDOW"], header
+    judged = row[header.index("P99 JUDGED") : header.index("P99 WINDOW")].strip()
+    window = row[header.index("P99 WINDOW") : header.index("TRAINING DUTY")].strip()
+    assert (judged, window) == ("-", "150.0 ms"), row
