@@ -14,9 +14,10 @@ it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped
 the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`)
 after it was made says its age, as a batch held through a quiet spell does. ``flush()``
 sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
-thread: call one before exit to wait longer than the exit's own close, 1 s in all. A forked
-child starts with none of its parent's batch, reports, thread or locks, and reports none of
-its parent's iterations.
+thread, dropping (and counting) the reports still waiting for it: call one before exit
+to wait longer than the exit's own close, 1 s in all. A forked child starts with none of
+its parent's batch, reports, thread or locks, and reports none of its parent's
+iterations.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
