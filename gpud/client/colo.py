@@ -148,7 +148,11 @@ class Throttle:
         once that one failed. The first point reports no iteration (the one it counts goes
         with the next report): no sleep follows it, so until the next point the job runs
         at full duty whatever gpud told it, and gpud, which takes the duty it told out of
-        the time between reports, would read it as that much faster."""
+        the time between reports, would read it as that much faster. Until gpud first
+        answers, each ``ThrottlePoint`` says it is this throttle's first
+        (``ThrottlePointRequest.first``): gpud reads the job's rate from this process's
+        iterations, not across the gap from another's (a process started again within
+        one run)."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         _check_interval("Throttle", "report_every_s", report_every_s)
@@ -165,6 +169,9 @@ class Throttle:
         self._interval = report_every_s  # until the next report: longer after failures
         self._failing = False  # the last call failed
         self._pending = 0
+        # gpud has answered this throttle: until then each call says it is a process's
+        # first, so that gpud reads the job's rate from this process's iterations
+        self._heard = False
         self.duty = 1.0
         self.evict = False
         self.reason = ""
@@ -180,7 +187,7 @@ class Throttle:
         from gpud.v1 import colo_pb2
 
         r = self._channel.stub().ThrottlePoint(
-            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations),
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, first=not self._heard),
             timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
@@ -209,6 +216,7 @@ class Throttle:
             )
             return
         self.duty = min(1.0, max(0.01, self.duty))
+        self._heard = True
         self._pending -= iterations
         self._answered = now
         self._failing = False

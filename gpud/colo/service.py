@@ -1065,12 +1065,14 @@ class ColoService:
             if seconds:
                 st.reports.append((served, len(seconds)))
 
-    def throttle_point(self, job: str, iterations: int) -> Directive:
+    def throttle_point(self, job: str, iterations: int, *, first: bool = False) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at. A
         report of 0 iterations (the client asks between the slices of a throttled sleep)
         is kept as a point only where the duty it is told differs from the last point's:
         the rest of the sleep runs at the new one, and :meth:`_rate` charges each stretch
-        at the duty told at its start. Any report marks the job as one that reports."""
+        at the duty told at its start. Any report marks the job as one that reports.
+        ``first``: the first report of a process's throttle: the progress reported before
+        is another process's, and the rate is read from this one's iterations on."""
         if not 0 <= iterations <= MAX_ITERATIONS:
             raise InvalidArgument(
                 f"job {job}: {iterations} iterations since the last throttle point, "
@@ -1087,6 +1089,9 @@ class ColoService:
             else:
                 d = Directive(1.0, False, "co-location is off")
             st.reporting = True
+            if first:
+                st.progress.clear()
+                st.since = max(st.since, now)
             if iterations > 0 or (st.progress and st.progress[-1][2] != d.duty):
                 total = (st.progress[-1][1] if st.progress else 0) + iterations
                 st.progress.append((now, total, d.duty))

@@ -6717,3 +6717,54 @@ def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
     judged = row[header.index("P99 JUDGED") : header.index("P99 WINDOW")].strip()
     window = row[header.index("P99 WINDOW") : header.index("TRAINING DUTY")].strip()
     assert (judged, window) == ("-", "150.0 ms"), row
+
+
+def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
+    tmp_path: Path,
+) -> None:
+    """An iteration a second; the process ends and another starts 4 s later under the same
+    reservation (a wrapper that starts it again): read across the gap from the last
+    process's iterations it would run at 0.6 a second."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    svc.throttle_point("train", 0, first=True)
+    for _ in range(20):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+    clock.t += 4.0
+    svc.throttle_point("train", 0, first=True)  # the new process's first point
+    rates = []
+    for _ in range(4):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+        rates.append(svc._rate(svc._jobs["train"], clock.t))
+    assert rates == [None, 1.0, 1.0, 1.0], rates
+
+
+def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
+    """gpud away at the first point: the next call, answered, is still the first."""
+    sent: list[bool] = []
+    answers = [False, True, True]
+
+    class Stub:
+        def ThrottlePoint(
+            self, request: colo_pb2.ThrottlePointRequest, **_: object
+        ) -> colo_pb2.ThrottlePointResponse:
+            sent.append(request.first)
+            if not answers.pop(0):
+                raise TimeoutError("deadline exceeded")
+            return colo_pb2.ThrottlePointResponse(duty=1.0)
+
+    clock = Clock()
+    t = Throttle("train", clock=clock, sleep=lambda s: None, report_every_s=0)
+    t._channel._stub = Stub()
+    for _ in range(3):
+        t.point()
+        clock.t += 3.0  # past the back-off after the failed call (2 s)
+    assert sent == [True, True, False]
