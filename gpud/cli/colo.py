@@ -30,8 +30,10 @@ GUARD_HEADERS = (
     "SERVICE",
     "GPU",
     "SLO",
-    "P99",
-    "P99 AT DUTY",
+    # what the guard judges (since its duty last reached the training, the loop was
+    # switched on or its GPUs answered again), then the whole window's, which ATTAINED counts
+    "P99 JUDGED",
+    "P99 WINDOW",
     "TRAINING DUTY",
     "ACTION",
     "ATTAINED",
@@ -114,8 +116,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
                 g.job,
                 str(g.gpu) if g.gpu >= 0 else "-",
                 f"{g.slo_ms:g} ms",
-                f"{g.p99_ms:.1f} ms" if g.HasField("p99_ms") else NA,
                 f"{g.p99_at_duty_ms:.1f} ms" if g.HasField("p99_at_duty_ms") else NA,
+                f"{g.p99_ms:.1f} ms" if g.HasField("p99_ms") else NA,
                 _pct(g.duty),
                 g.action,
                 f"{g.attainment:.3f}",

@@ -14,9 +14,10 @@ it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped
 the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`)
 after it was made says its age, as a batch held through a quiet spell does. ``flush()``
 sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
-thread: call one before exit to wait longer than the exit's own close, 1 s in all. A forked
-child starts with none of its parent's batch, reports, thread or locks, and reports none of
-its parent's iterations.
+thread, dropping (and counting) the reports still waiting for it: call one before exit
+to wait longer than the exit's own close, 1 s in all. A forked child starts with none of
+its parent's batch, reports, thread or locks, and reports none of its parent's
+iterations.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
@@ -78,6 +79,22 @@ REPORT_BACKOFF_MAX_S = 30.0
 SENDER_IDLE_MIN_S = 5.0
 
 
+def _check_interval(owner: str, name: str, seconds: float) -> None:
+    """Refuses an interval between calls to gpud that is no finite number of seconds >= 0,
+    naming ``owner``'s argument ``name``: NaN or inf would stop the calls for good (no time
+    is ever that far on), a negative one means nothing; 0 calls at every point or
+    request."""
+    if not 0.0 <= seconds < math.inf:
+        raise ValueError(f"{owner} {name} must be a finite number of seconds >= 0, not {seconds!r}")
+
+
+def _check_count(owner: str, name: str, count: int) -> None:
+    """Refuses a count that is no whole number >= 1 (a bool or a float too), naming
+    ``owner``'s argument ``name``."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{owner} {name} must be a whole number >= 1, not {count!r}")
+
+
 class _Channel:
     def __init__(self, socket: str | None = None, token: str | None = None) -> None:
         self._socket = socket or os.environ.get("GPUD_SOCKET", DEFAULT_SOCKET)
@@ -131,16 +148,14 @@ class Throttle:
         once that one failed. The first point reports no iteration (the one it counts goes
         with the next report): no sleep follows it, so until the next point the job runs
         at full duty whatever gpud told it, and gpud, which takes the duty it told out of
-        the time between reports, would read it as that much faster."""
+        the time between reports, would read it as that much faster. Until gpud first
+        answers, each ``ThrottlePoint`` says it is this throttle's first
+        (``ThrottlePointRequest.first``): gpud reads the job's rate from this process's
+        iterations, not across the gap from another's (a process started again within
+        one run)."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
-        # NaN or inf would stop the reports for good (no time is ever that far on); 0
-        # reports at every point
-        if not 0.0 <= report_every_s < math.inf:
-            raise ValueError(
-                "Throttle report_every_s must be a finite number of seconds >= 0,"
-                f" not {report_every_s!r}"
-            )
+        _check_interval("Throttle", "report_every_s", report_every_s)
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._hold = hold_s
@@ -154,6 +169,9 @@ class Throttle:
         self._interval = report_every_s  # until the next report: longer after failures
         self._failing = False  # the last call failed
         self._pending = 0
+        # gpud has answered this throttle: until then each call says it is a process's
+        # first, so that gpud reads the job's rate from this process's iterations
+        self._heard = False
         self.duty = 1.0
         self.evict = False
         self.reason = ""
@@ -169,7 +187,7 @@ class Throttle:
         from gpud.v1 import colo_pb2
 
         r = self._channel.stub().ThrottlePoint(
-            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations),
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, first=not self._heard),
             timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
@@ -198,6 +216,7 @@ class Throttle:
             )
             return
         self.duty = min(1.0, max(0.01, self.duty))
+        self._heard = True
         self._pending -= iterations
         self._answered = now
         self._failing = False
@@ -325,7 +344,11 @@ class Latency:
         idle_s: float | None = None,
         start: Callable[[Callable[[], None], str], None] | None = None,
     ) -> None:
-        """``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
+        """``flush_every_s``: the least time between reports (0: each request alone; a
+        negative, infinite or NaN one is refused naming it). ``max_batch``, ``max_pending``:
+        the most requests a report holds, the most reports waiting for the sender thread
+        (each a whole number >= 1, else refused naming it).
+        ``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
         to gpud, waiting at most :data:`CALL_TIMEOUT_S`); ``age_s`` the seconds since the
         earliest of its requests began, for a batch held through a quiet spell, or one
         that waited for the sender thread more than ``flush_every_s`` (and more than
@@ -337,8 +360,9 @@ class Latency:
         new thread (default: a daemon ``threading.Thread``); where it cannot (the pids
         cgroup's limit, interpreter shutdown) that one report is sent on the calling
         thread and the reports waiting are dropped and counted."""
-        if max_pending < 1:
-            raise ValueError(f"Latency max_pending must be >= 1, not {max_pending!r}")
+        _check_interval("Latency", "flush_every_s", flush_every_s)
+        _check_count("Latency", "max_batch", max_batch)
+        _check_count("Latency", "max_pending", max_pending)
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
@@ -347,7 +371,8 @@ class Latency:
         self._send = send or self._grpc_send
         self._background = background
         idle = max(10 * flush_every_s, SENDER_IDLE_MIN_S) if idle_s is None else idle_s
-        # a wait past TIMEOUT_MAX (an infinite flush_every_s) raises in the thread
+        # a wait past TIMEOUT_MAX (a flush_every_s of centuries, an idle_s given) raises
+        # in the thread
         self._idle = min(idle, threading.TIMEOUT_MAX)
         self._start = start or _start_daemon
         self._max_pending = max_pending
@@ -439,11 +464,14 @@ class Latency:
             return self._ready.wait_for(lambda: not self._pending and not self._sending, timeout)
 
     def close(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
-        """:meth:`flush`, then end the sender thread once nothing waits for it (a call
-        still in gpud ends at its deadline). A report made after is sent by a new one."""
+        """:meth:`flush`, then end the sender thread (a call still in gpud ends at its
+        deadline). Reports still waiting for it when ``timeout`` ran out (behind a call
+        gpud does not answer) are never sent: they are dropped and counted in
+        :attr:`dropped`. A report made after is sent by a new thread."""
         done = self.flush(timeout)
         with self._ready:
             self._sender = 0
+            self._drop_waiting()
             self._ready.notify_all()
         return done
 
@@ -484,10 +512,15 @@ class Latency:
         except RuntimeError:  # "can't start new thread": the pids limit, shutdown
             # no thread will send what waits: dropped; the report at hand goes on this one
             self._sender = 0
-            self.dropped += sum(len(waiting[0]) for waiting in self._pending)
-            self._pending.clear()
+            self._drop_waiting()
             return False
         return True
+
+    def _drop_waiting(self) -> None:
+        """The reports waiting for a sender thread that none will send: dropped and
+        counted. Under ``_ready``."""
+        self.dropped += sum(len(waiting[0]) for waiting in self._pending)
+        self._pending.clear()
 
     def _next(self, me: int) -> _Report | None:
         """The report sender thread ``me`` sends next, counted in flight; None once it is

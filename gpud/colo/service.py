@@ -223,6 +223,9 @@ class _JobState:
     # it called throttle_point: a job that reports, its first iteration still running (a
     # compile, an evaluation) or not, is judged by its progress, never as one that never does
     reporting: bool = False
+    # the reservation time (RunningJob.reserved_at, the earliest of its devices') of the
+    # run its progress is of; None: not known, or it does not run
+    run: float | None = None
     # alone on all its devices: training's iterations per busy second (duty taken out); an
     # inference service's M/M/1 service rate (requests/s, see ColoService.service_rate)
     alone_rate: float | None = None
@@ -276,6 +279,14 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
+
+    def new_run(self, now: float) -> None:
+        """A run ended, or another began: what the last one reported (its iterations, that
+        it reports, the company its rate was read in) is not the next one's, whose rate
+        is read from its own iterations once it settled."""
+        self.progress.clear()
+        self.reporting = False
+        self.company, self.since = None, now + SETTLE_S
 
     def unlearn(self) -> None:
         """Forget what it showed: its footprints and rates alone, measured afresh."""
@@ -1054,12 +1065,14 @@ class ColoService:
             if seconds:
                 st.reports.append((served, len(seconds)))
 
-    def throttle_point(self, job: str, iterations: int) -> Directive:
+    def throttle_point(self, job: str, iterations: int, *, first: bool = False) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at. A
         report of 0 iterations (the client asks between the slices of a throttled sleep)
         is kept as a point only where the duty it is told differs from the last point's:
         the rest of the sleep runs at the new one, and :meth:`_rate` charges each stretch
-        at the duty told at its start. Any report marks the job as one that reports."""
+        at the duty told at its start. Any report marks the job as one that reports.
+        ``first``: the first report of a process's throttle: the progress reported before
+        is another process's, and the rate is read from this one's iterations on."""
         if not 0 <= iterations <= MAX_ITERATIONS:
             raise InvalidArgument(
                 f"job {job}: {iterations} iterations since the last throttle point, "
@@ -1076,6 +1089,9 @@ class ColoService:
             else:
                 d = Directive(1.0, False, "co-location is off")
             st.reporting = True
+            if first:
+                st.progress.clear()
+                st.since = max(st.since, now)
             if iterations > 0 or (st.progress and st.progress[-1][2] != d.duty):
                 total = (st.progress[-1][1] if st.progress else 0) + iterations
                 st.progress.append((now, total, d.duty))
@@ -1329,7 +1345,8 @@ class ColoService:
         self, running: Sequence[RunningJob], now: float, totals: Mapping[str, int]
     ) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
-        restart) arrives anew when it runs again. Jobs first seen in the same tick (all of
+        restart) arrives anew when it runs again, and its progress starts afresh (as where
+        it ended and began again between two ticks: another reservation time). Jobs first seen in the same tick (all of
         them after gpud restarts) arrived in the order of their reservations. ``totals``:
         the memory of each device of a healthy GPU (:func:`_memory_totals`), which bounds
         the reading of a job there its run's peak takes."""
@@ -1347,8 +1364,17 @@ class ColoService:
             reserved.setdefault(r.name, math.inf)
             if r.reserved_at is not None:
                 reserved[r.name] = min(reserved[r.name], r.reserved_at)
+        for name, at in reserved.items():
+            st = self._jobs[name]
+            run = at if at < math.inf else None
+            if None not in (run, st.run) and run != st.run:  # ended and began between ticks
+                st.new_run(now)
+            st.run = run if run is not None else st.run
         for name, st in self._jobs.items():
             if name not in reserved:
+                if st.arrived is not None:  # its run ended
+                    st.new_run(now)
+                st.run = None
                 st.arrived = None
                 st.unseen_since, st.unseen_said = None, False
                 st.memory_peaks.clear()
@@ -3176,25 +3202,31 @@ class ColoService:
                 views = [x for x in running if x.name == name]
                 if not views:
                     continue  # its reservation is gone
+
                 # A service on several GPUs is shown where something bears on its guard: a
                 # faulty GPU (paused), else one with training beside it, else its first.
-                r = min(
-                    views,
-                    key=lambda x: (
-                        x.gpu not in self._faulty,
-                        not any(
-                            o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
-                            for o in running
-                        ),
-                    ),
-                )
+                def beside(x: RunningJob) -> bool:
+                    return any(
+                        o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
+                        for o in running
+                    )
+
+                r = min(views, key=lambda x: (x.gpu not in self._faulty, not beside(x)))
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
-                at_duty = self.p99(
-                    name, since=self._judged_since(st), min_samples=MIN_FRESH_SAMPLES
-                )
+                judged = self._judged_since(st)
+                at_duty = self.p99(name, since=judged, min_samples=MIN_FRESH_SAMPLES)
                 action = g.last.action.value if g.last else "hold"
                 reason = g.last.reason if g.last else "no training on its GPU"
+                if g.last is None and beside(r):
+                    # switched on, started afresh or just beside training: it judges
+                    # none of the window's older reports, and has not judged yet
+                    n = len(self._latencies(name, judged))
+                    reason = (
+                        f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
+                        if n < MIN_FRESH_SAMPLES
+                        else f"judges its {n} latencies at the next tick"
+                    )
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                     if p99 is not None and p99 > g.slo_s:

@@ -608,17 +608,24 @@ class ThrottlePointRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     ITERATIONS_FIELD_NUMBER: _builtins.int
+    FIRST_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     iterations: _builtins.int
+    first: _builtins.bool
+    """The first point a process's throttle gets answered (a training process started again
+    within one run): what the job reported before is another process's, and its rate is
+    read from this one's iterations. Unset (an older client): the job's progress goes on.
+    """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         iterations: _builtins.int = ...,
+        first: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["iterations", b"iterations", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "iterations", b"iterations", "job", b"job"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2111,6 +2111,25 @@ def test_a_report_interval_that_is_no_number_of_seconds_is_refused_naming_it(
         Throttle("train", call=lambda j, i: (1.0, False, ""), report_every_s=every)
 
 
+@pytest.mark.parametrize("every", [float("nan"), float("inf"), -1.0, -0.0001])
+def test_a_latency_flush_interval_that_is_no_number_of_seconds_is_refused_naming_it(
+    every: float,
+) -> None:
+    """A NaN or infinite interval would hold a quiet service's requests until 4096 came:
+    the guard beside it would read nothing."""
+    with pytest.raises(ValueError, match="Latency flush_every_s must be a finite number"):
+        Latency("chat", send=lambda j, s, a: None, flush_every_s=every)
+
+
+@pytest.mark.parametrize("argument", ["max_batch", "max_pending"])
+@pytest.mark.parametrize("count", [0, -1, 2.5, 8.0, True])
+def test_a_latency_count_that_is_no_whole_number_is_refused_naming_it(
+    argument: str, count: object
+) -> None:
+    with pytest.raises(ValueError, match=f"Latency {argument} must be a whole number >= 1"):
+        Latency("chat", send=lambda j, s, a: None, **{argument: count})
+
+
 @pytest.mark.parametrize("hold", [float("nan"), -1.0])
 def test_a_hold_that_is_no_number_of_seconds_is_refused_naming_it(hold: float) -> None:
     with pytest.raises(ValueError, match="Throttle hold_s must be a number of seconds >= 0"):
@@ -2534,13 +2553,12 @@ def test_an_idle_sender_thread_ends_and_its_latency_is_collected() -> None:
     assert collected() is None
 
 
-def test_a_latency_that_never_sends_on_its_own_sends_each_flush() -> None:
-    """``flush_every_s=inf`` (reports only when flushed): the sender thread waits for the
-    next flush however long, and sends it."""
+def test_a_latency_that_seldom_sends_on_its_own_sends_each_flush() -> None:
+    """A ``flush_every_s`` of centuries (reports only when flushed): the sender thread
+    waits for the next flush however long (past the longest wait Python takes), and sends
+    it."""
     sent: list[list[float]] = []
-    lat = Latency(
-        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=math.inf
-    )
+    lat = Latency("chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=1e12)
     for seconds in (0.01, 0.02):
         lat.observe(seconds)
         assert lat.flush(timeout=30)
@@ -2569,6 +2587,20 @@ def test_a_flush_after_a_close_that_timed_out_waits_for_the_call_still_in_gpud()
     assert not lat.flush(timeout=1) and quick == [[0.02]]
     gpud.answer.set()
     assert lat.close(timeout=30) and gpud.sent == [([0.01], None)]
+
+
+def test_reports_left_waiting_by_a_close_that_timed_out_are_counted_as_dropped() -> None:
+    """close() ends the sender thread: the reports waiting behind a call gpud does not
+    answer are never sent, and ``dropped`` says so (the call in flight, answered later,
+    is delivered and not counted)."""
+    gpud, lat = sending_into_a_hung_call()
+    lat.observe(0.02)
+    lat.observe(0.03)
+    lat.observe(0.04)
+    assert not lat.close(timeout=0)
+    assert lat.dropped == 3
+    gpud.answer.set()
+    assert lat.flush(timeout=30) and gpud.sent == [([0.01], None)] and lat.dropped == 3
 
 
 def test_a_clock_that_fails_on_the_sender_thread_drops_that_report_and_the_thread_goes_on() -> None:
@@ -2664,7 +2696,7 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             svc.report_latency("chat", [0.03] * 30)
             assert main(["--socket", str(path), "colo", "show"], env={}) == 0
             text = capsys.readouterr().out
-            assert "P99 AT DUTY" in text and "95.0 ms  30.0 ms" in text, text
+            assert "P99 JUDGED" in text and "30.0 ms     95.0 ms" in text, text
 
 
 def test_advice_for_a_registered_job_takes_its_declared_memory(
@@ -6593,3 +6625,146 @@ def test_a_rate_is_read_from_an_iterations_end_not_from_a_duty_told_in_its_sleep
     points = [(100.0, 1, 0.1), (150.0, 1, 0.5), (160.0, 2, 0.5)]
     svc, st = _training_progress(tmp_path, points)
     assert svc._rate(st, 165.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("end_seen", [True, False])
+def test_a_training_job_that_ran_ended_and_runs_again_reads_no_rate_of_its_last_run(
+    tmp_path: Path, end_seen: bool
+) -> None:
+    """An iteration a second; the run ends and `gpuctl run` starts the job again 4 s
+    later (a tick sees it gone, or the new run begins between two ticks: another
+    reservation). Read across the gap from the last run's iterations it would run at 0.6
+    a second: its rate is read from the new run's own iterations only, once they settled."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    svc.throttle_point("train", 0)
+    for _ in range(20):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+    st = svc._jobs["train"]
+    assert svc._rate(st, clock.t) == pytest.approx(1.0)
+    clock.t += 0.5
+    if end_seen:
+        jobs = []
+        svc.tick(snapshot())
+        assert not st.reporting and not st.progress
+    clock.t += 2.0
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    clock.t += 1.5
+    svc.throttle_point("train", 0)  # the new run's first point
+    rates = []  # as each tick, every 3 s, reads them
+    for _ in range(12):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        if clock.t % 3 == 0:
+            svc.tick(snapshot())
+            rates.append(svc._rate(svc._jobs["train"], clock.t))
+    assert all(r is None or r == pytest.approx(1.0) for r in rates), rates
+    assert rates[0] is None and rates[-1] == pytest.approx(1.0), rates
+
+
+def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The loop off while a service beside training ran at 150 ms, then switched on: the
+    window still holds those, which the guard does not judge. `gpuctl colo show` puts the
+    p99 it judges (none yet) beside the SLO, the window's apart, and says it measures,
+    not that no training is on its GPU."""
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, short_dir
+
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(enabled=False),
+        EventLog(tmp_path / "events.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+    )
+    for _ in range(10):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.15] * 10)
+        svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    for _ in range(4):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.05] * 3)
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.p99_ms == pytest.approx(150.0) and g.p99_at_duty_ms is None
+    assert g.reason == "measuring: 6 of the 20 latencies it judges on", g.reason
+    snap = snapshot()
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(
+            ApiServer(path, servicers=[ColoServicer(svc, snapshots=lambda: snap).register])
+        ):
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("SERVICE"))
+    header, row = lines[at], lines[at + 1]
+    assert header.split()[3:7] == ["P99", "JUDGED", "P99", "WINDOW"], header
+    judged = row[header.index("P99 JUDGED") : header.index("P99 WINDOW")].strip()
+    window = row[header.index("P99 WINDOW") : header.index("TRAINING DUTY")].strip()
+    assert (judged, window) == ("-", "150.0 ms"), row
+
+
+def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
+    tmp_path: Path,
+) -> None:
+    """An iteration a second; the process ends and another starts 4 s later under the same
+    reservation (a wrapper that starts it again): read across the gap from the last
+    process's iterations it would run at 0.6 a second."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    svc.throttle_point("train", 0, first=True)
+    for _ in range(20):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+    clock.t += 4.0
+    svc.throttle_point("train", 0, first=True)  # the new process's first point
+    rates = []
+    for _ in range(4):
+        clock.t += 1.0
+        svc.throttle_point("train", 1)
+        svc.tick(snapshot())
+        rates.append(svc._rate(svc._jobs["train"], clock.t))
+    assert rates == [None, 1.0, 1.0, 1.0], rates
+
+
+def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
+    """gpud away at the first point: the next call, answered, is still the first."""
+    sent: list[bool] = []
+    answers = [False, True, True]
+
+    class Stub:
+        def ThrottlePoint(
+            self, request: colo_pb2.ThrottlePointRequest, **_: object
+        ) -> colo_pb2.ThrottlePointResponse:
+            sent.append(request.first)
+            if not answers.pop(0):
+                raise TimeoutError("deadline exceeded")
+            return colo_pb2.ThrottlePointResponse(duty=1.0)
+
+    clock = Clock()
+    t = Throttle("train", clock=clock, sleep=lambda s: None, report_every_s=0)
+    t._channel._stub = Stub()
+    for _ in range(3):
+        t.point()
+        clock.t += 3.0  # past the back-off after the failed call (2 s)
+    assert sent == [True, True, False]
