@@ -2123,27 +2123,31 @@ class RenamedTc(FakeTc):
 BFIFO = tcplan.RootQdisc("bfifo", 0x50000)
 
 
-def test_a_restore_on_a_renamed_netdev_says_it_restored_there(rig: Rig) -> None:
+@pytest.mark.parametrize(
+    ("ours", "what"),
+    [
+        (
+            True,
+            "restored there: gpud's HTB root removed, its root qdisc from before gpud is back:"
+            " pfifo_fast (default options)",
+        ),
+        # the tree removed by hand from x0 before the stop: nothing was restored there
+        (
+            False,
+            "found there: gpud's HTB root was not there: the root qdisc found (bfifo 5:) is"
+            " left as it is",
+        ),
+    ],
+)
+def test_a_restore_on_a_renamed_netdev_says_what_it_found_there(
+    rig: Rig, ours: bool, what: str
+) -> None:
     _shaped_over(rig, PFIFO_FAST)
-    rig.tc = RenamedTc(states=dict(rig.tc.states))
+    rig.tc = RenamedTc(states=dict(rig.tc.states), ours=ours)
     _restart(rig).shutdown()
     (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
     assert done.message == (
-        "eth0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, restored there:"
-        " gpud's HTB root removed, its root qdisc from before gpud is back: pfifo_fast"
-        " (default options)"
-    )
-
-
-def test_a_renamed_netdev_without_gpuds_tree_is_found_not_restored(rig: Rig) -> None:
-    """The tree removed by hand from x0 before the stop: nothing was restored there."""
-    _shaped_over(rig, PFIFO_FAST)
-    rig.tc = RenamedTc(states=dict(rig.tc.states), ours=False)
-    _restart(rig).shutdown()
-    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
-    assert done.message == (
-        "eth0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, found there:"
-        " gpud's HTB root was not there: the root qdisc found (bfifo 5:) is left as it is"
+        f"eth0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, {what}"
     )
 
 
