@@ -134,7 +134,9 @@ RTM_GETTCLASS = 42
 RTM_NEWTFILTER = 44
 RTM_DELTFILTER = 45
 RTM_GETTFILTER = 46
+IFLA_ADDRESS = 1
 IFLA_IFNAME = 3
+IFLA_PERM_ADDRESS = 54  # the NIC's burnt-in MAC (kernel 5.5+); absent or zero on virtual ones
 ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 TCA_KIND = 1
 TCA_OPTIONS = 2
@@ -345,7 +347,8 @@ class _Encoder:
 
     def root(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
         if op.kind is OpKind.DELETE_ROOT:
-            return RTM_DELQDISC, 0, _TCMSG.pack(0, ifindex, 0, TC_H_ROOT, 0)
+            # the handle (gpud's, or 0: any root) makes the kernel refuse another's root
+            return RTM_DELQDISC, 0, _TCMSG.pack(0, ifindex, op.root, TC_H_ROOT, 0)
         glob = _HTB_GLOB.pack(HTB_VERSION, HTB_R2Q, op.default_classid & 0xFFFF, 0, 0)
         body = _TCMSG.pack(0, ifindex, op.root, TC_H_ROOT, 0)
         body += _kind("htb") + _nla(TCA_OPTIONS, _nla(TCA_HTB_INIT, glob))
@@ -678,6 +681,12 @@ class TcNetlink:
         # names found on another netdev than the last pass's, until a pass reports it
         self._replaced: dict[str, str] = {}
         self._loopbacks: set[str] = set()  # names whose last look-up was ARPHRD_LOOPBACK
+        # (index, fingerprint) of each name's last look-up: tells a netdev deleted and
+        # another made with its index from the one gpud shaped
+        self._prints: dict[str, tuple[int, _Fingerprint]] = {}
+        self._names: set[str] = set()  # every name a pass or a restore asked for
+        # whether gpud's tree was on an index when last read: a failed read keeps it
+        self._tree_seen: dict[int, bool] = {}
 
     def close(self) -> None:
         self._nl.close()
@@ -709,6 +718,7 @@ class TcNetlink:
             self._loopbacks.add(iface)
         else:
             self._loopbacks.discard(iface)
+        self._prints[iface] = (int(index), _fingerprint(msgs[0]))
         return int(index)
 
     def ifindex(self, iface: str) -> int:
@@ -718,9 +728,9 @@ class TcNetlink:
             idx = self._ifindex[iface] = self._lookup(iface)
         return idx
 
-    def _name_of(self, index: int) -> str | None:
-        """The name the kernel gives index ``index`` now (``ip link show``); None when there
-        is no such index or it cannot be read."""
+    def _link_at(self, index: int) -> tuple[str, _Fingerprint] | None:
+        """The name and fingerprint the kernel gives index ``index`` now (``ip link show``,
+        ``RTM_GETLINK`` by index); None when there is no such index or it cannot be read."""
         try:
             msgs, err = self._nl.get(RTM_GETLINK, _IFINFOMSG.pack(0, 0, index, 0, 0))
         except OSError:
@@ -730,34 +740,57 @@ class TcNetlink:
         name = _attrs(msgs[0], _IFINFOMSG.size, len(msgs[0])).get(IFLA_IFNAME)
         if name is None:
             return None
-        return bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
+        text = bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
+        return text, _fingerprint(msgs[0])
 
-    def _renamed(self, iface: str, err: TcError) -> tuple[int, str]:
+    def _renamed(self, iface: str, err: TcError) -> tuple[int, str, bool]:
         """The index and name now of the netdev ``iface`` was when this adapter last looked
         it up, where the look-up by name failed (``err``) because it was renamed away;
         ``err`` raised otherwise. Only this adapter's own look-up: an index recorded by an
-        earlier run may be another netdev's since a reboot."""
-        seen = self._cache_index.get(iface)
-        renamed = self._name_of(seen) if seen is not None else None
-        if err.errno != errno_mod.ENODEV or seen is None or renamed in (None, iface):
-            raise err
-        return seen, str(renamed)
+        earlier run may be another netdev's since a reboot.
 
-    def _ours_at(self, index: int) -> bool:
-        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``); False
-        when it cannot be read."""
+        Not that netdev, so ``err`` raised: one of another link type or MAC than the
+        look-up saw (``IFLA_PERM_ADDRESS``, else ``IFLA_ADDRESS``: deleted, and another
+        made with its index), or one on another name's last looked-up index. The third
+        item is True where the name now is one this adapter shapes (``ip link del b0; ip
+        link set a0 name b0``): the netdev is b0's to shape and restore, which
+        :meth:`_resolve` says and :meth:`restore` refuses to do as ``iface``."""
+        seen = self._cache_index.get(iface)
+        link = self._link_at(seen) if seen is not None else None
+        if err.errno != errno_mod.ENODEV or seen is None or link is None or link[0] == iface:
+            raise err
+        renamed, print_now = link
+        if self._prints.get(iface) != (seen, print_now):
+            raise err
+        if renamed in self._names:
+            return seen, renamed, True
+        if seen in {i for name, i in self._cache_index.items() if name != iface}:
+            raise err
+        return seen, renamed, False
+
+    def _tree_at(self, index: int) -> str:
+        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``), as the
+        running error says it: a dump that fails (``ENOBUFS``, ``EINTR`` of a dump the
+        kernel marked interrupted) keeps what the last one saw, so the text holds."""
         try:
             msgs, err = self._nl.dump(RTM_GETQDISC, _TCMSG.pack(0, index, 0, 0, 0))
-        except OSError:
-            return False
-        if err is not None:
-            return False
-        roots = (
-            RootQdisc(q.kind, q.handle)
-            for q in map(_decode_tcmsg, msgs)
-            if q.ifindex == index and q.parent == TC_H_ROOT
-        )
-        return any(_is_ours(root) for root in roots)
+        except OSError as oserr:
+            failed = _errname(oserr.errno) if oserr.errno else str(oserr)
+        else:
+            failed = _errname(err.errno) if err is not None else ""
+        if failed:
+            seen = self._tree_seen.get(index)
+            if seen is None:
+                return f", gpud's tree on it unknown (cannot read tc state: {failed})"
+            ours = seen
+        else:
+            ours = any(
+                _is_ours(RootQdisc(q.kind, q.handle))
+                for q in map(_decode_tcmsg, msgs)
+                if q.ifindex == index and q.parent == TC_H_ROOT
+            )
+            self._tree_seen[index] = ours
+        return ", gpud's tree still on it" if ours else ""
 
     def _resolve(self, iface: str, *, shaping: bool = True) -> int:
         """Look ``iface`` up afresh: an interface renamed away, or deleted and created
@@ -765,12 +798,21 @@ class TcNetlink:
         away is named in the error: gpud's tree went with it, to a name gpud never shapes.
         With ``shaping``, the loopback is refused under any name: the kernel's
         ``ARPHRD_LOOPBACK`` (``/sys/class/net/IF/type`` 772), as gpud's namespace sees it."""
+        self._names.add(iface)
         self._ifindex.pop(iface, None)
         try:
             idx = self.ifindex(iface)
         except TcError as err:
-            seen, renamed = self._renamed(iface, err)
-            tree = ", gpud's tree still on it" if self._ours_at(seen) else ""
+            seen, renamed, shaped = self._renamed(iface, err)
+            if shaped:
+                # its tree is the one gpud keeps under that name: nothing of it to say here
+                raise TcError(
+                    iface,
+                    f"no such network interface (renamed to {renamed}, ifindex {seen}: now"
+                    f" {renamed}, shaped as {renamed})",
+                    errno=errno_mod.ENODEV,
+                ) from err
+            tree = self._tree_at(seen)
             raise TcError(
                 iface,
                 f"no such network interface (renamed to {renamed}, ifindex {seen}{tree}:"
@@ -1044,7 +1086,9 @@ class TcNetlink:
         try:
             idx = self._resolve(iface, shaping=False)
         except TcError as err:
-            idx, renamed = self._renamed(iface, err)
+            idx, renamed, shaped = self._renamed(iface, err)
+            if shaped:  # restored as that name, by its own restore
+                raise
             # the reads and requests below go to that netdev by its index, under the old
             # name in their messages; forgotten after, so no pass shapes it as iface
             self._ifindex[iface] = idx
@@ -1065,8 +1109,25 @@ class TcNetlink:
         state = self.read(iface)
         if not _is_ours(state.root):
             return Restored(False, replaced, state.root)
-        delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))
-        self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
+        # gpud's handle in the request: the kernel refuses (EINVAL, "Invalid handle") a
+        # root that stopped being gpud's since the read, rather than deleting another's
+        delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface, root=ROOT_HANDLE))
+        try:
+            self._request_one(
+                iface, delete, f"qdisc del dev {iface} root handle 6764:", "delete the HTB root"
+            )
+        except TcError as err:
+            if err.errno not in (errno_mod.EINVAL, errno_mod.ENOENT):
+                raise
+            raise TcError(
+                iface,
+                f"cannot delete the HTB root: the root qdisc is no longer gpud's HTB 6764:"
+                f" (replaced or removed since it was read; the kernel answered"
+                f" {_errname(err.errno)}): left as it is",
+                op=err.op,
+                errno=err.errno,
+                detail=err.detail,
+            ) from err
         state = self.read(iface)
         now = state.root.kind if state.root is not None else "noqueue"
         if replaced or original is None or original.kind in (now, "noqueue"):
@@ -1098,6 +1159,22 @@ class TcNetlink:
                 errno=ack.errno,
                 detail=ack.detail,
             )
+
+
+ROOT_HANDLE = ROOT_MAJOR << 16  # gpud's root qdisc, 6764:
+
+_Fingerprint = tuple[int, bytes]
+"""A netdev's ``ifi_type`` and MAC (the permanent one where the NIC has one, the one in
+use on virtual netdevs): the same ifindex with another is another netdev."""
+
+
+def _fingerprint(msg: memoryview | bytes) -> _Fingerprint:
+    """The fingerprint of one ``RTM_NEWLINK`` answer."""
+    _fam, kind, _index, _flags, _change = _IFINFOMSG.unpack_from(msg, 0)
+    attrs = _attrs(msg, _IFINFOMSG.size, len(msg))
+    perm = bytes(attrs.get(IFLA_PERM_ADDRESS, b""))
+    mac = perm if perm.strip(b"\0") else bytes(attrs.get(IFLA_ADDRESS, b""))
+    return int(kind), mac
 
 
 def _is_ours(root: RootQdisc | None) -> bool:

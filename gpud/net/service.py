@@ -1953,9 +1953,11 @@ class TrafficService:
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
-                # a netdev renamed away is restored by its ifindex: gpud's tree went with it
+                # a netdev renamed away is restored by its ifindex: gpud's tree went with it,
+                # unless someone removed it there, when nothing was restored
+                there = "restored there" if done.ours else "found there"
                 renamed = (
-                    f"renamed to {done.renamed} since gpud shaped it, restored there: "
+                    f"renamed to {done.renamed} since gpud shaped it, {there}: "
                     if done.renamed
                     else ""
                 )

@@ -14,13 +14,20 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
 
 from netshaper import tcplan as tp
-from netshaper.tc_netlink import AdoptedState, TcError, TcNetlink
+from netshaper.tc_netlink import (
+    RTM_DELQDISC,
+    Ack,
+    AdoptedState,
+    TcError,
+    TcNetlink,
+    _Netlink,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -459,6 +466,106 @@ def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -
     # deleted, not renamed: no other name to point at
     _run("ip", "-n", net.snd, "link", "del", "a0")
     assert str(adapter.sync(want).errors["a0"]) == "a0: no such network interface"
+
+
+def _veth(net: Net, name: str, *extra: str) -> None:
+    """A veth ``name`` in ``snd`` (its peer in ``rcv``), up; ``extra``: ``index N``."""
+    peer = f"p{uuid.uuid4().hex[:6]}"
+    _run("ip", "-n", net.snd, "link", "add", name, *extra, "type", "veth", "peer", "name", peer)
+    _run("ip", "-n", net.snd, "link", "set", peer, "netns", net.rcv)
+    _run("ip", "-n", net.snd, "link", "set", name, "up")
+
+
+def test_a_restore_leaves_a_netdev_made_with_a_renamed_ones_ifindex(
+    net: Net, adapter: TcNetlink
+) -> None:
+    """a0 renamed x0 and deleted, a1 deleted and made again with a0's old ifindex and
+    shaped: restoring a0 touches nothing (a1's tree stays), restoring a1 gives a1 back."""
+    net.tc("qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    net.tc("qdisc", "replace", "dev", "a1", "root", "bfifo")
+    both = plan({"alpha": 0}, ("a0", "a1"))
+    assert adapter.sync(both).ok
+    index = _index(net, "a0")
+    _run("ip", "-n", net.snd, "link", "set", "a0", "name", "x0")
+    _run("ip", "-n", net.snd, "link", "del", "x0")
+    _run("ip", "-n", net.snd, "link", "del", "a1")
+    _veth(net, "a1", "index", index)
+    assert _index(net, "a1") == index
+    result = adapter.sync(both)
+    assert set(result.errors) == {"a0"}
+    # another netdev (another MAC) on that ifindex: not a0 renamed, so nothing said of it
+    assert str(result.errors["a0"]) == "a0: no such network interface"
+    with pytest.raises(TcError, match=r"^a0: no such network interface$"):
+        adapter.restore("a0", tp.RootQdisc("pfifo_fast", 0))
+    assert "htb 6764:" in net.tc("qdisc", "show", "dev", "a1")
+    done = adapter.restore("a1", tp.RootQdisc("bfifo", 0))
+    assert done.ours and done.renamed == "" and "htb" not in net.tc("qdisc", "show", "dev", "a1")
+
+
+@pytest.mark.parametrize("first", ["a0", "a1"])
+def test_a_netdev_renamed_onto_another_configured_name_is_that_names_to_restore(
+    net: Net, adapter: TcNetlink, first: str
+) -> None:
+    """``ip link del a1; ip link set a0 name a1``, both configured: whichever name a pass
+    and the stop take first, a0's restore leaves the netdev to a1's."""
+    names = (first, "a1" if first == "a0" else "a0")
+    both = plan({"alpha": 0}, names)
+    assert adapter.sync(both).ok
+    index = _index(net, "a0")
+    _run("ip", "-n", net.snd, "link", "del", "a1")
+    _run("ip", "-n", net.snd, "link", "set", "a0", "name", "a1")
+    assert str(adapter.sync(both).errors["a0"]) == (
+        f"a0: no such network interface (renamed to a1, ifindex {index}: now a1, shaped as a1)"
+    )
+    outcome: dict[str, str] = {}
+    for iface in names:
+        try:
+            done = adapter.restore(iface)
+            outcome[iface] = f"ours={done.ours} renamed={done.renamed!r}"
+        except TcError as err:
+            outcome[iface] = str(err)
+    assert outcome == {
+        "a0": (
+            f"a0: no such network interface (renamed to a1, ifindex {index}: now a1, shaped as a1)"
+        ),
+        "a1": "ours=True renamed=''",
+    }
+    assert "htb" not in net.tc("qdisc", "show", "dev", "a1")
+
+
+class _SwapBeforeDelete:
+    """The real socket, with the root of ``iface`` replaced by ``bfifo`` just before the
+    first root delete goes out (another tool between gpud's read and its delete)."""
+
+    def __init__(self, net: Net, iface: str) -> None:
+        self._nl = _Netlink(net.snd)
+        self._net, self._iface = net, iface
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        if msgs and msgs[0][0] == RTM_DELQDISC:
+            self._net.tc("qdisc", "replace", "dev", self._iface, "root", "bfifo")
+        return self._nl.request(msgs)
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        return self._nl.get(mtype, body)
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        return self._nl.dump(mtype, body)
+
+    def close(self) -> None:
+        self._nl.close()
+
+
+def test_a_restore_leaves_a_root_put_on_between_its_read_and_its_delete(net: Net) -> None:
+    """The kernel takes the delete with gpud's handle, and refuses it for another root."""
+    adapter = TcNetlink(transport=_SwapBeforeDelete(net, "a0"))
+    try:
+        assert adapter.sync(plan({"alpha": 0})).ok
+        with pytest.raises(TcError, match=r"no longer gpud's HTB 6764:.*EINVAL"):
+            adapter.restore("a0")
+        assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc bfifo ")
+    finally:
+        adapter.close()
 
 
 def test_a_qdisc_put_under_a_leaf_is_removed_once(net: Net, adapter: TcNetlink) -> None:

@@ -2107,6 +2107,50 @@ def test_a_netdev_made_again_before_the_first_tick_is_named_so_not_taken_over(
     assert rig.service.view().interfaces[0].enforced
 
 
+@dataclasses.dataclass
+class RenamedTc(FakeTc):
+    """eth0 renamed x0 since the last pass: the restore finds x0 by its ifindex, with
+    gpud's tree on it (``ours``) or not."""
+
+    ours: bool = True
+
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
+        return FakeRestored(self.ours, root=PFIFO_FAST if self.ours else BFIFO, renamed="x0")
+
+
+BFIFO = tcplan.RootQdisc("bfifo", 0x50000)
+
+
+@pytest.mark.parametrize(
+    ("ours", "what"),
+    [
+        (
+            True,
+            "restored there: gpud's HTB root removed, its root qdisc from before gpud is back:"
+            " pfifo_fast (default options)",
+        ),
+        # the tree removed by hand from x0 before the stop: nothing was restored there
+        (
+            False,
+            "found there: gpud's HTB root was not there: the root qdisc found (bfifo 5:) is"
+            " left as it is",
+        ),
+    ],
+)
+def test_a_restore_on_a_renamed_netdev_says_what_it_found_there(
+    rig: Rig, ours: bool, what: str
+) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    rig.tc = RenamedTc(states=dict(rig.tc.states), ours=ours)
+    _restart(rig).shutdown()
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert done.message == (
+        f"eth0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, {what}"
+    )
+
+
 def test_restore_leaves_a_netdev_made_again_before_the_first_tick_its_own_root(
     rig: Rig,
 ) -> None:

@@ -10,7 +10,9 @@ import errno
 import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import pytest
 
 from netshaper import tcplan as tp
 from netshaper.tc_netlink import (
@@ -309,6 +311,171 @@ def test_a_root_re_installed_whose_read_back_fails_is_still_restored() -> None:
     done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
     assert (done.ours, done.replaced, done.root) == (True, "", None)
     assert nl.reinstalled
+    tc.close()
+
+
+def _with_mac(info: memoryview, mac: bytes) -> memoryview:
+    """An RTM_NEWLINK answer with IFLA_ADDRESS ``mac`` added."""
+    attr = struct.pack("=HH", 4 + len(mac), 1) + mac
+    return memoryview(bytes(info) + attr + b"\0" * (-len(attr) % 4))
+
+
+GPUD_ROOT = ("htb", tp.ROOT_MAJOR << 16)
+
+
+@dataclass
+class ShapedLinks(RenamingLinks):
+    """Netdevs by name, each with a MAC (``macs``, by name) and a root qdisc (``roots``, by
+    ifindex: gpud's HTB unless said); deleting a root leaves none, and ``dump_fails`` is
+    the errno every qdisc dump fails with (an OSError) while set."""
+
+    macs: dict[str, bytes] = field(default_factory=dict)
+    roots: dict[int, tuple[str, int]] = field(default_factory=dict)
+    dump_fails: int = 0
+    deleted: list[tuple[int, int]] = field(default_factory=list)  # (ifindex, tcm_handle)
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        msgs, err = super().get(mtype, body)
+        if msgs:
+            (index,) = struct.unpack_from("=i", msgs[0], 4)
+            name = {i: n for n, i in self.links.items()}[index]
+            msgs = [_with_mac(msgs[0], self.macs.get(name, bytes(6)))]
+        return msgs, err
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        for mtype, _flags, body in msgs:
+            (index, handle) = struct.unpack_from("=iI", body, 4)
+            if mtype == RTM_DELQDISC:
+                self.deleted.append((index, handle))
+                self.roots.pop(index, None)
+            elif mtype == RTM_NEWQDISC:
+                self.roots[index] = GPUD_ROOT
+        return super().request(msgs)
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if mtype != RTM_GETQDISC:
+            return super().dump(mtype, body)
+        if self.dump_fails:
+            raise OSError(self.dump_fails, os.strerror(self.dump_fails))
+        (index,) = struct.unpack_from("=i", body, 4)
+        self.dumped.append(index)
+        return [_root_qdisc(i, *root) for i, root in self.roots.items() if i == index], None
+
+
+MAC_A, MAC_B = bytes.fromhex("0200000000aa"), bytes.fromhex("0200000000bb")
+BOTH = tp.plan({"eth0": 10**9, "eth1": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+
+
+def _shaped_pair() -> tuple[ShapedLinks, TcNetlink]:
+    """eth0 (ifindex 1) and eth1 (ifindex 2), both shaped by one pass."""
+    nl = ShapedLinks(links={"eth0": 1, "eth1": 2}, macs={"eth0": MAC_A, "eth1": MAC_B})
+    tc = TcNetlink(transport=nl)
+    assert tc.sync(BOTH).ok
+    assert set(nl.roots) == {1, 2}
+    return nl, tc
+
+
+def test_a_restore_leaves_a_netdev_made_with_the_old_ones_ifindex() -> None:
+    """eth0 deleted, and another netdev (another MAC) made with its ifindex under a name
+    gpud never shaped: that one is not eth0 renamed, and nothing is sent to it."""
+    nl, tc = _shaped_pair()
+    nl.links = {"z0": 1, "eth1": 2}
+    nl.macs["z0"] = bytes.fromhex("0200000000cc")
+    assert str(tc.drift(BOTH).errors["eth0"]) == "eth0: no such network interface"
+    try:
+        done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    except TcError as err:
+        assert str(err) == "eth0: no such network interface"
+    else:
+        raise AssertionError(f"restored on z0: {done}")
+    assert 1 not in [i for i, _ in nl.deleted] and 1 in nl.roots
+    tc.close()
+
+
+@pytest.mark.parametrize("first", ["eth0", "eth1"])
+@pytest.mark.parametrize("a_pass_between", [True, False])
+def test_a_netdev_renamed_onto_another_shaped_name_is_restored_as_that_name(
+    first: str, a_pass_between: bool
+) -> None:
+    """``ip link del eth1; ip link set eth0 name eth1``, both in the config: the netdev is
+    eth1's now, restored by eth1's restore alone, whichever name is restored first."""
+    nl, tc = _shaped_pair()
+    nl.links = {"eth1": 1}
+    nl.macs["eth1"] = MAC_A
+    if a_pass_between:
+        order = BOTH if first == "eth0" else replace(BOTH, interfaces=BOTH.interfaces[::-1])
+        result = tc.sync(order)
+        assert str(result.errors["eth0"]) == (
+            "eth0: no such network interface (renamed to eth1, ifindex 1: now eth1, shaped as eth1)"
+        )
+    nl.deleted.clear()  # (the pass, where the double dumps no classes, rebuilds eth1)
+    done: dict[str, object] = {}
+    for iface in (first, "eth1" if first == "eth0" else "eth0"):
+        try:
+            done[iface] = tc.restore(iface, tp.RootQdisc("pfifo_fast", 0))
+        except TcError as err:
+            done[iface] = str(err)
+    assert done["eth0"] == (
+        "eth0: no such network interface (renamed to eth1, ifindex 1: now eth1, shaped as eth1)"
+    )
+    eth1 = done["eth1"]
+    assert not isinstance(eth1, str) and eth1.ours and eth1.renamed == ""
+    assert [i for i, _ in nl.deleted] == [1]
+    tc.close()
+
+
+def test_a_failed_dump_keeps_what_the_renamed_error_says_of_gpuds_tree() -> None:
+    """The running error is one event while it holds: a dump that fails (ENOBUFS) says
+    what the last one saw; with none seen before, that it is unknown and why."""
+    nl = ShapedLinks(macs={"eth0": MAC_A})
+    tc = TcNetlink(transport=nl)
+    one = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+    assert tc.sync(one).ok
+    nl.links = {"old0": 1}
+    nl.macs["old0"] = MAC_A
+    nl.dump_fails = errno.ENOBUFS
+    unknown = (
+        "eth0: no such network interface (renamed to old0, ifindex 1, gpud's tree on it"
+        " unknown (cannot read tc state: ENOBUFS): gpud leaves old0 alone)"
+    )
+    assert str(tc.drift(one).errors["eth0"]) == unknown
+    nl.dump_fails = 0
+    still = (
+        "eth0: no such network interface (renamed to old0, ifindex 1, gpud's tree still on"
+        " it: gpud leaves old0 alone)"
+    )
+    assert str(tc.drift(one).errors["eth0"]) == still
+    nl.dump_fails = errno.ENOBUFS
+    assert str(tc.drift(one).errors["eth0"]) == still
+    tc.close()
+
+
+def test_a_restore_deletes_only_gpuds_root_and_says_when_it_changed_since_the_read() -> None:
+    """The delete names gpud's handle 6764:, so the kernel refuses a root swapped in after
+    the read (EINVAL, "Invalid handle") rather than deleting it."""
+    nl = ShapedLinks(roots={1: GPUD_ROOT})
+    tc = TcNetlink(transport=nl)
+    assert tc.restore("eth0").ours
+    assert nl.deleted == [(1, tp.ROOT_MAJOR << 16)]
+    tc.close()
+
+    class Swapped(ShapedLinks):
+        def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+            if msgs[0][0] == RTM_DELQDISC:
+                return [Ack(0, errno.EINVAL, "Invalid handle")]
+            return super().request(msgs)
+
+    tc = TcNetlink(transport=Swapped(roots={1: GPUD_ROOT}))
+    try:
+        tc.restore("eth0")
+    except TcError as err:
+        assert str(err) == (
+            "eth0: cannot delete the HTB root: the root qdisc is no longer gpud's HTB 6764:"
+            " (replaced or removed since it was read; the kernel answered EINVAL): left as"
+            " it is (tc qdisc del dev eth0 root handle 6764:): Invalid handle"
+        )
+    else:
+        raise AssertionError("a refused delete was taken for done")
     tc.close()
 
 
