@@ -33,6 +33,7 @@ and says it was cut short with :func:`cut_short`::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -46,6 +47,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from gpud.mps.procs import alive
 from gpud.pdeathsig import dies_with_parent
@@ -100,6 +103,7 @@ class _Signals:
         self.received: list[int] = []
         self.holding = 0
         self.raised = False
+        self.ignore_after = False  # ignored, not restored, on exit: the tool reports next
 
     def handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
@@ -113,6 +117,9 @@ class _Signals:
 
 
 _signals: _Signals | None = None
+# The handlers before a tool was cut short: SIGTERM and SIGINT are ignored (the kernel drops
+# them) until :func:`cut_short` has printed, then these are back.
+_reporting: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
 
 @contextmanager
@@ -131,7 +138,11 @@ def stop_on_signals() -> Iterator[list[int]]:
         signals.raised = True
         try:
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                if signals.ignore_after:
+                    _reporting[signum] = handler
+                    signal.signal(signum, signal.SIG_IGN)
+                else:
+                    signal.signal(signum, handler)
         finally:
             _signals = None
 
@@ -156,15 +167,32 @@ def stopped_by_signal() -> Iterator[Stopped]:
         except KeyboardInterrupt:
             # SIGINT for one with none received: Python's own Ctrl-C handler raised it
             stopped.by = signal.Signals(received[0] if received else signal.SIGINT).name
+            # a second Ctrl-C or SIGTERM must not cut short the report of what was measured
+            assert _signals is not None
+            _signals.ignore_after = True
 
 
-def cut_short(by: str, done: str) -> int:
+def cut_short(by: str, done: str, *, figures: dict[str, Any] | None = None) -> int:
     """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
     e.g. "7 of 21 rounds"), its gpud stopped; the exit status, 128 + the signal's number, as
-    a shell reports a process the signal ended."""
-    print(
-        f"cut short by {by} after {done}; gpud stopped, its directory removed; FAILED", flush=True
-    )
+    a shell reports a process the signal ended. ``figures``: what a ``--json`` run measured
+    so far, printed as its one JSON document, with ``cut_short`` ({"by", "after"}) and
+    ``ok`` false. SIGTERM and SIGINT, ignored since :func:`stopped_by_signal` took the
+    first, have their handlers back once it is printed."""
+    try:
+        if figures is None:
+            print(
+                f"cut short by {by} after {done}; gpud stopped, its directory removed; FAILED",
+                flush=True,
+            )
+        else:
+            cut = {"by": by, "after": done}
+            print(json.dumps({**figures, "cut_short": cut, "ok": False}, indent=2, sort_keys=True))
+            sys.stdout.flush()
+    finally:
+        while _reporting:
+            signum, handler = _reporting.popitem()
+            signal.signal(signum, handler)
     return 128 + signal.Signals[by].value
 
 

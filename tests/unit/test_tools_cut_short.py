@@ -4,17 +4,22 @@ number, and leaves neither its gpud nor its directory behind."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
-from types import FrameType
+from types import CodeType, FrameType
 
 import pytest
 
 from tests.unit.tool_support import running_tool, stopped_by
-from tools import bench_telemetry
+from tools import bench_queue, bench_telemetry
+from tools.simdaemon import Terminated, stop_on_signals
 
 
 class TermReached(Exception):
@@ -78,3 +83,122 @@ def test_the_faults_benchmark_stopped_says_how_many_scenarios_it_finished() -> N
         assert "cut short by SIGTERM after 0 of 2 scenarios" in rest, rest
         assert list(tool.tmp.iterdir()) == []
         assert tool.left() == []
+
+
+def sigterm_after_repetitions(reps: int) -> list[int]:
+    """SIGTERM to this process as the telemetry benchmark's ``reps + 1``-th repetition
+    measures its first side (each measures three); the signals sent, filled as they are."""
+    measured = 0
+    sent: list[int] = []
+
+    def after_them(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal measured
+        if event == "return" and frame.f_code is bench_telemetry.cpu_seconds.__code__:
+            measured += 1
+            if measured == 3 * reps + 1:
+                sys.setprofile(None)
+                sent.append(signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    sys.setprofile(after_them)
+    return sent
+
+
+class SigtermAtReport(io.StringIO):
+    """Standard output that sends this process a SIGTERM at its first write once ``sent``
+    holds one: a second signal as the tool reports what it measured."""
+
+    def __init__(self, sent: list[int]) -> None:
+        super().__init__()
+        self.sent = sent
+
+    def write(self, text: str) -> int:
+        if len(self.sent) == 1:
+            self.sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().write(text)
+
+
+@pytest.mark.usefixtures("sigterm_raises")
+def test_the_telemetry_benchmark_stopped_with_json_prints_one_json_document(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sigterm_after_repetitions(2)
+    try:
+        code = bench_telemetry.main(["--json", "--reps", "1000", "--no-daemon", "--cpu", "all"])
+    finally:
+        sys.setprofile(None)
+    out = capsys.readouterr().out
+    assert code == 128 + signal.SIGTERM, out
+    doc = json.loads(out)
+    assert doc["cut_short"] == {"by": "SIGTERM", "after": "2 of 1000 repetitions"}, doc
+    assert doc["ok"] is False
+    assert (doc["reps"], doc["reps_planned"]) == (2, 1000), doc
+    for side in ("bare", "adapter", "tick"):
+        assert doc[f"{side}_cpu_s"] > 0, doc
+    assert doc["tick_over_bare"] > 0, doc
+
+
+@pytest.mark.usefixtures("sigterm_raises")
+def test_a_second_signal_while_a_benchmark_reports_what_it_measured_is_ignored() -> None:
+    out_to = SigtermAtReport(sigterm_after_repetitions(2))
+    try:
+        with contextlib.redirect_stdout(out_to):
+            code = bench_telemetry.main(["--reps", "1000", "--no-daemon", "--cpu", "all"])
+    finally:
+        sys.setprofile(None)
+    out = out_to.getvalue()
+    assert out_to.sent == [signal.SIGTERM] * 2
+    assert code == 128 + signal.SIGTERM, out
+    assert re.search(r"^sampler tick +\d+\.\d+ ms CPU .*median of 2;", out, re.M), out
+    assert "cut short by SIGTERM after 2 of 1000 repetitions" in out, out
+    # the handler before is back once the report is printed
+    with pytest.raises(TermReached):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def sigterm_as_it_returns(code: CodeType) -> Iterator[None]:
+    """SIGTERM to this process as a call of ``code`` in the body first returns."""
+
+    def at_return(frame: FrameType, event: str, arg: object) -> None:
+        if event == "return" and frame.f_code is code:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sys.setprofile(at_return)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
+def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None:
+    procs = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]
+    try:
+        with (
+            pytest.raises(Terminated),
+            stop_on_signals(),
+            sigterm_as_it_returns(subprocess.Popen.poll.__code__),
+        ):
+            bench_queue.stop_runs(procs)
+        assert [p.returncode for p in procs] == [-signal.SIGINT] * 3
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_run_started_as_a_signal_comes_is_noted_for_stopping() -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with (
+            pytest.raises(Terminated),
+            stop_on_signals(),
+            sigterm_as_it_returns(subprocess.Popen.__init__.__code__),
+        ):
+            bench_queue.start_run(procs, ["sleep", "600"], stderr=subprocess.DEVNULL)
+        assert len(procs) == 1
+    finally:
+        bench_queue.stop_runs(procs)
