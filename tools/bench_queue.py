@@ -51,12 +51,18 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from gpud.admission.service import request_of, run_request_to_json
 from gpud.jobs.ends import EndCause
 from gpud.jobs.service import RunRequest
-from tools.simdaemon import SimDaemon, cut_short, held, simulated_gpud, stopped_by_signal
+from tools.simdaemon import (
+    SimDaemon,
+    cut_short,
+    simulated_gpud,
+    start_child,
+    stop_children,
+    stopped_by_signal,
+)
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 NO_ANSWER = "did not answer the withdrawal"
@@ -146,34 +152,6 @@ def wait_queued(
     raise RuntimeError(f"fewer than {count} runs queued after {timeout_s:.0f} s")
 
 
-def stop_runs(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGINT to every ``gpuctl run`` still there (a Ctrl-C: it leaves the queue, or stops
-    its command), killed if it has not exited 30 s later. A SIGTERM or SIGINT to the tool
-    meanwhile waits (held): raised part way, it would leave the runs after it running."""
-    with held():
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def start_run(
-    procs: list[subprocess.Popen[bytes]], argv: list[str], *, stderr: int | IO[bytes] | None
-) -> subprocess.Popen[bytes]:
-    """``argv`` started (its output dropped, its stderr to ``stderr``) and added to
-    ``procs``, for :func:`stop_runs`; a SIGTERM or SIGINT meanwhile waits (held), so that no
-    run is started and not noted."""
-    with held():
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
-        procs.append(proc)
-    return proc
-
-
 @dataclass
 class Phases:
     """The phases a run measures: each one's figures printed as it ends, so that a run cut
@@ -194,10 +172,10 @@ def hand_over(daemon: SimDaemon, runs: int, work: Path) -> list[float]:
     try:
         for i in range(runs):
             argv = gpuctl(daemon, *RUN, f"h{i}", "--", "sh", "-c", script)
-            start_run(procs, argv, stderr=DROP)
+            start_child(procs, argv, stderr=DROP)
         failed = sum(1 for p in procs if p.wait() != 0)
     finally:
-        stop_runs(procs)  # cut short: those still queued or running would outlive the tool
+        stop_children(procs)  # cut short: those still queued or running would outlive the tool
     if failed:
         raise RuntimeError(f"{failed} of {runs} runs failed")
     began = sorted(float(x) for x in starts.read_text().split())
@@ -209,10 +187,10 @@ def withdrawals(daemon: SimDaemon, leavers: int) -> tuple[list[float], int]:
     holding: list[subprocess.Popen[bytes]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        start_run(holding, gpuctl(daemon, *RUN, "holder", "--", "sleep", "600"), stderr=DROP)
+        start_child(holding, gpuctl(daemon, *RUN, "holder", "--", "sleep", "600"), stderr=DROP)
         time.sleep(2)
         for i in range(leavers):
-            start_run(procs, gpuctl(daemon, *RUN, f"q{i}", "--", "true"), stderr=subprocess.PIPE)
+            start_child(procs, gpuctl(daemon, *RUN, f"q{i}", "--", "true"), stderr=subprocess.PIPE)
             time.sleep(0.1)  # two CPUs: starting them all at once is a benchmark of Python
         wait_queued(daemon, leavers)
         signalled = time.monotonic()
@@ -227,7 +205,7 @@ def withdrawals(daemon: SimDaemon, leavers: int) -> tuple[list[float], int]:
         unanswered = sum(NO_ANSWER in p.communicate()[1].decode() for p in procs)
         return list(exited.values()), unanswered
     finally:
-        stop_runs([*holding, *procs])
+        stop_children([*holding, *procs])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -272,12 +250,12 @@ def at_scale(
     holding: list[subprocess.Popen[bytes]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        start_run(holding, gpuctl(daemon, *RUN, "holder", "--", "sh", "-c", hold), stderr=DROP)
+        start_child(holding, gpuctl(daemon, *RUN, "holder", "--", "sh", "-c", hold), stderr=DROP)
         time.sleep(2)
         for i in range(waiters):
             argv = gpuctl(daemon, *RUN, f"w{i}", "--", "sh", "-c", script, timeout_s=timeout_s)
             with (work / f"w{i}.err").open("wb") as err:
-                start_run(procs, argv, stderr=err)
+                start_child(procs, argv, stderr=err)
             time.sleep(0.1)
         wait_queued(daemon, waiters, timeout_s=300, procs=procs, work=work)
         time.sleep(6)  # every waiter in its long poll
@@ -311,7 +289,7 @@ def at_scale(
             f" max {max(gaps):.3f} s (ten in a row)"
         )
     finally:
-        stop_runs([*holding, *procs])
+        stop_children([*holding, *procs])
 
 
 def main(argv: list[str] | None = None) -> int:

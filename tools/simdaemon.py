@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from gpud.mps.procs import alive
 from gpud.pdeathsig import dies_with_parent
@@ -172,19 +172,21 @@ def stopped_by_signal() -> Iterator[Stopped]:
             _signals.ignore_after = True
 
 
-def cut_short(by: str, done: str, *, figures: dict[str, Any] | None = None) -> int:
+GPUD_STOPPED = "gpud stopped, its directory removed"
+
+
+def cut_short(
+    by: str, done: str, *, figures: dict[str, Any] | None = None, cleaned: str = GPUD_STOPPED
+) -> int:
     """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
-    e.g. "7 of 21 rounds"), its gpud stopped; the exit status, 128 + the signal's number, as
-    a shell reports a process the signal ended. ``figures``: what a ``--json`` run measured
-    so far, printed as its one JSON document, with ``cut_short`` ({"by", "after"}) and
-    ``ok`` false. SIGTERM and SIGINT, ignored since :func:`stopped_by_signal` took the
-    first, have their handlers back once it is printed."""
+    e.g. "7 of 21 rounds"), and what it cleaned up (``cleaned``: its gpud stopped); the exit
+    status, 128 + the signal's number, as a shell reports a process the signal ended.
+    ``figures``: what a ``--json`` run measured so far, printed as its one JSON document,
+    with ``cut_short`` ({"by", "after"}) and ``ok`` false. SIGTERM and SIGINT, ignored since
+    :func:`stopped_by_signal` took the first, have their handlers back once it is printed."""
     try:
         if figures is None:
-            print(
-                f"cut short by {by} after {done}; gpud stopped, its directory removed; FAILED",
-                flush=True,
-            )
+            print(f"cut short by {by} after {done}; {cleaned}; FAILED", flush=True)
         else:
             cut = {"by": by, "after": done}
             print(json.dumps({**figures, "cut_short": cut, "ok": False}, indent=2, sort_keys=True))
@@ -211,6 +213,38 @@ def held() -> Iterator[None]:
         signals.holding -= 1
     if not signals.holding:
         signals.raise_first()
+
+
+def start_child(
+    procs: list[subprocess.Popen[bytes]], argv: list[str], *, stderr: int | IO[bytes] | None
+) -> subprocess.Popen[bytes]:
+    """``argv`` started (its output dropped, its stderr to ``stderr``) and added to
+    ``procs``, for :func:`stop_children`; a SIGTERM or SIGINT meanwhile waits (held), so
+    that no process is started and not noted."""
+    with held():
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
+        procs.append(proc)
+    return proc
+
+
+def stop_children(
+    procs: list[subprocess.Popen[bytes]], signum: signal.Signals = signal.SIGINT
+) -> None:
+    """``signum`` to every process of ``procs`` still there (SIGINT, a Ctrl-C: a ``gpuctl
+    run`` leaves the queue, or stops its command), killed if it has not exited 30 s later. A
+    SIGTERM or SIGINT to the tool meanwhile waits (held): raised part way, it would leave
+    those after it running. Only these, not yet reaped, are signalled: their PIDs are
+    still theirs."""
+    with held():
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 # Gone with the tool (SIGTERM: it stops in order) when the tool dies in a way that runs no

@@ -18,8 +18,8 @@ from types import CodeType, FrameType
 import pytest
 
 from tests.unit.tool_support import running_tool, stopped_by
-from tools import bench_queue, bench_telemetry
-from tools.simdaemon import Terminated, stop_on_signals
+from tools import bench_telemetry
+from tools.simdaemon import Terminated, start_child, stop_children, stop_on_signals
 
 
 class TermReached(Exception):
@@ -181,7 +181,7 @@ def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None
             stop_on_signals(),
             sigterm_as_it_returns(subprocess.Popen.poll.__code__),
         ):
-            bench_queue.stop_runs(procs)
+            stop_children(procs)
         assert [p.returncode for p in procs] == [-signal.SIGINT] * 3
     finally:
         for p in procs:
@@ -198,7 +198,28 @@ def test_a_run_started_as_a_signal_comes_is_noted_for_stopping() -> None:
             stop_on_signals(),
             sigterm_as_it_returns(subprocess.Popen.__init__.__code__),
         ):
-            bench_queue.start_run(procs, ["sleep", "600"], stderr=subprocess.DEVNULL)
+            start_child(procs, ["sleep", "600"], stderr=subprocess.DEVNULL)
         assert len(procs) == 1
     finally:
-        bench_queue.stop_runs(procs)
+        stop_children(procs)
+
+
+def test_the_api_benchmark_stopped_stops_its_clients_and_says_how_many_phases_it_did() -> None:
+    argv = ["-m", "tools.bench_api", "--clients", "2", "--seconds", "600"]
+    with running_tool(argv, began=r"measuring: 4 phases") as tool:
+        rest = stopped_by(tool, signal.SIGTERM)  # its one client calling gpud
+        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
+        assert "cut short by SIGTERM after 0 of 4 phases" in rest, rest
+        assert list(tool.tmp.iterdir()) == []
+        assert tool.left() == []
+
+
+def test_the_api_benchmark_stopped_with_json_prints_one_json_document() -> None:
+    argv = ["-m", "tools.bench_api", "--seconds", "600", "--json"]
+    with running_tool(argv, began=r"measuring: 4 phases") as tool:
+        rest = stopped_by(tool, signal.SIGINT)
+        assert tool.proc.returncode == 128 + signal.SIGINT, rest
+        doc = json.loads(rest)
+        assert doc["cut_short"] == {"by": "SIGINT", "after": "0 of 4 phases"}, doc
+        assert (doc["phases"], doc["ok"]) == (0, False), doc
+        assert tool.left() == []
