@@ -65,24 +65,37 @@ def test_the_telemetry_benchmark_stopped_prints_the_repetitions_it_measured(
     assert "cut short by SIGTERM after 2 of 1000 repetitions" in out, out
 
 
-def test_the_queue_benchmark_stopped_prints_the_phases_it_finished() -> None:
-    argv = ["-m", "tools.bench_queue", "--waiters", "1", "--idle-s", "600"]
-    with running_tool(argv, began=r"1 queued, 0 runs in the history: ListQueue") as tool:
-        rest = stopped_by(tool, signal.SIGTERM)  # while it watches gpud idle
-        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
-        assert "cut short by SIGTERM after 1 of 3 phases" in rest, rest
+def cut_short_at(argv: list[str], began: str, signum: signal.Signals, after: str) -> str:
+    """``python ARGV`` sent ``signum`` once it printed a line matching ``began``: it exits
+    128 + its number, ending ``cut short by SIGNAL after AFTER`` (or, ``--json``, with one
+    JSON document saying so), its directories removed and nothing it started left; what it
+    printed after ``began``."""
+    with running_tool(argv, began=began) as tool:
+        rest = stopped_by(tool, signum)
+        assert tool.proc.returncode == 128 + signum, rest
+        if "--json" in argv:
+            doc = json.loads(rest)
+            assert doc["cut_short"] == {"by": signum.name, "after": after}, doc
+            assert doc["ok"] is False, doc
+        else:
+            assert f"cut short by {signum.name} after {after};" in rest, rest
         assert list(tool.tmp.iterdir()) == []
         assert tool.left() == []
+    return rest
+
+
+def test_the_queue_benchmark_stopped_prints_the_phases_it_finished() -> None:
+    argv = ["-m", "tools.bench_queue", "--waiters", "1", "--idle-s", "600"]
+    # while it watches gpud idle
+    cut_short_at(
+        argv, r"1 queued, 0 runs in the history: ListQueue", signal.SIGTERM, "1 of 3 phases"
+    )
 
 
 def test_the_faults_benchmark_stopped_says_how_many_scenarios_it_finished() -> None:
     argv = ["-m", "tools.bench_faults", "--hang", "600"]
-    with running_tool(argv, began=r"interval 1 s, call timeout 5.7 s, hang 600 s") as tool:
-        rest = stopped_by(tool, signal.SIGTERM)  # in its first scenario
-        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
-        assert "cut short by SIGTERM after 0 of 2 scenarios" in rest, rest
-        assert list(tool.tmp.iterdir()) == []
-        assert tool.left() == []
+    began = r"interval 1 s, call timeout 5.7 s, hang 600 s"
+    cut_short_at(argv, began, signal.SIGTERM, "0 of 2 scenarios")  # in its first scenario
 
 
 def sigterm_after_repetitions(reps: int) -> list[int]:
@@ -206,20 +219,11 @@ def test_a_run_started_as_a_signal_comes_is_noted_for_stopping() -> None:
 
 def test_the_api_benchmark_stopped_stops_its_clients_and_says_how_many_phases_it_did() -> None:
     argv = ["-m", "tools.bench_api", "--clients", "2", "--seconds", "600"]
-    with running_tool(argv, began=r"measuring: 4 phases") as tool:
-        rest = stopped_by(tool, signal.SIGTERM)  # its one client calling gpud
-        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
-        assert "cut short by SIGTERM after 0 of 4 phases" in rest, rest
-        assert list(tool.tmp.iterdir()) == []
-        assert tool.left() == []
+    # its one client calling gpud
+    cut_short_at(argv, r"measuring: 4 phases", signal.SIGTERM, "0 of 4 phases")
 
 
 def test_the_api_benchmark_stopped_with_json_prints_one_json_document() -> None:
     argv = ["-m", "tools.bench_api", "--seconds", "600", "--json"]
-    with running_tool(argv, began=r"measuring: 4 phases") as tool:
-        rest = stopped_by(tool, signal.SIGINT)
-        assert tool.proc.returncode == 128 + signal.SIGINT, rest
-        doc = json.loads(rest)
-        assert doc["cut_short"] == {"by": "SIGINT", "after": "0 of 4 phases"}, doc
-        assert (doc["phases"], doc["ok"]) == (0, False), doc
-        assert tool.left() == []
+    doc = json.loads(cut_short_at(argv, r"measuring: 4 phases", signal.SIGINT, "0 of 4 phases"))
+    assert doc["phases"] == 0, doc
