@@ -227,3 +227,11 @@ def test_the_api_benchmark_stopped_with_json_prints_one_json_document() -> None:
     argv = ["-m", "tools.bench_api", "--seconds", "600", "--json"]
     doc = json.loads(cut_short_at(argv, r"measuring: 4 phases", signal.SIGINT, "0 of 4 phases"))
     assert doc["phases"] == 0, doc
+
+
+def test_the_quotes_benchmark_stopped_prints_the_history_sizes_it_measured() -> None:
+    argv = ["-m", "tools.bench_quotes", "--history", "0,1000000", "--repeat", "1"]
+    # as it fills the second history
+    rest = cut_short_at(argv, r"measuring: N=1000000", signal.SIGTERM, "1 of 2 history sizes")
+    assert re.search(r"^afresh: total +\d+\.\d+$", rest, re.M), rest
+    assert "N=1000000" not in rest, rest
