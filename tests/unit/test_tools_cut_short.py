@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import CodeType, FrameType
 
 import pytest
@@ -235,3 +236,21 @@ def test_the_quotes_benchmark_stopped_prints_the_history_sizes_it_measured() -> 
     rest = cut_short_at(argv, r"measuring: N=1000000", signal.SIGTERM, "1 of 2 history sizes")
     assert re.search(r"^afresh: total +\d+\.\d+$", rest, re.M), rest
     assert "N=1000000" not in rest, rest
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_the_reprio_benchmark_stopped_deletes_its_namespace_and_prints_what_it_measured(
+    json_out: bool,
+) -> None:
+    argv = ["-m", "tools.bench_reprio", "--reps", "1000", "--jobs", "8"]
+    with running_tool([*argv, *(["--json"] if json_out else [])], r"measuring: 1000") as tool:
+        namespace = f"gpud-bench-{tool.proc.pid}"
+        rest = stopped_by(tool, signal.SIGTERM)  # while it moves the tags
+        assert tool.proc.returncode == 128 + signal.SIGTERM, rest
+        if json_out:
+            doc = json.loads(rest)
+            assert doc["cut_short"]["after"] == f"{doc['reps']} of 1000 repetitions", doc
+        else:
+            assert re.search(r"cut short by SIGTERM after \d+ of 1000 repetitions;", rest), rest
+        assert not (Path("/run/netns") / namespace).exists()
+        assert list(tool.tmp.iterdir()) == []
