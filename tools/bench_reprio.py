@@ -87,6 +87,7 @@ def _check(tc: TcNetlink, want: tcplan.TcPlan) -> None:
 
 
 METHODS = ("ours", "ours_read", "tc_batch", "tc_each")
+NAMESPACE_DELETED = "its network namespace deleted"
 
 
 def run(
@@ -245,11 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if stopped.by:
         r = figures(samples, op_counts, args.jobs, args.ifaces)
-        done = f"{r['reps']} of {args.reps} repetitions"
-        if args.json:
-            return cut_short(stopped.by, done, figures=r)
-        show(r)
-        return cut_short(stopped.by, done, cleaned="its network namespace deleted")
+        done, shown = f"{r['reps']} of {args.reps} repetitions", None if args.json else show
+        return cut_short(stopped.by, done, figures=r, show=shown, cleaned=NAMESPACE_DELETED)
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))
         return 0

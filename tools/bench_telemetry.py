@@ -409,12 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr if args.json else sys.stdout,
         )
     if stopped.by:
-        figures = so_far(cpu, reps)
+        figures = {**so_far(cpu, reps), "cpu": args.cpu}
         done = f"{figures['reps']} of {reps} repetitions"
-        if args.json:
-            return cut_short(stopped.by, done, figures={**figures, "cpu": args.cpu})
-        print_so_far(figures)
-        return cut_short(stopped.by, done)
+        return cut_short(
+            stopped.by, done, figures=figures, show=None if args.json else print_so_far
+        )
     r["cpu"] = args.cpu
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))

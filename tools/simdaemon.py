@@ -176,16 +176,24 @@ GPUD_STOPPED = "gpud stopped, its directory removed"
 
 
 def cut_short(
-    by: str, done: str, *, figures: dict[str, Any] | None = None, cleaned: str = GPUD_STOPPED
+    by: str,
+    done: str,
+    *,
+    figures: dict[str, Any] | None = None,
+    show: Callable[[dict[str, Any]], None] | None = None,
+    cleaned: str = GPUD_STOPPED,
 ) -> int:
     """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
     e.g. "7 of 21 rounds"), and what it cleaned up (``cleaned``: its gpud stopped); the exit
     status, 128 + the signal's number, as a shell reports a process the signal ended.
-    ``figures``: what a ``--json`` run measured so far, printed as its one JSON document,
-    with ``cut_short`` ({"by", "after"}) and ``ok`` false. SIGTERM and SIGINT, ignored since
-    :func:`stopped_by_signal` took the first, have their handlers back once it is printed."""
+    ``figures``: what it measured so far, printed by ``show`` first, or, with no ``show`` (a
+    ``--json`` run), as its one JSON document, with ``cut_short`` ({"by", "after"}) and
+    ``ok`` false. SIGTERM and SIGINT, ignored since :func:`stopped_by_signal` took the
+    first, have their handlers back once it is printed."""
     try:
-        if figures is None:
+        if figures is None or show is not None:
+            if figures is not None and show is not None:
+                show(figures)
             print(f"cut short by {by} after {done}; {cleaned}; FAILED", flush=True)
         else:
             cut = {"by": by, "after": done}
