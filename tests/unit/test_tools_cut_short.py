@@ -257,3 +257,17 @@ def test_a_benchmark_of_repetitions_stopped_prints_the_ones_it_measured(
     whole = ["-m", *argv, "--reps", "1000", *json_out]
     rest = cut_short_at(whole, r"measuring: 1000", signum, r"\d+ of 1000 repetitions")
     assert json_out or said in rest, rest
+
+
+@pytest.mark.parametrize("json_out", [[], ["--json"]])
+def test_the_cluster_benchmark_stopped_reports_the_parts_it_finished(json_out: list[str]) -> None:
+    small = ["--jobs", "16", "--nodes", "4", "--span", "2", "--round-nodes", "5"]
+    argv = ["-m", "tools.bench_cluster", "--skip-failover", "--reps", "2000", *small, *json_out]
+    # text: as its round part begins; --json: in its order part, or its round part
+    began = r"global order: 16 jobs" if not json_out else r"measuring: 2 parts"
+    rest = cut_short_at(
+        argv, began, signal.SIGTERM, r"[01] of 2 parts" if json_out else "1 of 2 parts"
+    )
+    if json_out:
+        doc = json.loads(rest)
+        assert len(doc) - 2 == int(doc["cut_short"]["after"][0]), doc  # cut_short, ok
