@@ -184,7 +184,8 @@ def cut_short(
     cleaned: str = GPUD_STOPPED,
 ) -> int:
     """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
-    e.g. "7 of 21 rounds"), and what it cleaned up (``cleaned``: its gpud stopped); the exit
+    e.g. "7 of 21 rounds"), and what it cleaned up (``cleaned``, "" for none; by default its
+    gpud stopped); the exit
     status, 128 + the signal's number, as a shell reports a process the signal ended.
     ``figures``: what it measured so far, printed by ``show`` first, or, with no ``show`` (a
     ``--json`` run), as its one JSON document, with ``cut_short`` ({"by", "after"}) and
@@ -194,7 +195,8 @@ def cut_short(
         if figures is None or show is not None:
             if figures is not None and show is not None:
                 show(figures)
-            print(f"cut short by {by} after {done}; {cleaned}; FAILED", flush=True)
+            said = [f"cut short by {by} after {done}", cleaned, "FAILED"]
+            print("; ".join(part for part in said if part), flush=True)
         else:
             cut = {"by": by, "after": done}
             print(json.dumps({**figures, "cut_short": cut, "ok": False}, indent=2, sort_keys=True))

@@ -271,3 +271,12 @@ def test_the_cluster_benchmark_stopped_reports_the_parts_it_finished(json_out: l
     if json_out:
         doc = json.loads(rest)
         assert len(doc) - 2 == int(doc["cut_short"]["after"][0]), doc  # cut_short, ok
+
+
+def test_the_colocation_benchmark_stopped_prints_the_passes_it_timed() -> None:
+    argv = ["-m", "tools.bench_colocate", "--repeat", "100000"]
+    rest = cut_short_at(argv, r"measuring: 2 planners", signal.SIGINT, r"\d+ of 200000 passes")
+    timed = re.search(r"after (\d+) of", rest)
+    assert timed is not None
+    if int(timed[1]):  # the cold planner's, so far
+        assert re.search(rf"^cold: median CPU .* \({timed[1]} passes\)$", rest, re.M), rest
