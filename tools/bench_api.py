@@ -9,7 +9,11 @@ gave (the same bytes on the wire, nothing computed). So ``gpud / floor`` is what
 work and its tick cost a caller beyond gRPC itself, under the same load on the same CPUs.
 
 Figures per method: median and 99th percentile of the calls' latency, alone and under
-load, and the calls per second served under load.
+load, and the calls per second served under load. Each of the four phases (gpud alone,
+loaded, the floor alone, loaded) is printed as it ends. A SIGTERM or SIGINT stops it: its
+clients, the floor and gpud stopped, its directories removed, "cut short by SIGNAL after
+N of 4 phases", exit 128 + its number; with ``--json``, the phases done as its one JSON
+object, with ``cut_short``.
 
     .venv/bin/python -m tools.bench_api [--clients 16] [--seconds 5] [--json]
 """
@@ -20,18 +24,26 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from gpud.v1 import jobs_pb2, jobs_pb2_grpc, node_pb2, node_pb2_grpc
-from tools.simdaemon import simulated_gpud
+from tools.simdaemon import (
+    cut_short,
+    simulated_gpud,
+    start_child,
+    stop_children,
+    stopped_by_signal,
+)
 
 METHODS = ("GetStatus", "ListGpus", "ListJobs")
 
@@ -103,10 +115,16 @@ def _run_clients(socket: Path, n: int, seconds: float, work: Path) -> dict[str, 
     start_at = time.time() + 1.0 + 0.1 * n  # every client connected and warm by then
     outs = [work / f"client-{n}-{i}.json" for i in range(n)]
     argv = [sys.executable, "-m", "tools.bench_api", "--client", str(socket), str(seconds)]
-    procs = [subprocess.Popen([*argv, str(start_at), str(out)]) for out in outs]
-    for p in procs:
-        if p.wait(seconds + 120) != 0:
-            raise RuntimeError(f"a client exited with {p.returncode}")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for out in outs:
+            start_child(procs, [*argv, str(start_at), str(out)], stderr=None)
+        for p in procs:
+            if p.wait(seconds + 120) != 0:
+                raise RuntimeError(f"a client exited with {p.returncode}")
+    finally:
+        # cut short: SIGTERM, quiet (a SIGINT has each print its traceback)
+        stop_children(procs, signal.SIGTERM)
     merged: dict[str, list[float]] = {m: [] for m in METHODS}
     for out in outs:
         for method, values in json.loads(out.read_text()).items():
@@ -128,8 +146,19 @@ def _summary(latencies: dict[str, list[float]], seconds: float) -> dict[str, dic
     return out
 
 
-def measure(clients: int, seconds: float) -> dict[str, Any]:
-    result: dict[str, Any] = {"clients": clients, "seconds": seconds, "cpus": os.cpu_count()}
+PHASES = 4  # gpud alone, loaded; the floor alone, loaded
+
+
+def measure(
+    clients: int,
+    seconds: float,
+    result: dict[str, Any] | None = None,
+    said: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The figures, filled into ``result`` phase by phase (what a run cut short has
+    measured), each phase's told to ``said`` as it ends."""
+    result = {} if result is None else result
+    result.update(clients=clients, seconds=seconds, cpus=os.cpu_count(), phases=0)
     with (
         simulated_gpud("H100-SXM5-80GB:8") as daemon,
         tempfile.TemporaryDirectory(prefix="gpud-bench-api-") as tmp,
@@ -138,25 +167,33 @@ def measure(clients: int, seconds: float) -> dict[str, Any]:
         responses = work / "responses.json"
         _record(daemon.socket, responses)
         floor_socket = work / "floor.sock"
-        floor = subprocess.Popen(
-            [sys.executable, "-m", "tools.bench_api", "--floor", str(floor_socket), str(responses)]
-        )
+        started: list[subprocess.Popen[bytes]] = []
+        argv = [sys.executable, "-m", "tools.bench_api", "--floor"]
         try:
+            floor = start_child(started, [*argv, str(floor_socket), str(responses)], stderr=None)
             deadline = time.monotonic() + 30
             while not floor_socket.exists():
                 if floor.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the floor server did not start")
                 time.sleep(0.05)
+            said(f"measuring: {PHASES} phases of {seconds:g} s")
             # side by side: alone and loaded, gpud then the floor
             for target, socket in (("gpud", daemon.socket), ("floor", floor_socket)):
-                result[target] = {
-                    "alone": _summary(_run_clients(socket, 1, seconds, work), seconds),
-                    "loaded": _summary(_run_clients(socket, clients, seconds, work), seconds),
-                }
+                for load, n in (("alone", 1), ("loaded", clients)):
+                    summary = _summary(_run_clients(socket, n, seconds, work), seconds)
+                    result.setdefault(target, {})[load] = summary
+                    result["phases"] += 1
+                    said(_phase(target, load, n, summary))
         finally:
-            floor.terminate()
-            floor.wait(10)
+            stop_children(started, signal.SIGTERM)
     return result
+
+
+def _phase(target: str, load: str, n: int, summary: dict[str, dict[str, float]]) -> str:
+    return f"{target} {load} ({n} client{'s' if n > 1 else ''}): " + ", ".join(
+        f"{method} p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, {s['per_s']:.0f}/s"
+        for method, s in summary.items()
+    )
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -197,7 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args(args)
-    result = measure(ns.clients, ns.seconds)
+    result: dict[str, Any] = {}
+
+    def said(line: str) -> None:
+        print(line, file=sys.stderr if ns.json else sys.stdout, flush=True)
+
+    with stopped_by_signal() as stopped:
+        measure(ns.clients, ns.seconds, result, said)
+    if stopped.by:
+        done = f"{result.get('phases', 0)} of {PHASES} phases"
+        return cut_short(stopped.by, done, figures=result if ns.json else None)
     print(json.dumps(result, indent=2) if ns.json else _table(result))
     return 0
 

@@ -23,6 +23,10 @@
    ``--ttl``); ``--kills`` (10) times SIGKILL the leader, then measure from the kill to the
    new leader's ``cluster.elected`` event and to the last survivor's ``cluster.epoch``
    event (the new order applied everywhere), from the daemons' own event logs.
+
+Each part's figures are printed as it ends (with ``--json``, all in one JSON object at the
+end). A SIGTERM or SIGINT stops it: its etcd and gpud processes stopped, the parts done so
+far reported, "cut short by SIGNAL after N of M parts", exit 128 + its number.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,7 @@ from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.cluster.tls import PeerTls
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import Leveller, LevellerConfig
+from tools.simdaemon import cut_short, stopped_by_signal
 
 
 def _reports(jobs: int, nodes: int, span: int, seed: int = 1) -> list[NodeReport]:
@@ -282,43 +288,51 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.order_only and args.failover_only:
         parser.error("--order-only and --failover-only exclude each other")
-    result: dict[str, Any] = {}
+    parts: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     if not args.failover_only:
-        result["order"] = bench_order(args.jobs, args.nodes, args.span, args.reps)
+        parts.append(("order", lambda: bench_order(args.jobs, args.nodes, args.span, args.reps)))
     if not args.order_only and not args.failover_only:
-        result["round"] = asyncio.run(_round(args.round_nodes, args.jobs_per_node, args.reps))
+        parts.append(
+            ("round", lambda: asyncio.run(_round(args.round_nodes, args.jobs_per_node, args.reps)))
+        )
     if not args.skip_failover and not args.order_only:
-        result["failover"] = bench_failover(args.kills)
+        parts.append(("failover", lambda: bench_failover(args.kills)))
+    result: dict[str, Any] = {}
+    with stopped_by_signal() as stopped:
+        print(f"measuring: {len(parts)} parts", file=sys.stderr, flush=True)
+        for name, part in parts:
+            result[name] = part()
+            if not args.json:
+                print(SHOWN[name].format(**result[name]), flush=True)
+    if stopped.by:
+        done, shown = f"{len(result)} of {len(parts)} parts", None if args.json else _nothing
+        return cut_short(stopped.by, done, figures=result, show=shown, cleaned=CLEANED)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
-    if "order" in result:
-        o = result["order"]
-        print(
-            f"global order: {o['jobs']} jobs over {o['nodes']} nodes (x{o['span']}): "
-            f"{o['compute_ms']:.1f} ms median, {o['compute_max_ms']:.1f} ms max, "
-            f"{o['compute_cpu_ms']:.1f} ms CPU (target <= 100 ms; load average "
-            f"{o['load_average']:.1f}); LEVELLER alone {o['leveller_alone_ms']:.1f} ms "
-            f"(ratio {o['ratio_to_leveller']:.2f}); a round without re-rank "
-            f"{o['compute_no_rerank_cpu_ms']:.1f} ms CPU; receiving all reports "
-            f"{o['receive_all_ms']:.1f} ms"
-        )
-    if "round" in result:
-        r = result["round"]
-        print(
-            f"one round, {r['nodes']} nodes over mTLS on loopback, {r['jobs']} jobs: "
-            f"{r['round_ms']:.1f} ms median, {r['round_max_ms']:.1f} ms max (target <= 1000 ms); "
-            f"one report alone {r['one_report_ms']:.2f} ms (ratio {r['ratio_to_one_report']:.1f})"
-        )
-    if "failover" in result:
-        f = result["failover"]
-        print(
-            f"failover over {f['kills']} SIGKILLs (lease TTL {f['lease_ttl_s']} s, bound "
-            f"{f['bound_s']} s): new leader {f['elected_median_s']:.2f} s median, "
-            f"{f['elected_max_s']:.2f} s max; new order applied everywhere "
-            f"{f['applied_median_s']:.2f} s median, {f['applied_max_s']:.2f} s max"
-        )
     return 0
+
+
+CLEANED = "its etcd and gpud processes stopped, its directories removed"
+
+
+def _nothing(figures: dict[str, Any]) -> None:
+    """Each part's figures were printed as it ended."""
+
+
+# each part's line, from its figures
+SHOWN = {
+    "order": "global order: {jobs} jobs over {nodes} nodes (x{span}): {compute_ms:.1f} ms"
+    " median, {compute_max_ms:.1f} ms max, {compute_cpu_ms:.1f} ms CPU (target <= 100 ms;"
+    " load average {load_average:.1f}); LEVELLER alone {leveller_alone_ms:.1f} ms (ratio"
+    " {ratio_to_leveller:.2f}); a round without re-rank {compute_no_rerank_cpu_ms:.1f} ms CPU;"
+    " receiving all reports {receive_all_ms:.1f} ms",
+    "round": "one round, {nodes} nodes over mTLS on loopback, {jobs} jobs: {round_ms:.1f} ms"
+    " median, {round_max_ms:.1f} ms max (target <= 1000 ms); one report alone"
+    " {one_report_ms:.2f} ms (ratio {ratio_to_one_report:.1f})",
+    "failover": "failover over {kills} SIGKILLs (lease TTL {lease_ttl_s} s, bound {bound_s} s):"
+    " new leader {elected_median_s:.2f} s median, {elected_max_s:.2f} s max; new order applied"
+    " everywhere {applied_median_s:.2f} s median, {applied_max_s:.2f} s max",
+}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 thread's own, which other load on a shared machine does not inflate) against the budget,
 and the median and worst wall time, for a cold planner (fresh prices) and a warm one (prices
 kept from the previous pass). Half the jobs run (2 per GPU, two of them inference services),
-half wait; features are drawn from a fixed seed.
+half wait; features are drawn from a fixed seed. A SIGTERM or SIGINT stops it: the figures
+of the passes done so far, "cut short by SIGNAL after N of M passes", exit 128 + its number.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from dataclasses import dataclass, field
 
 from colocate import (
     GpuView,
@@ -20,9 +23,11 @@ from colocate import (
     JobFeatures,
     JobKind,
     JobView,
+    Plan,
     Planner,
     Shape,
 )
+from tools.simdaemon import cut_short, stopped_by_signal
 
 BUDGET_S = 0.050
 GIB = 1 << 30
@@ -74,31 +79,56 @@ def workload(seed: int = 7) -> tuple[list[GpuView], list[JobView]]:
     return gpus, jobs
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     gpus, jobs = workload()
-    results = {}
-    for label, warm in (("cold", False), ("warm", True)):
-        planner = Planner(InterferencePredictor())
-        times, cpu = [], []
-        for _ in range(args.repeat):
-            if not warm:
-                planner = Planner(InterferencePredictor())
-            t0, c0 = time.perf_counter(), time.thread_time()
-            plan = planner.plan(gpus, jobs)
-            cpu.append(time.thread_time() - c0)
-            times.append(time.perf_counter() - t0)
-        results[label] = (statistics.median(cpu), statistics.median(times), max(times), plan)
-    for label, (med_cpu, med, worst, plan) in results.items():
-        print(
-            f"{label}: median CPU {med_cpu * 1e3:.1f} ms ({med_cpu / BUDGET_S:.2f} x budget), "
-            f"wall median {med * 1e3:.1f} ms, worst {worst * 1e3:.1f} ms; placed "
-            f"{len(plan.placements)}, waiting {len(plan.waiting)}, price iterations "
-            f"{plan.convergence.iterations}, residual {plan.convergence.residual:.3f}"
-        )
+    passes: dict[str, Passes] = {}
+    with stopped_by_signal() as stopped:
+        print(f"measuring: 2 planners x {args.repeat} passes", file=sys.stderr, flush=True)
+        for label, warm in (("cold", False), ("warm", True)):
+            done = passes[label] = Passes()
+            planner = Planner(InterferencePredictor())
+            for _ in range(args.repeat):
+                if not warm:
+                    planner = Planner(InterferencePredictor())
+                t0, c0 = time.perf_counter(), time.thread_time()
+                plan = planner.plan(gpus, jobs)
+                done.add(time.thread_time() - c0, time.perf_counter() - t0, plan)
+            print(done.line(label), flush=True)
+    if stopped.by:
+        for label, done in passes.items():
+            if done.plan is not None and len(done.cpu) < args.repeat:
+                print(done.line(label) + f" ({len(done.cpu)} passes)")
+        timed = sum(len(done.cpu) for done in passes.values())
+        return cut_short(stopped.by, f"{timed} of {2 * args.repeat} passes", cleaned="")
     return 0
+
+
+@dataclass
+class Passes:
+    """One planner's passes, each recorded as it ends (what a run cut short has)."""
+
+    cpu: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    plan: Plan | None = None
+
+    def add(self, cpu: float, wall: float, plan: Plan) -> None:
+        self.cpu.append(cpu)
+        self.wall.append(wall)
+        self.plan = plan
+
+    def line(self, label: str) -> str:
+        assert self.plan is not None
+        med_cpu, plan = statistics.median(self.cpu), self.plan
+        return (
+            f"{label}: median CPU {med_cpu * 1e3:.1f} ms ({med_cpu / BUDGET_S:.2f} x budget), "
+            f"wall median {statistics.median(self.wall) * 1e3:.1f} ms, worst "
+            f"{max(self.wall) * 1e3:.1f} ms; placed {len(plan.placements)}, waiting "
+            f"{len(plan.waiting)}, price iterations {plan.convergence.iterations}, residual "
+            f"{plan.convergence.residual:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ figures are medians over the repetitions, and ``step / (clock + append)`` is the
 the per-repetition ratios. The sender thread competes for the GIL with the loop, so the
 daemon-up figure includes what batching costs the training thread.
 
-Target: step <= 2 us.
+Target: step <= 2 us. A SIGTERM or SIGINT stops it: the figures of the repetitions done so
+far (with ``--json``, as its one JSON object, with ``cut_short``), "cut short by SIGNAL
+after N of M repetitions", exit 128 + its number.
 
     .venv/bin/python -m tools.bench_progress [--json] [--reps N] [--calls N]
 """
@@ -26,12 +28,14 @@ import asyncio
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from gpud.api import ApiServer
 from gpud.client import Progress
@@ -41,6 +45,7 @@ from gpud.net.api import NetServicer
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
+from tools.simdaemon import cut_short, stopped_by_signal
 
 TARGET_US = 2.0
 
@@ -86,6 +91,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200_000)
     args = parser.parse_args(argv)
 
+    results: dict[str, list[float]] = {name: [] for name in NAMES}
+    ratios: list[float] = []
+    delivery = {"sent": 0, "dropped": 0, "accepted": 0}
+    with stopped_by_signal() as stopped:
+        measure(args.reps, args.calls, results, ratios, delivery)
+    report = report_of(results, ratios, args.calls, delivery)
+    if stopped.by:
+        done, shown = f"{report['reps']} of {args.reps} repetitions", None if args.json else show
+        return cut_short(
+            stopped.by, done, figures=report, show=shown, cleaned="its sockets removed"
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        show(report)
+    return 0
+
+
+NAMES = ("step_up", "step_down", "clock", "append")
+
+
+def measure(
+    reps: int,
+    calls: int,
+    results: dict[str, list[float]],
+    ratios: list[float],
+    delivery: dict[str, int],
+) -> None:
+    """Each repetition's figures appended to ``results`` and ``ratios`` as it ends (what a
+    run cut short has measured); what the reports' sender delivered into ``delivery``."""
     with tempfile.TemporaryDirectory(prefix="gpud-bp-") as d:
         up_sock, down_sock = Path(d) / "up.sock", Path(d) / "down.sock"
         server, service = _server(up_sock, Path(d) / "state")
@@ -101,51 +136,57 @@ def main(argv: list[str] | None = None) -> int:
             def read_clock() -> None:
                 clock()
 
-            results: dict[str, list[float]] = {
-                "step_up": [],
-                "step_down": [],
-                "clock": [],
-                "append": [],
-            }
-            ratios = []
-            for rep in range(args.reps):
-                order = [
-                    ("step_up", up.step),
-                    ("step_down", down.step),
-                    ("clock", read_clock),
-                    ("append", append),
-                ]
-                if rep % 2:
-                    order.reverse()
-                got = {name: _per_call_us(fn, args.calls) for name, fn in order}
-                for name, us in got.items():
-                    results[name].append(us)
-                ratios.append(got["step_up"] / (got["clock"] + got["append"]))
-            up.flush(timeout=30)
-            sent, dropped = up.sent, up.dropped
-            up.close()
-            down.close(timeout=0.1)
-    med = {k: statistics.median(v) for k, v in results.items()}
-    report = {
-        "calls_per_rep": args.calls,
-        "reps": args.reps,
-        "step_daemon_up_us": round(med["step_up"], 3),
-        "step_daemon_down_us": round(med["step_down"], 3),
-        "time_time_us": round(med["clock"], 3),
-        "deque_append_us": round(med["append"], 3),
-        "step_over_clock_plus_append": round(statistics.median(ratios), 2),
-        "reports_delivered": sent,
-        "reports_dropped": dropped,
-        "accepted_by_daemon": service.accepted_reports,
-        "target_us": TARGET_US,
-        "meets_target": max(med["step_up"], med["step_down"]) <= TARGET_US,
-    }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key, value in report.items():
-            print(f"{key:32} {value}")
-    return 0
+            try:
+                print(f"measuring: {reps} repetitions", file=sys.stderr, flush=True)
+                for rep in range(reps):
+                    order = [
+                        ("step_up", up.step),
+                        ("step_down", down.step),
+                        ("clock", read_clock),
+                        ("append", append),
+                    ]
+                    if rep % 2:
+                        order.reverse()
+                    got = {name: _per_call_us(fn, calls) for name, fn in order}
+                    for name, us in got.items():
+                        results[name].append(us)
+                    ratios.append(got["step_up"] / (got["clock"] + got["append"]))
+                up.flush(timeout=30)
+            finally:
+                delivery.update(sent=up.sent, dropped=up.dropped)
+                up.close()
+                down.close(timeout=0.1)
+                delivery["accepted"] = service.accepted_reports
+
+
+def report_of(
+    results: dict[str, list[float]], ratios: list[float], calls: int, delivery: dict[str, int]
+) -> dict[str, Any]:
+    """The figures of the repetitions done (``reps``); no medians if none was."""
+    report: dict[str, Any] = {"calls_per_rep": calls, "reps": len(ratios)}
+    if ratios:
+        med = {k: statistics.median(v) for k, v in results.items()}
+        report.update(
+            step_daemon_up_us=round(med["step_up"], 3),
+            step_daemon_down_us=round(med["step_down"], 3),
+            time_time_us=round(med["clock"], 3),
+            deque_append_us=round(med["append"], 3),
+            step_over_clock_plus_append=round(statistics.median(ratios), 2),
+        )
+    report.update(
+        reports_delivered=delivery["sent"],
+        reports_dropped=delivery["dropped"],
+        accepted_by_daemon=delivery["accepted"],
+        target_us=TARGET_US,
+    )
+    if ratios:
+        report["meets_target"] = max(med["step_up"], med["step_down"]) <= TARGET_US
+    return report
+
+
+def show(report: dict[str, Any]) -> None:
+    for key, value in report.items():
+        print(f"{key:32} {value}")
 
 
 if __name__ == "__main__":

@@ -55,10 +55,18 @@ from pathlib import Path
 from gpud.admission.service import request_of, run_request_to_json
 from gpud.jobs.ends import EndCause
 from gpud.jobs.service import RunRequest
-from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import (
+    SimDaemon,
+    cut_short,
+    simulated_gpud,
+    start_child,
+    stop_children,
+    stopped_by_signal,
+)
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 NO_ANSWER = "did not answer the withdrawal"
+DROP = subprocess.DEVNULL
 GIB = 1 << 30
 WINDOW_S = 7 * 86400.0  # admission.history_window_s' default
 CLASSES = (
@@ -144,20 +152,6 @@ def wait_queued(
     raise RuntimeError(f"fewer than {count} runs queued after {timeout_s:.0f} s")
 
 
-def stop_runs(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGINT to every ``gpuctl run`` still there (a Ctrl-C: it leaves the queue, or stops
-    its command), killed if it has not exited 30 s later."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @dataclass
 class Phases:
     """The phases a run measures: each one's figures printed as it ends, so that a run cut
@@ -177,16 +171,11 @@ def hand_over(daemon: SimDaemon, runs: int, work: Path) -> list[float]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(runs):
-            procs.append(
-                subprocess.Popen(
-                    gpuctl(daemon, *RUN, f"h{i}", "--", "sh", "-c", script),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
+            argv = gpuctl(daemon, *RUN, f"h{i}", "--", "sh", "-c", script)
+            start_child(procs, argv, stderr=DROP)
         failed = sum(1 for p in procs if p.wait() != 0)
     finally:
-        stop_runs(procs)  # cut short: those still queued or running would outlive the tool
+        stop_children(procs)  # cut short: those still queued or running would outlive the tool
     if failed:
         raise RuntimeError(f"{failed} of {runs} runs failed")
     began = sorted(float(x) for x in starts.read_text().split())
@@ -195,24 +184,13 @@ def hand_over(daemon: SimDaemon, runs: int, work: Path) -> list[float]:
 
 
 def withdrawals(daemon: SimDaemon, leavers: int) -> tuple[list[float], int]:
-    holder = subprocess.Popen(
-        gpuctl(daemon, *RUN, "holder", "--", "sleep", "600"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    procs = []
+    holding: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        start_child(holding, gpuctl(daemon, *RUN, "holder", "--", "sleep", "600"), stderr=DROP)
         time.sleep(2)
         for i in range(leavers):
-            procs.append(
-                subprocess.Popen(
-                    gpuctl(daemon, *RUN, f"q{i}", "--", "true"),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+            start_child(procs, gpuctl(daemon, *RUN, f"q{i}", "--", "true"), stderr=subprocess.PIPE)
             time.sleep(0.1)  # two CPUs: starting them all at once is a benchmark of Python
         wait_queued(daemon, leavers)
         signalled = time.monotonic()
@@ -224,13 +202,10 @@ def withdrawals(daemon: SimDaemon, leavers: int) -> tuple[list[float], int]:
                 if i not in exited and p.poll() is not None:
                     exited[i] = time.monotonic() - signalled
             time.sleep(0.01)
-        unanswered = sum(NO_ANSWER in p.communicate()[1] for p in procs)
+        unanswered = sum(NO_ANSWER in p.communicate()[1].decode() for p in procs)
         return list(exited.values()), unanswered
     finally:
-        for p in [holder, *procs]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_children([*holding, *procs])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -272,25 +247,15 @@ def at_scale(
     go, starts, ends = work / "go", work / "starts", work / "ends"
     hold = f"while [ ! -e {go} ]; do sleep 0.02; done; date +%s.%N >> {ends}"
     script = f"date +%s.%N >> {starts}; sleep 0.3; date +%s.%N >> {ends}"
-    holder = subprocess.Popen(
-        gpuctl(daemon, *RUN, "holder", "--", "sh", "-c", hold),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    holding: list[subprocess.Popen[bytes]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        start_child(holding, gpuctl(daemon, *RUN, "holder", "--", "sh", "-c", hold), stderr=DROP)
         time.sleep(2)
         for i in range(waiters):
+            argv = gpuctl(daemon, *RUN, f"w{i}", "--", "sh", "-c", script, timeout_s=timeout_s)
             with (work / f"w{i}.err").open("wb") as err:
-                procs.append(
-                    subprocess.Popen(
-                        gpuctl(
-                            daemon, *RUN, f"w{i}", "--", "sh", "-c", script, timeout_s=timeout_s
-                        ),
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                    )
-                )
+                start_child(procs, argv, stderr=err)
             time.sleep(0.1)
         wait_queued(daemon, waiters, timeout_s=300, procs=procs, work=work)
         time.sleep(6)  # every waiter in its long poll
@@ -324,7 +289,7 @@ def at_scale(
             f" max {max(gaps):.3f} s (ten in a row)"
         )
     finally:
-        stop_runs([holder, *procs])
+        stop_children([*holding, *procs])
 
 
 def main(argv: list[str] | None = None) -> int:

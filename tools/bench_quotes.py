@@ -23,6 +23,8 @@ and the class models the quotes come from, made
   side, checked equal.
 
 Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
+A SIGTERM or SIGINT stops it: the table of the history sizes measured so far, "cut short
+by SIGNAL after N of M history sizes", its databases removed, exit 128 + its number.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from gpud.admission.service import (
 from gpud.jobs.ends import EndCause
 from gpud.store import StateStore
 from tools.bench_queue import CLASSES, fill_history
+from tools.simdaemon import cut_short, stopped_by_signal
 
 WINDOW_S = 7 * 86400.0
 
@@ -255,10 +258,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.history.split(",")]
-    results = {n: measure(n, args.repeat) for n in sizes}
-    names = list(next(iter(results.values())))
+    results: dict[int, dict[str, float]] = {}
+    with stopped_by_signal() as stopped:
+        for n in sizes:
+            print(f"measuring: N={n}", file=sys.stderr, flush=True)
+            results[n] = measure(n, args.repeat)
+    if results:
+        table(results)
+    if stopped.by:
+        done = f"{len(results)} of {len(sizes)} history sizes"
+        return cut_short(stopped.by, done, cleaned="its databases removed")
+    return 0
+
+
+def table(results: dict[int, dict[str, float]]) -> None:
+    """Milliseconds, a column for each history size measured."""
+    sizes = list(results)
     print(f"{'ms':<28}" + "".join(f"{f'N={n}':>12}" for n in sizes))
-    for name in names:
+    for name in results[sizes[0]]:
         print(f"{name:<28}" + "".join(f"{results[n][name] * 1e3:>12.1f}" for n in sizes))
     print(
         f"{'afresh / later second':<28}"
@@ -267,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
             for n in sizes
         )
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ Every method starts from the same kind of state and its result is checked agains
 plan (read back from the kernel) outside the timed part. Reported: per-method medians and
 minimums (ms) and the medians of per-repetition ratios to ``tc_batch``.
 
-Target: ours <= 2.5 x tc -batch.
+Target: ours <= 2.5 x tc -batch. A SIGTERM or SIGINT stops it: its namespace deleted, the
+figures of the repetitions done so far printed (with ``--json``, as its one JSON object,
+with ``cut_short``), "cut short by SIGNAL after N of M repetitions", exit 128 + its number.
 
     sudo .venv/bin/python -m tools.bench_reprio [--reps N] [--jobs 63] [--ifaces 1] [--json]
 
@@ -46,6 +48,7 @@ from typing import Any
 
 from netshaper import tcplan
 from netshaper.tc_netlink import TcNetlink
+from tools.simdaemon import cut_short, held, stopped_by_signal
 
 LEVELS = 8
 LINK_BPS = 10_000_000_000
@@ -83,16 +86,35 @@ def _check(tc: TcNetlink, want: tcplan.TcPlan) -> None:
             raise SystemExit(f"{iface} differs from the plan after a step: {ops[0].tc_args()}")
 
 
-def run(reps: int, jobs: int, n_ifaces: int = 1, in_place: bool = False) -> dict[str, Any]:
+METHODS = ("ours", "ours_read", "tc_batch", "tc_each")
+NAMESPACE_DELETED = "its network namespace deleted"
+
+
+def run(
+    reps: int,
+    jobs: int,
+    n_ifaces: int = 1,
+    in_place: bool = False,
+    *,
+    samples: dict[str, list[float]] | None = None,
+    op_counts: set[int] | None = None,
+) -> dict[str, Any]:
+    """The figures of ``reps`` repetitions; ``samples`` (each method's seconds) and
+    ``op_counts`` filled as they are measured (what a run cut short has)."""
     if os.geteuid() != 0:
         raise SystemExit("bench_reprio needs root (it creates a network namespace)")
     tc_bin = shutil.which("tc")
     if tc_bin is None:
         raise SystemExit("bench_reprio needs iproute2's tc")
+    samples = {} if samples is None else samples
+    samples.update({m: [] for m in METHODS})
+    op_counts = set() if op_counts is None else op_counts
     ns = f"gpud-bench-{os.getpid()}"
-    _sh("ip", "netns", "add", ns)
-    tmp = tempfile.mkdtemp(prefix="bench_reprio-")
+    tmp = ""
     try:
+        with held():  # a signal between the two would leave them: it waits for the finally
+            _sh("ip", "netns", "add", ns)
+            tmp = tempfile.mkdtemp(prefix="bench_reprio-")
         ifaces = _ifaces(n_ifaces)
         for i, iface in enumerate(ifaces):
             _sh("ip", "-n", ns, "link", "add", iface, "type", "veth", "peer", "name", f"gpp{i}")
@@ -105,10 +127,6 @@ def run(reps: int, jobs: int, n_ifaces: int = 1, in_place: bool = False) -> dict
         if not first.ok:
             raise SystemExit(f"initial sync failed: {first.errors}")
         batch_file = os.path.join(tmp, "ops.tc")
-        samples: dict[str, list[float]] = {
-            m: [] for m in ("ours", "ours_read", "tc_batch", "tc_each")
-        }
-        op_counts: set[int] = set()
 
         def ours(want: tcplan.TcPlan) -> Callable[[], None]:
             tc.drift(current)  # untimed: the adapter's view matches the kernel, as after a tick
@@ -155,6 +173,7 @@ def run(reps: int, jobs: int, n_ifaces: int = 1, in_place: bool = False) -> dict
 
         methods = {"ours": ours, "ours_read": ours_read, "tc_batch": tc_batch, "tc_each": tc_each}
         names = list(methods)
+        print(f"measuring: {reps} repetitions", file=sys.stderr, flush=True)
         for rep in range(reps):
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
@@ -168,27 +187,37 @@ def run(reps: int, jobs: int, n_ifaces: int = 1, in_place: bool = False) -> dict
                 _check(tc, current)
         tc.close()
     finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with held():
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return figures(samples, op_counts, jobs, n_ifaces)
+
+
+def figures(
+    samples: dict[str, list[float]], op_counts: set[int], jobs: int, n_ifaces: int
+) -> dict[str, Any]:
+    """The figures of the repetitions every method measured (``reps`` of them)."""
+    done = min((len(v) for v in samples.values()), default=0)
+    whole = {name: v[:done] for name, v in samples.items()}
 
     def ratio(name: str) -> float:
-        return statistics.median(
-            a / b for a, b in zip(samples[name], samples["tc_batch"], strict=True)
-        )
+        return statistics.median(a / b for a, b in zip(whole[name], whole["tc_batch"], strict=True))
 
     return {
         "jobs": jobs,
         "interfaces": n_ifaces,
         "ops_per_step": sorted(op_counts),
-        "reps": reps,
+        "reps": done,
         "ms": {
             name: {
                 "median": round(statistics.median(v) * 1e3, 3),
                 "min": round(min(v) * 1e3, 3),
             }
-            for name, v in samples.items()
+            for name, v in whole.items()
+            if done
         },
-        "ratio_to_tc_batch": {name: round(ratio(name), 3) for name in samples},
+        "ratio_to_tc_batch": {name: round(ratio(name), 3) for name in whole if done},
         "target": "ours <= 2.5 x tc_batch",
     }
 
@@ -209,10 +238,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--reps must be in [1, 1000], got {args.reps}")
     if not 1 <= args.ifaces <= 16:
         p.error(f"--ifaces must be in [1, 16], got {args.ifaces}")
-    r = run(args.reps, args.jobs, args.ifaces, args.in_place)
+    samples: dict[str, list[float]] = {}
+    op_counts: set[int] = set()
+    with stopped_by_signal() as stopped:
+        r = run(
+            args.reps, args.jobs, args.ifaces, args.in_place, samples=samples, op_counts=op_counts
+        )
+    if stopped.by:
+        r = figures(samples, op_counts, args.jobs, args.ifaces)
+        done, shown = f"{r['reps']} of {args.reps} repetitions", None if args.json else show
+        return cut_short(stopped.by, done, figures=r, show=shown, cleaned=NAMESPACE_DELETED)
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))
         return 0
+    show(r)
+    return 0
+
+
+def show(r: dict[str, Any]) -> None:
+    """The figures as text."""
     print(
         f"move {r['jobs']} job tags to new levels on {r['interfaces']} interface(s)"
         f" ({r['ops_per_step']} tc ops), {r['reps']} reps"
@@ -223,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
             f"  ratio to tc -batch {r['ratio_to_tc_batch'][name]:6.2f}"
         )
     print(f"  target: {r['target']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ the unpinned figures too (the output says which way they were taken).
 
 Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB. A SIGTERM or SIGINT stops it
 (its gpud stopped, its directory removed): each side's CPU time over the repetitions done so
-far is printed, "cut short by SIGNAL", exit 128 + its number.
+far is printed, "cut short by SIGNAL", exit 128 + its number; with ``--json``, as its one
+JSON object, with ``"cut_short": {"by": SIGNAL, "after": "N of M repetitions"}``. A second
+signal meanwhile is ignored.
 
     .venv/bin/python -m tools.bench_telemetry [--json] [--reps N] [--no-daemon] [--cpu N|all]
 """
@@ -346,19 +348,33 @@ def _ok(good: bool) -> str:
 LABELS = {"bare": "bare NVML loop", "adapter": "backend calls only", "tick": "sampler tick"}
 
 
-def so_far(cpu: dict[str, list[float]]) -> int:
-    """Print each side's CPU time over the repetitions done; how many were."""
+def so_far(cpu: dict[str, list[float]], planned: int) -> dict[str, Any]:
+    """The figures of the repetitions done (``reps`` of them, of ``planned``), keyed as
+    :func:`run`'s; none but the counts if none was."""
     done = min((len(figures) for figures in cpu.values()), default=0)
+    figures: dict[str, Any] = {"reps": done, "reps_planned": planned}
     if not done:
-        return 0
+        return figures
+    for side in LABELS:
+        figures[f"{side}_cpu_s"] = statistics.median(cpu[side])
+        figures[f"{side}_cpu_min_s"] = min(cpu[side])
+        if side != "bare":
+            figures[f"{side}_over_bare"] = statistics.median(
+                t / b for t, b in zip(cpu[side], cpu["bare"], strict=True)
+            )
+    return figures
+
+
+def print_so_far(figures: dict[str, Any]) -> None:
+    """Each side's CPU time over the repetitions done, as the text output does."""
+    if not figures["reps"]:
+        return
     for side, label in LABELS.items():
-        figures = cpu[side]
-        ratio = statistics.median(t / b for t, b in zip(figures, cpu["bare"], strict=True))
+        ratio = figures.get(f"{side}_over_bare", 1.0)
         print(
-            f"{label:<20}{statistics.median(figures) * 1000:8.3f} ms CPU   {ratio:.2f} x bare"
-            f" (median of {done}; min {min(figures) * 1000:.3f} ms)"
+            f"{label:<20}{figures[f'{side}_cpu_s'] * 1000:8.3f} ms CPU   {ratio:.2f} x bare"
+            f" (median of {figures['reps']}; min {figures[f'{side}_cpu_min_s'] * 1000:.3f} ms)"
         )
-    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr if args.json else sys.stdout,
         )
     if stopped.by:
-        return cut_short(stopped.by, f"{so_far(cpu)} of {reps} repetitions")
+        figures = {**so_far(cpu, reps), "cpu": args.cpu}
+        done = f"{figures['reps']} of {reps} repetitions"
+        return cut_short(
+            stopped.by, done, figures=figures, show=None if args.json else print_so_far
+        )
     r["cpu"] = args.cpu
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))

@@ -33,6 +33,7 @@ and says it was cut short with :func:`cut_short`::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -46,6 +47,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import IO, Any
 
 from gpud.mps.procs import alive
 from gpud.pdeathsig import dies_with_parent
@@ -100,6 +103,7 @@ class _Signals:
         self.received: list[int] = []
         self.holding = 0
         self.raised = False
+        self.ignore_after = False  # ignored, not restored, on exit: the tool reports next
 
     def handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
@@ -113,6 +117,9 @@ class _Signals:
 
 
 _signals: _Signals | None = None
+# The handlers before a tool was cut short: SIGTERM and SIGINT are ignored (the kernel drops
+# them) until :func:`cut_short` has printed, then these are back.
+_reporting: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
 
 @contextmanager
@@ -131,7 +138,11 @@ def stop_on_signals() -> Iterator[list[int]]:
         signals.raised = True
         try:
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                if signals.ignore_after:
+                    _reporting[signum] = handler
+                    signal.signal(signum, signal.SIG_IGN)
+                else:
+                    signal.signal(signum, handler)
         finally:
             _signals = None
 
@@ -156,15 +167,44 @@ def stopped_by_signal() -> Iterator[Stopped]:
         except KeyboardInterrupt:
             # SIGINT for one with none received: Python's own Ctrl-C handler raised it
             stopped.by = signal.Signals(received[0] if received else signal.SIGINT).name
+            # a second Ctrl-C or SIGTERM must not cut short the report of what was measured
+            assert _signals is not None
+            _signals.ignore_after = True
 
 
-def cut_short(by: str, done: str) -> int:
+GPUD_STOPPED = "gpud stopped, its directory removed"
+
+
+def cut_short(
+    by: str,
+    done: str,
+    *,
+    figures: dict[str, Any] | None = None,
+    show: Callable[[dict[str, Any]], None] | None = None,
+    cleaned: str = GPUD_STOPPED,
+) -> int:
     """Say that the signal ``by`` cut the tool short after ``done`` (what it got through,
-    e.g. "7 of 21 rounds"), its gpud stopped; the exit status, 128 + the signal's number, as
-    a shell reports a process the signal ended."""
-    print(
-        f"cut short by {by} after {done}; gpud stopped, its directory removed; FAILED", flush=True
-    )
+    e.g. "7 of 21 rounds"), and what it cleaned up (``cleaned``, "" for none; by default its
+    gpud stopped); the exit
+    status, 128 + the signal's number, as a shell reports a process the signal ended.
+    ``figures``: what it measured so far, printed by ``show`` first, or, with no ``show`` (a
+    ``--json`` run), as its one JSON document, with ``cut_short`` ({"by", "after"}) and
+    ``ok`` false. SIGTERM and SIGINT, ignored since :func:`stopped_by_signal` took the
+    first, have their handlers back once it is printed."""
+    try:
+        if figures is None or show is not None:
+            if figures is not None and show is not None:
+                show(figures)
+            said = [f"cut short by {by} after {done}", cleaned, "FAILED"]
+            print("; ".join(part for part in said if part), flush=True)
+        else:
+            cut = {"by": by, "after": done}
+            print(json.dumps({**figures, "cut_short": cut, "ok": False}, indent=2, sort_keys=True))
+            sys.stdout.flush()
+    finally:
+        while _reporting:
+            signum, handler = _reporting.popitem()
+            signal.signal(signum, handler)
     return 128 + signal.Signals[by].value
 
 
@@ -183,6 +223,38 @@ def held() -> Iterator[None]:
         signals.holding -= 1
     if not signals.holding:
         signals.raise_first()
+
+
+def start_child(
+    procs: list[subprocess.Popen[bytes]], argv: list[str], *, stderr: int | IO[bytes] | None
+) -> subprocess.Popen[bytes]:
+    """``argv`` started (its output dropped, its stderr to ``stderr``) and added to
+    ``procs``, for :func:`stop_children`; a SIGTERM or SIGINT meanwhile waits (held), so
+    that no process is started and not noted."""
+    with held():
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
+        procs.append(proc)
+    return proc
+
+
+def stop_children(
+    procs: list[subprocess.Popen[bytes]], signum: signal.Signals = signal.SIGINT
+) -> None:
+    """``signum`` to every process of ``procs`` still there (SIGINT, a Ctrl-C: a ``gpuctl
+    run`` leaves the queue, or stops its command), killed if it has not exited 30 s later. A
+    SIGTERM or SIGINT to the tool meanwhile waits (held): raised part way, it would leave
+    those after it running. Only these, not yet reaped, are signalled: their PIDs are
+    still theirs."""
+    with held():
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 # Gone with the tool (SIGTERM: it stops in order) when the tool dies in a way that runs no
