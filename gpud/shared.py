@@ -129,6 +129,8 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     """
     match = _SIZE.match(text)
     if match is None:
+        if _SIZE.match(text.strip().removeprefix("-")):
+            raise InvalidArgument(f"{text!r}: a size cannot be negative", field=field)
         raise InvalidArgument(f"{text!r} is not a size like 20GiB or 512MiB", field=field)
     number, unit, _ = match.groups()
     value = float(number) * _FACTORS[unit.lower()]
