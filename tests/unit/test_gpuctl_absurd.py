@@ -152,6 +152,8 @@ EMPTY = [
     ),
     ("sim workload start", ("--gpu", "0", "--pid", "77", "--memory", ""), "--memory: ''"),
     # what names nothing but is not empty, the same way
+    ("events", ("--kind", "a\nb"), "--kind: '\\n' at character 2: only printable characters"),
+    ("events", ("--follow", "--kind", "\x1b[2J"), "--kind: '\\x1b' at character 1: only"),
     ("jobs add", ("a", "--devices", ","), "--devices: give devices: indexes (0, 0:1) or UUIDs"),
     ("run", ("--job", "a", "--devices", ",,", "--", "true"), "--devices: give devices"),
     # an empty item among devices named: "$A,$B" with B unset, not a job on fewer devices
