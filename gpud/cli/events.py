@@ -49,6 +49,11 @@ _SOME_KIND = given("a kind or its start")
 def event_kind(text: str) -> str:
     """An argparse ``type``: the start of an event kind, refused as gpud refuses it
     (:func:`gpud.shared.check_kind_prefix`) when no event's kind could start with it."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return text  # a byte that is not UTF-8: gpuctl says so of any argument, after parsing
     try:
         return check_kind_prefix(_SOME_KIND(text), field="")
     except InvalidArgument as err:
