@@ -93,6 +93,8 @@ MAX_DRAIN_SECONDS = 24 * 3600.0
 MAX_LAYOUT_BYTES = 128 * 1024
 # The longest name of a config in one (``mig apply/assert/export -c``)
 MAX_CONFIG_NAME = 256
+# The longest start of an event kind a listing or a watch is filtered by
+MAX_KIND_PREFIX = 256
 
 # The p99 latency SLOs a service may declare. Under 10 µs none can be met: a GPU request
 # as its client times it (a kernel launch, its completion seen by the host) takes some
@@ -129,6 +131,8 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     """
     match = _SIZE.match(text)
     if match is None:
+        if _SIZE.match(text.strip().removeprefix("-")):
+            raise InvalidArgument(f"{text!r}: a size cannot be negative", field=field)
         raise InvalidArgument(f"{text!r} is not a size like 20GiB or 512MiB", field=field)
     number, unit, _ = match.groups()
     value = float(number) * _FACTORS[unit.lower()]
@@ -185,6 +189,15 @@ def check_text(value: str, *, field: str, max_len: int) -> str:
                 field=field,
             )
     return value
+
+
+def check_kind_prefix(prefix: str, *, field: str = "kind_prefix") -> str:
+    """``prefix``, the start of the event kinds a listing or a watch keeps, when some kind
+    could start with it: at most :data:`MAX_KIND_PREFIX` printable characters
+    (:func:`check_text`). Kinds are printable (``gpu.lost``): a control character in the
+    prefix matches no event, and the listing would be empty without saying why (a watch
+    would wait for ever)."""
+    return check_text(prefix, field=field, max_len=MAX_KIND_PREFIX)
 
 
 def check_config_name(name: str, *, field: str) -> str:

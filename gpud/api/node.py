@@ -40,6 +40,7 @@ from gpud.mps.procs import PID_MAX
 from gpud.shared import (
     MAX_EVENT_LIMIT,
     WATCHING_KEY,
+    check_kind_prefix,
     format_number,
     names_an_event_gpu,
     shown,
@@ -69,11 +70,10 @@ _FAULT_NAMES = {
 def _event_limit(request: pb.ListEventsRequest | pb.WatchEventsRequest) -> int:
     """The request's limit (its default for 0), its kind prefix and its filters checked: a
     ``gpu`` that is neither an index nor a GPU/MIG UUID, or a ``job`` no job could be
-    named, matches no event, and a listing (or a watch that would wait forever) would say
+    named, or a kind prefix with a control character, matches no event, and a listing (or a watch that would wait forever) would say
     nothing about why, as gpuctl refuses them (exit 2)."""
     limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
-    if len(request.kind_prefix) > 256:
-        raise InvalidArgument("longer than 256 characters", field="kind_prefix")
+    check_kind_prefix(request.kind_prefix)
     gpu = request.gpu.strip()
     if gpu and not names_an_event_gpu(gpu):
         raise InvalidArgument(

@@ -190,6 +190,10 @@ for _code_name, _exit in ERROR_TABLE.values():
 
 # gRPC's words for a connection the socket accepted but no HTTP/2 settings came back on
 CONNECT_TIMED_OUT = "connection attempt timed out"
+# gRPC's last errors for a socket nothing listens on: gpud stopped between gpuctl's probe
+# and gRPC's own connect. Any other failure to connect came after the socket had taken
+# the probe's connection: gpud runs.
+_NOTHING_LISTENS = ("Connection refused", "No such file or directory", "Not a directory")
 
 
 class CliError(Exception):
@@ -431,7 +435,7 @@ class Context:
             code, timeout = grpc.StatusCode.DEADLINE_EXCEEDED, None
         if code == grpc.StatusCode.UNAVAILABLE:
             if details.startswith("failed to connect"):
-                return _not_running(self.socket_path, f"cannot reach it ({details}) on")
+                return self._failed_to_connect(details)
             # the call had reached gpud ("Socket closed", "Connection reset by peer"): it
             # died or restarted while handling it, so a change asked for may be half known
             return CliError(
@@ -457,6 +461,21 @@ class Context:
             )
         return CliError(
             f"{code.name}: {details}", _EXIT_BY_STATUS.get(code.name, 1), status=code.name
+        )
+
+    def _failed_to_connect(self, details: str) -> CliError:
+        """gRPC's own connect failing after the probe connected: "not running" only where
+        nothing listens on the socket (any more); else gpud runs and did not take this
+        connection, e.g. its queue of connections not yet accepted filled under a burst of
+        gpuctl between the probe and gRPC's connect ("Delayed close due to in-progress
+        write")."""
+        if "last error" not in details or any(w in details for w in _NOTHING_LISTENS):
+            return _not_running(self.socket_path, f"cannot reach it ({details}) on")
+        return CliError(
+            f"gpud on {shown_path(self.socket_path)} runs but did not take gpuctl's"
+            f" connection ({details}): it is busy (a burst of connections can fill the queue"
+            " of those it has not accepted); retry, or check `systemctl status gpud`",
+            EXIT_NOT_RUNNING,
         )
 
     def close(self) -> None:

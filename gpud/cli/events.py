@@ -21,7 +21,14 @@ from gpud.cli.context import (
 )
 from gpud.cli.output import json_text, message_to_dict
 from gpud.cli.pipes import when_reader_goes
-from gpud.shared import MAX_EVENT_LIMIT, WATCHING_KEY, is_about, names_an_event_gpu
+from gpud.errors import InvalidArgument
+from gpud.shared import (
+    MAX_EVENT_LIMIT,
+    WATCHING_KEY,
+    check_kind_prefix,
+    is_about,
+    names_an_event_gpu,
+)
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -36,12 +43,29 @@ def event_gpu(text: str) -> str:
     )
 
 
+_SOME_KIND = given("a kind or its start")
+
+
+def event_kind(text: str) -> str:
+    """An argparse ``type``: the start of an event kind, refused as gpud refuses it
+    (:func:`gpud.shared.check_kind_prefix`) when no event's kind could start with it."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return text  # a byte that is not UTF-8: gpuctl says so of any argument, after parsing
+    try:
+        return check_kind_prefix(_SOME_KIND(text), field="")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("events", help="recent structured events, oldest first")
     filters: tuple[tuple[str, Callable[[str], str], str, str], ...] = (
         (
             "--kind",
-            given("a kind or its start"),
+            event_kind,
             "PREFIX",
             'only kinds starting with PREFIX (e.g. "gpu.")',
         ),

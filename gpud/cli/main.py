@@ -45,11 +45,12 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gpud import __version__
 from gpud import build as build_id
@@ -119,6 +120,14 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser (its sub-parsers are of its class) whose errors :func:`_main`
     prints: ``PROG: error: MESSAGE`` as argparse says it and ``try 'PROG --help'`` (not
     argparse's whole usage before it), or as JSON."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse reads a word that starts with "-" as an option unless it is a plain
+        # negative number ("-5", "-.5"): "--memory -5GiB" then said "expected one
+        # argument". No option of gpuctl starts with "-" and a digit, so every such word is
+        # a value, which the option's own type refuses naming it ("cannot be negative").
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self, message)

@@ -31,7 +31,13 @@ import yaml
 
 from gpud.backend.port import GpuIdentity
 from gpud.errors import ConfigError, InvalidArgument, NotFound
-from gpud.shared import MAX_LAYOUT_BYTES, read_regular, utf8_text
+from gpud.shared import (
+    MAX_LAYOUT_BYTES,
+    check_config_name,
+    read_regular,
+    shown,
+    utf8_text,
+)
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
@@ -285,7 +291,8 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
     if not isinstance(raw_configs, dict):
         raise ConfigError("expected a mapping of config names", path=path, key="mig-configs")
     configs: dict[str, tuple[ConfigEntry, ...]] = {}
-    for name, raw_entries in raw_configs.items():
+    for position, (name, raw_entries) in enumerate(raw_configs.items(), start=1):
+        _check_name_in_file(str(name), position, path)
         key = f"mig-configs.{name}"
         if not isinstance(raw_entries, list):
             raise ConfigError("expected a list of entries", path=path, key=key)
@@ -297,6 +304,21 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
                 raise ConfigError(str(err), path=path, key=f"{key}[{i}]") from err
         configs[str(name)] = tuple(entries)
     return MigConfigFile(str(version), configs, path)
+
+
+def _check_name_in_file(name: str, position: int, path: str | None) -> None:
+    """Refuse a config name no ``-c`` can give (:func:`gpud.shared.check_config_name`: a newline, an
+    escape sequence, past :data:`gpud.shared.MAX_CONFIG_NAME`), naming the file and where the name
+    stands in ``mig-configs``; the name itself only as ``repr`` writes it, as it would
+    split or rewrite the line that says so."""
+    try:
+        check_config_name(name, field="")
+    except InvalidArgument as err:
+        raise ConfigError(
+            f"config name {position} ({shown(name, 64)}): {err}; no `-c` can name it",
+            path=path,
+            key="mig-configs",
+        ) from None
 
 
 def load_config(path: Path) -> MigConfigFile:

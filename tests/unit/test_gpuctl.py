@@ -1510,6 +1510,32 @@ def test_a_gpud_that_takes_the_connection_and_never_answers_is_not_called_not_ru
     assert "not running" not in str(hung)
 
 
+def test_a_gpud_whose_queue_filled_after_the_probe_is_said_busy_not_not_running(
+    sock_dir: Path,
+) -> None:
+    # the probe connected; gRPC's own connect then met a queue full under a burst of gpuctl
+    ctx = Context(socket_path=sock_dir / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+    busy = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: unix:/x: Delayed close"
+            " due to in-progress write",
+        )
+    )
+    assert busy.exit_code == 3 and busy.status == "UNAVAILABLE"
+    assert str(busy).startswith(f"gpud on {sock_dir / 'gpud.sock'} runs but did not take")
+    assert "Delayed close due to in-progress write" in str(busy) and "busy" in str(busy)
+    assert "not running" not in str(busy)
+    gone = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: unix:/x: No such file or"
+            " directory",
+        )
+    )
+    assert str(gone).startswith("gpud is not running")
+
+
 @pytest.mark.parametrize(
     "command", [("events", "--follow"), ("cluster", "attributes", "--watch"), ("status",)]
 )

@@ -152,6 +152,8 @@ EMPTY = [
     ),
     ("sim workload start", ("--gpu", "0", "--pid", "77", "--memory", ""), "--memory: ''"),
     # what names nothing but is not empty, the same way
+    ("events", ("--kind", "a\nb"), "--kind: '\\n' at character 2: only printable characters"),
+    ("events", ("--follow", "--kind", "\x1b[2J"), "--kind: '\\x1b' at character 1: only"),
     ("jobs add", ("a", "--devices", ","), "--devices: give devices: indexes (0, 0:1) or UUIDs"),
     ("run", ("--job", "a", "--devices", ",,", "--", "true"), "--devices: give devices"),
     # an empty item among devices named: "$A,$B" with B unset, not a job on fewer devices
@@ -388,3 +390,41 @@ def test_a_huge_argument_is_cut_where_the_error_repeats_it(
     assert (code, out) == (EXIT_USAGE, "")
     assert len(err) < 1000, err[:300]
     assert f"{'x' * 150}... (1000" in err  # cut, its length said
+
+
+# (command, argv before the value, the value, argv after it, what the option says): a value
+# that starts with "-" and a digit is the option's value, not an option of its own
+NEGATIVE = [
+    ("mps set", ("--gpu", "0", "--memory"), "-5GiB", (), "--memory: '-5GiB': a size cannot be"),
+    ("jobs add", ("a", "--memory"), "-5GiB", (), "--memory: '-5GiB': a size cannot be negative"),
+    ("run", ("--job", "a", "--memory"), "-1.5G", ("--", "true"), "--memory: '-1.5G': a size"),
+    ("colo advise", ("a", "--memory"), "-512MiB", (), "--memory: '-512MiB': a size cannot be"),
+    ("sim workload start", ("--gpu", "0", "--pid", "77", "--memory"), "-1G", (), "--memory: '-1G'"),
+    ("mig apply", ("-f", "a", "-c", "x", "--drain-timeout"), "-5s", (), "--drain-timeout: '-5s'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "head", "value", "tail", "message"),
+    NEGATIVE,
+    ids=[f"{c} {v}" for c, _, v, _, _ in NEGATIVE],
+)
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_negative_size_or_duration_is_refused_naming_its_option(  # noqa: PLR0917 (fixtures)
+    node: Node,
+    sim: SimNode,
+    faults: FakeFaults,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    head: tuple[str, ...],
+    value: str,
+    tail: tuple[str, ...],
+    message: str,
+    as_json: bool,
+) -> None:
+    json_flag = ("--json",) if as_json else ()
+    err = _usage_error(node, capsys, *json_flag, *command.split(), *head, value, *tail)
+    said = json.loads(err)["error"]["message"] if as_json else err.splitlines()[0]
+    assert f"argument {message}" in said, err
+    assert "expected one argument" not in said, err
+    _nothing_changed(node, sim, faults)

@@ -231,6 +231,22 @@ def test_config_names_are_the_text_as_written(name: str) -> None:
     assert list(back.configs) == [name]
 
 
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [("a\\nb", r"'a\nb'"), ("\\x1b[2J", r"'\x1b[2J'"), ("tab\\there", r"'tab\there'")],
+)
+def test_a_config_name_no_c_can_give_is_refused_naming_the_file_and_its_place(
+    name: str, shown: str
+) -> None:
+    # double-quoted YAML keys: the escapes are YAML's, read as the control characters
+    text = f'version: v1\nmig-configs:\n  ok: []\n  "{name}": []\n'
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, path="/etc/gpud/mig.yaml")
+    said = str(err.value)
+    assert said.startswith(f"/etc/gpud/mig.yaml:mig-configs: config name 2 ({shown}): "), said
+    assert "only printable characters" in said and "\n" not in said and "\x1b" not in said
+
+
 def test_a_config_that_matches_no_gpu_of_the_node_is_refused() -> None:
     # each GPU no entry matches is left alone, but a config none of whose entries matches
     # any GPU here would apply nothing and report success: the filter is named instead

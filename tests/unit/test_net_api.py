@@ -272,19 +272,27 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     with short_dir() as d:
         path = d / "gpud.sock"
         before = time.time()
+        tries = Tries()
         p = Progress(
-            "train-a", socket=path, flush_interval_s=0.02, max_buffer=10, call_timeout_s=0.3
+            "train-a",
+            socket=path,
+            flush_interval_s=0.02,
+            max_buffer=10,
+            call_timeout_s=0.3,
+            wait=tries.wait,
         )
         try:
             for _ in range(25):
                 p.step()
-            for _ in range(200):  # two tries at least: the second drains what came meanwhile
-                if "10 reports buffered" in p.last_error:
-                    break
-                time.sleep(0.05)
+            # the sender pauses after each try, its last_error said: one try at least, two
+            # where the first began before the last step
+            tries.until_said(lambda: "10 reports buffered" in p.last_error)
             away = p.last_error
             with _serve(node, path):
                 assert p.flush(timeout=15)
+                # flush returns once nothing is pending; the try that sent it counts it and
+                # says gpud is back before its pause
+                tries.until(len(tries.pauses) + 1)
         finally:
             p.close()
     assert away.startswith(f"gpud unreachable at {path} since ")
@@ -389,6 +397,12 @@ class Tries:
             self.pauses.append(timeout)
             self._said.notify_all()
         return wake.wait(timeout)
+
+    def until_said(self, said: Callable[[], bool]) -> None:
+        """Until ``said`` holds at a pause (a hang guard of 60 s): what a try set is read
+        once it has ended."""
+        with self._said:
+            assert self._said.wait_for(said, 60), self.pauses
 
     def until(self, n: int) -> int:
         """Until ``n`` pauses have begun (a hang guard of 60 s); how many have."""
