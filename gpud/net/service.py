@@ -124,8 +124,14 @@ _ARRIVAL_MAX_S = 5.0
 # reports seconds after the newest report at the least
 _LATE_SLACK_S = 0.05
 # the most sessions of one job reporting at once (its ranks, each a Progress): one more is
-# refused, so that a client making a session per report cannot grow gpud's memory
-MAX_JOB_SESSIONS = 1024
+# refused, so that a client making a session per report cannot grow gpud's memory. A node
+# has at most 16 GPUs, a rank each; each report looks at the job's live sessions
+MAX_JOB_SESSIONS = 256
+# a session silent for longer than this many of its usual intervals between arrivals (and
+# at least _DROPOUT_MIN_S) while another of its job reports has dropped out: ranks of one
+# job step together, so one that stopped reporting has stopped
+_DROPOUT_INTERVALS = 3.0
+_DROPOUT_MIN_S = 1.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -175,6 +181,19 @@ class _Session(NamedTuple):
     stamp: float  # its own stamp (unix seconds), to know a report sent again for one
     last_report_at: float  # its newest stamp on the monotonic clock (_JobReports)
     heard_at: float  # when it arrived (the monotonic clock)
+    # its last interval between arrivals (reports of one batch are one arrival); None: one
+    # arrival so far
+    usual_s: float | None = None
+    # a new session whose first report was below the job's count: that report (iterations,
+    # stamp, when heard), until its next arrival tells whether it restarted the job or is
+    # a rank behind
+    pending: tuple[int, float, float] | None = None
+
+    def dropped_out(self, heard: float) -> bool:
+        """Whether this session, silent since, has dropped out of its job when another
+        session of it reports at ``heard`` (the monotonic clock)."""
+        usual = self.usual_s if self.usual_s is not None else 0.0
+        return heard - self.heard_at > max(_DROPOUT_MIN_S, _DROPOUT_INTERVALS * usual)
 
 
 @dataclass
@@ -199,9 +218,15 @@ class _JobReports:
     arrived_at: float = 0.0
     # told of as net.slow_reports: said once while gpud knows the job
     slow_said: bool = False
-    # its sessions heard within traffic.progress_window_s (and since its last run ended):
-    # reporting together, they are ranks of the job, not restarts of it
-    sessions: Mapping[str, _Session] = field(default_factory=dict)
+    # its sessions heard within traffic.progress_window_s (and since its last run ended),
+    # the least recently heard first: reporting together, they are ranks of the job, not
+    # restarts of it. Shared by the job's entries as it reports (only read under the lock)
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    # the stamp the progress tracker was last told: it ignores one older than its newest
+    told_at: float = -math.inf
+    # the last count reported without a session (one shell-driven reporter) since the job
+    # last restarted: such a report may not go below it
+    bare: int | None = None
 
     @property
     def cadence_s(self) -> float | None:
@@ -239,26 +264,55 @@ def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -
     )
 
 
+class _Count(NamedTuple):
+    """The job's count once one of its sessions reported (:func:`_job_count`)."""
+
+    iterations: int
+    session: str  # the session the count started from
+    told: tuple[tuple[int, float], ...]  # (count, stamp) the progress tracker is told
+    # the job restarted: its sessions that go on (those of the restarted job); empty: none
+    restarted: tuple[str, ...] = ()
+
+
 def _job_count(
-    prev: _JobReports | None, sessions: Mapping[str, _Session], session: str
-) -> tuple[int, str, _Session | None]:
-    """The job's count once ``session`` reported (``sessions``: its live ones, that report
-    among them), the session the count started from, and the report the progress tracker
-    is told (None: the count did not move).
+    prev: _JobReports | None, sessions: dict[str, _Session], session: str, heard: float
+) -> _Count:
+    """The job's count once ``session`` reported at ``heard`` (``sessions``: those heard
+    within the window since its last run ended, that report among them).
 
     Its ranks' sessions move together, their counts a little apart: the job's count is
-    their lowest once that passes it, as synchronous training moves at its slowest rank's
-    pace; a rank behind it (one just started) does not take it back. It goes back only
-    where every live session is below it: those that reached it are gone, and the job
-    restarted (from a checkpoint) in the sessions that report now."""
+    their lowest live one's once that passes it, as synchronous training moves at its
+    slowest rank's pace; a rank behind it (one just started) does not take it back. A
+    session silent past a few of its intervals while this one reports has dropped out
+    (:meth:`_Session.dropped_out`). The count goes back (the job restarted from a
+    checkpoint) where every live session is below it, or where a new session's first
+    report was below it (pending) and no other session was heard between that report (or
+    a moment before it: :data:`_ONE_ARRIVAL_S`) and its next: ranks of one job report in
+    the same cadence, a dead predecessor does not. That restart counts from the new
+    session's first report."""
+    me = sessions[session]
     if prev is None:
-        return sessions[session].iterations, session, sessions[session]
-    lowest = min(sessions.values(), key=lambda s: (s.iterations, -s.stamp))
-    if max(s.iterations for s in sessions.values()) < prev.iterations:
-        return lowest.iterations, session, lowest
+        return _Count(me.iterations, session, ((me.iterations, me.stamp),))
+    names = [name for name, s in sessions.items() if name == session or not s.dropped_out(heard)]
+    live = [sessions[name] for name in names]
+    if me.pending is not None and heard - me.pending[2] > _ONE_ARRIVAL_S:
+        first = me.pending[:2]
+        # one heard a moment before its first report reported in the same round
+        since = me.pending[2] - _ONE_ARRIVAL_S
+        if not any(s.heard_at >= since for s in live if s is not me):
+            told = (first, (me.iterations, me.stamp))
+            return _Count(me.iterations, session, told, (session,))
+    lowest = min(live, key=lambda s: (s.iterations, -s.stamp))
+    if max(s.iterations for s in live) < prev.iterations:
+        lowest_told = ((lowest.iterations, lowest.stamp),)
+        return _Count(lowest.iterations, session, lowest_told, tuple(names))
     if lowest.iterations > prev.iterations:
-        return lowest.iterations, prev.session, lowest
-    return prev.iterations, prev.session, None
+        return _Count(lowest.iterations, prev.session, ((lowest.iterations, lowest.stamp),))
+    if prev.session not in sessions and me.iterations >= prev.iterations:
+        # the session the count started from is gone (its run ended): the count goes on
+        # from this one, which is progress after that end though it repeats the count
+        return _Count(prev.iterations, session, ())
+    return _Count(prev.iterations, prev.session, ())
 
 
 class _Quiet(NamedTuple):
@@ -486,6 +540,9 @@ class TrafficService:
         # reports then. A leaf lock: the jobs service says so inside its store transaction,
         # which the tick waits for holding self._lock
         self._ends: dict[str, tuple[float, _JobReports | None]] = {}
+        # job -> when its last run ended: its sessions heard before it are no ranks of the
+        # job any more. Unlike _ends, kept while a new run of it holds a reservation
+        self._cutoffs: dict[str, float] = {}
         self._ends_lock = threading.Lock()
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
@@ -566,11 +623,13 @@ class TrafficService:
                 # would make the job's usual interval between reports that of the resend)
                 self.accepted_reports += 1
                 return
-            # without a session, a report is checked against the job's count
-            before = own if r.session else prev
-            if before is not None and r.iterations < before.iterations:
+            # without a session (one shell-driven reporter), against the last such report
+            before = own.iterations if own is not None else None
+            if not r.session and prev is not None:
+                before = prev.bare
+            if before is not None and r.iterations < before:
                 raise InvalidArgument(
-                    f"job {r.job!r}: {r.iterations} iterations after {before.iterations}"
+                    f"job {r.job!r}: {r.iterations} iterations after {before}"
                     " (going backwards; a restarted job reports from a new session)",
                     field="iterations",
                 )
@@ -580,17 +639,24 @@ class TrafficService:
                 and r.job not in self._held_now()
             )
             sessions = self._live_sessions(r, prev, heard, silent=silent)
-            sessions[r.session] = _Session(
-                r.iterations,
-                r.timestamp,
-                max(stamped, own.last_report_at) if own is not None else stamped,
-                heard,
-            )
+            mine = self._session_report(r, prev, own, stamped, heard)
+            sessions.pop(r.session, None)  # the most recently heard last
+            sessions[r.session] = mine
             if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
                 self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
-            count, origin, told = _job_count(prev, sessions, r.session)
-            if told is not None:
-                self._tracker.report(r.job, told.iterations, told.stamp)
+            count = _job_count(prev, sessions, r.session, heard)
+            told_at = prev.told_at if prev is not None else -math.inf
+            for iterations, stamp in count.told:
+                # a rank's stamp may be older than the newest the tracker has (another
+                # rank's): told as that, it would be ignored as late
+                told_at = max(told_at, stamp)
+                self._tracker.report(r.job, iterations, told_at)
+            if count.restarted:
+                sessions = {name: sessions[name] for name in count.restarted}
+                sessions[r.session] = mine._replace(pending=None)
+            elif mine.pending is not None and heard - mine.pending[2] > _ONE_ARRIVAL_S:
+                sessions[r.session] = mine._replace(pending=None)  # a rank behind
+            bare = prev.bare if prev is not None and not count.restarted else None
             if prev is not None and silent:
                 # it ended with its reports (see _ended_at): only progress runs it again.
                 # An end it has progressed past (it ran again, then fell silent again) is
@@ -603,8 +669,8 @@ class TrafficService:
             interval, usual, arrived = _intervals(prev, heard, self._arrival_max_s)
             said = self._say_slow_reports(r.job, usual, said=prev is not None and prev.slow_said)
             self._reports[r.job] = _JobReports(
-                count,
-                origin,
+                count.iterations,
+                count.session,
                 max(stamped, prev.last_report_at) if prev else stamped,
                 heard,
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
@@ -613,8 +679,30 @@ class TrafficService:
                 arrived,
                 said,
                 sessions,
+                told_at,
+                bare if r.session else r.iterations,
             )
             self.accepted_reports += 1
+
+    @staticmethod
+    def _session_report(
+        r: Report, prev: _JobReports | None, own: _Session | None, stamped: float, heard: float
+    ) -> _Session:
+        """``r``'s session once ``r`` arrived at ``heard`` (``own``: its last report, if
+        live; ``stamped``: ``r``'s stamp on the monotonic clock)."""
+        if own is None:
+            below = prev is not None and r.iterations < prev.iterations
+            pending = (r.iterations, r.timestamp, heard) if below else None
+            return _Session(r.iterations, r.timestamp, stamped, heard, None, pending)
+        gap = heard - own.heard_at
+        return _Session(
+            r.iterations,
+            r.timestamp,
+            max(stamped, own.last_report_at),
+            heard,
+            gap if gap > _ONE_ARRIVAL_S else own.usual_s,
+            own.pending,
+        )
 
     def _live_sessions(
         self, r: Report, prev: _JobReports | None, heard: float, *, silent: bool
@@ -628,16 +716,10 @@ class TrafficService:
         lock)."""
         if prev is None or silent:
             return {}
-        window = self._tracker.config.window_s
-        with self._ends_lock:
-            known = self._ends.get(r.job)
-        end = known[0] if known is not None else -math.inf
-        live = {
-            name: s
-            for name, s in prev.sessions.items()
-            if name != r.session and heard - s.heard_at <= window and s.heard_at > end
-        }
-        if r.session not in prev.sessions and len(live) >= MAX_JOB_SESSIONS:
+        live = prev.sessions
+        self._prune(r.job, live, heard)
+        if r.session not in live and len(live) >= MAX_JOB_SESSIONS:
+            window = self._tracker.config.window_s
             raise ResourceExhausted(
                 f"job {r.job!r}: {len(live)} sessions reported within"
                 f" traffic.progress_window_s ({window:g} s), at most {MAX_JOB_SESSIONS}:"
@@ -645,6 +727,23 @@ class TrafficService:
                 " not one per report)"
             )
         return live
+
+    def _prune(self, job: str, sessions: dict[str, _Session], now: float) -> None:
+        """Drop ``job``'s sessions that are not live at ``now`` (the monotonic clock):
+        heard longer than ``traffic.progress_window_s`` ago, or before its last run ended
+        (:meth:`run_ended`; kept past the tick that sees a new run held). ``sessions`` runs
+        from the least recently heard, so this stops at the first live one."""
+        window = self._tracker.config.window_s
+        with self._ends_lock:
+            cutoff = self._cutoffs.get(job, -math.inf)
+            known = self._ends.get(job)
+        if known is not None:
+            cutoff = max(cutoff, known[0])
+        while sessions:
+            name, oldest = next(iter(sessions.items()))
+            if now - oldest.heard_at <= window and oldest.heard_at > cutoff:
+                return
+            del sessions[name]
 
     @staticmethod
     def _late(r: Report, own: _Session, stamped: float) -> bool:
@@ -739,6 +838,8 @@ class TrafficService:
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
+            # its sessions heard before are dead, also once a tick sees a new run held
+            self._cutoffs[job] = end
             # the last tick's read of the reservations still has it: read by the views, it
             # would say the job runs, at its level, until the next tick
             self._held = self._held - {job}
@@ -1030,6 +1131,9 @@ class TrafficService:
             self._watch_clocks()
             self._sync_tags(registered)
             levels = self._decide(now, registered)
+            heard = self._monotonic()
+            for job, reports in self._reports.items():
+                self._prune(job, reports.sessions, heard)  # those of a job gone quiet too
             self._record_changes(levels)
             tags = self.tags.allocations()
             self._enforce_tc(tags, levels, self._weights(now, tags))
@@ -1149,7 +1253,7 @@ class TrafficService:
     def _learnt(self) -> set[str]:
         """The jobs :meth:`_forget` has something of."""
         with self._ends_lock:
-            ended = set(self._ends)
+            ended = {*self._ends, *self._cutoffs}
         return {
             *ended,
             *self._tagged_at,
@@ -1168,6 +1272,7 @@ class TrafficService:
         self._reports.pop(job, None)
         with self._ends_lock:
             self._ends.pop(job, None)
+            self._cutoffs.pop(job, None)
 
     def _forget_class(self, job: str) -> None:
         """Drop what went with ``job``'s tag (its tag went to another job): its level, leaf

@@ -44,10 +44,13 @@ class ReportProgressRequest(_message.Message):
     session: _builtins.str
     """Identifies one reporting process (gpud.client picks a random one). Sessions heard
     within traffic.progress_window_s of each other are ranks of one job: its count is their
-    lowest, its rate its slowest rank's. A new session may start counting again (the job
-    restarted from a checkpoint) once every session that reached the job's count has been
-    silent for that window, or its run ended; within one session, and without one,
-    iterations may not go backwards.
+    lowest, its rate its slowest rank's; one silent past 3 of its report intervals (at
+    least 1 s) while another reports has dropped out. A new session may start counting
+    again (the job restarted from a checkpoint, counted from its first report) once every
+    session that reached the job's count has dropped out, at its next report where no
+    other session was heard between the two, or where the job's run ended before it.
+    Within one session iterations may not go backwards; without one, not below the last
+    report without one since the job restarted.
     """
     def __init__(
         self,

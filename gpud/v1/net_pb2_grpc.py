@@ -67,7 +67,7 @@ class NetServicer:
     def ReportProgress(self, request, context):
         """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
         a timestamp in the future or iterations going backwards (unless the report starts a
-        new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+        new session); RESOURCE_EXHAUSTED for a new session of a job that has 256 live ones;
         nothing changes on an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -41,7 +41,7 @@ class NetStub:
     ReportProgress: _grpc.UnaryUnaryMultiCallable[_net_pb2.ReportProgressRequest, _net_pb2.ReportProgressResponse]
     """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
     a timestamp in the future or iterations going backwards (unless the report starts a
-    new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+    new session); RESOURCE_EXHAUSTED for a new session of a job that has 256 live ones;
     nothing changes on an error.
     """
     ReportProgressBatch: _grpc.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]
@@ -65,7 +65,7 @@ class NetAsyncStub(NetStub):
     ReportProgress: _aio.UnaryUnaryMultiCallable[_net_pb2.ReportProgressRequest, _net_pb2.ReportProgressResponse]  # type: ignore[assignment]
     """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
     a timestamp in the future or iterations going backwards (unless the report starts a
-    new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+    new session); RESOURCE_EXHAUSTED for a new session of a job that has 256 live ones;
     nothing changes on an error.
     """
     ReportProgressBatch: _aio.UnaryUnaryMultiCallable[_net_pb2.ReportProgressBatchRequest, _net_pb2.ReportProgressBatchResponse]  # type: ignore[assignment]
@@ -92,7 +92,7 @@ class NetServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_net_pb2.ReportProgressResponse, _abc.Awaitable[_net_pb2.ReportProgressResponse]]:
         """One progress report. NOT_FOUND for a job the node does not know; INVALID_ARGUMENT for
         a timestamp in the future or iterations going backwards (unless the report starts a
-        new session); RESOURCE_EXHAUSTED for a new session of a job that has 1024 live ones;
+        new session); RESOURCE_EXHAUSTED for a new session of a job that has 256 live ones;
         nothing changes on an error.
         """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import tempfile
@@ -3449,6 +3450,20 @@ def test_sessions_of_one_job_are_bounded_and_one_too_many_is_refused(rig: Rig) -
     assert _row(rig).iterations == 12
 
 
+@contextlib.contextmanager
+def _ticked_rig(**config: object) -> Iterator[Rig]:
+    """A rig of its own, ticked once, for a property test (a fixture's rig would be shared
+    by its examples)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        sysfs = root / "sys" / "class" / "net" / "eth0"
+        sysfs.mkdir(parents=True)
+        (sysfs / "speed").write_text("1000\n")
+        rig = Rig(root, root / "sys", **config)
+        rig.service.tick()
+        yield rig
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     behind=st.lists(st.integers(0, 3), min_size=1, max_size=8),
@@ -3461,13 +3476,7 @@ def test_ranks_reporting_in_any_order_never_take_the_count_back(
     other they are: the job's count never goes back, and once its first rounds are out of
     the window (the job's first count was its first rank's, which the others had not
     reached), its iteration time is theirs."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        sysfs = root / "sys" / "class" / "net" / "eth0"
-        sysfs.mkdir(parents=True)
-        (sysfs / "speed").write_text("1000\n")
-        rig = Rig(root, root / "sys", progress_window_s=5.0)
-        rig.service.tick()
+    with _ticked_rig(progress_window_s=5.0) as rig:
         shown = 0
         for n, order in enumerate(orders):
             rig.clock.t += 1.0
@@ -3481,3 +3490,137 @@ def test_ranks_reporting_in_any_order_never_take_the_count_back(
             shown = row.iterations
         assert shown == 100 + len(orders) - 1 - max(behind)
         assert row.iteration_s == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_job_restarted_from_a_checkpoint_a_moment_after_it_died_counts_again_at_once(
+    rig: Rig,
+) -> None:
+    """One Progress reports a second apart and dies; two seconds later its restart (a new
+    session) reports from its checkpoint, below the count: no other session was heard
+    between its first report and its next, so at that next report the job restarted from
+    the first, not a window later."""
+    rig.service.tick()
+    for n in range(1001, 1041):
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", n, rig.clock.t, 0.5, session="p1"))
+    rig.clock.t += 2.0
+    rig.service.report(Report("a", 1010, rig.clock.t, 0.5, session="p2"))
+    assert _row(rig).iterations == 1040  # a rank behind, or a restart: not known yet
+    rig.clock.t += 1.0
+    rig.service.report(Report("a", 1011, rig.clock.t, 0.5, session="p2"))
+    assert _row(rig).iterations == 1011
+    for n in range(1012, 1016):
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", n, rig.clock.t, 0.5, session="p2"))
+    assert _row(rig).iterations == 1015 and _row(rig).iteration_s == pytest.approx(1.0)
+
+
+def test_a_shell_driven_job_restarted_with_a_session_counts_from_it_and_reports_on_without(
+    rig: Rig,
+) -> None:
+    """``gpuctl net report`` without a session, then ``--session S2`` with a restarted
+    job's new count once the old reports stopped: the count is the new one at once, and
+    reports without a session go on from it (checked against the last such report since
+    the restart, not refused as going backwards)."""
+    rig.service.tick()
+    for n in range(1196, 1201):
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", n, rig.clock.t))
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+    assert _row(rig).iterations == 1000
+    rig.clock.t += 1.0
+    rig.service.report(Report("a", 1001, rig.clock.t))
+    rig.clock.t += 2.0
+    rig.service.report(Report("a", 1002, rig.clock.t))
+    assert _row(rig).iterations == 1002
+    with pytest.raises(InvalidArgument, match=r"iterations: job 'a': 1001 iterations after 1002"):
+        rig.service.report(Report("a", 1001, rig.clock.t + 1))
+
+
+def test_sessions_of_a_run_that_ended_stay_dead_after_a_tick_sees_the_next_run(
+    rig: Rig,
+) -> None:
+    """A run reports up to 1030 and ends; the next run starts and a tick sees it held; its
+    session reports from its checkpoint seconds later: the old run's session is no rank of
+    the job any more, so the count is the new run's."""
+    rig.active = {"a"}
+    rig.service.tick()
+    for n in range(1001, 1031):
+        rig.clock.t += 1.0
+        rig.service.report(Report("a", n, rig.clock.t, 0.5, session="run1"))
+    rig.active = set()
+    rig.service.run_ended("a")
+    rig.active = {"a"}
+    rig.service.run_started("a")
+    rig.service.tick()
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 900, rig.clock.t, 0.5, session="run2"))
+    assert _row(rig).iterations == 900
+
+
+def test_a_new_session_resuming_at_the_count_after_a_run_ended_is_running(rig: Rig) -> None:
+    """A run reports 10 and ends; the next run's session reports 10 (it resumed from the
+    checkpoint at that count): that is progress after the end, the job runs."""
+    rig.service.tick()
+    rig.service.report(Report("a", 10, rig.clock.t, session="s"))
+    rig.clock.t += 1.0
+    rig.service.run_ended("a")
+    assert _row(rig).ended_s is not None
+    rig.clock.t += 1.0
+    rig.service.report(Report("a", 10, rig.clock.t, session="t"))
+    assert _row(rig).ended_s is None
+
+
+def test_the_count_shown_is_the_services_when_the_lowest_rank_reported_before_the_newest(
+    rig: Rig,
+) -> None:
+    """Ranks X and Y: X 100, Y 105, X 101, X 106, each stamped after the one before. The
+    job's count is Y's 105, stamped before X's newest: ``gpuctl net show`` shows 105 (the
+    tracker is not left behind at 101, taking 105 for a late report)."""
+    rig.service.tick()
+    t = rig.clock.t
+    for session, count, ago in (("X", 100, 0.6), ("Y", 105, 0.5), ("X", 101, 0.1), ("X", 106, 0)):
+        rig.service.report(Report("a", count, t - ago, session=session))
+    assert _row(rig).iterations == 105
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    behind=st.lists(st.integers(0, 3), min_size=2, max_size=6),
+    jitter=st.lists(st.floats(-0.3, 0.3), min_size=6, max_size=6),
+    orders=st.lists(st.permutations(range(6)), min_size=10, max_size=10),
+    drop_after=st.integers(2, 6),
+    checkpoint=st.integers(10, 90),
+)
+def test_what_net_show_counts_is_the_services_count_through_jitter_a_dropout_and_a_restart(
+    behind: list[int],
+    jitter: list[float],
+    orders: list[list[int]],
+    drop_after: int,
+    checkpoint: int,
+) -> None:
+    """Ranks report each second in any order, their stamps jittered apart; the last rank
+    stops after a few rounds; then every rank dies and, two seconds later, one Progress
+    restarts from a checkpoint: the count ``gpuctl net show`` shows (the progress
+    tracker's) is at every round the service's own, never going back before the restart,
+    and the restart's count once it reported twice."""
+    with _ticked_rig(progress_window_s=5.0) as rig:
+        shown = 0
+        for n, order in enumerate(orders):
+            rig.clock.t += 1.0
+            for rank in order:
+                if rank >= len(behind) or (rank == len(behind) - 1 and n > drop_after):
+                    continue
+                stamp = rig.clock.t + jitter[rank]
+                count = 100 + n - behind[rank]
+                rig.service.report(Report("a", count, stamp, session=f"rank{rank}"))
+            row = _row(rig)
+            assert row.iterations == rig.service._reports["a"].iterations
+            assert row.iterations is not None and row.iterations >= shown
+            shown = row.iterations
+        rig.clock.t += 2.0
+        for n in range(3):
+            rig.service.report(Report("a", checkpoint + n, rig.clock.t, session="restarted"))
+            rig.clock.t += 1.0
+        assert _row(rig).iterations == rig.service._reports["a"].iterations == checkpoint + 2
