@@ -389,8 +389,10 @@ class EtcdClient:
             return f"no answer within {self._settings.timeout_s:g} s, cluster.etcd_timeout_s"
         if str(err) and isinstance(err, self._refused):
             # an HTTP answer etcd3gw counts as a failure to reach etcd (500, 503, and 408
-            # or 504 from a proxy in front of it): its reason, and its body where it has one
-            body = getattr(err, "detail_text", None) or ""
+            # or 504 from a proxy in front of it): its reason, and etcd's message or the
+            # proxy's body where it has one
+            body = _refusal(err) if _gateway_body(err) else getattr(err, "detail_text", None)
+            body = body or ""
             return f"HTTP {err}" + (f" {_clipped(body)}" if body.strip() else "")
         text = getattr(err, "detail_text", None) or ""
         kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)

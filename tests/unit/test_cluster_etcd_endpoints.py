@@ -425,15 +425,26 @@ def test_calls_serve_as_etcds_authentication_is_turned_on_and_off(
     assert etcd.logins == 4
 
 
-def test_a_gateway_timeout_from_a_proxy_is_said_as_its_answer_not_as_no_answer(
-    servers: list[http.server.ThreadingHTTPServer],
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ((504, "upstream timed out"), "HTTP Gateway Timeout 'upstream timed out'"),
+        ((408, ""), "HTTP Request Timeout"),
+        (
+            (503, json.dumps({"code": 14, "message": "etcdserver: request timed out"})),
+            "HTTP Service Unavailable 'etcdserver: request timed out'",
+        ),
+    ],
+)
+def test_an_http_failure_is_said_as_its_answer_not_as_no_answer(
+    servers: list[http.server.ThreadingHTTPServer], answer: tuple[int, str], said: str
 ) -> None:
-    proxy = _endpoint(servers, Answers({**ETCD, "/v3/kv/range": (504, "upstream timed out")}))
+    """A 504 or 408 (a proxy in front of etcd whose backend timed out) or etcd's own 503
+    answered at once: said by its reason and words, not as no answer within the timeout."""
+    proxy = _endpoint(servers, Answers({**ETCD, "/v3/kv/range": answer}))
     with pytest.raises(Unavailable) as unreachable:
         _client(proxy).get("/x")
-    assert str(unreachable.value) == (
-        f"etcd unreachable at {proxy} (HTTP Gateway Timeout 'upstream timed out')"
-    )
+    assert str(unreachable.value) == f"etcd unreachable at {proxy} ({said})"
 
 
 def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
