@@ -17,9 +17,10 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported (with etcd's authentication off, calls go without a token, as
 etcdctl's do; a login again mends ``user name is empty`` once it is on and an expired token,
-within the call that meets it, once per endpoint and call). Every failure to reach etcd is :class:`~gpud.errors.Unavailable`, naming each
-endpoint with its own failure (the kernel's ``Connection refused``, no answer within the
-timeout: a stopped etcd, or the HTTP reason of a 500, 503, 408 or 504: a proxy's own);
+within the call that meets it, once per endpoint and call). Every failure to reach etcd is
+:class:`~gpud.errors.Unavailable`, naming each endpoint with its own failure (the kernel's
+``Connection refused``, no answer within the timeout: a stopped etcd, or the HTTP reason of
+a 500, 503, 408 or 504: etcd's, or a proxy's own);
 so is an endpoint that answers but not as etcd (its peer port, another service: the
 next endpoint is tried, and the error names each such endpoint, logged once); a write
 refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
@@ -85,8 +86,8 @@ _AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication R
 AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while auth is off
 # refusals that a login again mends: a token expired, or a call without one (authentication
 # turned on after calls went without it)
-_LOGIN_AGAIN = ("invalid auth token", "user name is empty")
 NO_USER = "user name is empty"  # etcd's answer to a call that carried no token
+_LOGIN_AGAIN = ("invalid auth token", NO_USER)
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -382,7 +383,8 @@ class EtcdClient:
     def _why_unreachable(self, err: BaseException) -> str:
         """Why one endpoint gave no answer, in the kernel's words where it said any
         (``Connection refused``, ``No route to host``, a name that does not resolve), or
-        the TLS library's; etcd3gw keeps requests' text in ``detail_text``, not ``str``."""
+        the TLS library's, or the HTTP reason it was answered with; etcd3gw keeps
+        requests' text in ``detail_text``, not ``str``."""
         if isinstance(err.__context__, self._timeout) or (
             type(err).__name__ == "ConnectionTimeoutError" and not str(err)
         ):
