@@ -149,7 +149,7 @@ class ClusterStatus:
     # "refused" (not read: unknown); "full" (no node can record one); "" with no etcd
     problems_state: str = ""
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
-    etcd_alarms_read: bool = False  # read at least once since gpud started
+    etcd_alarms_read: bool = False  # the last read of them succeeded (none yet: False)
     certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
     # the leader this node reports to while it is not the one ``info`` names (None: it is)
     hint: LeaderHint | None = None
@@ -262,7 +262,8 @@ class ClusterAgent:
         self._alarms = alarms
         self._certs = certs
         self.etcd_alarms: tuple[str, ...] = ()
-        self.etcd_alarms_read = False  # until then ``etcd_alarms`` is not known, not none
+        # False until read, and after a failed read: ``etcd_alarms`` is not known, not none
+        self.etcd_alarms_read = False
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
@@ -552,6 +553,9 @@ class ClusterAgent:
             alarms = await asyncio.to_thread(self._alarms.alarms)
         except GpudError as err:  # etcd unreachable: the election's detail says so
             log.debug("cluster: cannot read etcd's alarms: %s", err)
+            # what was read stays in the status, but no gauge says it is raised now: a
+            # node cut off from etcd would hold the cluster's alarm alert after a disarm
+            self.etcd_alarms_read = False
             return
         self.etcd_alarms_read = True
         if alarms == self.etcd_alarms:

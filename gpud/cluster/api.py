@@ -172,7 +172,7 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         store_state=s.info.store_state,
         last_error_kind=s.last_error_kind,
         problems_state=s.problems_state or None,  # absent with no etcd, as from an older gpud
-        leader_lease=f"{s.info.lease:x}" if s.info.lease else None,  # as etcdctl prints it
+        leader_lease=f"{s.info.lease:016x}" if s.info.lease else None,  # as etcdctl prints it
     )
     for c in s.certificates:
         cert = msg.certificates.add(key=c.key, path=c.path, error=c.error)

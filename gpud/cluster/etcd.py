@@ -16,9 +16,11 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported (with etcd's authentication off, calls go without a token, as
-etcdctl's do). Every failure to reach etcd is :class:`~gpud.errors.Unavailable`, naming each
-endpoint with its own failure (the kernel's ``Connection refused``, or no answer within the
-timeout: a stopped etcd);
+etcdctl's do; a login again mends ``user name is empty`` once it is on and an expired token,
+within the call that meets it, once per endpoint and call). Every failure to reach etcd is
+:class:`~gpud.errors.Unavailable`, naming each endpoint with its own failure (the kernel's
+``Connection refused``, no answer within the timeout: a stopped etcd, or the HTTP reason of
+a 500, 503, 408 or 504: etcd's, or a proxy's own);
 so is an endpoint that answers but not as etcd (its peer port, another service: the
 next endpoint is tried, and the error names each such endpoint, logged once); a write
 refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
@@ -84,7 +86,8 @@ _AUTH_REFUSALS = frozenset({"Unauthorized", "Forbidden", "Proxy Authentication R
 AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while auth is off
 # refusals that a login again mends: a token expired, or a call without one (authentication
 # turned on after calls went without it)
-_LOGIN_AGAIN = ("invalid auth token", "user name is empty")
+NO_USER = "user name is empty"  # etcd's answer to a call that carried no token
+_LOGIN_AGAIN = ("invalid auth token", NO_USER)
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -254,6 +257,11 @@ class EtcdClient:
             OSError,
         )
         self._refused: tuple[type[BaseException], ...] = (exc.Etcd3Exception,)
+        import requests  # etcd3gw's transport
+
+        # requests' own (simplejson's where that is installed, which json's does not cover)
+        self._not_json: type[json.JSONDecodeError] = requests.exceptions.JSONDecodeError
+        self._timeout: type[BaseException] = requests.exceptions.Timeout
         self._clients: list[Any] = []
         for endpoint in settings.endpoints:
             url = urlsplit(endpoint)
@@ -285,6 +293,11 @@ class EtcdClient:
         self._current = 0
         self._lock = threading.Lock()
         self._authenticated: set[int] = set()
+        # endpoints logged in while etcd had authentication off: their calls carry no token
+        self._tokenless: set[int] = set()
+        # endpoints whose token a login had just given was not seen by etcd (a proxy that
+        # drops the Authorization header): no login again there until a call succeeds
+        self._token_lost: set[int] = set()
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
@@ -309,14 +322,23 @@ class EtcdClient:
             try:
                 url = client.get_url(path)
                 request = "/auth/authenticate"
-                self._authenticate(index, client)
+                fresh = self._authenticate(index, client)
                 request = path
-                result = client.post(url, data=json.dumps(body))
+                try:
+                    result = client.post(url, data=json.dumps(body))
+                except self._refused as err:
+                    if not self._may_login_again(index, _refusal(err), fresh):
+                        raise
+                    # once per endpoint and call: a second refusal is said as it is
+                    request = "/auth/authenticate"
+                    self._authenticate(index, client)
+                    request = path
+                    result = client.post(url, data=json.dumps(body))
             except _NotEtcd as err:
                 self._say_not_etcd(endpoint, str(err))
                 wrong.append(str(err))
                 continue
-            except json.JSONDecodeError as err:
+            except self._not_json as err:
                 # a 200 whose body is no JSON (requests' error is an OSError too, and would
                 # read as unreachable): etcd's gateway answers every API path in JSON
                 not_etcd = _said_200_not_etcd(endpoint, request, err.doc)
@@ -334,11 +356,9 @@ class EtcdClient:
                     wrong.append(not_etcd)
                     continue
                 said = _refusal(err)
-                if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
-                    self._authenticated.discard(index)  # log in again next call
-                    last = err
-                    unreachable.append(f"{endpoint} ({said}: logging in again)")
-                    continue
+                if self._token_unseen(index, said):
+                    self._token_lost.add(index)
+                    raise StoreRefused(self._said_token_lost(endpoint, request, said)) from err
                 login = self._login_refusal(said)
                 if login:
                     raise StoreRefused(login) from err
@@ -348,6 +368,7 @@ class EtcdClient:
                 if _gateway_body(err) is None:  # a proxy's words, or another server's
                     said = f"{said} (answered by {endpoint} without etcd's error body)"
                 raise StoreRefused(f"etcd refused {request}: {said}") from err
+            self._token_lost.discard(index)
             with self._lock:
                 self._current = index
             return result
@@ -362,14 +383,28 @@ class EtcdClient:
     def _why_unreachable(self, err: BaseException) -> str:
         """Why one endpoint gave no answer, in the kernel's words where it said any
         (``Connection refused``, ``No route to host``, a name that does not resolve), or
-        the TLS library's; etcd3gw keeps requests' text in ``detail_text``, not ``str``."""
-        if type(err).__name__ == "ConnectionTimeoutError":
+        the TLS library's, or the HTTP reason it was answered with; etcd3gw keeps
+        requests' text in ``detail_text``, not ``str``."""
+        if isinstance(err.__context__, self._timeout) or (
+            type(err).__name__ == "ConnectionTimeoutError" and not str(err)
+        ):
             return f"no answer within {self._settings.timeout_s:g} s, cluster.etcd_timeout_s"
-        text = getattr(err, "detail_text", None) or str(err)
+        if str(err) and isinstance(err, self._refused):
+            # an HTTP answer etcd3gw counts as a failure to reach etcd (500, 503, and 408
+            # or 504 from a proxy in front of it): its reason, and etcd's message or the
+            # proxy's body where it has one
+            body = _refusal(err) if _gateway_body(err) else getattr(err, "detail_text", None)
+            body = body or ""
+            return f"HTTP {err}" + (f" {_clipped(body)}" if body.strip() else "")
+        text = getattr(err, "detail_text", None) or ""
         kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
         if kernel:
             return kernel.group(1).strip()
         cause = text.split("Caused by ", 1)[-1]  # urllib3's preamble names the pool
+        # the TLS library's reason ends its text, past a preamble that a clip would keep
+        tls = re.search(r"\[SSL: [A-Z_]+\][^'\"()]*", cause)
+        if tls:
+            cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
 
     def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
@@ -409,9 +444,48 @@ class EtcdClient:
             f" ({source})" if source else ""
         )
 
-    def _authenticate(self, index: int, client: Any) -> None:
+    def _may_login_again(self, index: int, said: str, fresh: bool) -> bool:
+        """Whether etcd's refusal ``said`` of a call to endpoint ``index`` is mended by a
+        login again, and the endpoint is marked to log in: a token expired (``invalid auth
+        token``), or a call without one where etcd's authentication has been turned on
+        since (``user name is empty`` to a node that logged in while it was off). A token
+        a login of this call (``fresh``) has just given is not logged in for again, nor
+        one etcd never saw since that login: a proxy dropping the Authorization header
+        would have every call log in (a raft write and a bcrypt on every etcd member)."""
+        if not self._settings.username or not any(w in said for w in _LOGIN_AGAIN):
+            return False
+        token_refused = fresh or (NO_USER in said and index in self._token_lost)
+        if index not in self._tokenless and token_refused:
+            return False
+        self._authenticated.discard(index)
+        return True
+
+    def _token_unseen(self, index: int, said: str) -> bool:
+        """Whether etcd answered ``user name is empty`` to a call that carried the token
+        of this node's login at endpoint ``index``."""
+        return (
+            bool(self._settings.username)
+            and NO_USER in said
+            and index in self._authenticated
+            and index not in self._tokenless
+        )
+
+    def _said_token_lost(self, endpoint: str, request: str, said: str) -> str:
+        return (
+            f"etcd refused {request} as a call without a user ({said}), though {endpoint} "
+            f"accepted the login of user {self._settings.username!r} and the call carried "
+            "its token: a proxy in front of etcd drops the Authorization header; let it "
+            "pass that header, or name etcd itself in cluster.etcd_endpoints (not logging "
+            "in again until a call there succeeds)"
+        )
+
+    def _authenticate(self, index: int, client: Any) -> bool:
+        """Log in at endpoint ``index`` where a user is set and it is not logged in: True
+        when a login was made. The token goes in the ``Authorization`` header of each
+        call; none while etcd has authentication off (a token of an earlier login would
+        be refused as ``invalid auth token``)."""
         if not self._settings.username or index in self._authenticated:
-            return
+            return False
         try:
             result = client.post(
                 client.get_url("/auth/authenticate"),
@@ -434,8 +508,11 @@ class EtcdClient:
                     endpoint,
                     self._settings.username,
                 )
+            # etcd refuses a token once its authentication is off (`etcdctl auth disable`)
+            client.session.headers.pop("Authorization", None)
+            self._tokenless.add(index)
             self._authenticated.add(index)
-            return
+            return True
         token = result.get("token") if isinstance(result, dict) else None
         if not isinstance(token, str) or not token:
             # etcd answers a login it accepts with a token and one it refuses with an
@@ -448,7 +525,9 @@ class EtcdClient:
                 "client port (2379 by default)"
             )
         client.session.headers["Authorization"] = token
+        self._tokenless.discard(index)
         self._authenticated.add(index)
+        return True
 
     def alarms(self) -> tuple[str, ...]:
         """The alarms raised on the cluster, e.g. ``("NOSPACE",)`` (``etcdctl alarm list``);

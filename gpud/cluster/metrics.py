@@ -12,7 +12,7 @@ gpud_cluster_store_up                   1 if the last etcd call succeeded
 gpud_cluster_nodes                      nodes heard from (on the leader)
 gpud_cluster_etcd_alarm{alarm}          1 while etcd has raised the alarm (NOSPACE: out of
                                         space, writes refused; CORRUPT); etcd election only,
-                                        once this run of gpud has read them
+                                        while the last read of them succeeded
 gpud_cluster_certificate_expiry_seconds{key}
                                         seconds until the earliest certificate in the file
                                         named by config key ``key`` expires (negative once

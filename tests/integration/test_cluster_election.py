@@ -465,14 +465,15 @@ def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_pa
     assert "refused user gpud the keys" in info.detail
 
 
-def test_credentials_set_up_before_etcds_authentication_is_on_serve_once_it_is(
+def test_credentials_serve_while_etcds_authentication_is_turned_on_and_off(
     etcd: LocalEtcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As etcdctl does, gpud calls on without a token while etcd has authentication off
-    (saying so once), and logs in once it is turned on: the users can be set up first."""
+    (saying so once), and logs in once it is turned on, within the call that meets it: the
+    users can be set up first. After `etcdctl auth disable` it calls without the token
+    again, which etcd would refuse (``invalid auth token``)."""
     from gpud.cluster.runtime import etcd_settings
     from gpud.config import ClusterConfig
-    from gpud.errors import Unavailable
 
     def etcdctl(*args: str) -> None:
         subprocess.run(
@@ -502,9 +503,12 @@ def test_credentials_set_up_before_etcds_authentication_is_on_serve_once_it_is(
     etcdctl("role", "grant-permission", "--prefix=true", "gpud", "readwrite", "/gpud/")
     etcdctl("user", "grant-role", "gpud", "gpud")
     etcdctl("auth", "enable")
-    with pytest.raises(Unavailable, match=r"user name is empty: logging in again"):
-        client.get("/gpud/x")
     assert client.get("/gpud/x") is not None
+    assert client.get("/gpud/x") is not None
+    etcdctl("--user", "root:rootpw", "auth", "disable")
+    for _ in range(3):
+        assert client.get("/gpud/x") is not None
+    client.put("/gpud/x", "2")
 
 
 async def _round(*agents: ClusterAgent) -> None:

@@ -8,14 +8,17 @@ import http.server
 import json
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.errors import StoreRefused, Unavailable
+from tools import certs
 
 
 @dataclass
@@ -25,12 +28,12 @@ class Answers:
 
     by_path: dict[str, tuple[int, str]] = field(default_factory=dict)
 
-    def __call__(self, path: str, request: bytes) -> tuple[int, str]:
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
         return self.by_path.get(path, (404, "404 page not found\n"))
 
 
-Respond = Callable[[str, bytes], tuple[int, str]]
-"""(path, request body) -> (status, body) the server answers."""
+Respond = Callable[[str, bytes, str], tuple[int, str]]
+"""(path, request body, its Authorization header) -> (status, body) the server answers."""
 
 
 ETCD = {
@@ -46,7 +49,8 @@ def _serve(answers: Respond) -> http.server.ThreadingHTTPServer:
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            status, body = answers(self.path, self.rfile.read(length))
+            token = self.headers.get("Authorization") or ""
+            status, body = answers(self.path, self.rfile.read(length), token)
             raw = body.encode()
             self.send_response(status)
             if 300 <= status < 400:
@@ -327,3 +331,143 @@ def test_each_endpoint_unreachable_is_said_with_its_own_failure(hung: str) -> No
         }
         said = ", ".join(f"{e} ({reasons[e]})" for e in endpoints)
         assert str(unreachable.value) == f"etcd unreachable at {said}"
+
+
+def _etcd_error(message: str) -> tuple[int, str]:
+    """A refusal as etcd's gateway answers it (gRPC InvalidArgument: HTTP 400)."""
+    return 400, json.dumps({"error": message, "code": 3, "message": message})
+
+
+@dataclass
+class AuthEtcd:
+    """etcd's gateway with authentication on or off; a proxy in front of it that drops
+    the Authorization header where ``drops_token``. Tokens given are ``t1``, ``t2``, ..."""
+
+    auth_on: bool = True
+    drops_token: bool = False
+    logins: int = 0
+    valid: set[str] = field(default_factory=set)
+
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
+        if path == "/version":
+            return ETCD["/version"]
+        if path == "/v3/auth/authenticate":
+            self.logins += 1
+            if not self.auth_on:
+                return _etcd_error("etcdserver: authentication is not enabled")
+            issued = f"t{self.logins}"
+            self.valid.add(issued)
+            return 200, json.dumps({"header": {}, "token": issued})
+        token = "" if self.drops_token else token
+        if token and token not in self.valid:
+            return _etcd_error("etcdserver: invalid auth token")
+        if self.auth_on and not token:
+            return _etcd_error("etcdserver: user name is empty")
+        return ETCD["/v3/kv/range"]
+
+
+def _logged_in(endpoint: str) -> EtcdClient:
+    return EtcdClient(EtcdSettings(endpoints=(endpoint,), username="gpud", password="pw"))
+
+
+def test_a_proxy_dropping_the_token_is_a_refusal_naming_it_without_a_login_per_call(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """Every call meets "user name is empty" though the login gave a token: said as a
+    refusal naming the proxy, and logged in for once, not once per call (a raft write and
+    a bcrypt on every etcd member each time)."""
+    etcd = AuthEtcd(drops_token=True)
+    endpoint = _endpoint(servers, etcd)
+    client = _logged_in(endpoint)
+    for _ in range(3):
+        with pytest.raises(StoreRefused) as refused:
+            client.get("/x")
+        assert str(refused.value) == (
+            "etcd refused /kv/range as a call without a user (etcdserver: user name is "
+            f"empty), though {endpoint} accepted the login of user 'gpud' and the call "
+            "carried its token: a proxy in front of etcd drops the Authorization header; "
+            "let it pass that header, or name etcd itself in cluster.etcd_endpoints (not "
+            "logging in again until a call there succeeds)"
+        )
+    assert etcd.logins == 1
+    etcd.drops_token = False  # the proxy mended: the token of that login serves
+    assert client.get("/x") is None
+    assert etcd.logins == 1
+
+
+def test_an_expired_token_is_logged_in_for_again_within_the_call(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    etcd = AuthEtcd()
+    client = _logged_in(_endpoint(servers, etcd))
+    assert client.get("/x") is None
+    etcd.valid.clear()  # etcd's simple tokens expire (--auth-token-ttl)
+    assert client.get("/x") is None
+    assert client.get("/x") is None
+    assert etcd.logins == 2
+
+
+def test_calls_serve_as_etcds_authentication_is_turned_on_and_off(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """Without a token while etcd's authentication is off, with one once it is on, and
+    without it again after `etcdctl auth disable` (etcd refuses any token then), each
+    change met within the call that meets it."""
+    etcd = AuthEtcd(auth_on=False)
+    client = _logged_in(_endpoint(servers, etcd))
+    assert client.get("/x") is None
+    for auth_on in (True, False, True):
+        etcd.auth_on = auth_on
+        if not auth_on:
+            etcd.valid.clear()  # etcd refuses any token while its authentication is off
+        for _ in range(2):
+            assert client.get("/x") is None
+    assert etcd.logins == 4
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ((504, "upstream timed out"), "HTTP Gateway Timeout 'upstream timed out'"),
+        ((408, ""), "HTTP Request Timeout"),
+        (
+            (503, json.dumps({"code": 14, "message": "etcdserver: request timed out"})),
+            "HTTP Service Unavailable 'etcdserver: request timed out'",
+        ),
+    ],
+)
+def test_an_http_failure_is_said_as_its_answer_not_as_no_answer(
+    servers: list[http.server.ThreadingHTTPServer], answer: tuple[int, str], said: str
+) -> None:
+    """A 504 or 408 (a proxy in front of etcd whose backend timed out) or etcd's own 503
+    answered at once: said by its reason and words, not as no answer within the timeout."""
+    proxy = _endpoint(servers, Answers({**ETCD, "/v3/kv/range": answer}))
+    with pytest.raises(Unavailable) as unreachable:
+        _client(proxy).get("/x")
+    assert str(unreachable.value) == f"etcd unreachable at {proxy} ({said})"
+
+
+def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
+    servers: list[http.server.ThreadingHTTPServer], tmp_path: Path
+) -> None:
+    """etcd serves a certificate of another CA than cluster.etcd_ca_file: the reason
+    (``certificate verify failed: ...``) is said whole, past urllib3's preamble."""
+    served_ca, other_ca = tmp_path / "served-ca", tmp_path / "other-ca"
+    certs.make_ca(served_ca)
+    certs.make_ca(other_ca, name="another CA")
+    cert, key = certs.make_node(served_ca, "etcd1", tmp_path / "etcd1")
+    server = _serve(Answers(dict(ETCD)))
+    servers.append(server)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    endpoint = f"https://127.0.0.1:{server.server_address[1]}"
+    client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(other_ca / "ca.pem")))
+    with pytest.raises(Unavailable) as unreachable:
+        client.get("/x")
+    said = str(unreachable.value)
+    assert said.startswith(
+        f"etcd unreachable at {endpoint} (ConnectionFailedError '[SSL: "
+        "CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer "
+        "certificate"
+    ), said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -15,7 +16,7 @@ from gpud.api import ApiServer
 from gpud.cli.cluster import builds_line
 from gpud.cli.main import main
 from gpud.cluster.agent import ClusterAgent
-from gpud.cluster.api import ClusterServicer
+from gpud.cluster.api import ClusterServicer, status_to_pb
 from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.model import JobReport, NodeReport
@@ -204,3 +205,14 @@ def test_attributes_show_the_xid_an_older_gpud_reports(
     assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
     out = capsys.readouterr().out
     assert "gpu-01/GPU-2:79,gpu-01/GPU-2:48,gpu-02:31 (code only, older gpud)" in out
+
+
+def test_a_leader_lease_is_said_in_sixteen_hex_digits_as_etcdctl_prints_it(
+    served: tuple[str, ClusterAgent, ServerThread],
+) -> None:
+    """etcdctl prints a lease as ``%016x`` (``lease 000000000000002a granted``), the
+    leading zeros kept, and takes it so in ``etcdctl lease timetolive``."""
+    _, agent, _ = served
+    status = agent.status()
+    small = dataclasses.replace(status, info=dataclasses.replace(status.info, lease=0x2A))
+    assert status_to_pb(small).leader_lease == "000000000000002a"

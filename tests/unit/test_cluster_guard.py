@@ -30,7 +30,7 @@ class Gateway:
     lease: int
     written: list[str] = field(default_factory=list)
 
-    def __call__(self, path: str, request: bytes) -> tuple[int, str]:
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
         if path == "/v3/kv/txn":
             return 200, json.dumps(self.txn(json.loads(request)))
         return ETCD.get(path, (404, "404 page not found\n"))

@@ -193,6 +193,16 @@ def test_alarm_and_certificate_metrics(tmp_path: Path) -> None:
     assert value("gpud_cluster_certificate_expiry_seconds", key) == DAY
 
 
+def _alarm_samples(source: ClusterMetrics) -> dict[str, float]:
+    """``gpud_cluster_etcd_alarm`` as exported: {alarm: value}, {} while absent."""
+    return {
+        s.labels["alarm"]: s.value
+        for m in source()
+        if m.name == "gpud_cluster_etcd_alarm"
+        for s in m.samples
+    }
+
+
 async def test_a_started_gpud_says_nothing_of_etcd_alarms_it_has_not_read() -> None:
     """Until this run of gpud has read etcd's alarms, ``gpud_cluster_etcd_alarm`` is absent,
     not 0: a gpud that restarted while NOSPACE is raised would otherwise say "not raised"
@@ -202,22 +212,37 @@ async def test_a_started_gpud_says_nothing_of_etcd_alarms_it_has_not_read() -> N
     node = agent("n1", info, FakeTraffic(()), peers, clock, alarms=alarms)
     source = ClusterMetrics(node)
 
-    def alarm_samples() -> dict[str, float]:
-        return {
-            s.labels["alarm"]: s.value
-            for m in source()
-            if m.name == "gpud_cluster_etcd_alarm"
-            for s in m.samples
-        }
-
-    assert alarm_samples() == {}
+    assert _alarm_samples(source) == {}
     alarms.down = True  # etcd unreachable: still not known
     await node.tick()
-    assert alarm_samples() == {}
+    assert _alarm_samples(source) == {}
     alarms.down = False
     clock.now += ALARM_CHECK_S
     await node.tick()
-    assert alarm_samples() == {"NOSPACE": 1.0, "CORRUPT": 0.0}
+    assert _alarm_samples(source) == {"NOSPACE": 1.0, "CORRUPT": 0.0}
+
+
+async def test_a_node_cut_off_from_etcd_exports_no_alarm_reading_it_cannot_renew() -> None:
+    """A failed read of etcd's alarms leaves ``gpud_cluster_etcd_alarm`` absent, not at the
+    last value read: a node cut off from etcd would otherwise hold the cluster's alarm
+    alert firing after etcd disarmed it, and hide its own ClusterStoreDown. Its status
+    keeps what it last read (``gpuctl cluster status`` names it)."""
+    clock, peers, alarms = Clock(), LoopbackPeers(), StaticAlarms(raised=("NOSPACE",))
+    info = LeaderInfo("n0", "a0", epoch=3, leading=False)
+    node = agent("n1", info, FakeTraffic(()), peers, clock, alarms=alarms)
+    source = ClusterMetrics(node)
+
+    await node.tick()
+    assert _alarm_samples(source) == {"NOSPACE": 1.0, "CORRUPT": 0.0}
+    alarms.down = True
+    clock.now += 1
+    await node.tick()
+    assert _alarm_samples(source) == {}
+    assert node.status().etcd_alarms == ("NOSPACE",)
+    alarms.down, alarms.raised = False, ()
+    clock.now += 1
+    await node.tick()
+    assert _alarm_samples(source) == {"NOSPACE": 0.0, "CORRUPT": 0.0}
 
 
 async def test_a_clean_stop_withdraws_the_nodes_problem() -> None:
