@@ -684,7 +684,12 @@ class TcNetlink:
         # (index, fingerprint) of each name's last look-up: tells a netdev deleted and
         # another made with its index from the one gpud shaped
         self._prints: dict[str, tuple[int, _Fingerprint]] = {}
-        self._names: set[str] = set()  # every name a pass or a restore asked for
+        # the names of the last plan a pass was given: those in traffic.interfaces, which
+        # a netdev renamed onto is shaped and restored as
+        self._shaping: frozenset[str] = frozenset()
+        # when each name was last looked up (a count of look-ups): of two names whose
+        # last look-ups found one index, the later one's netdev it is
+        self._looked: dict[str, int] = {}
         # whether gpud's tree was on an index when last read: a failed read keeps it
         self._tree_seen: dict[int, bool] = {}
 
@@ -749,10 +754,13 @@ class TcNetlink:
         ``err`` raised otherwise. Only this adapter's own look-up: an index recorded by an
         earlier run may be another netdev's since a reboot.
 
-        Not that netdev, so ``err`` raised: one of another link type or MAC than the
-        look-up saw (``IFLA_PERM_ADDRESS``, else ``IFLA_ADDRESS``: deleted, and another
-        made with its index), or one on another name's last looked-up index. The third
-        item is True where the name now is one this adapter shapes (``ip link del b0; ip
+        Not that netdev, so a TcError (``ENODEV``) naming what is there raised: one of
+        another link type or MAC than the look-up saw (``IFLA_PERM_ADDRESS``, else
+        ``IFLA_ADDRESS``: deleted, and another made with its index) without gpud's HTB
+        root ``6764:`` on it (a MAC changed on the netdev gpud shaped keeps its tree: a
+        bond's, a cloned or a set one), or one another name found on that index by a later
+        look-up (that name's to restore). The third item is True where the name now is one
+        in the last plan a pass was given (``traffic.interfaces``; ``ip link del b0; ip
         link set a0 name b0``): the netdev is b0's to shape and restore, which
         :meth:`_resolve` says and :meth:`restore` refuses to do as ``iface``."""
         seen = self._cache_index.get(iface)
@@ -760,36 +768,76 @@ class TcNetlink:
         if err.errno != errno_mod.ENODEV or seen is None or link is None or link[0] == iface:
             raise err
         renamed, print_now = link
-        if self._prints.get(iface) != (seen, print_now):
-            raise err
-        if renamed in self._names:
-            return seen, renamed, True
-        if seen in {i for name, i in self._cache_index.items() if name != iface}:
-            raise err
-        return seen, renamed, False
+        was = self._prints.get(iface)
+        same = was == (seen, print_now)
+        if renamed in self._shaping:
+            if same:
+                return seen, renamed, True
+            # another netdev given the index, under a name gpud shapes: that name's
+            raise self._not_taken(iface, seen, renamed, _print_change(was, seen, print_now), err)
+        mine = self._looked.get(iface, 0)
+        later = max(
+            (n for n, i in self._cache_index.items() if n != iface and i == seen),
+            key=lambda n: self._looked.get(n, 0),
+            default=None,
+        )
+        if later is not None and self._looked.get(later, 0) > mine:
+            why = f"{later}'s at gpud's last look-up, restored as {later}"
+            raise self._not_taken(iface, seen, renamed, why, err)
+        # a MAC changes on a netdev kept (a bond's slave, a cloned or set address): gpud's
+        # tree on the index tells it is the netdev gpud shaped, as a new one never has it
+        ours, failed = (None, "") if same else self._ours_on(seen)
+        if same or ours:
+            return seen, renamed, False
+        unknown = f", gpud's tree on it unknown (cannot read tc state: {failed})" if failed else ""
+        why = _print_change(was, seen, print_now) + unknown
+        raise self._not_taken(iface, seen, renamed, why, err)
 
-    def _tree_at(self, index: int) -> str:
-        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``), as the
-        running error says it: a dump that fails (``ENOBUFS``, ``EINTR`` of a dump the
-        kernel marked interrupted) keeps what the last one saw, so the text holds."""
+    @staticmethod
+    def _not_taken(iface: str, index: int, name: str, why: str, err: TcError) -> TcError:
+        """The error of a netdev on ``iface``'s last looked-up index not taken for it."""
+        out = TcError(
+            iface,
+            f"no such network interface (ifindex {index} is now {name}, {why}: not taken for"
+            f" {iface})",
+            errno=errno_mod.ENODEV,
+        )
+        out.__cause__ = err
+        return out
+
+    def _ours_on(self, index: int) -> tuple[bool | None, str]:
+        """Whether the netdev of ``index`` has gpud's HTB root (``tc qdisc show``), and why
+        that is not known (None, the kernel's answer). A dump that fails for a while
+        (``ENOBUFS``, ``EINTR`` of a dump the kernel marked interrupted) keeps what the
+        last one saw; ``ENODEV`` is the netdev gone since its look-up, so no tree."""
         try:
             msgs, err = self._nl.dump(RTM_GETQDISC, _TCMSG.pack(0, index, 0, 0, 0))
         except OSError as oserr:
-            failed = _errname(oserr.errno) if oserr.errno else str(oserr)
+            code, failed = oserr.errno, _errname(oserr.errno) if oserr.errno else str(oserr)
         else:
-            failed = _errname(err.errno) if err is not None else ""
+            code, failed = (err.errno, _errname(err.errno)) if err is not None else (0, "")
+        if code == errno_mod.ENODEV:
+            self._tree_seen.pop(index, None)
+            return False, ""
         if failed:
             seen = self._tree_seen.get(index)
-            if seen is None:
-                return f", gpud's tree on it unknown (cannot read tc state: {failed})"
-            ours = seen
-        else:
-            ours = any(
-                _is_ours(RootQdisc(q.kind, q.handle))
-                for q in map(_decode_tcmsg, msgs)
-                if q.ifindex == index and q.parent == TC_H_ROOT
-            )
-            self._tree_seen[index] = ours
+            if seen is None or code not in (errno_mod.ENOBUFS, errno_mod.EINTR):
+                return None, failed
+            return seen, ""
+        ours = any(
+            _is_ours(RootQdisc(q.kind, q.handle))
+            for q in map(_decode_tcmsg, msgs)
+            if q.ifindex == index and q.parent == TC_H_ROOT
+        )
+        self._tree_seen[index] = ours
+        return ours, ""
+
+    def _tree_at(self, index: int) -> str:
+        """Whether the netdev of ``index`` has gpud's HTB root, as the running error says
+        it (:meth:`_ours_on`)."""
+        ours, failed = self._ours_on(index)
+        if ours is None:
+            return f", gpud's tree on it unknown (cannot read tc state: {failed})"
         return ", gpud's tree still on it" if ours else ""
 
     def _resolve(self, iface: str, *, shaping: bool = True) -> int:
@@ -798,7 +846,6 @@ class TcNetlink:
         away is named in the error: gpud's tree went with it, to a name gpud never shapes.
         With ``shaping``, the loopback is refused under any name: the kernel's
         ``ARPHRD_LOOPBACK`` (``/sys/class/net/IF/type`` 772), as gpud's namespace sees it."""
-        self._names.add(iface)
         self._ifindex.pop(iface, None)
         try:
             idx = self.ifindex(iface)
@@ -832,6 +879,7 @@ class TcNetlink:
             self._cache.pop(iface, None)
             self._replaced[iface] = f"ifindex {idx}, was {was}"
         self._cache_index[iface] = idx
+        self._looked[iface] = max(self._looked.values(), default=0) + 1
         return idx
 
     def _dump_tc(self, iface: str, mtype: int, parent: int = 0) -> list[_TcMsg]:
@@ -972,6 +1020,7 @@ class TcNetlink:
         not change, the interface is read and checked, as ``drift`` does. Either repair
         lists what was put back in the interface's ``restored``.
         """
+        self._shaping = frozenset(p.iface for p in plan.interfaces)
         first = self._apply(plan, reread=False)
         stale = [
             p
@@ -993,6 +1042,7 @@ class TcNetlink:
 
         Each interface's ``restored`` lists what was put back, for the event log.
         """
+        self._shaping = frozenset(p.iface for p in plan.interfaces)
         return self._apply(plan, reread=True)
 
     def _apply(self, plan: TcPlan, *, reread: bool) -> SyncResult:
@@ -1175,6 +1225,20 @@ def _fingerprint(msg: memoryview | bytes) -> _Fingerprint:
     perm = bytes(attrs.get(IFLA_PERM_ADDRESS, b""))
     mac = perm if perm.strip(b"\0") else bytes(attrs.get(IFLA_ADDRESS, b""))
     return int(kind), mac
+
+
+def _mac(mac: bytes) -> str:
+    return ":".join(f"{b:02x}" for b in mac) or "none"
+
+
+def _print_change(was: tuple[int, _Fingerprint] | None, index: int, now: _Fingerprint) -> str:
+    """How the netdev on an index differs from the one a name's look-up saw there."""
+    if was is None or was[0] != index:
+        return "not the netdev gpud looked up"
+    (kind, mac), (kind_now, mac_now) = was[1], now
+    if kind != kind_now:
+        return f"link type {kind_now}, was {kind}"
+    return f"MAC {_mac(mac_now)}, was {_mac(mac)}"
 
 
 def _is_ours(root: RootQdisc | None) -> bool:

@@ -563,7 +563,9 @@ class TcOp:
             default = f"{self.default_classid & 0xFFFF:x}"
             return ["qdisc", "replace", *dev, "root", "handle", root, "htb", "default", default]
         if self.kind is OpKind.DELETE_ROOT:
-            return ["qdisc", "del", *dev, "root"]
+            # the handle the request carries (gpud's): the kernel deletes no other root
+            handle = ["handle", format_qdisc_handle(self.root)] if self.root else []
+            return ["qdisc", "del", *dev, "root", *handle]
         if self.qdisc is not None:
             q = self.qdisc
             parent, qh = format_handle(q.parent), format_qdisc_handle(q.handle)

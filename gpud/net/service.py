@@ -2056,7 +2056,16 @@ class TrafficService:
                 try:
                     done = self._tc.restore(iface, None if was else original, ifindex=recorded_at)
                 except Exception as err:
-                    log.warning("traffic: cannot restore %s: %s", iface, err)
+                    # refused (a netdev on the index that is not the one gpud shaped) or
+                    # failed: gpud's tree may stay, and the operator is told where
+                    message = _describe(iface, err)
+                    log.warning("traffic: cannot restore %s: %s", iface, message)
+                    self._events.emit(
+                        "net.interface_error",
+                        f"traffic.shutdown = restore, not done: {message}",
+                        interface=iface,
+                        reason=message,
+                    )
                     continue
                 # a netdev renamed away is restored by its ifindex: gpud's tree went with it,
                 # unless someone removed it there, when nothing was restored

@@ -493,13 +493,32 @@ def test_a_restore_leaves_a_netdev_made_with_a_renamed_ones_ifindex(
     assert _index(net, "a1") == index
     result = adapter.sync(both)
     assert set(result.errors) == {"a0"}
-    # another netdev (another MAC) on that ifindex: not a0 renamed, so nothing said of it
-    assert str(result.errors["a0"]) == "a0: no such network interface"
-    with pytest.raises(TcError, match=r"^a0: no such network interface$"):
+    # another netdev (another MAC) on that ifindex, a1's: not a0 renamed, and said so
+    refused = (
+        rf"^a0: no such network interface \(ifindex {index} is now a1, MAC [0-9a-f:]{{17}},"
+        r" was [0-9a-f:]{17}: not taken for a0\)$"
+    )
+    assert re.match(refused, str(result.errors["a0"]))
+    with pytest.raises(TcError, match=refused):
         adapter.restore("a0", tp.RootQdisc("pfifo_fast", 0))
     assert "htb 6764:" in net.tc("qdisc", "show", "dev", "a1")
     done = adapter.restore("a1", tp.RootQdisc("bfifo", 0))
     assert done.ours and done.renamed == "" and "htb" not in net.tc("qdisc", "show", "dev", "a1")
+
+
+def test_a_renamed_netdev_given_another_mac_is_restored_where_gpuds_tree_is(
+    net: Net, adapter: TcNetlink
+) -> None:
+    """``ip link set a0 name x0; ip link set x0 address 02:11:22:33:44:55``: a veth has
+    no permanent MAC, so the MAC gpud saw is gone, but gpud's tree on the index is the
+    netdev gpud shaped, and the restore removes it there."""
+    net.tc("qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    assert adapter.sync(plan({"alpha": 0})).ok
+    _run("ip", "-n", net.snd, "link", "set", "a0", "name", "x0")
+    _run("ip", "-n", net.snd, "link", "set", "x0", "address", "02:11:22:33:44:55")
+    done = adapter.restore("a0", tp.RootQdisc("pfifo_fast", 0))
+    assert done.ours and done.renamed == "x0"
+    assert "htb" not in net.tc("qdisc", "show", "dev", "x0")
 
 
 @pytest.mark.parametrize("first", ["a0", "a1"])

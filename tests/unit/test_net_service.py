@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import tempfile
 import threading
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from gpud.jobs.service import JobService, Launch
 from netshaper import tcplan
 from netshaper.nftables import CgroupMark, MarkSync
+from netshaper.tc_netlink import TcError
 
 
 class Clock:
@@ -2150,6 +2152,33 @@ def test_a_restore_on_a_renamed_netdev_says_what_it_found_there(
     assert done.message == (
         f"eth0: traffic.shutdown = restore: renamed to x0 since gpud shaped it, {what}"
     )
+
+
+@dataclasses.dataclass
+class NotTakenTc(FakeTc):
+    """eth0 renamed x0 and given another MAC, with nothing of gpud's there: refused."""
+
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
+        raise TcError(
+            iface,
+            "no such network interface (ifindex 4 is now x0, MAC 02:11:22:33:44:55, was"
+            " 02:00:00:00:00:aa: not taken for eth0)",
+            errno=errno.ENODEV,
+        )
+
+
+def test_a_restore_refused_at_the_stop_is_an_event_naming_the_netdev(rig: Rig) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    rig.tc = NotTakenTc(states=dict(rig.tc.states))
+    _restart(rig).shutdown()
+    (refused,) = [e for e in rig.events.recent(100) if e.kind == "net.interface_error"]
+    assert refused.message == (
+        "traffic.shutdown = restore, not done: eth0: no such network interface (ifindex 4 is"
+        " now x0, MAC 02:11:22:33:44:55, was 02:00:00:00:00:aa: not taken for eth0)"
+    )
+    assert refused.fields["interface"] == "eth0"
 
 
 def test_restore_leaves_a_netdev_made_again_before_the_first_tick_its_own_root(

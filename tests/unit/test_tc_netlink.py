@@ -381,14 +381,19 @@ def test_a_restore_leaves_a_netdev_made_with_the_old_ones_ifindex() -> None:
     nl, tc = _shaped_pair()
     nl.links = {"z0": 1, "eth1": 2}
     nl.macs["z0"] = bytes.fromhex("0200000000cc")
-    assert str(tc.drift(BOTH).errors["eth0"]) == "eth0: no such network interface"
+    nl.roots[1] = ("pfifo_fast", 0)  # a new netdev has the kernel's root, never gpud's
+    refused = (
+        "eth0: no such network interface (ifindex 1 is now z0, MAC 02:00:00:00:00:cc, was"
+        " 02:00:00:00:00:aa: not taken for eth0)"
+    )
+    assert str(tc.drift(BOTH).errors["eth0"]) == refused
     try:
         done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
     except TcError as err:
-        assert str(err) == "eth0: no such network interface"
+        assert str(err) == refused
     else:
         raise AssertionError(f"restored on z0: {done}")
-    assert 1 not in [i for i, _ in nl.deleted] and 1 in nl.roots
+    assert 1 not in [i for i, _ in nl.deleted] and nl.roots[1] == ("pfifo_fast", 0)
     tc.close()
 
 
@@ -424,29 +429,37 @@ def test_a_netdev_renamed_onto_another_shaped_name_is_restored_as_that_name(
     tc.close()
 
 
+ONE = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+
+
+def _shaped_then_renamed() -> tuple[ShapedLinks, TcNetlink]:
+    """eth0 (ifindex 1) shaped by one pass, then renamed old0 (its MAC kept)."""
+    nl = ShapedLinks(macs={"eth0": MAC_A})
+    tc = TcNetlink(transport=nl)
+    assert tc.sync(ONE).ok
+    nl.links = {"old0": 1}
+    nl.macs["old0"] = MAC_A
+    return nl, tc
+
+
 def test_a_failed_dump_keeps_what_the_renamed_error_says_of_gpuds_tree() -> None:
     """The running error is one event while it holds: a dump that fails (ENOBUFS) says
     what the last one saw; with none seen before, that it is unknown and why."""
-    nl = ShapedLinks(macs={"eth0": MAC_A})
-    tc = TcNetlink(transport=nl)
-    one = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
-    assert tc.sync(one).ok
-    nl.links = {"old0": 1}
-    nl.macs["old0"] = MAC_A
+    nl, tc = _shaped_then_renamed()
     nl.dump_fails = errno.ENOBUFS
     unknown = (
         "eth0: no such network interface (renamed to old0, ifindex 1, gpud's tree on it"
         " unknown (cannot read tc state: ENOBUFS): gpud leaves old0 alone)"
     )
-    assert str(tc.drift(one).errors["eth0"]) == unknown
+    assert str(tc.drift(ONE).errors["eth0"]) == unknown
     nl.dump_fails = 0
     still = (
         "eth0: no such network interface (renamed to old0, ifindex 1, gpud's tree still on"
         " it: gpud leaves old0 alone)"
     )
-    assert str(tc.drift(one).errors["eth0"]) == still
+    assert str(tc.drift(ONE).errors["eth0"]) == still
     nl.dump_fails = errno.ENOBUFS
-    assert str(tc.drift(one).errors["eth0"]) == still
+    assert str(tc.drift(ONE).errors["eth0"]) == still
     tc.close()
 
 
@@ -504,3 +517,80 @@ def test_a_dump_read_whole_is_its_bodies_without_an_error() -> None:
     done = _reply(NLMSG_DONE, NLM_F_MULTI, 7, struct.pack("=i", 0))
     bodies, err = _dumped(late + cls, done)
     assert len(bodies) == 1 and err is None
+
+
+def test_a_renamed_netdev_whose_mac_changed_is_restored_where_gpuds_tree_is() -> None:
+    """``ip link set eth0 name x0; ip link set x0 address 02:11:22:33:44:55`` (a veth, a
+    bond taking its slave's MAC): the MAC alone does not tell another netdev, gpud's root
+    on the index does, so the restore deletes it there."""
+    nl, tc = _shaped_pair()
+    nl.links = {"x0": 1, "eth1": 2}
+    nl.macs["x0"] = bytes.fromhex("021122334455")
+    assert str(tc.drift(BOTH).errors["eth0"]) == (
+        "eth0: no such network interface (renamed to x0, ifindex 1, gpud's tree still on it:"
+        " gpud leaves x0 alone)"
+    )
+    nl.deleted.clear()  # (the pass, where the double dumps no classes, rebuilds eth1)
+    done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert done.ours and done.renamed == "x0"
+    assert nl.deleted == [(1, tp.ROOT_MAJOR << 16)]
+    tc.close()
+
+
+def test_a_dropped_name_restored_at_start_is_not_taken_for_a_shaped_one() -> None:
+    """A name restored as dropped from traffic.interfaces (missing, ``old1``) is not one
+    gpud shapes: eth0 renamed onto it later is eth0's, said so and restored as eth0."""
+    nl, tc = _shaped_pair()
+    try:
+        tc.restore("old1")
+    except TcError as err:
+        assert err.errno == errno.ENODEV
+    else:
+        raise AssertionError("old1 restored, though no netdev bears that name")
+    nl.links = {"old1": 1, "eth1": 2}
+    nl.macs["old1"] = MAC_A
+    assert str(tc.drift(BOTH).errors["eth0"]) == (
+        "eth0: no such network interface (renamed to old1, ifindex 1, gpud's tree still on"
+        " it: gpud leaves old1 alone)"
+    )
+    nl.deleted.clear()  # (the pass, where the double dumps no classes, rebuilds eth1)
+    done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert done.ours and done.renamed == "old1" and [i for i, _ in nl.deleted] == [1]
+    tc.close()
+
+
+def test_of_two_names_that_found_one_index_the_later_look_up_restores_it() -> None:
+    """``ip link set eth1 name eth1old; ip link set eth0 name eth1``, a pass (eth1 is
+    ifindex 1 now), then ``ip link set eth1 name x0``: the netdev is eth1's, restored by
+    eth1's restore; eth0's says whose it is."""
+    nl, tc = _shaped_pair()
+    nl.links = {"eth1old": 2, "eth1": 1}
+    nl.macs.update(eth1old=MAC_B, eth1=MAC_A)
+    assert "shaped as eth1" in str(tc.sync(BOTH).errors["eth0"])
+    nl.links = {"eth1old": 2, "x0": 1}
+    nl.macs["x0"] = MAC_A
+    nl.deleted.clear()
+    try:
+        tc.restore("eth0", None)
+    except TcError as err:
+        assert str(err) == (
+            "eth0: no such network interface (ifindex 1 is now x0, eth1's at gpud's last"
+            " look-up, restored as eth1: not taken for eth0)"
+        )
+    else:
+        raise AssertionError("eth0 restored ifindex 1, eth1's since the last pass")
+    done = tc.restore("eth1", None)
+    assert done.ours and done.renamed == "x0" and [i for i, _ in nl.deleted] == [1]
+    tc.close()
+
+
+def test_a_netdev_gone_during_the_tree_read_is_not_said_to_hold_gpuds_tree() -> None:
+    """ENODEV on the qdisc dump of the renamed netdev: it is gone, so gpud's tree with it;
+    only a dump failing for a while (ENOBUFS, EINTR) keeps the last answer."""
+    nl, tc = _shaped_then_renamed()
+    assert "gpud's tree still on it" in str(tc.drift(ONE).errors["eth0"])
+    nl.dump_fails = errno.ENODEV
+    assert str(tc.drift(ONE).errors["eth0"]) == (
+        "eth0: no such network interface (renamed to old0, ifindex 1: gpud leaves old0 alone)"
+    )
+    tc.close()

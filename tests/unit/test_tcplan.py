@@ -413,3 +413,17 @@ def test_a_root_holding_our_handle_is_deleted_before_the_rebuild() -> None:
     assert [op.kind for op in ops[:2]] == [tp.OpKind.DELETE_ROOT, tp.OpKind.REPLACE_ROOT]
     foreign = tp.InterfaceState("eth0", tp.RootQdisc("pfifo", 0x10000))
     assert tp.diff(foreign, ip)[0].kind is tp.OpKind.REPLACE_ROOT
+
+
+def test_a_root_delete_is_shown_with_the_handle_it_sends() -> None:
+    """The kernel deletes only a root of the handle the request carries: ``tc`` says it."""
+    ip = one(tp.plan({"eth0": GBIT}, {"a": 26}, {"a": 1}, SHARES))
+    state = tp.InterfaceState("eth0", tp.RootQdisc("htb", ip.root, tp.handle(0x6764, 5)))
+    assert " ".join(tp.diff(state, ip)[0].tc_args()) == "qdisc del dev eth0 root handle 6764:"
+    assert tp.TcOp(tp.OpKind.DELETE_ROOT, "eth0").tc_args() == [
+        "qdisc",
+        "del",
+        "dev",
+        "eth0",
+        "root",
+    ]
