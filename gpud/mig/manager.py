@@ -1453,10 +1453,18 @@ class MigManager:
                 gpu = ids.get(uuid)
                 i = record.gpu_index
                 unread = i < len(all_ids) and not all_ids[i].uuid
-                if gpu is None and unread and i in faults and newest[i].gpu_uuid == uuid:
+                if gpu is None and unread and i in faults:
                     # Lost before its identity was ever read: most likely the GPU its index's
-                    # newest record names; an older one there is of a GPU replaced since.
-                    outcomes.append(_left_alone(i, uuid, f"GPU {i}", faults[i]))
+                    # newest record names. An older one there is likely of a GPU replaced
+                    # since, but with no UUID read at that index nothing says so: it is left
+                    # alone too (not "missing", no layout_matches 0), and neither is acted on.
+                    reason = faults[i]
+                    if newest[i].gpu_uuid != uuid:
+                        reason += (
+                            f"; its UUID never read, it is most likely {newest[i].gpu_uuid}"
+                            f" (recorded there last), not {uuid}"
+                        )
+                    outcomes.append(_left_alone(i, uuid, f"GPU {i}", reason))
                     continue
                 if gpu is None:
                     outcomes.append(
