@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
@@ -2018,8 +2019,10 @@ def _who(pid: int, job: str | None) -> str:
 
 
 def _no_answer(timeout_s: float) -> str:
-    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s")
-    return f"not answering: no answer from the driver within {format_number(round(timeout_s, 1))} s"
+    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s"); one
+    # under a second to two significant digits, so that 0.01 s is not said as "0 s"
+    digits = 1 if timeout_s <= 0 else max(1, 1 - math.floor(math.log10(timeout_s)))
+    return f"not answering: no answer from the driver within {format_number(round(timeout_s, digits))} s"
 
 
 def _nothing_to_resume(

@@ -2407,7 +2407,10 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert len(diff) == 2 and faulty == {}
 
 
-@pytest.mark.parametrize(("timeout_s", "said"), [(0.3, "0.3 s"), (3600.0, "3600 s")])
+@pytest.mark.parametrize(
+    ("timeout_s", "said"),
+    [(0.01, "0.01 s"), (0.04, "0.04 s"), (0.3, "0.3 s"), (3600.0, "3600 s")],
+)
 def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
     host: Host, config: MigConfigFile, timeout_s: float, said: str
 ) -> None:
