@@ -1669,6 +1669,46 @@ class MigManager:
     def desired(self) -> dict[str, DesiredRecord]:
         return self._store.desired()
 
+    def forget(self, uuid: str) -> DesiredRecord:
+        """Drop the desired layout recorded under ``uuid``, of a GPU no longer present (a
+        board replaced or removed: ``nvidia-smi -L`` lists no such UUID): reconcile stops
+        reporting it ``missing`` and its ``gpud_mig_layout_matches`` goes at once. Nothing
+        is asked of the driver beyond the GPUs' identities; the record is returned.
+
+        :class:`NotFound` where no layout is recorded under ``uuid``;
+        :class:`FailedPrecondition` while an apply runs (it may record one) or where a GPU
+        read now has that UUID, naming its index (a GPU lost since before gpud started has
+        none read, so its records can be forgotten: it is most likely the GPU of its
+        index's newest one)."""
+        with self._applying_lock:
+            if self._applying is not None:
+                raise FailedPrecondition(
+                    f"an apply of {self._applying[0]} is in flight: forget {uuid} once it"
+                    " ends (gpuctl mig show)"
+                )
+        with self._lock:
+            record = self._store.desired().get(uuid)
+            if record is None:
+                raise NotFound(f"no MIG layout is recorded for {uuid} (gpuctl mig show)")
+            ids, _ = self._gpus()
+            present = next((g for g in ids if g.uuid == uuid), None)
+            if present is not None:
+                raise FailedPrecondition(
+                    f"{uuid} is GPU {present.index}{_product(present)}, present now: its"
+                    " layout is managed (apply another config to change it)"
+                )
+            self._store.forget([uuid])
+            self._outcomes = [o for o in self._outcomes if o.uuid != uuid]
+            self._events.emit(
+                "mig.forgotten",
+                f"forgot the MIG layout of {record.config_name} recorded for {uuid}"
+                f" (GPU {record.gpu_index} then), a GPU not present",
+                gpu=record.gpu_index,
+                uuid=uuid,
+                config=record.config_name,
+            )
+            return record
+
     def layouts(self) -> tuple[dict[int, DeviceLayout], dict[int, str]]:
         """The current layout of every GPU that answers, in mig-parted's terms, and why the
         others are left out: faulty before the call, its reads failing now, or no answer

@@ -1753,6 +1753,19 @@ def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
 XID_79 = "critical Xid 79 (GPU has fallen off the bus): uncleared"
 
 
+def record_replaced(d: Daemon, updated_at: float) -> None:
+    """A layout (all-disabled) recorded at ``updated_at`` for GPU-replaced at GPU 1: a GPU
+    there before the one there now."""
+    MigStore(d.store).begin_apply(
+        "all-disabled",
+        {"GPU-replaced": (1, DeviceLayout(False, ()))},
+        (),
+        ApplyOptions(),
+        updated_at,
+        inflight=False,
+    )
+
+
 @pytest.mark.parametrize("read_by_telemetry", [False, True], ids=["never-read", "read-faulty"])
 def test_an_older_record_of_a_gpu_index_is_missing_only_once_another_uuid_is_read_there(
     host: Host, config: MigConfigFile, read_by_telemetry: bool
@@ -1765,15 +1778,7 @@ def test_an_older_record_of_a_gpu_index_is_missing_only_once_another_uuid_is_rea
     one is of a GPU not present: ``missing``, its layout_matches 0."""
     first = enable(host, config, "all-balanced")
     newest = first.mig.show()[1].identity
-    older = first.mig.desired()[newest.uuid].updated_at - 60
-    MigStore(first.store).begin_apply(
-        "all-disabled",
-        {"GPU-replaced": (1, DeviceLayout(False, ()))},
-        (),
-        ApplyOptions(),
-        older,
-        inflight=False,
-    )
+    record_replaced(first, first.mig.desired()[newest.uuid].updated_at - 60)
     first.node.faults.lose(1)
     if read_by_telemetry:
         host.faults[1] = XID_79
@@ -2930,3 +2935,24 @@ def test_an_incomplete_mig_table_is_not_read_again_every_pass(
     d.sleep(INCOMPLETE_TABLE_S)  # the fake clock: then it is read again
     d.mig.reconcile()
     assert counting.ci_reads > first
+
+
+def test_a_layout_is_not_forgotten_while_an_apply_runs(host: Host, config: MigConfigFile) -> None:
+    """An apply in flight may record the very layout asked to be forgotten: forget is
+    refused then, naming the apply, and the record stays."""
+    record_replaced(enable(host, config, "all-1g.10gb"), 0.0)
+    refusals: list[str] = []
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        with pytest.raises(FailedPrecondition) as refused:
+            d.mig.forget("GPU-replaced")
+        refusals.append(str(refused.value))
+        yield {}
+
+    host.release = release
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert refusals and all("an apply of all-3g.40gb is in flight" in r for r in refusals)
+    assert d.mig.forget("GPU-replaced").config_name == "all-disabled"
+    assert "GPU-replaced" not in d.mig.desired()
