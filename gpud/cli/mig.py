@@ -7,6 +7,7 @@
                      [--skip-reset]
     gpuctl mig assert -f FILE -c NAME             exit 0: the GPUs match; 1: they differ
     gpuctl mig export [-c NAME]                   the current layout as a mig-parted file
+    gpuctl mig forget GPU-UUID                    drop the layout recorded for a GPU gone
 
 With ``--drain``, ``--drain-timeout`` is how long to wait for processes to leave the
 instances that would be destroyed (default: the daemon's ``mig.drain_timeout_s``); the call
@@ -163,6 +164,14 @@ def register(subparsers: Subparsers) -> None:
         "-c", "--config", default="current", type=config_name, metavar="NAME", help="config name"
     )
     export.set_defaults(run=run_export)
+
+    forget = commands.add_parser(
+        "forget", help="drop the layout recorded for a GPU no longer present (replaced)"
+    )
+    forget.add_argument(
+        "gpu_uuid", metavar="GPU-UUID", type=given("the GPU's UUID"), help="as mig show says it"
+    )
+    forget.set_defaults(run=run_forget)
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -469,3 +478,17 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
     else:
         ctx.out.write(resp.yaml)
     return _left_alone(ctx, "not exported", resp.left_out)
+
+
+def run_forget(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.ForgetMigResponse = ctx.call(
+        ctx.stub(pb_grpc.MigStub).ForgetMig, pb.ForgetMigRequest(gpu_uuid=args.gpu_uuid)
+    )
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        ctx.out.print(
+            f"forgot {resp.gpu_uuid}: its layout of {resp.config_name}"
+            f" (recorded at GPU {resp.gpu}) is no longer managed"
+        )
+    return 0

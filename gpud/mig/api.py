@@ -238,6 +238,17 @@ class MigServicer(pb_grpc.MigServicer):
             yaml=text, left_out=[f"GPU {i}: {why}" for i, why in sorted(faults.items())]
         )
 
+    async def ForgetMig(  # noqa: N802
+        self, request: pb.ForgetMigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForgetMigResponse:
+        uuid = request.gpu_uuid.strip()
+        if not uuid:
+            raise InvalidArgument("a GPU UUID is required (GPU-...)", field="gpu_uuid")
+        record = await on_daemon_thread(lambda: self._manager.forget(uuid))
+        return pb.ForgetMigResponse(
+            gpu_uuid=record.gpu_uuid, gpu=record.gpu_index, config_name=record.config_name
+        )
+
 
 async def _run_while_wanted(gone: threading.Event, call: Callable[[], T]) -> T:
     """``call()`` on a daemon thread; ``gone`` is set when the RPC is cancelled (the client

@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
@@ -1453,10 +1454,18 @@ class MigManager:
                 gpu = ids.get(uuid)
                 i = record.gpu_index
                 unread = i < len(all_ids) and not all_ids[i].uuid
-                if gpu is None and unread and i in faults and newest[i].gpu_uuid == uuid:
+                if gpu is None and unread and i in faults:
                     # Lost before its identity was ever read: most likely the GPU its index's
-                    # newest record names; an older one there is of a GPU replaced since.
-                    outcomes.append(_left_alone(i, uuid, f"GPU {i}", faults[i]))
+                    # newest record names. An older one there is likely of a GPU replaced
+                    # since, but with no UUID read at that index nothing says so: it is left
+                    # alone too (not "missing", no layout_matches 0), and neither is acted on.
+                    reason = faults[i]
+                    if newest[i].gpu_uuid != uuid:
+                        reason += (
+                            f"; its UUID never read, it is most likely {newest[i].gpu_uuid}"
+                            f" (recorded there last), not {uuid}"
+                        )
+                    outcomes.append(_left_alone(i, uuid, f"GPU {i}", reason))
                     continue
                 if gpu is None:
                     outcomes.append(
@@ -1659,6 +1668,46 @@ class MigManager:
 
     def desired(self) -> dict[str, DesiredRecord]:
         return self._store.desired()
+
+    def forget(self, uuid: str) -> DesiredRecord:
+        """Drop the desired layout recorded under ``uuid``, of a GPU no longer present (a
+        board replaced or removed: ``nvidia-smi -L`` lists no such UUID): reconcile stops
+        reporting it ``missing`` and its ``gpud_mig_layout_matches`` goes at once. Nothing
+        is asked of the driver beyond the GPUs' identities; the record is returned.
+
+        :class:`NotFound` where no layout is recorded under ``uuid``;
+        :class:`FailedPrecondition` while an apply runs (it may record one) or where a GPU
+        read now has that UUID, naming its index (a GPU lost since before gpud started has
+        none read, so its records can be forgotten: it is most likely the GPU of its
+        index's newest one)."""
+        with self._applying_lock:
+            if self._applying is not None:
+                raise FailedPrecondition(
+                    f"an apply of {self._applying[0]} is in flight: forget {uuid} once it"
+                    " ends (gpuctl mig show)"
+                )
+        with self._lock:
+            record = self._store.desired().get(uuid)
+            if record is None:
+                raise NotFound(f"no MIG layout is recorded for {uuid} (gpuctl mig show)")
+            ids, _ = self._gpus()
+            present = next((g for g in ids if g.uuid == uuid), None)
+            if present is not None:
+                raise FailedPrecondition(
+                    f"{uuid} is GPU {present.index}{_product(present)}, present now: its"
+                    " layout is managed (apply another config to change it)"
+                )
+            self._store.forget([uuid])
+            self._outcomes = [o for o in self._outcomes if o.uuid != uuid]
+            self._events.emit(
+                "mig.forgotten",
+                f"forgot the MIG layout of {record.config_name} recorded for {uuid}"
+                f" (GPU {record.gpu_index} then), a GPU not present",
+                gpu=record.gpu_index,
+                uuid=uuid,
+                config=record.config_name,
+            )
+            return record
 
     def layouts(self) -> tuple[dict[int, DeviceLayout], dict[int, str]]:
         """The current layout of every GPU that answers, in mig-parted's terms, and why the
@@ -2010,8 +2059,10 @@ def _who(pid: int, job: str | None) -> str:
 
 
 def _no_answer(timeout_s: float) -> str:
-    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s")
-    return f"not answering: no answer from the driver within {format_number(round(timeout_s, 1))} s"
+    # to a tenth of a second, as a person reads it: a whole deadline whole ("3600 s"); one
+    # under a second to two significant digits, so that 0.01 s is not said as "0 s"
+    digits = 1 if timeout_s <= 0 else max(1, 1 - math.floor(math.log10(timeout_s)))
+    return f"not answering: no answer from the driver within {format_number(round(timeout_s, digits))} s"
 
 
 def _nothing_to_resume(

@@ -21,6 +21,12 @@ A faulty GPU (lost, not answering: ``gpud_gpu_healthy`` 0 says why) has no
 so it is unknown, not 0, and not the last value read either (a reset or a reboot may have
 changed it meanwhile). Its health alert pages, not ``MigLayoutDiffers`` as well.
 
+A desired record whose GPU is not present (outcome ``missing``: another UUID is known at its
+index, read by the manager or by telemetry, or no GPU is there) has
+``gpud_mig_layout_matches`` 0 under its own UUID and the index it was recorded at. With no
+UUID known at that index (the GPU there lost since before gpud started) its records are
+left alone as faulty: no series.
+
 Instance data comes from the view the manager refreshes on reconcile after a change and at
 least every ``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the
 daemon ticks). Between, a GPU turning faulty drops its series at the next reconcile with no

@@ -195,7 +195,7 @@ class ControlDaemon:
         before that wait ends ``timeout_s`` again."""
         return 3 * self._timeout_s
 
-    def stop_s(self, quit_s: float | None = None, *, timeout_s: float = _QUIT_EXIT_S) -> float:
+    def stop_s(self, *, quit_s: float | None = None, timeout_s: float = _QUIT_EXIT_S) -> float:
         """How long :meth:`stop` given the same ``quit_s`` and ``timeout_s`` may take at most:
         its ``quit`` waited on ``quit_s`` (None: the daemon's ``timeout_s``), the daemon's exit
         after it on ``timeout_s``, after SIGTERM and after SIGKILL each on its own time (a

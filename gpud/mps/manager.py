@@ -1947,7 +1947,9 @@ class MpsManager:
         if failures and self._clock() < retry_at:
             return None
         command, bound = (
-            (f"SIGKILL {pid}", daemon.kill_s) if kill else (protocol.quit_(), daemon.stop_s(quit_s))
+            (f"SIGKILL {pid}", daemon.kill_s)
+            if kill
+            else (protocol.quit_(), daemon.stop_s(quit_s=quit_s))
         )
         with (
             contextlib.nullcontext()

@@ -3,7 +3,7 @@
 isort:skip_file
 gpud.v1.Mig: MIG layouts in nvidia-mig-parted's config format, applied safely.
 
-`gpuctl mig show | apply | assert | export`. Configs travel as the file's text, parsed by
+`gpuctl mig show | apply | assert | export | forget`. Configs travel as the file's text, parsed by
 the daemon exactly as mig-parted parses them. See node.proto for the conventions every
 gpud.v1 service follows. Errors: INVALID_ARGUMENT for a bad file or an impossible layout
 (the message names the GPU, the product and why); FAILED_PRECONDITION for instances that
@@ -526,3 +526,50 @@ class ExportMigResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExportMigResponse: _TypeAlias = ExportMigResponse  # noqa: Y015
+
+@_typing.final
+class ForgetMigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_UUID_FIELD_NUMBER: _builtins.int
+    gpu_uuid: _builtins.str
+    """"GPU-5c6e...", as `gpuctl mig show` or the metric's gpu_uuid says"""
+    def __init__(
+        self,
+        *,
+        gpu_uuid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_uuid", b"gpu_uuid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetMigRequest: _TypeAlias = ForgetMigRequest  # noqa: Y015
+
+@_typing.final
+class ForgetMigResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_UUID_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    CONFIG_NAME_FIELD_NUMBER: _builtins.int
+    gpu_uuid: _builtins.str
+    gpu: _builtins.int
+    """the index its layout was recorded at"""
+    config_name: _builtins.str
+    """the config that recorded it"""
+    def __init__(
+        self,
+        *,
+        gpu_uuid: _builtins.str = ...,
+        gpu: _builtins.int = ...,
+        config_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_name", b"config_name", "gpu", b"gpu", "gpu_uuid", b"gpu_uuid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetMigResponse: _TypeAlias = ForgetMigResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class MigStub:
                 request_serializer=gpud_dot_v1_dot_mig__pb2.ExportMigRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_mig__pb2.ExportMigResponse.FromString,
                 _registered_method=True)
+        self.ForgetMig = channel.unary_unary(
+                '/gpud.v1.Mig/ForgetMig',
+                request_serializer=gpud_dot_v1_dot_mig__pb2.ForgetMigRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_mig__pb2.ForgetMigResponse.FromString,
+                _registered_method=True)
 
 
 class MigServicer:
@@ -89,6 +94,16 @@ class MigServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetMig(self, request, context):
+        """Drop the desired layout recorded for a GPU not present (a board replaced or removed):
+        no longer reconciled, reported `missing` or exported as gpud_mig_layout_matches.
+        NOT_FOUND where no layout is recorded under the UUID; FAILED_PRECONDITION where a GPU
+        read now has it (the message names its index). Its MIG instances are not touched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_MigServicer_to_server(servicer, server):
                     servicer.ExportMig,
                     request_deserializer=gpud_dot_v1_dot_mig__pb2.ExportMigRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_mig__pb2.ExportMigResponse.SerializeToString,
+            ),
+            'ForgetMig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetMig,
+                    request_deserializer=gpud_dot_v1_dot_mig__pb2.ForgetMigRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_mig__pb2.ForgetMigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +241,33 @@ class Mig:
             '/gpud.v1.Mig/ExportMig',
             gpud_dot_v1_dot_mig__pb2.ExportMigRequest.SerializeToString,
             gpud_dot_v1_dot_mig__pb2.ExportMigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetMig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.Mig/ForgetMig',
+            gpud_dot_v1_dot_mig__pb2.ForgetMigRequest.SerializeToString,
+            gpud_dot_v1_dot_mig__pb2.ForgetMigResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 isort:skip_file
 gpud.v1.Mig: MIG layouts in nvidia-mig-parted's config format, applied safely.
 
-`gpuctl mig show | apply | assert | export`. Configs travel as the file's text, parsed by
+`gpuctl mig show | apply | assert | export | forget`. Configs travel as the file's text, parsed by
 the daemon exactly as mig-parted parses them. See node.proto for the conventions every
 gpud.v1 service follows. Errors: INVALID_ARGUMENT for a bad file or an impossible layout
 (the message names the GPU, the product and why); FAILED_PRECONDITION for instances that
@@ -49,6 +49,12 @@ class MigStub:
     """How the GPUs differ from one named config (empty: they match). Touches nothing."""
     ExportMig: _grpc.UnaryUnaryMultiCallable[_mig_pb2.ExportMigRequest, _mig_pb2.ExportMigResponse]
     """The current layout as a mig-parted config."""
+    ForgetMig: _grpc.UnaryUnaryMultiCallable[_mig_pb2.ForgetMigRequest, _mig_pb2.ForgetMigResponse]
+    """Drop the desired layout recorded for a GPU not present (a board replaced or removed):
+    no longer reconciled, reported `missing` or exported as gpud_mig_layout_matches.
+    NOT_FOUND where no layout is recorded under the UUID; FAILED_PRECONDITION where a GPU
+    read now has it (the message names its index). Its MIG instances are not touched.
+    """
 
 @_typing.type_check_only
 class MigAsyncStub(MigStub):
@@ -64,6 +70,12 @@ class MigAsyncStub(MigStub):
     """How the GPUs differ from one named config (empty: they match). Touches nothing."""
     ExportMig: _aio.UnaryUnaryMultiCallable[_mig_pb2.ExportMigRequest, _mig_pb2.ExportMigResponse]  # type: ignore[assignment]
     """The current layout as a mig-parted config."""
+    ForgetMig: _aio.UnaryUnaryMultiCallable[_mig_pb2.ForgetMigRequest, _mig_pb2.ForgetMigResponse]  # type: ignore[assignment]
+    """Drop the desired layout recorded for a GPU not present (a board replaced or removed):
+    no longer reconciled, reported `missing` or exported as gpud_mig_layout_matches.
+    NOT_FOUND where no layout is recorded under the UUID; FAILED_PRECONDITION where a GPU
+    read now has it (the message names its index). Its MIG instances are not touched.
+    """
 
 class MigServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -100,5 +112,17 @@ class MigServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_mig_pb2.ExportMigResponse, _abc.Awaitable[_mig_pb2.ExportMigResponse]]:
         """The current layout as a mig-parted config."""
+
+    @_abc_1.abstractmethod
+    def ForgetMig(
+        self,
+        request: _mig_pb2.ForgetMigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_mig_pb2.ForgetMigResponse, _abc.Awaitable[_mig_pb2.ForgetMigResponse]]:
+        """Drop the desired layout recorded for a GPU not present (a board replaced or removed):
+        no longer reconciled, reported `missing` or exported as gpud_mig_layout_matches.
+        NOT_FOUND where no layout is recorded under the UUID; FAILED_PRECONDITION where a GPU
+        read now has it (the message names its index). Its MIG instances are not touched.
+        """
 
 def add_MigServicer_to_server(servicer: MigServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -968,6 +968,7 @@ JSON_SWEEP = [
     (("sim", "reboot"), 6),
     (("mig",), 9),
     (("mig", "export", "-c", ""), 2),
+    (("mig", "forget", ""), 2),
     (("mig", "apply", "-f", "/nonexistent.yaml", "-c", "a"), 2),
     (("mps", "set", "--gpu", "0", "--threads", "abc"), 2),
     (("mps",), 9),

@@ -16,6 +16,7 @@ import pytest
 
 from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
+from gpud.backend.port import GpuIdentity
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
 from gpud.errors import (
@@ -171,6 +172,8 @@ class Host:
         self.clock = ReadClock()  # the latest daemon life's
         # how an earlier daemon life last saw each GPU never read in this one
         self.last_seen: dict[int, SeenIdentity] = {}
+        # each GPU's identity as telemetry last read it in the latest daemon life
+        self.read_identities: dict[int, GpuIdentity] = {}
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -207,6 +210,7 @@ class Host:
             hold_placement=self.placement.hold,
             after_change=self.after_change,
             last_seen=lambda: self.last_seen,
+            read_identities=lambda: self.read_identities,
         )
         d = Daemon(node, backend, store, events, mig, sleeps, sleep, clock)
         self.daemons.append(d)
@@ -1746,28 +1750,82 @@ def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
     }
 
 
-def test_reconcile_leaves_a_gpu_lost_before_start_alone_under_its_newest_record_only(
-    host: Host, config: MigConfigFile
-) -> None:
-    """Two records kept for one GPU index, neither of a GPU read now (a GPU replaced while
-    gpud was down), the older one listed last and of another layout: reconcile takes the
-    GPU for the one its index's newest record names, as an apply does; the older one is of
-    a GPU not present."""
-    first = enable(host, config, "all-balanced")
-    newest = first.mig.show()[1].identity.uuid
-    older = first.mig.desired()[newest].updated_at - 60
-    MigStore(first.store).begin_apply(
+XID_79 = "critical Xid 79 (GPU has fallen off the bus): uncleared"
+
+
+def record_replaced(d: Daemon, updated_at: float) -> None:
+    """A layout (all-disabled) recorded at ``updated_at`` for GPU-replaced at GPU 1: a GPU
+    there before the one there now."""
+    MigStore(d.store).begin_apply(
         "all-disabled",
         {"GPU-replaced": (1, DeviceLayout(False, ()))},
         (),
         ApplyOptions(),
-        older,
+        updated_at,
         inflight=False,
     )
+
+
+@pytest.mark.parametrize("read_by_telemetry", [False, True], ids=["never-read", "read-faulty"])
+def test_an_older_record_of_a_gpu_index_is_missing_only_once_another_uuid_is_read_there(
+    host: Host, config: MigConfigFile, read_by_telemetry: bool
+) -> None:
+    """Two records kept for one GPU index (a GPU replaced while gpud was down), the older
+    one listed last and of another layout, and the GPU there faulty since before start.
+    With no UUID read at that index, nothing says the older one's GPU is gone: both are
+    left alone as faulty, neither with a gpud_mig_layout_matches series. Once telemetry
+    reads the newest record's UUID there (the GPU back, its XID 79 uncleared), the older
+    one is of a GPU not present: ``missing``, its layout_matches 0."""
+    first = enable(host, config, "all-balanced")
+    newest = first.mig.show()[1].identity
+    record_replaced(first, first.mig.desired()[newest.uuid].updated_at - 60)
+    first.node.faults.lose(1)
+    if read_by_telemetry:
+        host.faults[1] = XID_79
+        host.read_identities = {1: newest}
+    d = host.start()
+    outcomes = {o.uuid: o for o in d.mig.reconcile() if o.gpu == 1}
+    assert outcomes[newest.uuid].status == "faulty"
+    replaced = outcomes["GPU-replaced"]
+    assert replaced.status == ("missing" if read_by_telemetry else "faulty"), replaced
+    if not read_by_telemetry:
+        assert f"most likely {newest.uuid} (recorded there last)" in replaced.detail
+    matches = {
+        s.labels["gpu_uuid"]: s.value
+        for family in MigMetrics(d.mig)()
+        if family.name == "gpud_mig_layout_matches"
+        for s in family.samples
+        if s.labels["gpu"] == "1"
+    }
+    assert matches == ({"GPU-replaced": 0.0} if read_by_telemetry else {})
+
+
+def test_a_faulty_gpu_never_read_by_the_manager_is_named_as_telemetry_read_it(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 is lost before gpud starts, then answers again with its XID 79 uncleared: the
+    manager never reads it (it calls no faulty GPU), but telemetry did. An apply names it
+    by its product and records the layout under its UUID; reconcile leaves it alone until
+    the fault clears, then brings it to that layout."""
+    first = enable(host, config, "all-balanced")
+    gpu0, gpu1 = (g.identity for g in first.mig.show())
     first.node.faults.lose(1)
     d = host.start()
-    outcomes = [(o.uuid, o.status) for o in d.mig.reconcile() if o.gpu == 1]
-    assert sorted(outcomes) == sorted([(newest, "faulty"), ("GPU-replaced", "missing")])
+    d.node.faults.clear(1)
+    host.faults[1] = XID_79
+    host.read_identities = {1: gpu1}
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert result.gpus[1].detail.startswith(f"GPU 1 ({H100})"), result.gpus[1].detail
+    assert result.gpus[1].uuid == gpu1.uuid
+    assert d.mig.desired()[gpu1.uuid].config_name == "all-3g.40gb"
+    assert [(o.uuid, o.status) for o in d.mig.reconcile()] == [
+        (gpu0.uuid, "ok"),
+        (gpu1.uuid, "faulty"),
+    ]
+    host.faults.clear()
+    assert [o.status for o in d.mig.reconcile()] == ["ok", "changed"]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
 
 
 def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
@@ -2354,7 +2412,10 @@ def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert len(diff) == 2 and faulty == {}
 
 
-@pytest.mark.parametrize(("timeout_s", "said"), [(0.3, "0.3 s"), (3600.0, "3600 s")])
+@pytest.mark.parametrize(
+    ("timeout_s", "said"),
+    [(0.01, "0.01 s"), (0.04, "0.04 s"), (0.3, "0.3 s"), (3600.0, "3600 s")],
+)
 def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
     host: Host, config: MigConfigFile, timeout_s: float, said: str
 ) -> None:
@@ -2874,3 +2935,24 @@ def test_an_incomplete_mig_table_is_not_read_again_every_pass(
     d.sleep(INCOMPLETE_TABLE_S)  # the fake clock: then it is read again
     d.mig.reconcile()
     assert counting.ci_reads > first
+
+
+def test_a_layout_is_not_forgotten_while_an_apply_runs(host: Host, config: MigConfigFile) -> None:
+    """An apply in flight may record the very layout asked to be forgotten: forget is
+    refused then, naming the apply, and the record stays."""
+    record_replaced(enable(host, config, "all-1g.10gb"), 0.0)
+    refusals: list[str] = []
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        with pytest.raises(FailedPrecondition) as refused:
+            d.mig.forget("GPU-replaced")
+        refusals.append(str(refused.value))
+        yield {}
+
+    host.release = release
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert refusals and all("an apply of all-3g.40gb is in flight" in r for r in refusals)
+    assert d.mig.forget("GPU-replaced").config_name == "all-disabled"
+    assert "GPU-replaced" not in d.mig.desired()

@@ -27,9 +27,10 @@ from gpud.errors import InsufficientResources
 from gpud.events import EventLog
 from gpud.metrics import Collector
 from gpud.mig.api import MigServicer
-from gpud.mig.layout import load_config
+from gpud.mig.layout import DeviceLayout, load_config
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
+from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
@@ -48,6 +49,7 @@ class Node:
     socket: str
     jobs: dict[int, str]
     events: EventLog
+    store: StateStore
 
 
 @contextmanager
@@ -74,7 +76,7 @@ def serve(
             path = d / "gpud.sock"
             servicer = servicer_class(mig, read_timeout_s=read_timeout_s)
             with ServerThread(ApiServer(path, servicers=[servicer.register])):
-                yield Node(sim, mig, str(path), jobs, events)
+                yield Node(sim, mig, str(path), jobs, events, store)
     finally:
         store.close()
 
@@ -888,3 +890,52 @@ def test_show_names_gpu_instances_without_compute_instances(
     assert code == 1
     assert f"GPU 1: has MIG enabled, no MIG devices; {empty}; wants 1x 7g.80gb" in out
     assert not any(line.startswith("GPU 0") for line in out.splitlines()), out
+
+
+def test_forget_drops_the_layout_of_a_gpu_replaced_and_refuses_one_present(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """A layout recorded for a GPU since replaced is reported ``missing`` with
+    gpud_mig_layout_matches 0 for as long as it is kept: ``gpuctl mig forget`` drops it (a
+    ``mig.forgotten`` event), the series with it. A UUID a GPU has now is refused, naming
+    the GPU; one with no layout recorded is not found."""
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 0, err
+    MigStore(node.store).begin_apply(
+        "all-disabled",
+        {"GPU-replaced": (1, DeviceLayout(False, ()))},
+        (),
+        ApplyOptions(),
+        0.0,
+        inflight=False,
+    )
+    assert {o.uuid: o.status for o in node.mig.reconcile()}["GPU-replaced"] == "missing"
+
+    def matches() -> dict[str, float]:
+        return {
+            s.labels["gpu_uuid"]: s.value
+            for family in MigMetrics(node.mig)()
+            if family.name == "gpud_mig_layout_matches"
+            for s in family.samples
+        }
+
+    assert matches()["GPU-replaced"] == 0.0
+    present = node.mig.show()[0].identity.uuid
+    code, _, err = gpuctl(capsys, node, "mig", "forget", present)
+    assert code == 6 and f"{present} is GPU 0 (H100-SXM5-80GB), present now" in err, err
+    code, _, err = gpuctl(capsys, node, "mig", "forget", "GPU-unknown")
+    assert code == 4 and "no MIG layout is recorded for GPU-unknown" in err, err
+    code, out, err = gpuctl(capsys, node, "--json", "mig", "forget", "GPU-replaced")
+    assert code == 0, err
+    assert json.loads(out) == {
+        "gpu_uuid": "GPU-replaced",
+        "gpu": 1,
+        "config_name": "all-disabled",
+    }
+    assert "GPU-replaced" not in node.mig.desired() and present in node.mig.desired()
+    assert "GPU-replaced" not in matches()
+    assert "GPU-replaced" not in {o.uuid for o in node.mig.reconcile()}
+    forgotten = [e for e in node.events.recent() if e.kind == "mig.forgotten"]
+    assert [e.fields for e in forgotten] == [
+        {"gpu": 1, "uuid": "GPU-replaced", "config": "all-disabled"}
+    ]

@@ -1956,7 +1956,10 @@ def test_a_stop_given_a_longer_exit_wait_stays_within_the_bound_it_is_said_in_fl
             alive=lambda pid, proc_root: True,
         )
         assert daemon.stop(timeout_s=30.0, pid=stuck.pid, quit_s=1.0) is None
-        assert 30.0 < now[0] <= daemon.stop_s(1.0, timeout_s=30.0)
+        assert 30.0 < now[0] <= daemon.stop_s(quit_s=1.0, timeout_s=30.0)
+        # both waits named, as stop takes them: neither read as the other by position
+        with pytest.raises(TypeError):
+            daemon.stop_s(1.0, timeout_s=30.0)  # type: ignore[call-arg]
     finally:
         stuck.kill()
         stuck.wait()
