@@ -6754,6 +6754,36 @@ def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
     assert (judged, window) == ("-", "150.0 ms"), row
 
 
+def test_a_guard_switched_off_and_on_again_says_it_measures_not_its_last_cut(
+    tmp_path: Path,
+) -> None:
+    """A guard that cut the training's duty, the loop then switched off and on again: its
+    duty is back at 1.0 and it judges none of the window's older latencies, so its row
+    says it measures, not the cut it made before the switch."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    for _ in range(10):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.095] * 10)
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.action == "throttle" and g.duty < 1.0, (g.action, g.duty)
+    svc.configure(ColocateConfig(enabled=False))
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    clock.t += 1.0
+    svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert (g.action, g.duty) == ("hold", 1.0), (g.action, g.duty)
+    assert g.reason.startswith("measuring: "), g.reason
+
+
 def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
     tmp_path: Path,
 ) -> None:
