@@ -3220,13 +3220,20 @@ class ColoService:
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if g.last is None and beside(r):
                     # switched on, started afresh or just beside training: it judges
-                    # none of the window's older reports, and has not judged yet
-                    n = len(self._latencies(name, judged))
-                    reason = (
-                        f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
-                        if n < MIN_FRESH_SAMPLES
-                        else f"judges its {n} latencies at the next tick"
-                    )
+                    # none of the window's older reports, and has not judged yet. Counted
+                    # as the guard counts them: up to QUIET_WINDOWS windows back
+                    reach = QUIET_WINDOWS * self.config.latency_window_s
+                    n = len(self._latencies(name, judged, at_least=MIN_FRESH_SAMPLES))
+                    if n >= MIN_FRESH_SAMPLES:
+                        reason = f"judges its {n} latencies at the next tick"
+                    elif (
+                        st.arrived is not None and self._clock() - max(judged, st.arrived) >= reach
+                    ):
+                        # it has reached as far back as it ever does, since it may judge
+                        # and since the service ran: no wait brings more
+                        reason = f"not guarded: too few requests ({n} in the last {reach:g} s)"
+                    else:
+                        reason = f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                     if p99 is not None and p99 > g.slo_s:

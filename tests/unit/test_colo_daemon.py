@@ -6784,6 +6784,42 @@ def test_a_guard_switched_off_and_on_again_says_it_measures_not_its_last_cut(
     assert g.reason.startswith("measuring: "), g.reason
 
 
+def quiet_service_guard(tmp_path: Path, every_s: float, reports: int) -> Any:
+    """The guard row of a service beside training, the loop on, that served one request of
+    50 ms every ``every_s`` seconds, ``reports`` times, a tick after each."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    for _ in range(reports):
+        clock.t += every_s
+        svc.report_latency("chat", [0.05])
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    return g
+
+
+def test_a_quiet_service_counts_toward_its_guard_as_far_back_as_the_guard_reaches(
+    tmp_path: Path,
+) -> None:
+    """A request every 2 s: 5 in a 10 s latency window, but the guard judges on the latest
+    20 up to six windows back, so after 30 s it has 15 of them, not 5."""
+    g = quiet_service_guard(tmp_path, every_s=2.0, reports=15)
+    assert g.reason == "measuring: 15 of the 20 latencies it judges on", g.reason
+
+
+def test_a_service_too_quiet_for_its_guard_says_it_is_not_guarded(tmp_path: Path) -> None:
+    """A request every 4 s: 16 in the six windows (60 s) the guard reaches back, never the
+    20 it judges on: its row says so rather than that it measures."""
+    g = quiet_service_guard(tmp_path, every_s=4.0, reports=25)
+    assert g.reason == "not guarded: too few requests (16 in the last 60 s)", g.reason
+    assert (g.action, g.duty) == ("hold", 1.0)
+
+
 def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
     tmp_path: Path,
 ) -> None:
