@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -155,11 +156,11 @@ class Throttle:
         once that one failed. The first point reports no iteration (the one it counts goes
         with the next report): no sleep follows it, so until the next point the job runs
         at full duty whatever gpud told it, and gpud, which takes the duty it told out of
-        the time between reports, would read it as that much faster. Until gpud first
-        answers, each ``ThrottlePoint`` says it is this throttle's first
-        (``ThrottlePointRequest.first``): gpud reads the job's rate from this process's
-        iterations, not across the gap from another's (a process started again within
-        one run)."""
+        the time between reports, would read it as that much faster. Each
+        ``ThrottlePoint`` carries this throttle's process id (``ThrottlePointRequest.process``,
+        random, a forked child's its own): gpud tells a process started again within one
+        run, whose rate it reads from its own iterations, not across the gap from the
+        last one's, from another rank of the job reporting beside it."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         _check_interval("Throttle", "report_every_s", report_every_s)
@@ -176,9 +177,7 @@ class Throttle:
         self._interval = report_every_s  # until the next report: longer after failures
         self._failing = False  # the last call failed
         self._pending = 0
-        # gpud has answered this throttle: until then each call says it is a process's
-        # first, so that gpud reads the job's rate from this process's iterations
-        self._heard = False
+        self._process = uuid.uuid4().hex  # which process of the job reports
         self.duty = 1.0
         self.evict = False
         self.reason = ""
@@ -186,15 +185,16 @@ class Throttle:
 
     def _forked(self) -> None:
         """In a forked child: the iterations waiting are the parent's to report, and its
-        gRPC channel is the parent's."""
+        gRPC channel is the parent's, and so is its process id."""
         self._pending = 0
+        self._process = uuid.uuid4().hex
         self._channel.forget()
 
     def _grpc_call(self, job: str, iterations: int) -> tuple[float, bool, str]:
         from gpud.v1 import colo_pb2
 
         r = self._channel.stub().ThrottlePoint(
-            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, first=not self._heard),
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, process=self._process),
             timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
@@ -223,7 +223,6 @@ class Throttle:
             )
             return
         self.duty = min(1.0, max(0.01, self.duty))
-        self._heard = True
         self._pending -= iterations
         self._answered = now
         self._failing = False

@@ -39,6 +39,7 @@ from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
     FORGET_AFTER_S,
+    MAX_JOB_PROCESSES,
     NAME_TTL_S,
     PROMISE_S,
     STATE_FILE_VERSION,
@@ -6832,32 +6833,84 @@ def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_la
         ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
     )
     svc.tick(snapshot())
-    svc.throttle_point("train", 0, first=True)
+    svc.throttle_point("train", 0, process="a")
     for _ in range(20):
         clock.t += 1.0
-        svc.throttle_point("train", 1)
+        svc.throttle_point("train", 1, process="a")
         svc.tick(snapshot())
     clock.t += 4.0
-    svc.throttle_point("train", 0, first=True)  # the new process's first point
+    svc.throttle_point("train", 0, process="b")  # the new process's first point
     rates = []
     for _ in range(4):
         clock.t += 1.0
-        svc.throttle_point("train", 1)
+        svc.throttle_point("train", 1, process="b")
         svc.tick(snapshot())
         rates.append(svc._rate(svc._jobs["train"], clock.t))
     assert rates == [None, 1.0, 1.0, 1.0], rates
 
 
-def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
-    """gpud away at the first point: the next call, answered, is still the first."""
-    sent: list[bool] = []
+def test_ranks_of_one_job_starting_and_retrying_beside_each_other_forget_no_progress(
+    tmp_path: Path,
+) -> None:
+    """Two ranks under one job name, an iteration a second each: the second starts 5 s
+    after the first, and the first's call is then sent again (timed out on its side, its
+    back-off); neither is read as a process started again, so the job's progress runs on."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    svc.throttle_point("train", 0, process="rank0")
+    for second in range(1, 21):
+        clock.t += 1.0
+        svc.throttle_point("train", 1, process="rank0")
+        if second == 5:
+            svc.throttle_point("train", 0, process="rank1")  # its first point
+        if second > 5:
+            svc.throttle_point("train", 1, process="rank1")
+        if second == 10:
+            svc.throttle_point("train", 0, process="rank0")  # sent again after a timeout
+        svc.tick(snapshot())
+    st = svc._jobs["train"]
+    assert st.progress[0][0] == 101.0 and st.progress[-1][1] == 35, list(st.progress)
+
+
+def test_a_job_keeps_a_bounded_number_of_process_ids(tmp_path: Path) -> None:
+    """A process id the client makes anew at each point (or thousands of ranks) costs gpud
+    at most MAX_JOB_PROCESSES ids, the one that reported longest ago dropped first."""
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: [], clock=clock
+    )
+    for i in range(MAX_JOB_PROCESSES + 10):
+        svc.throttle_point("train", 1, process=f"p{i}")
+    svc.throttle_point("train", 1, process=f"p{MAX_JOB_PROCESSES + 9}")
+    seen = svc._jobs["train"].processes
+    assert len(seen) == MAX_JOB_PROCESSES and "p9" not in seen and "p10" in seen
+
+
+def test_a_process_id_longer_than_gpud_keeps_is_refused_naming_the_job(
+    tmp_path: Path,
+) -> None:
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: [], clock=Clock()
+    )
+    with pytest.raises(InvalidArgument, match="job train: throttle point process id of 65"):
+        svc.throttle_point("train", 1, process="x" * 65)
+
+
+def test_a_throttle_sends_one_process_id_through_retries_and_a_forked_child_its_own() -> None:
+    """gpud away at the first point: the call tried again carries the same id (gpud must
+    not read a rank's retry as a process started again); a forked child's differ."""
+    sent: list[str] = []
     answers = [False, True, True]
 
     class Stub:
         def ThrottlePoint(
             self, request: colo_pb2.ThrottlePointRequest, **_: object
         ) -> colo_pb2.ThrottlePointResponse:
-            sent.append(request.first)
+            sent.append(request.process)
             if not answers.pop(0):
                 raise TimeoutError("deadline exceeded")
             return colo_pb2.ThrottlePointResponse(duty=1.0)
@@ -6868,4 +6921,9 @@ def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
     for _ in range(3):
         t.point()
         clock.t += 3.0  # past the back-off after the failed call (2 s)
-    assert sent == [True, True, False]
+    assert len(sent) == 3 and len(set(sent)) == 1 and sent[0], sent
+    t._forked()  # as os.register_at_fork runs it in the child
+    t._channel._stub = Stub()
+    answers.append(True)
+    t.point()
+    assert len(sent) == 4 and sent[3] not in ("", sent[0]), sent
