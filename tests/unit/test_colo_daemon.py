@@ -6756,19 +6756,12 @@ def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
 
 
 def test_a_guard_switched_off_and_on_again_says_it_measures_not_its_last_cut(
-    tmp_path: Path,
+    service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
     """A guard that cut the training's duty, the loop then switched off and on again: its
     duty is back at 1.0 and it judges none of the window's older latencies, so its row
     says it measures, not the cut it made before the switch."""
-    clock = Clock()
-    jobs = [
-        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
-        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
-    ]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
-    )
+    svc, clock, _ = service
     for _ in range(10):
         clock.t += 1.0
         svc.report_latency("chat", [0.095] * 10)
@@ -6785,17 +6778,12 @@ def test_a_guard_switched_off_and_on_again_says_it_measures_not_its_last_cut(
     assert g.reason.startswith("measuring: "), g.reason
 
 
-def quiet_service_guard(tmp_path: Path, every_s: float, reports: int) -> Any:
+def quiet_service_guard(
+    service: tuple[ColoService, Clock, list[RunningJob]], every_s: float, reports: int
+) -> Any:
     """The guard row of a service beside training, the loop on, that served one request of
     50 ms every ``every_s`` seconds, ``reports`` times, a tick after each."""
-    clock = Clock()
-    jobs = [
-        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
-        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
-    ]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
-    )
+    svc, clock, _ = service
     for _ in range(reports):
         clock.t += every_s
         svc.report_latency("chat", [0.05])
@@ -6805,20 +6793,33 @@ def quiet_service_guard(tmp_path: Path, every_s: float, reports: int) -> Any:
 
 
 def test_a_quiet_service_counts_toward_its_guard_as_far_back_as_the_guard_reaches(
-    tmp_path: Path,
+    service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
     """A request every 2 s: 5 in a 10 s latency window, but the guard judges on the latest
     20 up to six windows back, so after 30 s it has 15 of them, not 5."""
-    g = quiet_service_guard(tmp_path, every_s=2.0, reports=15)
+    g = quiet_service_guard(service, every_s=2.0, reports=15)
     assert g.reason == "measuring: 15 of the 20 latencies it judges on", g.reason
 
 
-def test_a_service_too_quiet_for_its_guard_says_it_is_not_guarded(tmp_path: Path) -> None:
+def test_a_service_too_quiet_for_its_guard_says_it_is_not_guarded(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
     """A request every 4 s: 16 in the six windows (60 s) the guard reaches back, never the
     20 it judges on: its row says so rather than that it measures."""
-    g = quiet_service_guard(tmp_path, every_s=4.0, reports=25)
+    g = quiet_service_guard(service, every_s=4.0, reports=25)
     assert g.reason == "not guarded: too few requests (16 in the last 60 s)", g.reason
     assert (g.action, g.duty) == ("hold", 1.0)
+
+
+def training_run(tmp_path: Path) -> tuple[ColoService, Clock]:
+    """A service with one training job running since now under one reservation, ticked."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot())
+    return svc, clock
 
 
 def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
@@ -6827,12 +6828,7 @@ def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_la
     """An iteration a second; the process ends and another starts 4 s later under the same
     reservation (a wrapper that starts it again): read across the gap from the last
     process's iterations it would run at 0.6 a second."""
-    clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
-    )
-    svc.tick(snapshot())
+    svc, clock = training_run(tmp_path)
     svc.throttle_point("train", 0, process="a")
     for _ in range(20):
         clock.t += 1.0
@@ -6855,12 +6851,7 @@ def test_ranks_of_one_job_starting_and_retrying_beside_each_other_forget_no_prog
     """Two ranks under one job name, an iteration a second each: the second starts 5 s
     after the first, and the first's call is then sent again (timed out on its side, its
     back-off); neither is read as a process started again, so the job's progress runs on."""
-    clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
-    )
-    svc.tick(snapshot())
+    svc, clock = training_run(tmp_path)
     svc.throttle_point("train", 0, process="rank0")
     for second in range(1, 21):
         clock.t += 1.0
@@ -6879,10 +6870,7 @@ def test_ranks_of_one_job_starting_and_retrying_beside_each_other_forget_no_prog
 def test_a_job_keeps_a_bounded_number_of_process_ids(tmp_path: Path) -> None:
     """A process id the client makes anew at each point (or thousands of ranks) costs gpud
     at most MAX_JOB_PROCESSES ids, the one that reported longest ago dropped first."""
-    clock = Clock()
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: [], clock=clock
-    )
+    svc, _ = training_run(tmp_path)
     for i in range(MAX_JOB_PROCESSES + 10):
         svc.throttle_point("train", 1, process=f"p{i}")
     svc.throttle_point("train", 1, process=f"p{MAX_JOB_PROCESSES + 9}")
@@ -6893,9 +6881,7 @@ def test_a_job_keeps_a_bounded_number_of_process_ids(tmp_path: Path) -> None:
 def test_a_process_id_longer_than_gpud_keeps_is_refused_naming_the_job(
     tmp_path: Path,
 ) -> None:
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: [], clock=Clock()
-    )
+    svc, _ = training_run(tmp_path)
     with pytest.raises(InvalidArgument, match="job train: throttle point process id of 65"):
         svc.throttle_point("train", 1, process="x" * 65)
 
