@@ -18,7 +18,7 @@ thread, dropping (and counting) the reports its flush left waiting when its time
 out: call one before exit
 to wait longer than the exit's own close, 1 s in all. A forked child starts with none of
 its parent's batch, reports, thread or locks, and reports none of its parent's
-iterations.
+iterations, under a process id of its own.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
