@@ -118,8 +118,11 @@ class ServiceGuard:
         other training than the service has beside it now."""
         self.duty = min(1.0, max(self.params.min_duty, duty))
         self.breaches_at_floor = 0
+        self.last = None  # a cut made beside other training is no decision about this duty
 
     def reset(self) -> None:
-        """Training left the GPU: nothing to throttle any more."""
+        """Training left the GPU (or the loop was switched off): nothing to throttle any
+        more, and no decision made before holds (its duty is not the one in force)."""
         self.duty = 1.0
         self.breaches_at_floor = 0
+        self.last = None

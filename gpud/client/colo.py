@@ -14,10 +14,11 @@ it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped
 the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`)
 after it was made says its age, as a batch held through a quiet spell does. ``flush()``
 sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
-thread, dropping (and counting) the reports still waiting for it: call one before exit
+thread, dropping (and counting) the reports its flush left waiting when its time ran
+out: call one before exit
 to wait longer than the exit's own close, 1 s in all. A forked child starts with none of
 its parent's batch, reports, thread or locks, and reports none of its parent's
-iterations.
+iterations, under a process id of its own.
 
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
@@ -30,10 +31,12 @@ from __future__ import annotations
 import atexit
 import functools
 import math
+import operator
 import os
 import sys
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -88,11 +91,16 @@ def _check_interval(owner: str, name: str, seconds: float) -> None:
         raise ValueError(f"{owner} {name} must be a finite number of seconds >= 0, not {seconds!r}")
 
 
-def _check_count(owner: str, name: str, count: int) -> None:
-    """Refuses a count that is no whole number >= 1 (a bool or a float too), naming
-    ``owner``'s argument ``name``."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+def _check_count(owner: str, name: str, count: int) -> int:
+    """The count ``count`` as an ``int``: any integer type (a numpy one too) that is >= 1;
+    refuses others (a bool, a float), naming ``owner``'s argument ``name``."""
+    try:
+        whole = operator.index(count)
+    except TypeError:
+        whole = 0  # no integer at all
+    if isinstance(count, bool) or whole < 1:
         raise ValueError(f"{owner} {name} must be a whole number >= 1, not {count!r}")
+    return whole
 
 
 class _Channel:
@@ -148,11 +156,11 @@ class Throttle:
         once that one failed. The first point reports no iteration (the one it counts goes
         with the next report): no sleep follows it, so until the next point the job runs
         at full duty whatever gpud told it, and gpud, which takes the duty it told out of
-        the time between reports, would read it as that much faster. Until gpud first
-        answers, each ``ThrottlePoint`` says it is this throttle's first
-        (``ThrottlePointRequest.first``): gpud reads the job's rate from this process's
-        iterations, not across the gap from another's (a process started again within
-        one run)."""
+        the time between reports, would read it as that much faster. Each
+        ``ThrottlePoint`` carries this throttle's process id (``ThrottlePointRequest.process``,
+        random, a forked child's its own): gpud tells a process started again within one
+        run, whose rate it reads from its own iterations, not across the gap from the
+        last one's, from another rank of the job reporting beside it."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         _check_interval("Throttle", "report_every_s", report_every_s)
@@ -169,9 +177,7 @@ class Throttle:
         self._interval = report_every_s  # until the next report: longer after failures
         self._failing = False  # the last call failed
         self._pending = 0
-        # gpud has answered this throttle: until then each call says it is a process's
-        # first, so that gpud reads the job's rate from this process's iterations
-        self._heard = False
+        self._process = uuid.uuid4().hex  # which process of the job reports
         self.duty = 1.0
         self.evict = False
         self.reason = ""
@@ -179,15 +185,16 @@ class Throttle:
 
     def _forked(self) -> None:
         """In a forked child: the iterations waiting are the parent's to report, and its
-        gRPC channel is the parent's."""
+        gRPC channel is the parent's, and so is its process id."""
         self._pending = 0
+        self._process = uuid.uuid4().hex
         self._channel.forget()
 
     def _grpc_call(self, job: str, iterations: int) -> tuple[float, bool, str]:
         from gpud.v1 import colo_pb2
 
         r = self._channel.stub().ThrottlePoint(
-            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, first=not self._heard),
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations, process=self._process),
             timeout=CALL_TIMEOUT_S,
             metadata=self._channel.metadata,
         )
@@ -216,7 +223,6 @@ class Throttle:
             )
             return
         self.duty = min(1.0, max(0.01, self.duty))
-        self._heard = True
         self._pending -= iterations
         self._answered = now
         self._failing = False
@@ -344,10 +350,11 @@ class Latency:
         idle_s: float | None = None,
         start: Callable[[Callable[[], None], str], None] | None = None,
     ) -> None:
-        """``flush_every_s``: the least time between reports (0: each request alone; a
-        negative, infinite or NaN one is refused naming it). ``max_batch``, ``max_pending``:
-        the most requests a report holds, the most reports waiting for the sender thread
-        (each a whole number >= 1, else refused naming it).
+        """``flush_every_s``: the least time between reports (0: each request alone; inf:
+        only when flushed or ``max_batch`` fills; a negative or NaN one is refused naming
+        it). ``max_batch``, ``max_pending``: the most requests a report holds, the most
+        reports waiting for the sender thread (each a whole number >= 1 of any integer
+        type, else refused naming it).
         ``send(job, seconds, age_s)``: one report (default: the ``ReportLatency`` RPC
         to gpud, waiting at most :data:`CALL_TIMEOUT_S`); ``age_s`` the seconds since the
         earliest of its requests began, for a batch held through a quiet spell, or one
@@ -360,9 +367,13 @@ class Latency:
         new thread (default: a daemon ``threading.Thread``); where it cannot (the pids
         cgroup's limit, interpreter shutdown) that one report is sent on the calling
         thread and the reports waiting are dropped and counted."""
-        _check_interval("Latency", "flush_every_s", flush_every_s)
-        _check_count("Latency", "max_batch", max_batch)
-        _check_count("Latency", "max_pending", max_pending)
+        # inf is no interval but a choice: send only when flushed or max_batch fills
+        if not flush_every_s >= 0.0:  # NaN too
+            raise ValueError(
+                f"Latency flush_every_s must be a number of seconds >= 0, not {flush_every_s!r}"
+            )
+        max_batch = _check_count("Latency", "max_batch", max_batch)
+        max_pending = _check_count("Latency", "max_pending", max_pending)
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
@@ -371,8 +382,8 @@ class Latency:
         self._send = send or self._grpc_send
         self._background = background
         idle = max(10 * flush_every_s, SENDER_IDLE_MIN_S) if idle_s is None else idle_s
-        # a wait past TIMEOUT_MAX (a flush_every_s of centuries, an idle_s given) raises
-        # in the thread
+        # a wait past TIMEOUT_MAX (an infinite flush_every_s, an idle_s given) raises in
+        # the thread
         self._idle = min(idle, threading.TIMEOUT_MAX)
         self._start = start or _start_daemon
         self._max_pending = max_pending
@@ -470,8 +481,12 @@ class Latency:
         :attr:`dropped`. A report made after is sent by a new thread."""
         done = self.flush(timeout)
         with self._ready:
-            self._sender = 0
-            self._drop_waiting()
+            if not done:
+                self._drop_waiting()
+            # a report another thread handed over since flush() returned is no report left
+            # behind a hung call: the sender thread sends it, then ends when idle
+            if not self._pending:
+                self._sender = 0
             self._ready.notify_all()
         return done
 

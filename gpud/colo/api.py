@@ -241,5 +241,5 @@ class ColoServicer(pb_grpc.ColocationServicer):
         self, request: pb.ThrottlePointRequest, context: Any
     ) -> pb.ThrottlePointResponse:
         job = await self._holding(_job(request.job), context)
-        d = self._service.throttle_point(job, request.iterations, first=request.first)
+        d = self._service.throttle_point(job, request.iterations, process=request.process)
         return pb.ThrottlePointResponse(duty=d.duty, evict=d.evict, reason=d.reason)

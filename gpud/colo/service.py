@@ -96,6 +96,17 @@ REPORT_GAP_S = 2.0 * REPORT_PERIOD_S
 # A service of little traffic serves fewer than MIN_FRESH_SAMPLES requests in the latency
 # window: its guard's p99 at a duty reaches back as far as this many windows to find them.
 QUIET_WINDOWS = 6
+# A training job's processes (its ranks) report in one cadence: a process the job has not
+# had is another rank while another process of it reported within this many of its own
+# intervals between reports (at least RANK_QUIET_S), and otherwise one started again in
+# the place of one that is gone, whose progress is not the new one's.
+RANK_QUIET_INTERVALS = 3.0
+RANK_QUIET_S = 3.0 * REPORT_PERIOD_S
+# The processes a job's reports are told apart by: a job of more ranks than this (or a
+# process id sent at random per point) has its oldest forgotten, so they cost bounded memory.
+MAX_JOB_PROCESSES = 256
+# The longest process id gpud keeps (the client sends 32 hex digits).
+MAX_PROCESS_ID = 64
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 # An inference service alone whose utilization is under this teaches no features.
 MIN_SERVICE_ACTIVITY = 0.05
@@ -223,6 +234,9 @@ class _JobState:
     # it called throttle_point: a job that reports, its first iteration still running (a
     # compile, an evaluation) or not, is judged by its progress, never as one that never does
     reporting: bool = False
+    # each process (ThrottlePointRequest.process) that reported: (when it last did, the
+    # time between its last two reports), the oldest dropped past MAX_JOB_PROCESSES
+    processes: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the reservation time (RunningJob.reserved_at, the earliest of its devices') of the
     # run its progress is of; None: not known, or it does not run
     run: float | None = None
@@ -1065,18 +1079,27 @@ class ColoService:
             if seconds:
                 st.reports.append((served, len(seconds)))
 
-    def throttle_point(self, job: str, iterations: int, *, first: bool = False) -> Directive:
+    def throttle_point(self, job: str, iterations: int, *, process: str = "") -> Directive:
         """Record a training job's progress; return the duty cycle it should run at. A
         report of 0 iterations (the client asks between the slices of a throttled sleep)
         is kept as a point only where the duty it is told differs from the last point's:
         the rest of the sleep runs at the new one, and :meth:`_rate` charges each stretch
         at the duty told at its start. Any report marks the job as one that reports.
-        ``first``: the first report of a process's throttle: the progress reported before
-        is another process's, and the rate is read from this one's iterations on."""
+        ``process``: the reporting process's id (``ThrottlePointRequest.process``; empty:
+        an older client, whose reports all count as one process's). A process the job has
+        not had, no other of it reporting lately, was started again in the place of one
+        that is gone: the progress reported before is that one's, and the job's rate is
+        read from the new one's iterations on. One beside others reporting is another
+        rank, and the job's progress goes on (:meth:`_new_process`)."""
         if not 0 <= iterations <= MAX_ITERATIONS:
             raise InvalidArgument(
                 f"job {job}: {iterations} iterations since the last throttle point, "
                 f"outside [0, {MAX_ITERATIONS}]"
+            )
+        if len(process) > MAX_PROCESS_ID:
+            raise InvalidArgument(
+                f"job {job}: throttle point process id of {len(process)} characters, "
+                f"over {MAX_PROCESS_ID}"
             )
         now = self._clock()
         with self._lock:
@@ -1089,13 +1112,32 @@ class ColoService:
             else:
                 d = Directive(1.0, False, "co-location is off")
             st.reporting = True
-            if first:
+            if process and self._new_process(st, process, now):
                 st.progress.clear()
                 st.since = max(st.since, now)
             if iterations > 0 or (st.progress and st.progress[-1][2] != d.duty):
                 total = (st.progress[-1][1] if st.progress else 0) + iterations
                 st.progress.append((now, total, d.duty))
             return d
+
+    @staticmethod
+    def _new_process(st: _JobState, process: str, now: float) -> bool:
+        """Note a report of ``process``; True where it starts the job afresh: a process the
+        job has not had while none of its others reported within RANK_QUIET_INTERVALS of
+        its own intervals (at least RANK_QUIET_S). A rank's retries after calls that timed
+        out on its side carry the id gpud already has, and start nothing afresh."""
+        seen = st.processes
+        last = seen.pop(process, None)
+        if last is not None:
+            seen[process] = (now, now - last[0])
+            return False
+        afresh = not any(
+            now - at <= max(RANK_QUIET_S, RANK_QUIET_INTERVALS * gap) for at, gap in seen.values()
+        )
+        seen[process] = (now, 0.0)
+        while len(seen) > MAX_JOB_PROCESSES:
+            del seen[next(iter(seen))]  # the one that reported longest ago
+        return afresh
 
     def duty(self, job: str) -> float:
         """The duty cycle the job is told to run at now (1.0: unthrottled)."""
@@ -3220,13 +3262,20 @@ class ColoService:
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if g.last is None and beside(r):
                     # switched on, started afresh or just beside training: it judges
-                    # none of the window's older reports, and has not judged yet
-                    n = len(self._latencies(name, judged))
-                    reason = (
-                        f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
-                        if n < MIN_FRESH_SAMPLES
-                        else f"judges its {n} latencies at the next tick"
-                    )
+                    # none of the window's older reports, and has not judged yet. Counted
+                    # as the guard counts them: up to QUIET_WINDOWS windows back
+                    reach = QUIET_WINDOWS * self.config.latency_window_s
+                    n = len(self._latencies(name, judged, at_least=MIN_FRESH_SAMPLES))
+                    if n >= MIN_FRESH_SAMPLES:
+                        reason = f"judges its {n} latencies at the next tick"
+                    elif (
+                        st.arrived is not None and self._clock() - max(judged, st.arrived) >= reach
+                    ):
+                        # it has reached as far back as it ever does, since it may judge
+                        # and since the service ran: no wait brings more
+                        reason = f"not guarded: too few requests ({n} in the last {reach:g} s)"
+                    else:
+                        reason = f"measuring: {n} of the {MIN_FRESH_SAMPLES} latencies it judges on"
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                     if p99 is not None and p99 > g.slo_s:

@@ -608,24 +608,28 @@ class ThrottlePointRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     ITERATIONS_FIELD_NUMBER: _builtins.int
-    FIRST_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     iterations: _builtins.int
-    first: _builtins.bool
-    """The first point a process's throttle gets answered (a training process started again
-    within one run): what the job reported before is another process's, and its rate is
-    read from this one's iterations. Unset (an older client): the job's progress goes on.
+    process: _builtins.str
+    """The reporting process's id, random per throttle and per process (a forked child has
+    its own), at most 64 characters. An id the job has not had, while none of the job's
+    other processes reported within a few of their intervals between reports, is a
+    process started again in the place of one that is gone: the job's progress before it
+    is forgotten and its rate read from this one's iterations. Beside other processes
+    reporting it is another rank, and the progress goes on. Unset (an older client):
+    the job's progress goes on.
     """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         iterations: _builtins.int = ...,
-        first: _builtins.bool = ...,
+        process: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "iterations", b"iterations", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["iterations", b"iterations", "job", b"job", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,6 +39,7 @@ from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
     FORGET_AFTER_S,
+    MAX_JOB_PROCESSES,
     NAME_TTL_S,
     PROMISE_S,
     STATE_FILE_VERSION,
@@ -2111,13 +2113,13 @@ def test_a_report_interval_that_is_no_number_of_seconds_is_refused_naming_it(
         Throttle("train", call=lambda j, i: (1.0, False, ""), report_every_s=every)
 
 
-@pytest.mark.parametrize("every", [float("nan"), float("inf"), -1.0, -0.0001])
+@pytest.mark.parametrize("every", [float("nan"), -1.0, -0.0001])
 def test_a_latency_flush_interval_that_is_no_number_of_seconds_is_refused_naming_it(
     every: float,
 ) -> None:
-    """A NaN or infinite interval would hold a quiet service's requests until 4096 came:
-    the guard beside it would read nothing."""
-    with pytest.raises(ValueError, match="Latency flush_every_s must be a finite number"):
+    """A NaN interval never comes round, a negative one means nothing. (An infinite one
+    is a choice: reports only when flushed or a batch fills.)"""
+    with pytest.raises(ValueError, match="Latency flush_every_s must be a number of seconds"):
         Latency("chat", send=lambda j, s, a: None, flush_every_s=every)
 
 
@@ -2128,6 +2130,13 @@ def test_a_latency_count_that_is_no_whole_number_is_refused_naming_it(
 ) -> None:
     with pytest.raises(ValueError, match=f"Latency {argument} must be a whole number >= 1"):
         Latency("chat", send=lambda j, s, a: None, **{argument: count})
+
+
+@pytest.mark.parametrize("argument", ["max_batch", "max_pending"])
+def test_a_latency_count_of_any_integer_type_is_taken(argument: str) -> None:
+    """A count read from numpy (a config array, a computed batch size) is a whole number."""
+    lat = Latency("chat", send=lambda j, s, a: None, **{argument: numpy.int64(3)})
+    assert lat.close(timeout=30)
 
 
 @pytest.mark.parametrize("hold", [float("nan"), -1.0])
@@ -2554,11 +2563,12 @@ def test_an_idle_sender_thread_ends_and_its_latency_is_collected() -> None:
 
 
 def test_a_latency_that_seldom_sends_on_its_own_sends_each_flush() -> None:
-    """A ``flush_every_s`` of centuries (reports only when flushed): the sender thread
-    waits for the next flush however long (past the longest wait Python takes), and sends
-    it."""
+    """An infinite ``flush_every_s`` (reports only when flushed): the sender thread waits
+    for the next flush however long (past the longest wait Python takes), and sends it."""
     sent: list[list[float]] = []
-    lat = Latency("chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=1e12)
+    lat = Latency(
+        "chat", clock=Clock(), send=lambda j, s, a: sent.append(s), flush_every_s=math.inf
+    )
     for seconds in (0.01, 0.02):
         lat.observe(seconds)
         assert lat.flush(timeout=30)
@@ -2601,6 +2611,32 @@ def test_reports_left_waiting_by_a_close_that_timed_out_are_counted_as_dropped()
     assert lat.dropped == 3
     gpud.answer.set()
     assert lat.flush(timeout=30) and gpud.sent == [([0.01], None)] and lat.dropped == 3
+
+
+def test_a_report_handed_over_between_a_closes_flush_and_its_end_is_sent_not_dropped() -> None:
+    """close() drops only what a flush that ran out of time left waiting: a report another
+    thread handed to the sender after the flush had delivered everything is sent."""
+    sent: list[list[float]] = []
+    senders: list[Callable[[], None]] = []
+
+    class RacedLatency(Latency):
+        def flush(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
+            done = super().flush(timeout)
+            self.observe(0.02)  # another serving thread, just after the flush returned
+            return done
+
+    lat = RacedLatency(
+        "chat",
+        clock=Clock(),
+        send=lambda j, s, a: sent.append(s),
+        flush_every_s=0,
+        idle_s=0,
+        start=lambda target, name: senders.append(target),
+    )
+    assert lat.close(timeout=0) and lat.dropped == 0
+    assert len(senders) == 1
+    senders[0]()  # the sender thread, run here: it sends the report, then ends idle
+    assert sent == [[0.02]] and lat.dropped == 0
 
 
 def test_a_clock_that_fails_on_the_sender_thread_drops_that_report_and_the_thread_goes_on() -> None:
@@ -6719,44 +6755,148 @@ def test_a_guard_switched_on_shows_the_p99_it_judges_and_that_it_measures(
     assert (judged, window) == ("-", "150.0 ms"), row
 
 
-def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
-    tmp_path: Path,
+def test_a_guard_switched_off_and_on_again_says_it_measures_not_its_last_cut(
+    service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
-    """An iteration a second; the process ends and another starts 4 s later under the same
-    reservation (a wrapper that starts it again): read across the gap from the last
-    process's iterations it would run at 0.6 a second."""
+    """A guard that cut the training's duty, the loop then switched off and on again: its
+    duty is back at 1.0 and it judges none of the window's older latencies, so its row
+    says it measures, not the cut it made before the switch."""
+    svc, clock, _ = service
+    for _ in range(10):
+        clock.t += 1.0
+        svc.report_latency("chat", [0.095] * 10)
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.action == "throttle" and g.duty < 1.0, (g.action, g.duty)
+    svc.configure(ColocateConfig(enabled=False))
+    svc.tick(snapshot())
+    svc.configure(ColocateConfig())
+    clock.t += 1.0
+    svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert (g.action, g.duty) == ("hold", 1.0), (g.action, g.duty)
+    assert g.reason.startswith("measuring: "), g.reason
+
+
+def quiet_service_guard(
+    service: tuple[ColoService, Clock, list[RunningJob]], every_s: float, reports: int
+) -> Any:
+    """The guard row of a service beside training, the loop on, that served one request of
+    50 ms every ``every_s`` seconds, ``reports`` times, a tick after each."""
+    svc, clock, _ = service
+    for _ in range(reports):
+        clock.t += every_s
+        svc.report_latency("chat", [0.05])
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    return g
+
+
+def test_a_quiet_service_counts_toward_its_guard_as_far_back_as_the_guard_reaches(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A request every 2 s: 5 in a 10 s latency window, but the guard judges on the latest
+    20 up to six windows back, so after 30 s it has 15 of them, not 5."""
+    g = quiet_service_guard(service, every_s=2.0, reports=15)
+    assert g.reason == "measuring: 15 of the 20 latencies it judges on", g.reason
+
+
+def test_a_service_too_quiet_for_its_guard_says_it_is_not_guarded(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A request every 4 s: 16 in the six windows (60 s) the guard reaches back, never the
+    20 it judges on: its row says so rather than that it measures."""
+    g = quiet_service_guard(service, every_s=4.0, reports=25)
+    assert g.reason == "not guarded: too few requests (16 in the last 60 s)", g.reason
+    assert (g.action, g.duty) == ("hold", 1.0)
+
+
+def training_run(tmp_path: Path) -> tuple[ColoService, Clock]:
+    """A service with one training job running since now under one reservation, ticked."""
     clock = Clock()
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
     )
     svc.tick(snapshot())
-    svc.throttle_point("train", 0, first=True)
+    return svc, clock
+
+
+def test_a_training_process_started_again_within_its_run_reads_no_rate_of_the_last_one(
+    tmp_path: Path,
+) -> None:
+    """An iteration a second; the process ends and another starts 4 s later under the same
+    reservation (a wrapper that starts it again): read across the gap from the last
+    process's iterations it would run at 0.6 a second."""
+    svc, clock = training_run(tmp_path)
+    svc.throttle_point("train", 0, process="a")
     for _ in range(20):
         clock.t += 1.0
-        svc.throttle_point("train", 1)
+        svc.throttle_point("train", 1, process="a")
         svc.tick(snapshot())
     clock.t += 4.0
-    svc.throttle_point("train", 0, first=True)  # the new process's first point
+    svc.throttle_point("train", 0, process="b")  # the new process's first point
     rates = []
     for _ in range(4):
         clock.t += 1.0
-        svc.throttle_point("train", 1)
+        svc.throttle_point("train", 1, process="b")
         svc.tick(snapshot())
         rates.append(svc._rate(svc._jobs["train"], clock.t))
     assert rates == [None, 1.0, 1.0, 1.0], rates
 
 
-def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
-    """gpud away at the first point: the next call, answered, is still the first."""
-    sent: list[bool] = []
+def test_ranks_of_one_job_starting_and_retrying_beside_each_other_forget_no_progress(
+    tmp_path: Path,
+) -> None:
+    """Two ranks under one job name, an iteration a second each: the second starts 5 s
+    after the first, and the first's call is then sent again (timed out on its side, its
+    back-off); neither is read as a process started again, so the job's progress runs on."""
+    svc, clock = training_run(tmp_path)
+    svc.throttle_point("train", 0, process="rank0")
+    for second in range(1, 21):
+        clock.t += 1.0
+        svc.throttle_point("train", 1, process="rank0")
+        if second == 5:
+            svc.throttle_point("train", 0, process="rank1")  # its first point
+        if second > 5:
+            svc.throttle_point("train", 1, process="rank1")
+        if second == 10:
+            svc.throttle_point("train", 0, process="rank0")  # sent again after a timeout
+        svc.tick(snapshot())
+    st = svc._jobs["train"]
+    assert st.progress[0][0] == 101.0 and st.progress[-1][1] == 35, list(st.progress)
+
+
+def test_a_job_keeps_a_bounded_number_of_process_ids(tmp_path: Path) -> None:
+    """A process id the client makes anew at each point (or thousands of ranks) costs gpud
+    at most MAX_JOB_PROCESSES ids, the one that reported longest ago dropped first."""
+    svc, _ = training_run(tmp_path)
+    for i in range(MAX_JOB_PROCESSES + 10):
+        svc.throttle_point("train", 1, process=f"p{i}")
+    svc.throttle_point("train", 1, process=f"p{MAX_JOB_PROCESSES + 9}")
+    seen = svc._jobs["train"].processes
+    assert len(seen) == MAX_JOB_PROCESSES and "p9" not in seen and "p10" in seen
+
+
+def test_a_process_id_longer_than_gpud_keeps_is_refused_naming_the_job(
+    tmp_path: Path,
+) -> None:
+    svc, _ = training_run(tmp_path)
+    with pytest.raises(InvalidArgument, match="job train: throttle point process id of 65"):
+        svc.throttle_point("train", 1, process="x" * 65)
+
+
+def test_a_throttle_sends_one_process_id_through_retries_and_a_forked_child_its_own() -> None:
+    """gpud away at the first point: the call tried again carries the same id (gpud must
+    not read a rank's retry as a process started again); a forked child's differ."""
+    sent: list[str] = []
     answers = [False, True, True]
 
     class Stub:
         def ThrottlePoint(
             self, request: colo_pb2.ThrottlePointRequest, **_: object
         ) -> colo_pb2.ThrottlePointResponse:
-            sent.append(request.first)
+            sent.append(request.process)
             if not answers.pop(0):
                 raise TimeoutError("deadline exceeded")
             return colo_pb2.ThrottlePointResponse(duty=1.0)
@@ -6767,4 +6907,9 @@ def test_a_throttle_says_its_first_point_until_gpud_answers_one() -> None:
     for _ in range(3):
         t.point()
         clock.t += 3.0  # past the back-off after the failed call (2 s)
-    assert sent == [True, True, False]
+    assert len(sent) == 3 and len(set(sent)) == 1 and sent[0], sent
+    t._forked()  # as os.register_at_fork runs it in the child
+    t._channel._stub = Stub()
+    answers.append(True)
+    t.point()
+    assert len(sent) == 4 and sent[3] not in ("", sent[0]), sent
