@@ -982,6 +982,24 @@ def ended(run: subprocess.Popen[str]) -> str:
             run.communicate()
 
 
+def said_by_then(run: subprocess.Popen[str], start: str) -> str:
+    """What ``run`` said on stderr up to and with its first line that begins with
+    ``start`` (all it said, should it end first, or be killed after 120 s: a hang guard
+    only, no run waits it out)."""
+    assert run.stderr is not None
+    lines: list[str] = []
+    guard = threading.Timer(120, run.kill)
+    guard.start()
+    try:
+        for line in run.stderr:
+            lines.append(line)
+            if line.startswith(start):
+                break
+    finally:
+        guard.cancel()
+    return "".join(lines)
+
+
 def test_a_sigquit_while_the_command_runs_is_passed_on_and_the_run_released(
     node: Node, tmp_path: Path
 ) -> None:
@@ -1012,10 +1030,14 @@ def test_a_sigquit_before_the_command_starts_stops_the_run_as_ctrl_c_does(tmp_pa
         marker = tmp_path / "ran"
         run = gpuctl_process(n, "run", "--job", "w", "--", "touch", str(marker))
         try:
-            until(lambda: loop.asked >= 1, "the run waits")
+            # gpuctl says it waits once the first answer is in: gpud having the question
+            # (``loop.asked``) is not enough, a signal before that answer stops the run
+            # before any wait, saying so in other words
+            before = said_by_then(run, "gpuctl: waiting for co-location: ")
             run.send_signal(signal.SIGQUIT)
         finally:
             err = ended(run)
+        err = before + err
         assert run.returncode == 130, err
         assert "gpuctl: job w stopped waiting for co-location (SIGQUIT), nothing started" in err
         assert n.jobs.reservations.held() == []
