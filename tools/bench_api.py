@@ -39,6 +39,8 @@ import grpc
 from gpud.v1 import jobs_pb2, jobs_pb2_grpc, node_pb2, node_pb2_grpc
 from tools.simdaemon import (
     cut_short,
+    exit_as,
+    restores_signals,
     simulated_gpud,
     start_child,
     stop_children,
@@ -221,6 +223,7 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--client"]:
@@ -249,4 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_as(main())

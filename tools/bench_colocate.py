@@ -27,7 +27,7 @@ from colocate import (
     Planner,
     Shape,
 )
-from tools.simdaemon import cut_short, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, held, restores_signals, stopped_by_signal
 
 BUDGET_S = 0.050
 GIB = 1 << 30
@@ -79,6 +79,7 @@ def workload(seed: int = 7) -> tuple[list[GpuView], list[JobView]]:
     return gpus, jobs
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
@@ -115,9 +116,11 @@ class Passes:
     plan: Plan | None = None
 
     def add(self, cpu: float, wall: float, plan: Plan) -> None:
-        self.cpu.append(cpu)
-        self.wall.append(wall)
-        self.plan = plan
+        """The pass recorded whole: a signal meanwhile waits (held), lest its lists differ."""
+        with held():
+            self.cpu.append(cpu)
+            self.wall.append(wall)
+            self.plan = plan
 
     def line(self, label: str) -> str:
         assert self.plan is not None
@@ -132,4 +135,4 @@ class Passes:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_as(main())

@@ -58,6 +58,8 @@ from gpud.jobs.service import RunRequest
 from tools.simdaemon import (
     SimDaemon,
     cut_short,
+    exit_as,
+    restores_signals,
     simulated_gpud,
     start_child,
     stop_children,
@@ -292,6 +294,7 @@ def at_scale(
         stop_children([*holding, *procs])
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
@@ -338,4 +341,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -40,7 +40,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.simdaemon import SimDaemon, cut_short, held, simulated_gpud, stopped_by_signal
+from tools.simdaemon import (
+    SimDaemon,
+    cut_short,
+    exit_as,
+    held,
+    restores_signals,
+    simulated_gpud,
+    stopped_by_signal,
+)
 
 CONFIG = """\
 [mps]
@@ -432,6 +440,7 @@ def clean_up(
             shutil.rmtree(work, ignore_errors=True)
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -467,4 +476,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())
