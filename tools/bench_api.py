@@ -12,7 +12,7 @@ Figures per method: median and 99th percentile of the calls' latency, alone and 
 load, and the calls per second served under load. Each of the four phases (gpud alone,
 loaded, the floor alone, loaded) is printed as it ends. A SIGTERM or SIGINT stops it: its
 clients, the floor and gpud stopped, its directories removed, "cut short by SIGNAL after
-N of 4 phases", exit 128 + its number; with ``--json``, the phases done as its one JSON
+N of 4 phases", dying by it (128 + its number); with ``--json``, the phases done as its one JSON
 object, with ``cut_short``.
 
     .venv/bin/python -m tools.bench_api [--clients 16] [--seconds 5] [--json]

@@ -5,7 +5,7 @@ thread's own, which other load on a shared machine does not inflate) against the
 and the median and worst wall time, for a cold planner (fresh prices) and a warm one (prices
 kept from the previous pass). Half the jobs run (2 per GPU, two of them inference services),
 half wait; features are drawn from a fixed seed. A SIGTERM or SIGINT stops it: the figures
-of the passes done so far, "cut short by SIGNAL after N of M passes", exit 128 + its number.
+of the passes done so far, "cut short by SIGNAL after N of M passes", dying by it (128 + its number).
 """
 
 from __future__ import annotations

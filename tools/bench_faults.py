@@ -13,8 +13,8 @@ Two scenarios on eight simulated GPUs, each watched through the API every 0.1 s:
 
 Ages are reported as multiples of the interval (the ratio is what the target is about).
 Each scenario's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
-its directory removed, the scenarios done so far reported, "cut short by SIGNAL", exit 128 +
-its number.
+its directory removed, the scenarios done so far reported, "cut short by SIGNAL", dying by it (128 +
+its number).
 """
 
 from __future__ import annotations

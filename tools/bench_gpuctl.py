@@ -16,7 +16,7 @@ repetitions, so that both sides of a ratio see the same machine load; the report
 the median of the per-repetition ratios (medians of each side shown too). Targets: status
 <= 1.3 x the floor, --help <= 3 x ``python3 -c pass``. A SIGTERM or SIGINT stops it: gpud
 stopped, its directory removed, the repetitions done so far reported, "cut short by SIGNAL",
-exit 128 + its number.
+dying by it (128 + its number).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ daemon-up figure includes what batching costs the training thread.
 
 Target: step <= 2 us. A SIGTERM or SIGINT stops it: the figures of the repetitions done so
 far (with ``--json``, as its one JSON object, with ``cut_short``), "cut short by SIGNAL
-after N of M repetitions", exit 128 + its number.
+after N of M repetitions", dying by it (128 + its number).
 
     .venv/bin/python -m tools.bench_progress [--json] [--reps N] [--calls N]
 """

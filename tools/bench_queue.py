@@ -31,8 +31,8 @@ every quote (each waiting run's poll, each listing, each scrape) is made from.
 takes long to answer them while they queue fails the benchmark, with what the run said.
 
 Each phase's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
-its directory removed, the phases done so far reported, "cut short by SIGNAL", exit 128 +
-its number.
+its directory removed, the phases done so far reported, "cut short by SIGNAL", dying by it (128 +
+its number).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ and the class models the quotes come from, made
 
 Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
 A SIGTERM or SIGINT stops it: the table of the history sizes measured so far, "cut short
-by SIGNAL after N of M history sizes", its databases removed, exit 128 + its number.
+by SIGNAL after N of M history sizes", its databases removed, dying by it (128 + its number).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ the unpinned figures too (the output says which way they were taken).
 
 Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB. A SIGTERM or SIGINT stops it
 (its gpud stopped, its directory removed): each side's CPU time over the repetitions done so
-far is printed, "cut short by SIGNAL", exit 128 + its number; with ``--json``, as its one
+far is printed, "cut short by SIGNAL", dying by it (128 + its number); with ``--json``, as its one
 JSON object, with ``"cut_short": {"by": SIGNAL, "after": "N of M repetitions"}``. A second
 signal meanwhile is ignored.
 

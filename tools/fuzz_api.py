@@ -19,7 +19,7 @@ Prints the outcome codes and the daemon's resident set: after start, after a war
 calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
 UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
 or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
-removed, what was measured so far printed, "cut short by SIGNAL", exit 128 + its number.
+removed, what was measured so far printed, "cut short by SIGNAL", dying by it (128 + its number).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ dirty memory (``/proc/PID/smaps_rollup``), open fds, threads, metric series, com
 at the end the slope of each over the first and second half (per minute; sampled every
 30 s). Ctrl-C or SIGTERM stops it early: the commands still running, the daemon and the
 directories are cleaned up on the way out, the slopes of what it sampled so far printed, then
-"cut short by SIGNAL", and it exits 128 + the signal's number.
+"cut short by SIGNAL", and it dies by the signal (128 + its number).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import cast
@@ -194,19 +194,41 @@ def test_a_second_signal_while_a_benchmark_reports_what_it_measured_is_ignored()
 
 
 @contextlib.contextmanager
-def sigterm_as_it_returns(code: CodeType) -> Iterator[None]:
-    """SIGTERM to this process as a call of ``code`` in the body first returns."""
+def sigterm_at(seen: Callable[[FrameType, str, object], bool]) -> Iterator[None]:
+    """SIGTERM to this process at the first profiling event in the body that ``seen`` picks."""
 
-    def at_return(frame: FrameType, event: str, arg: object) -> None:
-        if event == "return" and frame.f_code is code:
+    def at_event(frame: FrameType, event: str, arg: object) -> None:
+        if seen(frame, event, arg):
             sys.setprofile(None)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    sys.setprofile(at_return)
+    sys.setprofile(at_event)
     try:
         yield
     finally:
         sys.setprofile(None)
+
+
+def sigterm_as_it_returns(code: CodeType) -> contextlib.AbstractContextManager[None]:
+    """SIGTERM to this process as a call of ``code`` in the body first returns."""
+    return sigterm_at(lambda frame, event, arg: event == "return" and frame.f_code is code)
+
+
+def _a_list_grew(frame: FrameType, event: str, arg: object) -> bool:
+    grown = getattr(arg, "__self__", None)
+    return event == "c_return" and getattr(arg, "__name__", "") == "append" and type(grown) is list
+
+
+def sigterm_as_a_list_grows() -> contextlib.AbstractContextManager[None]:
+    """SIGTERM to this process as the first ``list.append`` in the body returns."""
+    return sigterm_at(_a_list_grew)
+
+
+def kill_left(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None:
@@ -220,10 +242,7 @@ def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None
             stop_children(procs)
         assert [p.returncode for p in procs] == [-signal.SIGINT] * 3
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_left(procs)
 
 
 def test_a_run_started_as_a_signal_comes_is_noted_for_stopping() -> None:
@@ -391,12 +410,18 @@ def test_a_benchmark_cut_short_by_ctrl_c_stops_the_shell_loop_that_ran_it() -> N
             shell.wait()
 
 
+def cut_short_by_sigterm() -> None:
+    """What a tool measures, cut short by a SIGTERM: the tool reports next."""
+    with stopped_by_signal() as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.by == "SIGTERM"
+
+
 @pytest.mark.usefixtures("sigterm_raises")
 def test_a_tool_failing_after_a_signal_cut_it_short_has_its_handlers_back() -> None:
     @restores_signals
     def tool() -> int:
-        with stopped_by_signal():
-            os.kill(os.getpid(), signal.SIGTERM)
+        cut_short_by_sigterm()
         raise ValueError("its report failed")
 
     with pytest.raises(ValueError, match="its report failed"):
@@ -409,16 +434,13 @@ def test_a_tool_failing_after_a_signal_cut_it_short_has_its_handlers_back() -> N
 def test_a_command_started_while_a_tool_reports_can_be_stopped_by_sigterm() -> None:
     @restores_signals
     def tool() -> int:
-        with stopped_by_signal():
-            os.kill(os.getpid(), signal.SIGTERM)
+        cut_short_by_sigterm()
         child = subprocess.Popen(["sleep", "600"])
         try:
             child.terminate()
             return child.wait(timeout=60)
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+            kill_left([child])
 
     assert tool() == -signal.SIGTERM
 
@@ -431,27 +453,7 @@ def test_children_still_there_at_the_deadline_are_killed_without_a_wait_each() -
         stop_children(procs, signal.SIGCONT, wait_s=30, clock=lambda: next(times, 31.0))
         assert [p.returncode for p in procs] == [-signal.SIGKILL] * 3
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-@contextlib.contextmanager
-def sigterm_as_a_list_grows() -> Iterator[None]:
-    """SIGTERM to this process as the first ``list.append`` in the body returns."""
-
-    def at_append(frame: FrameType, event: str, arg: object) -> None:
-        grown = getattr(arg, "__self__", None)
-        if event == "c_return" and getattr(arg, "__name__", "") == "append" and type(grown) is list:
-            sys.setprofile(None)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    sys.setprofile(at_append)
-    try:
-        yield
-    finally:
-        sys.setprofile(None)
+        kill_left(procs)
 
 
 def test_a_colocation_pass_cut_short_as_it_is_recorded_is_recorded_whole() -> None:
