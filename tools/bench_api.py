@@ -12,7 +12,7 @@ Figures per method: median and 99th percentile of the calls' latency, alone and 
 load, and the calls per second served under load. Each of the four phases (gpud alone,
 loaded, the floor alone, loaded) is printed as it ends. A SIGTERM or SIGINT stops it: its
 clients, the floor and gpud stopped, its directories removed, "cut short by SIGNAL after
-N of 4 phases", exit 128 + its number; with ``--json``, the phases done as its one JSON
+N of 4 phases", dying by it (128 + its number); with ``--json``, the phases done as its one JSON
 object, with ``cut_short``.
 
     .venv/bin/python -m tools.bench_api [--clients 16] [--seconds 5] [--json]
@@ -39,6 +39,8 @@ import grpc
 from gpud.v1 import jobs_pb2, jobs_pb2_grpc, node_pb2, node_pb2_grpc
 from tools.simdaemon import (
     cut_short,
+    exit_as,
+    restores_signals,
     simulated_gpud,
     start_child,
     stop_children,
@@ -221,6 +223,7 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--client"]:
@@ -249,4 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_as(main())

@@ -25,8 +25,8 @@
    event (the new order applied everywhere), from the daemons' own event logs.
 
 Each part's figures are printed as it ends (with ``--json``, all in one JSON object at the
-end). A SIGTERM or SIGINT stops it: its etcd and gpud processes stopped, the parts done so
-far reported, "cut short by SIGNAL after N of M parts", exit 128 + its number.
+end). A SIGTERM or SIGINT stops it: its etcd and gpud processes stopped (those it started),
+the parts done so far reported, "cut short by SIGNAL after N of M parts", dying by the signal.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.cluster.tls import PeerTls
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import Leveller, LevellerConfig
-from tools.simdaemon import cut_short, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, restores_signals, stopped_by_signal
 
 
 def _reports(jobs: int, nodes: int, span: int, seed: int = 1) -> list[NodeReport]:
@@ -272,6 +272,7 @@ def bench_failover(kills: int) -> dict[str, Any]:
     }
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench_cluster")
     parser.add_argument("--jobs", type=int, default=10_000)
@@ -306,13 +307,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(SHOWN[name].format(**result[name]), flush=True)
     if stopped.by:
         done, shown = f"{len(result)} of {len(parts)} parts", None if args.json else _nothing
-        return cut_short(stopped.by, done, figures=result, show=shown, cleaned=CLEANED)
+        cleaned = cleaned_after([name for name, _ in parts])
+        return cut_short(stopped.by, done, figures=result, show=shown, cleaned=cleaned)
     if args.json:
         print(json.dumps(result, indent=2))
     return 0
 
 
-CLEANED = "its etcd and gpud processes stopped, its directories removed"
+def cleaned_after(planned: list[str]) -> str:
+    """What a run of the parts ``planned`` that was cut short cleaned up: the failover's etcd
+    and gpud processes and the directories of it and the round, only those it would make."""
+    if "failover" in planned:
+        return "its etcd and gpud processes stopped, its directories removed"
+    return "its directories removed" if "round" in planned else ""
 
 
 def _nothing(figures: dict[str, Any]) -> None:
@@ -336,4 +343,4 @@ SHOWN = {
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -5,7 +5,7 @@ thread's own, which other load on a shared machine does not inflate) against the
 and the median and worst wall time, for a cold planner (fresh prices) and a warm one (prices
 kept from the previous pass). Half the jobs run (2 per GPU, two of them inference services),
 half wait; features are drawn from a fixed seed. A SIGTERM or SIGINT stops it: the figures
-of the passes done so far, "cut short by SIGNAL after N of M passes", exit 128 + its number.
+of the passes done so far, "cut short by SIGNAL after N of M passes", dying by it (128 + its number).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from colocate import (
     Planner,
     Shape,
 )
-from tools.simdaemon import cut_short, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, held, restores_signals, stopped_by_signal
 
 BUDGET_S = 0.050
 GIB = 1 << 30
@@ -79,6 +79,7 @@ def workload(seed: int = 7) -> tuple[list[GpuView], list[JobView]]:
     return gpus, jobs
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=30)
@@ -115,9 +116,11 @@ class Passes:
     plan: Plan | None = None
 
     def add(self, cpu: float, wall: float, plan: Plan) -> None:
-        self.cpu.append(cpu)
-        self.wall.append(wall)
-        self.plan = plan
+        """The pass recorded whole: a signal meanwhile waits (held), lest its lists differ."""
+        with held():
+            self.cpu.append(cpu)
+            self.wall.append(wall)
+            self.plan = plan
 
     def line(self, label: str) -> str:
         assert self.plan is not None
@@ -132,4 +135,4 @@ class Passes:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_as(main())

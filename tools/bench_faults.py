@@ -13,21 +13,20 @@ Two scenarios on eight simulated GPUs, each watched through the API every 0.1 s:
 
 Ages are reported as multiples of the interval (the ratio is what the target is about).
 Each scenario's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
-its directory removed, the scenarios done so far reported, "cut short by SIGNAL", exit 128 +
-its number.
+its directory removed, the scenarios done so far reported, "cut short by SIGNAL", dying by it (128 +
+its number).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import grpc
 
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
-from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, restores_signals, simulated_gpud, stopped_by_signal
 
 GPUS = 8
 
@@ -83,6 +82,7 @@ def all_hung(stub: pb_grpc.NodeStub, hang_s: float) -> float:
     return counted
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interval", type=float, default=1.0)
@@ -124,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

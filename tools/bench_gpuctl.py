@@ -16,7 +16,7 @@ repetitions, so that both sides of a ratio see the same machine load; the report
 the median of the per-repetition ratios (medians of each side shown too). Targets: status
 <= 1.3 x the floor, --help <= 3 x ``python3 -c pass``. A SIGTERM or SIGINT stops it: gpud
 stopped, its directory removed, the repetitions done so far reported, "cut short by SIGNAL",
-exit 128 + its number.
+dying by it (128 + its number).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, restores_signals, simulated_gpud, stopped_by_signal
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 FLOOR = """
@@ -48,6 +48,7 @@ def wall(cmd: list[str]) -> float:
     return time.perf_counter() - start
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21)
@@ -97,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -16,7 +16,7 @@ daemon-up figure includes what batching costs the training thread.
 
 Target: step <= 2 us. A SIGTERM or SIGINT stops it: the figures of the repetitions done so
 far (with ``--json``, as its one JSON object, with ``cut_short``), "cut short by SIGNAL
-after N of M repetitions", exit 128 + its number.
+after N of M repetitions", dying by it (128 + its number).
 
     .venv/bin/python -m tools.bench_progress [--json] [--reps N] [--calls N]
 """
@@ -45,7 +45,7 @@ from gpud.net.api import NetServicer
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
-from tools.simdaemon import cut_short, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, held, restores_signals, stopped_by_signal
 
 TARGET_US = 2.0
 
@@ -84,6 +84,7 @@ def _serving(server: ApiServer) -> Iterator[None]:
         loop.close()
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -110,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 NAMES = ("step_up", "step_down", "clock", "append")
+
+
+def record(got: dict[str, float], results: dict[str, list[float]], ratios: list[float]) -> None:
+    """One repetition's figures ``got`` appended to ``results`` and ``ratios``, all or none: a
+    signal meanwhile waits (held), lest the lists differ in length."""
+    with held():
+        for name, us in got.items():
+            results[name].append(us)
+        ratios.append(got["step_up"] / (got["clock"] + got["append"]))
 
 
 def measure(
@@ -148,9 +158,7 @@ def measure(
                     if rep % 2:
                         order.reverse()
                     got = {name: _per_call_us(fn, calls) for name, fn in order}
-                    for name, us in got.items():
-                        results[name].append(us)
-                    ratios.append(got["step_up"] / (got["clock"] + got["append"]))
+                    record(got, results, ratios)
                 up.flush(timeout=30)
             finally:
                 delivery.update(sent=up.sent, dropped=up.dropped)
@@ -190,4 +198,4 @@ def show(report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_as(main())

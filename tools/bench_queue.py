@@ -31,8 +31,8 @@ every quote (each waiting run's poll, each listing, each scrape) is made from.
 takes long to answer them while they queue fails the benchmark, with what the run said.
 
 Each phase's figures are printed as it ends. A SIGTERM or SIGINT stops it: gpud stopped,
-its directory removed, the phases done so far reported, "cut short by SIGNAL", exit 128 +
-its number.
+its directory removed, the phases done so far reported, "cut short by SIGNAL", dying by it (128 +
+its number).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ from gpud.jobs.service import RunRequest
 from tools.simdaemon import (
     SimDaemon,
     cut_short,
+    exit_as,
+    restores_signals,
     simulated_gpud,
     start_child,
     stop_children,
@@ -292,6 +294,7 @@ def at_scale(
         stop_children([*holding, *procs])
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
@@ -338,4 +341,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -24,7 +24,7 @@ and the class models the quotes come from, made
 
 Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
 A SIGTERM or SIGINT stops it: the table of the history sizes measured so far, "cut short
-by SIGNAL after N of M history sizes", its databases removed, exit 128 + its number.
+by SIGNAL after N of M history sizes", its databases removed, dying by it (128 + its number).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from gpud.admission.service import (
 from gpud.jobs.ends import EndCause
 from gpud.store import StateStore
 from tools.bench_queue import CLASSES, fill_history
-from tools.simdaemon import cut_short, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, restores_signals, stopped_by_signal
 
 WINDOW_S = 7 * 86400.0
 
@@ -252,6 +252,7 @@ def steady_state(
     return {name: statistics.median(values) for name, values in took.items()}
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--history", default="0,10000,100000")
@@ -287,4 +288,4 @@ def table(results: dict[int, dict[str, float]]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -48,7 +48,7 @@ from typing import Any
 
 from netshaper import tcplan
 from netshaper.tc_netlink import TcNetlink
-from tools.simdaemon import cut_short, held, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, held, restores_signals, stopped_by_signal
 
 LEVELS = 8
 LINK_BPS = 10_000_000_000
@@ -222,6 +222,7 @@ def figures(
     }
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_reprio", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20, help="repetitions (default 20)")
@@ -270,4 +271,4 @@ def show(r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -35,7 +35,7 @@ the unpinned figures too (the output says which way they were taken).
 
 Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB. A SIGTERM or SIGINT stops it
 (its gpud stopped, its directory removed): each side's CPU time over the repetitions done so
-far is printed, "cut short by SIGNAL", exit 128 + its number; with ``--json``, as its one
+far is printed, "cut short by SIGNAL", dying by it (128 + its number); with ``--json``, as its one
 JSON object, with ``"cut_short": {"by": SIGNAL, "after": "N of M repetitions"}``. A second
 signal meanwhile is ignored.
 
@@ -65,7 +65,7 @@ from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import Snapshot
-from tools.simdaemon import cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import cut_short, exit_as, restores_signals, simulated_gpud, stopped_by_signal
 
 SPEC = "H100-SXM5-80GB:8"
 PROFILE = "1g.10gb"
@@ -377,6 +377,7 @@ def print_so_far(figures: dict[str, Any]) -> None:
         )
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_telemetry", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -454,4 +455,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

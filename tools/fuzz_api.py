@@ -19,7 +19,7 @@ Prints the outcome codes and the daemon's resident set: after start, after a war
 calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
 UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
 or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
-removed, what was measured so far printed, "cut short by SIGNAL", exit 128 + its number.
+removed, what was measured so far printed, "cut short by SIGNAL", dying by it (128 + its number).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,7 +46,14 @@ from gpud.v1 import (
     node_pb2,
     queue_pb2,
 )
-from tools.simdaemon import SimDaemon, cut_short, simulated_gpud, stopped_by_signal
+from tools.simdaemon import (
+    SimDaemon,
+    cut_short,
+    exit_as,
+    restores_signals,
+    simulated_gpud,
+    stopped_by_signal,
+)
 
 MB = 1_000_000
 SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
@@ -367,6 +373,7 @@ def report(run: Run, max_growth_mb: float) -> int:
     return 0 if ok else 1
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
@@ -387,4 +394,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

@@ -28,11 +28,16 @@ and says it was cut short with :func:`cut_short`::
     ...  # prints what it measured so far
     if stopped.by:  # e.g. "SIGTERM"
         return cut_short(stopped.by, f"{done} of {planned} rounds")  # 128 + its number
+
+in a ``main`` under :func:`restores_signals`, run as ``exit_as(main())``: a tool cut short
+dies by the signal once it has printed its report, as a shell loop expects. Meanwhile a second
+signal is only noted; a third ends the tool at once (a report stuck on a full pipe).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -48,7 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, NoReturn, ParamSpec
 
 from gpud.mps.procs import alive
 from gpud.pdeathsig import dies_with_parent
@@ -103,10 +108,12 @@ class _Signals:
         self.received: list[int] = []
         self.holding = 0
         self.raised = False
-        self.ignore_after = False  # ignored, not restored, on exit: the tool reports next
+        self.note_after = False  # only noted, not restored, on exit: the tool reports next
 
     def handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
+        if len(self.received) >= STOP_AT:
+            die_by(signum)
         if not self.holding:
             self.raise_first()
 
@@ -116,10 +123,71 @@ class _Signals:
             raise Terminated() if self.received[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
+# The first SIGTERM or SIGINT cuts a tool short, a second is only noted (the cleanup and the
+# report it began go on), a third ends the tool at once: one stuck (its report blocked on a
+# full pipe, a stopped pager) still ends without a SIGKILL.
+STOP_AT = 3
+
+
+def die_by(signum: int) -> NoReturn:
+    """End this process by ``signum`` itself (SIGINT, SIGTERM), its default action restored,
+    so that its parent (a shell running a loop of tools) sees it killed by the signal, as it
+    would a program without handlers; 128 + its number should the kernel not deliver it.
+    Nothing buffered is written: the output may be the very pipe the tool is stuck on."""
+    signal.signal(signum, signal.SIG_DFL)
+    # to the main thread, where it is not blocked: delivered as the call returns
+    signal.pthread_kill(threading.main_thread().ident or 0, signum)
+    os._exit(128 + signum)
+
+
 _signals: _Signals | None = None
-# The handlers before a tool was cut short: SIGTERM and SIGINT are ignored (the kernel drops
-# them) until :func:`cut_short` has printed, then these are back.
+# The handlers before a tool was cut short: until :func:`cut_short` has printed (or the
+# tool's main, :func:`restores_signals`, returned), SIGTERM and SIGINT are only noted here,
+# the third ending the tool, then these are back.
 _reporting: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+_noted: list[int] = []
+
+
+def _note_while_reporting(signum: int, frame: FrameType | None) -> None:
+    _noted.append(signum)
+    if len(_noted) >= STOP_AT:
+        die_by(signum)
+
+
+def _restore_handlers() -> None:
+    while _reporting:
+        signum, handler = _reporting.popitem()
+        signal.signal(signum, handler)
+    _noted.clear()
+
+
+P = ParamSpec("P")
+
+
+def restores_signals(main: Callable[P, int]) -> Callable[P, int]:
+    """A tool's ``main``, which prints what it measured once :func:`stopped_by_signal` saw a
+    signal: the SIGTERM and SIGINT handlers before are back when it ends, whatever way it
+    ends (an error before :func:`cut_short` restored them included)."""
+
+    @functools.wraps(main)
+    def run(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        finally:
+            _restore_handlers()
+
+    return run
+
+
+def exit_as(rc: int) -> NoReturn:
+    """Exit a tool run as a program with its ``main``'s status ``rc``: 128 + SIGINT's or
+    SIGTERM's number (cut short, its report printed) by that signal itself, so that a shell
+    loop stops as a Ctrl-C should stop it; any other as it is."""
+    if rc - 128 in (signal.SIGINT, signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        die_by(rc - 128)
+    raise SystemExit(rc)
 
 
 @contextmanager
@@ -137,10 +205,11 @@ def stop_on_signals() -> Iterator[list[int]]:
         # the other handler ours
         signals.raised = True
         try:
+            _noted[:] = signals.received
             for signum, handler in previous.items():
-                if signals.ignore_after:
+                if signals.note_after:
                     _reporting[signum] = handler
-                    signal.signal(signum, signal.SIG_IGN)
+                    signal.signal(signum, _note_while_reporting)
                 else:
                     signal.signal(signum, handler)
         finally:
@@ -169,7 +238,7 @@ def stopped_by_signal() -> Iterator[Stopped]:
             stopped.by = signal.Signals(received[0] if received else signal.SIGINT).name
             # a second Ctrl-C or SIGTERM must not cut short the report of what was measured
             assert _signals is not None
-            _signals.ignore_after = True
+            _signals.note_after = True
 
 
 GPUD_STOPPED = "gpud stopped, its directory removed"
@@ -189,8 +258,8 @@ def cut_short(
     status, 128 + the signal's number, as a shell reports a process the signal ended.
     ``figures``: what it measured so far, printed by ``show`` first, or, with no ``show`` (a
     ``--json`` run), as its one JSON document, with ``cut_short`` ({"by", "after"}) and
-    ``ok`` false. SIGTERM and SIGINT, ignored since :func:`stopped_by_signal` took the
-    first, have their handlers back once it is printed."""
+    ``ok`` false. SIGTERM and SIGINT, only noted since :func:`stopped_by_signal` took the
+    first (a third ends the tool), have their handlers back once it is printed."""
     try:
         if figures is None or show is not None:
             if figures is not None and show is not None:
@@ -202,9 +271,7 @@ def cut_short(
             print(json.dumps({**figures, "cut_short": cut, "ok": False}, indent=2, sort_keys=True))
             sys.stdout.flush()
     finally:
-        while _reporting:
-            signum, handler = _reporting.popitem()
-            signal.signal(signum, handler)
+        _restore_handlers()
     return 128 + signal.Signals[by].value
 
 
@@ -238,10 +305,15 @@ def start_child(
 
 
 def stop_children(
-    procs: list[subprocess.Popen[bytes]], signum: signal.Signals = signal.SIGINT
+    procs: list[subprocess.Popen[bytes]],
+    signum: signal.Signals = signal.SIGINT,
+    *,
+    wait_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """``signum`` to every process of ``procs`` still there (SIGINT, a Ctrl-C: a ``gpuctl
-    run`` leaves the queue, or stops its command), killed if it has not exited 30 s later. A
+    run`` leaves the queue, or stops its command), killed if it has not exited ``wait_s``
+    (by ``clock``) after they were all signalled. A
     SIGTERM or SIGINT to the tool meanwhile waits (held): raised part way, it would leave
     those after it running. Only these, not yet reaped, are signalled: their PIDs are
     still theirs."""
@@ -249,9 +321,11 @@ def stop_children(
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
+        # one deadline for them all: each its own would stop the tool 30 s a child
+        deadline = clock() + wait_s
         for p in procs:
             try:
-                p.wait(30)
+                p.wait(max(0.0, deadline - clock()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

@@ -20,7 +20,7 @@ dirty memory (``/proc/PID/smaps_rollup``), open fds, threads, metric series, com
 at the end the slope of each over the first and second half (per minute; sampled every
 30 s). Ctrl-C or SIGTERM stops it early: the commands still running, the daemon and the
 directories are cleaned up on the way out, the slopes of what it sampled so far printed, then
-"cut short by SIGNAL", and it exits 128 + the signal's number.
+"cut short by SIGNAL", and it dies by the signal (128 + its number).
 """
 
 from __future__ import annotations
@@ -40,7 +40,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.simdaemon import SimDaemon, cut_short, held, simulated_gpud, stopped_by_signal
+from tools.simdaemon import (
+    SimDaemon,
+    cut_short,
+    exit_as,
+    held,
+    restores_signals,
+    simulated_gpud,
+    stopped_by_signal,
+)
 
 CONFIG = """\
 [mps]
@@ -432,6 +440,7 @@ def clean_up(
             shutil.rmtree(work, ignore_errors=True)
 
 
+@restores_signals
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -467,4 +476,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

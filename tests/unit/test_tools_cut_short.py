@@ -9,18 +9,37 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType, FrameType
+from typing import cast
 
 import pytest
 
-from tests.unit.tool_support import running_tool, stopped_by
+from colocate import Plan
+from tests.unit.tool_support import NETNS, ROOT, running_tool, stopped_by
 from tools import bench_telemetry
-from tools.simdaemon import Terminated, start_child, stop_children, stop_on_signals
+from tools.bench_cluster import cleaned_after
+from tools.bench_colocate import Passes
+from tools.bench_progress import NAMES, record
+from tools.simdaemon import (
+    Terminated,
+    restores_signals,
+    start_child,
+    stop_children,
+    stop_on_signals,
+    stopped_by_signal,
+)
+
+NEEDS_NETNS = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("tc") and shutil.which("ip")),
+    reason="needs root, tc and ip to make a network namespace",
+)
 
 
 class TermReached(Exception):
@@ -67,14 +86,14 @@ def test_the_telemetry_benchmark_stopped_prints_the_repetitions_it_measured(
 
 
 def cut_short_at(argv: list[str], began: str, signum: signal.Signals, after: str) -> str:
-    """``python ARGV`` sent ``signum`` once it printed a line matching ``began``: it exits
-    128 + its number, ending ``cut short by SIGNAL after AFTER`` (a regular expression; or,
+    """``python ARGV`` sent ``signum`` once it printed a line matching ``began``: it dies by
+    the signal once it printed what it measured, ending ``cut short by SIGNAL after AFTER`` (a regular expression; or,
     ``--json``, with one JSON document saying so), its directories removed, its network
     namespace (bench_reprio's) deleted and nothing it started left; what it printed after
     ``began``."""
     with running_tool(argv, began=began) as tool:
         rest = stopped_by(tool, signum)
-        assert tool.proc.returncode == 128 + signum, rest
+        assert tool.proc.returncode == -signum, rest
         if "--json" in argv:
             doc = json.loads(rest)
             assert doc["cut_short"]["by"] == signum.name, doc
@@ -175,19 +194,41 @@ def test_a_second_signal_while_a_benchmark_reports_what_it_measured_is_ignored()
 
 
 @contextlib.contextmanager
-def sigterm_as_it_returns(code: CodeType) -> Iterator[None]:
-    """SIGTERM to this process as a call of ``code`` in the body first returns."""
+def sigterm_at(seen: Callable[[FrameType, str, object], bool]) -> Iterator[None]:
+    """SIGTERM to this process at the first profiling event in the body that ``seen`` picks."""
 
-    def at_return(frame: FrameType, event: str, arg: object) -> None:
-        if event == "return" and frame.f_code is code:
+    def at_event(frame: FrameType, event: str, arg: object) -> None:
+        if seen(frame, event, arg):
             sys.setprofile(None)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    sys.setprofile(at_return)
+    sys.setprofile(at_event)
     try:
         yield
     finally:
         sys.setprofile(None)
+
+
+def sigterm_as_it_returns(code: CodeType) -> contextlib.AbstractContextManager[None]:
+    """SIGTERM to this process as a call of ``code`` in the body first returns."""
+    return sigterm_at(lambda frame, event, arg: event == "return" and frame.f_code is code)
+
+
+def _a_list_grew(frame: FrameType, event: str, arg: object) -> bool:
+    grown = getattr(arg, "__self__", None)
+    return event == "c_return" and getattr(arg, "__name__", "") == "append" and type(grown) is list
+
+
+def sigterm_as_a_list_grows() -> contextlib.AbstractContextManager[None]:
+    """SIGTERM to this process as the first ``list.append`` in the body returns."""
+    return sigterm_at(_a_list_grew)
+
+
+def kill_left(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None:
@@ -201,10 +242,7 @@ def test_a_signal_as_the_queued_runs_are_stopped_still_stops_every_one() -> None
             stop_children(procs)
         assert [p.returncode for p in procs] == [-signal.SIGINT] * 3
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_left(procs)
 
 
 def test_a_run_started_as_a_signal_comes_is_noted_for_stopping() -> None:
@@ -245,7 +283,12 @@ def test_the_quotes_benchmark_stopped_prints_the_history_sizes_it_measured() -> 
 @pytest.mark.parametrize(
     ("argv", "signum", "said"),
     [
-        (["tools.bench_reprio", "--jobs", "8"], signal.SIGTERM, "its network namespace deleted"),
+        pytest.param(
+            ["tools.bench_reprio", "--jobs", "8"],
+            signal.SIGTERM,
+            "its network namespace deleted",
+            marks=NEEDS_NETNS,
+        ),
         (["tools.bench_progress", "--calls", "20000"], signal.SIGINT, "reports_dropped "),
     ],
     ids=["reprio", "progress"],
@@ -271,6 +314,14 @@ def test_the_cluster_benchmark_stopped_reports_the_parts_it_finished(json_out: l
     if json_out:
         doc = json.loads(rest)
         assert len(doc) - 2 == int(doc["cut_short"]["after"][0]), doc  # cut_short, ok
+    else:  # --skip-failover: it started no etcd nor gpud
+        assert re.search(r"^cut short .*; its directories removed; FAILED$", rest, re.M), rest
+
+
+def test_a_cluster_benchmark_cut_short_says_it_stopped_only_what_it_planned_to_start() -> None:
+    assert cleaned_after(["order"]) == ""
+    assert cleaned_after(["order", "round"]) == "its directories removed"
+    assert cleaned_after(["failover"]).startswith("its etcd and gpud processes stopped")
 
 
 def test_the_colocation_benchmark_stopped_prints_the_passes_it_timed() -> None:
@@ -280,3 +331,163 @@ def test_the_colocation_benchmark_stopped_prints_the_passes_it_timed() -> None:
     assert timed is not None
     if int(timed[1]):  # the cold planner's, so far
         assert re.search(rf"^cold: median CPU .* \({timed[1]} passes\)$", rest, re.M), rest
+
+
+# A tool cut short whose report blocks: stdout is a pipe the test never reads.
+STUCK_REPORT = """
+import signal, sys
+from tools.simdaemon import cut_short, stopped_by_signal
+
+with stopped_by_signal() as stopped:
+    print("began", file=sys.stderr, flush=True)
+    signal.pause()
+print("reporting", file=sys.stderr, flush=True)
+sys.exit(cut_short(stopped.by, "0 of 1 rounds", figures={}, show=lambda f: print("x" * 10**7)))
+"""
+
+
+def took_them_stuck_writing(proc: subprocess.Popen[str]) -> None:
+    """Until ``proc`` has no signal pending and sleeps in a pipe write (or is gone): it took
+    the signals sent so far and went back to its report. Sent sooner, a signal still pending
+    would merge with the one before it."""
+    status, wchan = Path(f"/proc/{proc.pid}/status"), Path(f"/proc/{proc.pid}/wchan")
+    while proc.poll() is None:
+        pending = re.findall(r"^(?:SigPnd|ShdPnd):\s+(\w+)$", status.read_text(), re.M)
+        if not any(int(mask, 16) for mask in pending) and "pipe" in wchan.read_text():
+            return
+        time.sleep(0.01)
+
+
+def test_a_report_stuck_on_a_full_pipe_is_ended_by_a_third_signal() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_REPORT],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline() == "began\n"
+        proc.send_signal(signal.SIGTERM)  # cuts it short
+        assert proc.stderr.readline() == "reporting\n"
+        took_them_stuck_writing(proc)
+        proc.send_signal(signal.SIGTERM)  # only noted
+        took_them_stuck_writing(proc)
+        proc.send_signal(signal.SIGTERM)  # ends it
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_a_benchmark_cut_short_by_ctrl_c_stops_the_shell_loop_that_ran_it() -> None:
+    bench = f"{sys.executable} -m tools.bench_colocate --repeat 100000"
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{bench}; echo CONTINUED"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    try:
+        assert shell.stdout is not None
+        began = shell.stdout.readline()
+        assert began.startswith("measuring: 2 planners"), began
+        os.killpg(shell.pid, signal.SIGINT)  # a Ctrl-C at the terminal
+        rest, _ = shell.communicate(timeout=120)
+        assert re.search(r"^cut short by SIGINT after \d+ of 200000 passes;", rest, re.M), rest
+        assert "CONTINUED" not in rest, rest
+        assert shell.returncode == -signal.SIGINT
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+
+
+def cut_short_by_sigterm() -> None:
+    """What a tool measures, cut short by a SIGTERM: the tool reports next."""
+    with stopped_by_signal() as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.by == "SIGTERM"
+
+
+@pytest.mark.usefixtures("sigterm_raises")
+def test_a_tool_failing_after_a_signal_cut_it_short_has_its_handlers_back() -> None:
+    @restores_signals
+    def tool() -> int:
+        cut_short_by_sigterm()
+        raise ValueError("its report failed")
+
+    with pytest.raises(ValueError, match="its report failed"):
+        tool()
+    with pytest.raises(TermReached):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.usefixtures("sigterm_raises")
+def test_a_command_started_while_a_tool_reports_can_be_stopped_by_sigterm() -> None:
+    @restores_signals
+    def tool() -> int:
+        cut_short_by_sigterm()
+        child = subprocess.Popen(["sleep", "600"])
+        try:
+            child.terminate()
+            return child.wait(timeout=60)
+        finally:
+            kill_left([child])
+
+    assert tool() == -signal.SIGTERM
+
+
+def test_children_still_there_at_the_deadline_are_killed_without_a_wait_each() -> None:
+    # SIGCONT: they go on running; the clock says the deadline passed after the first look
+    procs = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]
+    times = iter([0.0])
+    try:
+        stop_children(procs, signal.SIGCONT, wait_s=30, clock=lambda: next(times, 31.0))
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 3
+    finally:
+        kill_left(procs)
+
+
+def test_a_colocation_pass_cut_short_as_it_is_recorded_is_recorded_whole() -> None:
+    done = Passes()
+    with pytest.raises(Terminated), stop_on_signals(), sigterm_as_a_list_grows():
+        done.add(0.01, 0.02, cast(Plan, object()))
+    assert (done.cpu, done.wall) == ([0.01], [0.02])
+
+
+def test_a_progress_repetition_cut_short_as_it_is_recorded_is_recorded_whole() -> None:
+    results: dict[str, list[float]] = {name: [] for name in NAMES}
+    ratios: list[float] = []
+    with pytest.raises(Terminated), stop_on_signals(), sigterm_as_a_list_grows():
+        record(dict.fromkeys(NAMES, 1.0), results, ratios)
+    assert [len(results[name]) for name in NAMES] == [1] * len(NAMES)
+    assert ratios == [0.5]
+
+
+@NEEDS_NETNS
+def test_a_reprio_run_killed_by_a_failing_test_leaves_no_network_namespace() -> None:
+    # as bench_reprio names its namespace; the test fails before the tool deletes it
+    script = (
+        "import os, subprocess, time\n"
+        "subprocess.run(['ip', 'netns', 'add', f'gpud-bench-{os.getpid()}'], check=True)\n"
+        "print('made', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    pid = 0
+    try:
+        with pytest.raises(AssertionError), running_tool(["-c", script], began="made") as tool:
+            pid = tool.proc.pid
+            assert (NETNS / f"gpud-bench-{pid}").exists()
+            raise AssertionError("the test failed with the tool running")
+        assert not (NETNS / f"gpud-bench-{pid}").exists()
+    finally:
+        if pid and (NETNS / f"gpud-bench-{pid}").exists():
+            subprocess.run(["ip", "netns", "del", f"gpud-bench-{pid}"], check=False)

@@ -23,6 +23,7 @@ import psutil
 from gpud.mps.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
+NETNS = Path("/run/netns")
 
 
 @dataclass
@@ -126,8 +127,18 @@ def running_tool(
             _kill_noted(tool)
             if proc.stdout is not None:
                 proc.stdout.close()
+            _delete_its_namespace(proc.pid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _delete_its_namespace(pid: int) -> None:
+    """bench_reprio's network namespace, named for its PID: a tool killed outright (SIGKILL,
+    by the guard or a failing test) cannot delete it itself."""
+    if (NETNS / f"gpud-bench-{pid}").exists():
+        argv = ["ip", "netns", "del", f"gpud-bench-{pid}"]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(argv, check=False, capture_output=True)
 
 
 def stopped_by(tool: RunningTool, signum: signal.Signals) -> str:
