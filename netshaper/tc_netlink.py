@@ -691,8 +691,8 @@ class TcNetlink:
         # (index, fingerprint) of each name's last look-up: tells a netdev deleted and
         # another made with its index from the one gpud shaped
         self._prints: dict[str, tuple[int, _Fingerprint]] = {}
-        # the names of the last plan a pass was given: those in traffic.interfaces, which
-        # a netdev renamed onto is shaped and restored as
+        # the names of the last plan a pass was given, or of an adopt before it: those in
+        # traffic.interfaces, which a netdev renamed onto is shaped and restored as
         self._shaping: frozenset[str] = frozenset()
         # when each name was last looked up (a count of look-ups): of two names whose
         # last look-ups found one index, the later one's netdev it is
@@ -771,10 +771,10 @@ class TcNetlink:
         one made by hand, or by a second gpud in the same namespace, passes too), or one
         another name found on that index by a later look-up (that name's to restore). The
         error's ``tree_left`` is None where that netdev's tc state could not be read, False
-        otherwise. The third item is True where the name now is one
-        in the last plan a pass was given (``traffic.interfaces``; ``ip link del b0; ip
-        link set a0 name b0``): the netdev is b0's to shape and restore, which
-        :meth:`_resolve` says and :meth:`restore` refuses to do as ``iface``."""
+        otherwise. The third item is True where the name now is one in the last plan a pass
+        was given, or one adopted (``traffic.interfaces``; ``ip link del b0; ip link set a0
+        name b0``): the netdev is b0's to shape and restore, which :meth:`_resolve` says
+        and :meth:`restore` refuses to do as ``iface``."""
         seen = self._cache_index.get(iface)
         link = self._link_at(seen) if seen is not None else None
         if err.errno != errno_mod.ENODEV or seen is None or link is None or link[0] == iface:
@@ -1019,10 +1019,15 @@ class TcNetlink:
     def adopt(self, ifaces: Iterable[str]) -> dict[str, AdoptedState | TcError]:
         """Read each interface at start; keep an HTB root of ours as it is.
 
-        Nothing is changed. An interface that cannot be read maps to its TcError.
+        Nothing is changed. An interface that cannot be read maps to its TcError. The names
+        are ones gpud shapes (``traffic.interfaces``), as a pass's plan's are: a netdev
+        renamed onto one is that name's to restore, before the first pass too.
         """
+        names = list(ifaces)
+        # a late adopt reads a few of them: the names known to be shaped are kept
+        self._shaping |= frozenset(names)
         found: dict[str, AdoptedState | TcError] = {}
-        for iface in ifaces:
+        for iface in names:
             try:
                 idx = self._resolve(iface)
                 state = self.read(iface)

@@ -554,6 +554,32 @@ def test_a_netdev_renamed_onto_another_configured_name_is_that_names_to_restore(
     assert "htb" not in net.tc("qdisc", "show", "dev", "a1")
 
 
+def test_a_netdev_renamed_onto_an_adopted_name_before_any_pass_is_that_names(
+    net: Net, adapter: TcNetlink
+) -> None:
+    """A start adopts a0 and a1 (gpud's trees from an earlier run), then ``ip link del
+    a1; ip link set a0 name a1`` and a stop before the first pass: a1's restore gives the
+    netdev back, a0's leaves it to a1's and says nothing of gpud's stays."""
+    assert adapter.sync(plan({"alpha": 0}, ("a0", "a1"))).ok
+    fresh = TcNetlink(netns=net.snd)
+    try:
+        assert all(a.ours for a in fresh.adopt(["a0", "a1"]).values() if not isinstance(a, TcError))
+        index = _index(net, "a0")
+        _run("ip", "-n", net.snd, "link", "del", "a1")
+        _run("ip", "-n", net.snd, "link", "set", "a0", "name", "a1")
+        with pytest.raises(TcError) as refused:
+            fresh.restore("a0")
+        assert str(refused.value) == (
+            f"a0: no such network interface (renamed to a1, ifindex {index}: now a1, shaped as a1)"
+        )
+        assert refused.value.tree_left is False
+        assert "htb 6764:" in net.tc("qdisc", "show", "dev", "a1")
+        assert fresh.restore("a1").ours
+        assert "htb" not in net.tc("qdisc", "show", "dev", "a1")
+    finally:
+        fresh.close()
+
+
 def test_a_netdev_deleted_while_shaped_leaves_nothing_to_its_restore(
     net: Net, adapter: TcNetlink
 ) -> None:

@@ -596,6 +596,32 @@ def test_a_netdev_gone_during_the_tree_read_is_not_said_to_hold_gpuds_tree() -> 
     tc.close()
 
 
+def test_a_netdev_renamed_onto_an_adopted_name_before_the_first_pass_is_that_names() -> None:
+    """gpud adopts eth0 and eth1, then ``ip link del eth1; ip link set eth0 name eth1`` and
+    a stop before any pass: the names adopted are the ones gpud shapes, so the netdev is
+    eth1's, restored by eth1's restore, not under its old name."""
+    nl = ShapedLinks(
+        links={"eth0": 1, "eth1": 2},
+        macs={"eth0": MAC_A, "eth1": MAC_B},
+        roots={1: GPUD_ROOT, 2: GPUD_ROOT},
+    )
+    tc = TcNetlink(transport=nl)
+    assert all(not isinstance(a, TcError) for a in tc.adopt(["eth0", "eth1"]).values())
+    nl.links = {"eth1": 1}
+    nl.macs["eth1"] = MAC_A
+    with pytest.raises(TcError) as refused:
+        tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert str(refused.value) == (
+        "eth0: no such network interface (renamed to eth1, ifindex 1: now eth1, shaped as eth1)"
+    )
+    assert refused.value.tree_left is False
+    assert nl.deleted == []
+    done = tc.restore("eth1", tp.RootQdisc("pfifo_fast", 0))
+    assert done.ours and done.renamed == ""
+    assert [i for i, _ in nl.deleted] == [1]
+    tc.close()
+
+
 def test_a_restore_says_whether_gpuds_tree_may_stay_where_it_did_nothing() -> None:
     """``tree_left``: False where no netdev bears the name or another netdev without
     gpud's root holds the index; None where that netdev's tc state cannot be read."""
