@@ -177,6 +177,11 @@ class TcError(Exception):
     ``iface`` names it, ``op`` is the tc command that failed (as ``tc`` would read it, or
     None when the interface could not be read at all), ``errno`` the kernel's error number
     and ``detail`` the kernel's extended-ack message, when it gave one.
+
+    ``tree_left``: whether gpud's HTB root ``6764:`` may stay on a netdev because of it:
+    False where none does (no netdev by that name, or its index is another name's to
+    restore), True where a refusal saw gpud's root on the netdev it left alone, None
+    where it is not known (a failed read or request leaves the root as it was).
     """
 
     def __init__(
@@ -187,6 +192,7 @@ class TcError(Exception):
         op: str | None = None,
         errno: int | None = None,
         detail: str | None = None,
+        tree_left: bool | None = None,
     ) -> None:
         text = f"{iface}: {message}"
         if op:
@@ -198,6 +204,7 @@ class TcError(Exception):
         self.op = op
         self.errno = errno
         self.detail = detail
+        self.tree_left = tree_left
 
 
 @dataclass(frozen=True)
@@ -684,8 +691,8 @@ class TcNetlink:
         # (index, fingerprint) of each name's last look-up: tells a netdev deleted and
         # another made with its index from the one gpud shaped
         self._prints: dict[str, tuple[int, _Fingerprint]] = {}
-        # the names of the last plan a pass was given: those in traffic.interfaces, which
-        # a netdev renamed onto is shaped and restored as
+        # the names of the last plan a pass was given, or of an adopt before it: those in
+        # traffic.interfaces, which a netdev renamed onto is shaped and restored as
         self._shaping: frozenset[str] = frozenset()
         # when each name was last looked up (a count of look-ups): of two names whose
         # last look-ups found one index, the later one's netdev it is
@@ -714,7 +721,9 @@ class TcNetlink:
                 iface, f"cannot look the interface up: {oserr}", errno=oserr.errno
             ) from oserr
         if err is not None and err.errno in (errno_mod.ENODEV, errno_mod.ENOENT):
-            raise TcError(iface, "no such network interface", errno=errno_mod.ENODEV)
+            raise TcError(
+                iface, "no such network interface", errno=errno_mod.ENODEV, tree_left=False
+            )
         if err is not None or not msgs:
             errnum = err.errno if err is not None else errno_mod.EIO
             raise TcError(iface, f"cannot look the interface up: {_errname(errnum)}", errno=errnum)
@@ -758,11 +767,14 @@ class TcNetlink:
         another link type or MAC than the look-up saw (``IFLA_PERM_ADDRESS``, else
         ``IFLA_ADDRESS``: deleted, and another made with its index) without gpud's HTB
         root ``6764:`` on it (a MAC changed on the netdev gpud shaped keeps its tree: a
-        bond's, a cloned or a set one), or one another name found on that index by a later
-        look-up (that name's to restore). The third item is True where the name now is one
-        in the last plan a pass was given (``traffic.interfaces``; ``ip link del b0; ip
-        link set a0 name b0``): the netdev is b0's to shape and restore, which
-        :meth:`_resolve` says and :meth:`restore` refuses to do as ``iface``."""
+        bond's, a cloned or a set one; the check is any HTB root with that major handle, so
+        one made by hand, or by a second gpud in the same namespace, passes too), or one
+        another name found on that index by a later look-up (that name's to restore). The
+        error's ``tree_left`` is None where that netdev's tc state could not be read, False
+        otherwise. The third item is True where the name now is one in the last plan a pass
+        was given, or one adopted (``traffic.interfaces``; ``ip link del b0; ip link set a0
+        name b0``): the netdev is b0's to shape and restore, which :meth:`_resolve` says
+        and :meth:`restore` refuses to do as ``iface``."""
         seen = self._cache_index.get(iface)
         link = self._link_at(seen) if seen is not None else None
         if err.errno != errno_mod.ENODEV or seen is None or link is None or link[0] == iface:
@@ -774,7 +786,8 @@ class TcNetlink:
             if same:
                 return seen, renamed, True
             # another netdev given the index, under a name gpud shapes: that name's
-            raise self._not_taken(iface, seen, renamed, _print_change(was, seen, print_now), err)
+            why = _print_change(was, seen, print_now)
+            raise self._not_taken(iface, seen, renamed, why, err, left=False)
         mine = self._looked.get(iface, 0)
         later = max(
             (n for n, i in self._cache_index.items() if n != iface and i == seen),
@@ -783,7 +796,7 @@ class TcNetlink:
         )
         if later is not None and self._looked.get(later, 0) > mine:
             why = f"{later}'s at gpud's last look-up, restored as {later}"
-            raise self._not_taken(iface, seen, renamed, why, err)
+            raise self._not_taken(iface, seen, renamed, why, err, left=False)
         # a MAC changes on a netdev kept (a bond's slave, a cloned or set address): gpud's
         # tree on the index tells it is the netdev gpud shaped, as a new one never has it
         ours, failed = (None, "") if same else self._ours_on(seen)
@@ -791,16 +804,21 @@ class TcNetlink:
             return seen, renamed, False
         unknown = f", gpud's tree on it unknown (cannot read tc state: {failed})" if failed else ""
         why = _print_change(was, seen, print_now) + unknown
-        raise self._not_taken(iface, seen, renamed, why, err)
+        # unread, the tree may be there; read, it is not (a new netdev never has it)
+        raise self._not_taken(iface, seen, renamed, why, err, left=None if failed else False)
 
     @staticmethod
-    def _not_taken(iface: str, index: int, name: str, why: str, err: TcError) -> TcError:
-        """The error of a netdev on ``iface``'s last looked-up index not taken for it."""
+    def _not_taken(
+        iface: str, index: int, name: str, why: str, err: TcError, *, left: bool | None
+    ) -> TcError:
+        """The error of a netdev on ``iface``'s last looked-up index not taken for it;
+        ``left`` is its ``tree_left``."""
         out = TcError(
             iface,
             f"no such network interface (ifindex {index} is now {name}, {why}: not taken for"
             f" {iface})",
             errno=errno_mod.ENODEV,
+            tree_left=left,
         )
         out.__cause__ = err
         return out
@@ -832,13 +850,13 @@ class TcNetlink:
         self._tree_seen[index] = ours
         return ours, ""
 
-    def _tree_at(self, index: int) -> str:
+    def _tree_at(self, index: int) -> tuple[str, bool | None]:
         """Whether the netdev of ``index`` has gpud's HTB root, as the running error says
-        it (:meth:`_ours_on`)."""
+        it, and as its ``tree_left`` (:meth:`_ours_on`)."""
         ours, failed = self._ours_on(index)
         if ours is None:
-            return f", gpud's tree on it unknown (cannot read tc state: {failed})"
-        return ", gpud's tree still on it" if ours else ""
+            return f", gpud's tree on it unknown (cannot read tc state: {failed})", None
+        return (", gpud's tree still on it" if ours else ""), ours
 
     def _resolve(self, iface: str, *, shaping: bool = True) -> int:
         """Look ``iface`` up afresh: an interface renamed away, or deleted and created
@@ -858,13 +876,15 @@ class TcNetlink:
                     f"no such network interface (renamed to {renamed}, ifindex {seen}: now"
                     f" {renamed}, shaped as {renamed})",
                     errno=errno_mod.ENODEV,
+                    tree_left=False,
                 ) from err
-            tree = self._tree_at(seen)
+            tree, left = self._tree_at(seen)
             raise TcError(
                 iface,
                 f"no such network interface (renamed to {renamed}, ifindex {seen}{tree}:"
                 f" gpud leaves {renamed} alone)",
                 errno=errno_mod.ENODEV,
+                tree_left=left,
             ) from err
         if shaping and iface in self._loopbacks:
             raise TcError(
@@ -889,13 +909,16 @@ class TcNetlink:
         except OSError as oserr:
             raise TcError(iface, f"cannot read tc state: {oserr}", errno=oserr.errno) from oserr
         if err is not None:
-            if err.errno == errno_mod.ENODEV:
+            gone = err.errno == errno_mod.ENODEV
+            if gone:
                 self._ifindex.pop(iface, None)
             raise TcError(
                 iface,
                 f"cannot read tc state: {_errname(err.errno)}",
                 errno=err.errno,
                 detail=err.detail,
+                # the netdev deleted since its look-up: its tree went with it
+                tree_left=False if gone else None,
             )
         return [m for m in map(_decode_tcmsg, msgs) if m.ifindex == idx]
 
@@ -996,10 +1019,15 @@ class TcNetlink:
     def adopt(self, ifaces: Iterable[str]) -> dict[str, AdoptedState | TcError]:
         """Read each interface at start; keep an HTB root of ours as it is.
 
-        Nothing is changed. An interface that cannot be read maps to its TcError.
+        Nothing is changed. An interface that cannot be read maps to its TcError. The names
+        are ones gpud shapes (``traffic.interfaces``), as a pass's plan's are: a netdev
+        renamed onto one is that name's to restore, before the first pass too.
         """
+        names = list(ifaces)
+        # a late adopt reads a few of them: the names known to be shaped are kept
+        self._shaping |= frozenset(names)
         found: dict[str, AdoptedState | TcError] = {}
-        for iface in ifaces:
+        for iface in names:
             try:
                 idx = self._resolve(iface)
                 state = self.read(iface)
@@ -1118,7 +1146,8 @@ class TcNetlink:
         parameters (``tc qdisc replace dev IF root KIND``). A root that is not gpud's HTB
         is left as it is, and nothing is installed: gpud's tree is not there to give back
         (removed by hand, or gone with a netdev deleted and created again). Raises TcError
-        on failure.
+        on failure, whose ``tree_left`` is False where nothing of gpud's is left (no netdev
+        by that name, the kernel's ``ENODEV``; or its netdev another name's to restore).
 
         ``ifindex``: the index of the netdev ``original`` was recorded on (None: not
         known). When the name is another netdev's than that one, or than the one this

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from netshaper import tcplan
 from netshaper.nftables import CgroupMark, MarkSync
+from netshaper.tc_netlink import TcError
 
 
 class CountersLike(Protocol):
@@ -105,7 +106,9 @@ class TcPort(Protocol):
         """Give ``iface`` back its original root qdisc (delete gpud's HTB root; a root that
         is not gpud's is left as it is). ``ifindex``: the netdev ``original`` was recorded
         on; when the name is another netdev's (than that one, or since the last pass),
-        ``original`` was the old one's and is not put on it."""
+        ``original`` was the old one's and is not put on it. An error whose ``tree_left``
+        is False left nothing of gpud's (no netdev by that name, or the netdev is another
+        name's to restore); any other may have left gpud's tree on a netdev."""
         ...
 
     def close(self) -> None:
@@ -233,6 +236,9 @@ class FakeTc:
     def restore(
         self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
     ) -> FakeRestored:
+        if iface in self.missing:
+            # as the kernel's look-up by name fails: nothing of gpud's is there
+            raise TcError(iface, "no such network interface", errno=19, tree_left=False)
         root = self._state(iface).root
         replaced = self.replaced.pop(iface, "")
         now = self.ifindexes.get(iface, 4)

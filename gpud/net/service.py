@@ -35,7 +35,6 @@ the NIC's firmware): the tick hands it the latest map and goes on.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import threading
@@ -1690,7 +1689,7 @@ class TrafficService:
                     iface, original, ifindex=self._shaped.original_ifindex(iface)
                 )
             except Exception as err:
-                if getattr(err, "errno", None) != errno.ENODEV:
+                if _tree_may_stay(err):
                     message = _describe(iface, err)
                     log.warning("traffic: cannot remove gpud's tree: %s", message)
                     self._events.emit(
@@ -2056,9 +2055,14 @@ class TrafficService:
                 try:
                     done = self._tc.restore(iface, None if was else original, ifindex=recorded_at)
                 except Exception as err:
-                    # refused (a netdev on the index that is not the one gpud shaped) or
-                    # failed: gpud's tree may stay, and the operator is told where
                     message = _describe(iface, err)
+                    if not _tree_may_stay(err):
+                        # no netdev by that name, or its tree is another name's to restore:
+                        # nothing of gpud's is left behind here
+                        log.info("traffic: nothing to restore on %s: %s", iface, message)
+                        continue
+                    # a failed delete or replace, or a refusal where gpud's tree was seen
+                    # or could not be read: the operator is told where it may stay
                     log.warning("traffic: cannot restore %s: %s", iface, message)
                     self._events.emit(
                         "net.interface_error",
@@ -2148,6 +2152,13 @@ def _kept_new_root(original: tcplan.RootQdisc | None, replaced: str, done: Resto
         f"another netdev by that name since gpud took it ({replaced}): {tree},"
         f" the root qdisc the kernel gave it is left{old}"
     )
+
+
+def _tree_may_stay(err: Exception) -> bool:
+    """Whether gpud's tree may be left on a netdev by a restore that raised ``err``: not
+    where the adapter says none is (``TcError.tree_left`` False: no netdev by that name,
+    or its index another name's to restore); anything else may have left it."""
+    return getattr(err, "tree_left", None) is not False
 
 
 def _describe(iface: str, err: Exception) -> str:

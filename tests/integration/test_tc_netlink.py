@@ -7,6 +7,7 @@ Two namespaces: ``snd`` holds the interfaces gpud shapes (``a0``, ``a1``; their 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -499,8 +500,9 @@ def test_a_restore_leaves_a_netdev_made_with_a_renamed_ones_ifindex(
         r" was [0-9a-f:]{17}: not taken for a0\)$"
     )
     assert re.match(refused, str(result.errors["a0"]))
-    with pytest.raises(TcError, match=refused):
+    with pytest.raises(TcError, match=refused) as left_alone:
         adapter.restore("a0", tp.RootQdisc("pfifo_fast", 0))
+    assert left_alone.value.tree_left is False  # a1's tree, given back by a1's restore
     assert "htb 6764:" in net.tc("qdisc", "show", "dev", "a1")
     done = adapter.restore("a1", tp.RootQdisc("bfifo", 0))
     assert done.ours and done.renamed == "" and "htb" not in net.tc("qdisc", "show", "dev", "a1")
@@ -550,6 +552,42 @@ def test_a_netdev_renamed_onto_another_configured_name_is_that_names_to_restore(
         "a1": "ours=True renamed=''",
     }
     assert "htb" not in net.tc("qdisc", "show", "dev", "a1")
+
+
+def test_a_netdev_renamed_onto_an_adopted_name_before_any_pass_is_that_names(
+    net: Net, adapter: TcNetlink
+) -> None:
+    """A start adopts a0 and a1 (gpud's trees from an earlier run), then ``ip link del
+    a1; ip link set a0 name a1`` and a stop before the first pass: a1's restore gives the
+    netdev back, a0's leaves it to a1's and says nothing of gpud's stays."""
+    assert adapter.sync(plan({"alpha": 0}, ("a0", "a1"))).ok
+    fresh = TcNetlink(netns=net.snd)
+    try:
+        assert all(a.ours for a in fresh.adopt(["a0", "a1"]).values() if not isinstance(a, TcError))
+        index = _index(net, "a0")
+        _run("ip", "-n", net.snd, "link", "del", "a1")
+        _run("ip", "-n", net.snd, "link", "set", "a0", "name", "a1")
+        with pytest.raises(TcError) as refused:
+            fresh.restore("a0")
+        assert str(refused.value) == (
+            f"a0: no such network interface (renamed to a1, ifindex {index}: now a1, shaped as a1)"
+        )
+        assert refused.value.tree_left is False
+        assert "htb 6764:" in net.tc("qdisc", "show", "dev", "a1")
+        assert fresh.restore("a1").ours
+        assert "htb" not in net.tc("qdisc", "show", "dev", "a1")
+    finally:
+        fresh.close()
+
+
+def test_a_netdev_deleted_while_shaped_leaves_nothing_to_its_restore(
+    net: Net, adapter: TcNetlink
+) -> None:
+    assert adapter.sync(plan({"alpha": 0})).ok
+    _run("ip", "-n", net.snd, "link", "del", "a0")
+    with pytest.raises(TcError) as gone:
+        adapter.restore("a0")
+    assert (gone.value.errno, gone.value.tree_left) == (errno.ENODEV, False)
 
 
 class _SwapBeforeDelete:

@@ -2033,6 +2033,44 @@ def test_a_tree_that_stays_on_an_interface_taken_out_gives_its_reason(
     assert "gpud's tree stays: eth1: Operation not permitted" in event.message
 
 
+@dataclasses.dataclass
+class UnreadRenamedTc(FakeTc):
+    """A restore refused: another MAC on the netdev's ifindex, whose tc state cannot be
+    read, so gpud's tree may be on it (``tree_left`` None)."""
+
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
+        raise TcError(
+            iface,
+            "no such network interface (ifindex 5 is now x1, MAC 02:11:22:33:44:55, was"
+            " 02:00:00:00:00:bb, gpud's tree on it unknown (cannot read tc state: EPERM):"
+            " not taken for eth1)",
+            errno=errno.ENODEV,
+            tree_left=None,
+        )
+
+
+def test_an_interface_taken_out_whose_tree_may_stay_is_said_and_kept_for_the_next_start(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A refusal says ENODEV, but gpud's tree may be on the netdev it left alone: the
+    operator is told, and the record stays, so a later start tries again."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    rig.tc = UnreadRenamedTc(states=dict(rig.tc.states))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    rig.service = rig.make()
+    rig.service.start()
+    (event,) = rig.events.recent(100, kind_prefix="net.interface_error")
+    assert event.fields["interface"] == "eth1"
+    assert "gpud's tree on it unknown" in event.message
+    assert "eth1" in ShapedInterfaces(rig.store).all()
+
+
 def _restart(rig: Rig) -> TrafficService:
     """A new service (gpud started again) that has adopted the kernel and ticked once."""
     rig.service = rig.make()
@@ -2156,29 +2194,65 @@ def test_a_restore_on_a_renamed_netdev_says_what_it_found_there(
 
 @dataclasses.dataclass
 class NotTakenTc(FakeTc):
-    """eth0 renamed x0 and given another MAC, with nothing of gpud's there: refused."""
+    """eth0's restore refused: another netdev (``x0``) on its ifindex, and ``left`` what
+    the adapter says of gpud's tree there (``tree_left``)."""
+
+    left: bool | None = None
+    why: str = "gpud's tree on it unknown (cannot read tc state: EPERM)"
 
     def restore(
         self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
     ) -> FakeRestored:
         raise TcError(
             iface,
-            "no such network interface (ifindex 4 is now x0, MAC 02:11:22:33:44:55, was"
-            " 02:00:00:00:00:aa: not taken for eth0)",
+            f"no such network interface (ifindex 4 is now x0, {self.why}: not taken for eth0)",
             errno=errno.ENODEV,
+            tree_left=self.left,
         )
 
 
-def test_a_restore_refused_at_the_stop_is_an_event_naming_the_netdev(rig: Rig) -> None:
+@pytest.mark.parametrize("left", [True, None])
+def test_a_restore_refused_where_gpuds_tree_may_stay_is_an_event_naming_the_netdev(
+    rig: Rig, left: bool | None
+) -> None:
     _shaped_over(rig, PFIFO_FAST)
-    rig.tc = NotTakenTc(states=dict(rig.tc.states))
+    rig.tc = NotTakenTc(states=dict(rig.tc.states), left=left)
     _restart(rig).shutdown()
     (refused,) = [e for e in rig.events.recent(100) if e.kind == "net.interface_error"]
     assert refused.message == (
         "traffic.shutdown = restore, not done: eth0: no such network interface (ifindex 4 is"
-        " now x0, MAC 02:11:22:33:44:55, was 02:00:00:00:00:aa: not taken for eth0)"
+        " now x0, gpud's tree on it unknown (cannot read tc state: EPERM): not taken for eth0)"
     )
     assert refused.fields["interface"] == "eth0"
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        # deleted, and another netdev (another MAC, nothing of gpud's) made with its index
+        "MAC 02:11:22:33:44:55, was 02:00:00:00:00:aa",
+        # ip link del eth1; ip link set eth0 name eth1: eth1's, restored by its own restore
+        "eth1's at gpud's last look-up, restored as eth1",
+    ],
+)
+def test_a_restore_refused_where_nothing_of_gpuds_is_left_raises_no_alert(
+    rig: Rig, why: str
+) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    rig.tc = NotTakenTc(states=dict(rig.tc.states), left=False, why=why)
+    _restart(rig).shutdown()
+    assert [e for e in rig.events.recent(100) if e.kind == "net.interface_error"] == []
+
+
+def test_a_configured_nic_that_does_not_exist_raises_no_alert_at_the_stop(rig: Rig) -> None:
+    """traffic.interfaces names a NIC this node lacks: its error was said at the start;
+    the stop has nothing of gpud's to give back there, so it stays quiet."""
+    rig.config = dataclasses.replace(rig.config, shutdown="restore")
+    rig.tc.missing.add("eth0")
+    service = _restart(rig)
+    before = len(rig.events.recent(100, kind_prefix="net.interface_error"))
+    service.shutdown()
+    assert len(rig.events.recent(100, kind_prefix="net.interface_error")) == before
 
 
 def test_restore_leaves_a_netdev_made_again_before_the_first_tick_its_own_root(

@@ -594,3 +594,75 @@ def test_a_netdev_gone_during_the_tree_read_is_not_said_to_hold_gpuds_tree() -> 
         "eth0: no such network interface (renamed to old0, ifindex 1: gpud leaves old0 alone)"
     )
     tc.close()
+
+
+def test_a_netdev_renamed_onto_an_adopted_name_before_the_first_pass_is_that_names() -> None:
+    """gpud adopts eth0 and eth1, then ``ip link del eth1; ip link set eth0 name eth1`` and
+    a stop before any pass: the names adopted are the ones gpud shapes, so the netdev is
+    eth1's, restored by eth1's restore, not under its old name."""
+    nl = ShapedLinks(
+        links={"eth0": 1, "eth1": 2},
+        macs={"eth0": MAC_A, "eth1": MAC_B},
+        roots={1: GPUD_ROOT, 2: GPUD_ROOT},
+    )
+    tc = TcNetlink(transport=nl)
+    assert all(not isinstance(a, TcError) for a in tc.adopt(["eth0", "eth1"]).values())
+    nl.links = {"eth1": 1}
+    nl.macs["eth1"] = MAC_A
+    with pytest.raises(TcError) as refused:
+        tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert str(refused.value) == (
+        "eth0: no such network interface (renamed to eth1, ifindex 1: now eth1, shaped as eth1)"
+    )
+    assert refused.value.tree_left is False
+    assert nl.deleted == []
+    done = tc.restore("eth1", tp.RootQdisc("pfifo_fast", 0))
+    assert done.ours and done.renamed == ""
+    assert [i for i, _ in nl.deleted] == [1]
+    tc.close()
+
+
+def test_a_restore_says_whether_gpuds_tree_may_stay_where_it_did_nothing() -> None:
+    """``tree_left``: False where no netdev bears the name or another netdev without
+    gpud's root holds the index; None where that netdev's tc state cannot be read."""
+    nl, tc = _shaped_pair()
+    with pytest.raises(TcError) as missing:
+        tc.restore("a9")
+    assert (missing.value.errno, missing.value.tree_left) == (errno.ENODEV, False)
+
+    nl.links = {"z0": 1, "eth1": 2}
+    nl.macs["z0"] = bytes.fromhex("0200000000cc")
+    nl.roots[1] = ("pfifo_fast", 0)  # a new netdev: the kernel's root, never gpud's
+    with pytest.raises(TcError) as other:
+        tc.restore("eth0")
+    assert "not taken for eth0" in str(other.value) and other.value.tree_left is False
+
+    nl.dump_fails = errno.EPERM
+    with pytest.raises(TcError) as unread:
+        tc.restore("eth0")
+    assert "gpud's tree on it unknown" in str(unread.value)
+    assert unread.value.tree_left is None
+    tc.close()
+
+
+def test_a_netdev_deleted_while_gpud_ran_leaves_no_tree_to_its_restore() -> None:
+    nl, tc = _shaped_pair()
+    nl.links = {"eth1": 2}
+    with pytest.raises(TcError) as gone:
+        tc.restore("eth0")
+    assert (gone.value.errno, gone.value.tree_left) == (errno.ENODEV, False)
+    tc.close()
+
+
+def test_a_netdev_restored_under_a_later_looked_up_name_leaves_no_tree_to_the_first() -> None:
+    """eth0 renamed old1, a name restored as dropped from traffic.interfaces: old1's
+    restore gave the netdev back, so eth0's refusal leaves nothing of gpud's."""
+    nl, tc = _shaped_pair()
+    nl.links = {"old1": 1, "eth1": 2}
+    nl.macs["old1"] = MAC_A
+    assert tc.restore("old1").ours
+    with pytest.raises(TcError) as refused:
+        tc.restore("eth0")
+    assert "old1's at gpud's last look-up, restored as old1" in str(refused.value)
+    assert refused.value.tree_left is False
+    tc.close()
