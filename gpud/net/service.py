@@ -103,7 +103,8 @@ RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
 RDMA_RECHECK_S = 30.0
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
-# difference is time the node did not run (a suspend) or a clock stepped forward
+# difference is time the node did not run (a suspend) or a clock stepped forward (behind
+# it by as much: the wall clock stepped back)
 CLOCK_GAP_S = 1.0
 # a job that reports less often than traffic.idle_after_s is idle only after this many of
 # its usual intervals between reports without one: one report missed is no end
@@ -1436,11 +1437,20 @@ class TrafficService:
         """Cut the time the node did not run out of every job's progress (call under the
         lock): the wall clock, which stamps reports, runs on through a suspend where the
         monotonic one stops, and steps forward alone. Counted, it would be a stall of every
-        job, ranked by how long each one's iterations are."""
+        job, ranked by how long each one's iterations are. A wall clock stepped back ends
+        every job's clamp of what the tracker is told to its last told stamp
+        (:attr:`_JobReports.told_at`): held there, every report until the clock caught up
+        would be told at one stamp, the job's pace before the step kept for its own."""
         wall, mono = self._clock(), self._monotonic()
         if self._clocks is not None:
             wall0, mono0 = self._clocks
             gap = (wall - wall0) - (mono - mono0)
+            if gap < -CLOCK_GAP_S:
+                # the next report, a higher count stamped before the last told, is told
+                # at its own stamp: the tracker takes it for the step and starts the
+                # job's window again from it
+                for reports in self._reports.values():
+                    reports.told_at = -math.inf
             if gap > CLOCK_GAP_S:
                 log.info(
                     "traffic: the wall clock ran %.0f s ahead of the monotonic clock (a"
