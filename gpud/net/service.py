@@ -175,6 +175,15 @@ class InterfaceStatus:
     repairs: int = 0
 
 
+class _Pending(NamedTuple):
+    """A new session's first report, below its job's count: until the session's next
+    arrival tells whether it restarted the job or is a rank behind."""
+
+    iterations: int
+    stamp: float  # its own stamp (unix seconds: the wall clock of the reporting process)
+    heard_at: float  # when it arrived (gpud's monotonic clock)
+
+
 class _Session(NamedTuple):
     """One session's last report (a ``Progress``: one process, one rank of its job)."""
 
@@ -185,10 +194,8 @@ class _Session(NamedTuple):
     # its last interval between arrivals (reports of one batch are one arrival); None: one
     # arrival so far
     usual_s: float | None = None
-    # a new session whose first report was below the job's count: that report (iterations,
-    # stamp, when heard), until its next arrival tells whether it restarted the job or is
-    # a rank behind
-    pending: tuple[int, float, float] | None = None
+    # a new session whose first report was below the job's count: that report
+    pending: _Pending | None = None
 
     def dropped_out(self, heard: float) -> bool:
         """Whether this session, silent since, has dropped out of its job when another
@@ -296,10 +303,10 @@ def _job_count(
         return _Count(me.iterations, session, ((me.iterations, me.stamp),))
     names = [name for name, s in sessions.items() if name == session or not s.dropped_out(heard)]
     live = [sessions[name] for name in names]
-    if me.pending is not None and heard - me.pending[2] > _ONE_ARRIVAL_S:
-        first = me.pending[:2]
+    if me.pending is not None and heard - me.pending.heard_at > _ONE_ARRIVAL_S:
+        first = (me.pending.iterations, me.pending.stamp)
         # one heard a moment before its first report reported in the same round
-        since = me.pending[2] - _ONE_ARRIVAL_S
+        since = me.pending.heard_at - _ONE_ARRIVAL_S
         if not any(s.heard_at >= since for s in live if s is not me):
             told = (first, (me.iterations, me.stamp))
             return _Count(me.iterations, session, told, (session,))
@@ -628,12 +635,25 @@ class TrafficService:
             before = own.iterations if own is not None else None
             if not r.session and prev is not None:
                 before = prev.bare
+            waiting = None
             if before is not None and r.iterations < before:
-                raise InvalidArgument(
-                    f"job {r.job!r}: {r.iterations} iterations after {before}"
-                    " (going backwards; a restarted job reports from a new session)",
-                    field="iterations",
-                )
+                waiting = self._restart_awaiting(r, prev, heard)
+                # at or above the restart's count, and not in the arrival of its first
+                # report (one round of the job's reports): its next report
+                if waiting is None or not (
+                    waiting[1].iterations <= r.iterations
+                    and heard - waiting[1].heard_at > _ONE_ARRIVAL_S
+                ):
+                    awaits = (
+                        ""
+                        if waiting is None
+                        else f"; session {waiting[0]}'s restart awaits its next report"
+                    )
+                    raise InvalidArgument(
+                        f"job {r.job!r}: {r.iterations} iterations after {before}"
+                        f" (going backwards; a restarted job reports from a new session{awaits})",
+                        field="iterations",
+                    )
             silent = (
                 prev is not None
                 and heard - prev.heard_at > self._quiet_s(prev)
@@ -641,6 +661,11 @@ class TrafficService:
             )
             sessions = self._live_sessions(r, prev, heard, silent=silent)
             mine = self._session_report(r, prev, own, stamped, heard)
+            if waiting is not None:
+                # the shell job that restarted with --session goes on without one: this is
+                # that session's next report, the restarted job's count from now on
+                sessions.pop(waiting[0], None)
+                mine = mine._replace(pending=waiting[1])
             sessions.pop(r.session, None)  # the most recently heard last
             sessions[r.session] = mine
             if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
@@ -655,7 +680,7 @@ class TrafficService:
             if count.restarted:
                 sessions = {name: sessions[name] for name in count.restarted}
                 sessions[r.session] = mine._replace(pending=None)
-            elif mine.pending is not None and heard - mine.pending[2] > _ONE_ARRIVAL_S:
+            elif mine.pending is not None and heard - mine.pending.heard_at > _ONE_ARRIVAL_S:
                 sessions[r.session] = mine._replace(pending=None)  # a rank behind
             bare = prev.bare if prev is not None and not count.restarted else None
             if prev is not None and silent:
@@ -693,7 +718,7 @@ class TrafficService:
         live; ``stamped``: ``r``'s stamp on the monotonic clock)."""
         if own is None:
             below = prev is not None and r.iterations < prev.iterations
-            pending = (r.iterations, r.timestamp, heard) if below else None
+            pending = _Pending(r.iterations, r.timestamp, heard) if below else None
             return _Session(r.iterations, r.timestamp, stamped, heard, None, pending)
         gap = heard - own.heard_at
         return _Session(
@@ -704,6 +729,23 @@ class TrafficService:
             gap if gap > _ONE_ARRIVAL_S else own.usual_s,
             own.pending,
         )
+
+    def _restart_awaiting(
+        self, r: Report, prev: _JobReports | None, heard: float
+    ) -> tuple[str, _Pending] | None:
+        """The session of ``r``'s job, heard within ``traffic.progress_window_s``, whose
+        restart awaits its next report (:attr:`_Session.pending`; the most recently heard),
+        when ``r``, a report without a session (``gpuctl net report`` without
+        ``--session``) arriving at ``heard``, is below the last such report: a shell job
+        restarted with ``--session`` soon after its last report without one, then
+        reporting without it again. None where ``r`` has a session or no restart awaits."""
+        if r.session or prev is None:
+            return None
+        window = self._tracker.config.window_s
+        for name, s in reversed(prev.sessions.items()):
+            if s.pending is not None and heard - s.heard_at <= window:
+                return name, s.pending
+        return None
 
     def _live_sessions(
         self, r: Report, prev: _JobReports | None, heard: float, *, silent: bool

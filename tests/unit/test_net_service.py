@@ -3569,6 +3569,35 @@ def test_a_shell_driven_job_restarted_with_a_session_counts_from_it_and_reports_
         rig.service.report(Report("a", 1001, rig.clock.t + 1))
 
 
+def test_a_shell_driven_job_restarted_with_a_session_soon_after_reports_on_without_one(
+    rig: Rig,
+) -> None:
+    """``gpuctl net report`` without a session every 10 s, then, 5 s after the last,
+    ``--session S2`` with a restarted job's lower count: the old reporter had not dropped
+    out, so S2's restart waits for its next report. A report without a session at or above
+    S2's count is that next report (the shell job goes on without ``--session``): the count
+    is the restarted job's from then on, not refused as going backwards for good. One below
+    S2's count meanwhile is refused, saying the restart awaits its next report."""
+    rig.service.tick()
+    for n in range(1100, 1201, 10):
+        rig.clock.t += 10.0
+        rig.service.report(Report("a", n, rig.clock.t))
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+    assert _row(rig).iterations == 1200  # a rank behind, or a restart: not known yet
+    with pytest.raises(
+        InvalidArgument, match=r"999 iterations after 1200 .*session S2's restart awaits its next"
+    ):
+        rig.service.report(Report("a", 999, rig.clock.t + 1))
+    rig.clock.t += 5.0
+    for n in range(1001, 1031):
+        rig.service.report(Report("a", n, rig.clock.t))
+        assert _row(rig).iterations == n
+        rig.clock.t += 10.0
+    assert rig.service.rejected_reports == 1  # the one below S2's count
+    assert _row(rig).iteration_s == pytest.approx(10.0)
+
+
 def test_sessions_of_a_run_that_ended_stay_dead_after_a_tick_sees_the_next_run(
     rig: Rig,
 ) -> None:
