@@ -126,7 +126,8 @@ _ARRIVAL_MAX_S = 5.0
 _LATE_SLACK_S = 0.05
 # the most sessions of one job reporting at once (its ranks, each a Progress): one more is
 # refused, so that a client making a session per report cannot grow gpud's memory. A node
-# has at most 16 GPUs, a rank each; each report looks at the job's live sessions
+# of 16 GPUs split into 7 MIG instances each runs 112 ranks, a rank to an instance: 256
+# leaves room; each report looks at the job's live sessions
 MAX_JOB_SESSIONS = 256
 # a session silent for longer than this many of its usual intervals between arrivals (and
 # at least _DROPOUT_MIN_S) while another of its job reports has dropped out: ranks of one
@@ -755,12 +756,17 @@ class TrafficService:
         ended, and not before a silence that ended it (``silent``). Sessions reporting
         together are ranks of one job: a new one with a lower count is a rank behind, not a
         restart, while any of the job's sessions is live. Raises ResourceExhausted when
-        ``r`` is a new session over :data:`MAX_JOB_SESSIONS` live ones (call under the
-        lock)."""
+        ``r`` is a new session over :data:`MAX_JOB_SESSIONS` live ones that have not
+        dropped out (:meth:`_Session.dropped_out`; those that have are forgotten to make
+        room) (call under the lock)."""
         if prev is None or silent:
             return {}
         live = prev.sessions
         self._prune(r.job, live, heard)
+        if r.session not in live and len(live) >= MAX_JOB_SESSIONS:
+            # ranks that stopped reporting hold no room from ones reporting now
+            for name in [name for name, s in live.items() if s.dropped_out(heard)]:
+                del live[name]
         if r.session not in live and len(live) >= MAX_JOB_SESSIONS:
             window = self._tracker.config.window_s
             raise ResourceExhausted(

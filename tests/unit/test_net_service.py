@@ -3481,6 +3481,20 @@ def test_sessions_of_one_job_are_bounded_and_one_too_many_is_refused(rig: Rig) -
     assert _row(rig).iterations == 12
 
 
+def test_sessions_that_dropped_out_leave_room_for_new_ones(rig: Rig) -> None:
+    """Sessions silent past a few of their intervals while another of the job reports
+    have dropped out: within the window, they do not count towards MAX_JOB_SESSIONS, and
+    a new session is taken rather than refused as one too many."""
+    s = rig.service
+    for i in range(MAX_JOB_SESSIONS):
+        s.report(Report("a", 10, rig.clock.t, session=f"s{i}"))
+    rig.clock.t += 2.0
+    s.report(Report("a", 11, rig.clock.t, session="s0"))  # the others dropped out
+    s.report(Report("a", 11, rig.clock.t, session="one-more"))
+    s.tick()
+    assert s.rejected_reports == 0 and _row(rig).iterations == 11
+
+
 @contextlib.contextmanager
 def _ticked_rig(**config: object) -> Iterator[Rig]:
     """A rig of its own, ticked once, for a property test (a fixture's rig would be shared
