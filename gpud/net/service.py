@@ -102,7 +102,8 @@ RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
 RDMA_RECHECK_S = 30.0
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
-# difference is time the node did not run (a suspend) or a clock stepped forward
+# difference is time the node did not run (a suspend) or a clock stepped forward (behind
+# it by as much: the wall clock stepped back)
 CLOCK_GAP_S = 1.0
 # a job that reports less often than traffic.idle_after_s is idle only after this many of
 # its usual intervals between reports without one: one report missed is no end
@@ -124,7 +125,8 @@ _ARRIVAL_MAX_S = 5.0
 _LATE_SLACK_S = 0.05
 # the most sessions of one job reporting at once (its ranks, each a Progress): one more is
 # refused, so that a client making a session per report cannot grow gpud's memory. A node
-# has at most 16 GPUs, a rank each; each report looks at the job's live sessions
+# of 16 GPUs split into 7 MIG instances each runs 112 ranks, a rank to an instance: 256
+# leaves room; each report looks at the job's live sessions
 MAX_JOB_SESSIONS = 256
 # a session silent for longer than this many of its usual intervals between arrivals (and
 # at least _DROPOUT_MIN_S) while another of its job reports has dropped out: ranks of one
@@ -173,6 +175,15 @@ class InterfaceStatus:
     repairs: int = 0
 
 
+class _Pending(NamedTuple):
+    """A new session's first report, below its job's count: until the session's next
+    arrival tells whether it restarted the job or is a rank behind."""
+
+    iterations: int
+    stamp: float  # its own stamp (unix seconds: the wall clock of the reporting process)
+    heard_at: float  # when it arrived (gpud's monotonic clock)
+
+
 class _Session(NamedTuple):
     """One session's last report (a ``Progress``: one process, one rank of its job)."""
 
@@ -183,10 +194,8 @@ class _Session(NamedTuple):
     # its last interval between arrivals (reports of one batch are one arrival); None: one
     # arrival so far
     usual_s: float | None = None
-    # a new session whose first report was below the job's count: that report (iterations,
-    # stamp, when heard), until its next arrival tells whether it restarted the job or is
-    # a rank behind
-    pending: tuple[int, float, float] | None = None
+    # a new session whose first report was below the job's count: that report
+    pending: _Pending | None = None
 
     def dropped_out(self, heard: float) -> bool:
         """Whether this session, silent since, has dropped out of its job when another
@@ -294,10 +303,10 @@ def _job_count(
         return _Count(me.iterations, session, ((me.iterations, me.stamp),))
     names = [name for name, s in sessions.items() if name == session or not s.dropped_out(heard)]
     live = [sessions[name] for name in names]
-    if me.pending is not None and heard - me.pending[2] > _ONE_ARRIVAL_S:
-        first = me.pending[:2]
+    if me.pending is not None and heard - me.pending.heard_at > _ONE_ARRIVAL_S:
+        first = (me.pending.iterations, me.pending.stamp)
         # one heard a moment before its first report reported in the same round
-        since = me.pending[2] - _ONE_ARRIVAL_S
+        since = me.pending.heard_at - _ONE_ARRIVAL_S
         if not any(s.heard_at >= since for s in live if s is not me):
             told = (first, (me.iterations, me.stamp))
             return _Count(me.iterations, session, told, (session,))
@@ -626,12 +635,25 @@ class TrafficService:
             before = own.iterations if own is not None else None
             if not r.session and prev is not None:
                 before = prev.bare
+            waiting = None
             if before is not None and r.iterations < before:
-                raise InvalidArgument(
-                    f"job {r.job!r}: {r.iterations} iterations after {before}"
-                    " (going backwards; a restarted job reports from a new session)",
-                    field="iterations",
-                )
+                waiting = self._restart_awaiting(r, prev, heard)
+                # at or above the restart's count, and not in the arrival of its first
+                # report (one round of the job's reports): its next report
+                if waiting is None or not (
+                    waiting[1].iterations <= r.iterations
+                    and heard - waiting[1].heard_at > _ONE_ARRIVAL_S
+                ):
+                    awaits = (
+                        ""
+                        if waiting is None
+                        else f"; session {waiting[0]}'s restart awaits its next report"
+                    )
+                    raise InvalidArgument(
+                        f"job {r.job!r}: {r.iterations} iterations after {before}"
+                        f" (going backwards; a restarted job reports from a new session{awaits})",
+                        field="iterations",
+                    )
             silent = (
                 prev is not None
                 and heard - prev.heard_at > self._quiet_s(prev)
@@ -639,6 +661,11 @@ class TrafficService:
             )
             sessions = self._live_sessions(r, prev, heard, silent=silent)
             mine = self._session_report(r, prev, own, stamped, heard)
+            if waiting is not None:
+                # the shell job that restarted with --session goes on without one: this is
+                # that session's next report, the restarted job's count from now on
+                sessions.pop(waiting[0], None)
+                mine = mine._replace(pending=waiting[1])
             sessions.pop(r.session, None)  # the most recently heard last
             sessions[r.session] = mine
             if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
@@ -653,7 +680,7 @@ class TrafficService:
             if count.restarted:
                 sessions = {name: sessions[name] for name in count.restarted}
                 sessions[r.session] = mine._replace(pending=None)
-            elif mine.pending is not None and heard - mine.pending[2] > _ONE_ARRIVAL_S:
+            elif mine.pending is not None and heard - mine.pending.heard_at > _ONE_ARRIVAL_S:
                 sessions[r.session] = mine._replace(pending=None)  # a rank behind
             bare = prev.bare if prev is not None and not count.restarted else None
             if prev is not None and silent:
@@ -691,7 +718,7 @@ class TrafficService:
         live; ``stamped``: ``r``'s stamp on the monotonic clock)."""
         if own is None:
             below = prev is not None and r.iterations < prev.iterations
-            pending = (r.iterations, r.timestamp, heard) if below else None
+            pending = _Pending(r.iterations, r.timestamp, heard) if below else None
             return _Session(r.iterations, r.timestamp, stamped, heard, None, pending)
         gap = heard - own.heard_at
         return _Session(
@@ -703,6 +730,23 @@ class TrafficService:
             own.pending,
         )
 
+    def _restart_awaiting(
+        self, r: Report, prev: _JobReports | None, heard: float
+    ) -> tuple[str, _Pending] | None:
+        """The session of ``r``'s job, heard within ``traffic.progress_window_s``, whose
+        restart awaits its next report (:attr:`_Session.pending`; the most recently heard),
+        when ``r``, a report without a session (``gpuctl net report`` without
+        ``--session``) arriving at ``heard``, is below the last such report: a shell job
+        restarted with ``--session`` soon after its last report without one, then
+        reporting without it again. None where ``r`` has a session or no restart awaits."""
+        if r.session or prev is None:
+            return None
+        window = self._tracker.config.window_s
+        for name, s in reversed(prev.sessions.items()):
+            if s.pending is not None and heard - s.heard_at <= window:
+                return name, s.pending
+        return None
+
     def _live_sessions(
         self, r: Report, prev: _JobReports | None, heard: float, *, silent: bool
     ) -> dict[str, _Session]:
@@ -711,12 +755,17 @@ class TrafficService:
         ended, and not before a silence that ended it (``silent``). Sessions reporting
         together are ranks of one job: a new one with a lower count is a rank behind, not a
         restart, while any of the job's sessions is live. Raises ResourceExhausted when
-        ``r`` is a new session over :data:`MAX_JOB_SESSIONS` live ones (call under the
-        lock)."""
+        ``r`` is a new session over :data:`MAX_JOB_SESSIONS` live ones that have not
+        dropped out (:meth:`_Session.dropped_out`; those that have are forgotten to make
+        room) (call under the lock)."""
         if prev is None or silent:
             return {}
         live = prev.sessions
         self._prune(r.job, live, heard)
+        if r.session not in live and len(live) >= MAX_JOB_SESSIONS:
+            # ranks that stopped reporting hold no room from ones reporting now
+            for name in [name for name, s in live.items() if s.dropped_out(heard)]:
+                del live[name]
         if r.session not in live and len(live) >= MAX_JOB_SESSIONS:
             window = self._tracker.config.window_s
             raise ResourceExhausted(
@@ -1435,11 +1484,20 @@ class TrafficService:
         """Cut the time the node did not run out of every job's progress (call under the
         lock): the wall clock, which stamps reports, runs on through a suspend where the
         monotonic one stops, and steps forward alone. Counted, it would be a stall of every
-        job, ranked by how long each one's iterations are."""
+        job, ranked by how long each one's iterations are. A wall clock stepped back ends
+        every job's clamp of what the tracker is told to its last told stamp
+        (:attr:`_JobReports.told_at`): held there, every report until the clock caught up
+        would be told at one stamp, the job's pace before the step kept for its own."""
         wall, mono = self._clock(), self._monotonic()
         if self._clocks is not None:
             wall0, mono0 = self._clocks
             gap = (wall - wall0) - (mono - mono0)
+            if gap < -CLOCK_GAP_S:
+                # the next report, a higher count stamped before the last told, is told
+                # at its own stamp: the tracker takes it for the step and starts the
+                # job's window again from it
+                for reports in self._reports.values():
+                    reports.told_at = -math.inf
             if gap > CLOCK_GAP_S:
                 log.info(
                     "traffic: the wall clock ran %.0f s ahead of the monotonic clock (a"

@@ -2464,19 +2464,21 @@ def test_progress_reports_after_a_wall_clock_step_back_are_taken(
     tmp_path: Path, sysfs: Path
 ) -> None:
     """Reports stamped after the node's clock stepped back an hour are accepted and ranked
-    at once (the window starts again from them), not refused until the clock catches up."""
+    at once (the window starts again from them, at their own pace), not refused, nor
+    told to the progress tracker at the last stamp before the step, until the clock
+    catches up."""
     rig = Rig(tmp_path, sysfs)
     s = rig.service
     rig.active = {"a"}
-    feed(rig, "a", 0.5, 20, ideal=0.5)
+    feed(rig, "a", 0.5, 40, ideal=0.5)
     rig.clock.step(-3600)
-    for n in range(21, 41):
-        rig.clock.t += 0.5
+    for n in range(41, 81):
+        rig.clock.t += 1.0
         s.report(Report("a", n, rig.clock.t, 0.5, session="s"))
     s.tick()
     (a,) = [j for j in s.view().jobs if j.job == "a"]
-    assert s.rejected_reports == 0 and a.iterations == 40
-    assert a.iteration_s == pytest.approx(0.5) and a.rate == pytest.approx(1.0)
+    assert s.rejected_reports == 0 and a.iterations == 80
+    assert a.iteration_s == pytest.approx(1.0) and a.rate == pytest.approx(0.5)
 
 
 def test_a_full_pool_right_after_start_says_when_idle_tags_are_handed_over(
@@ -3553,6 +3555,20 @@ def test_sessions_of_one_job_are_bounded_and_one_too_many_is_refused(rig: Rig) -
     assert _row(rig).iterations == 12
 
 
+def test_sessions_that_dropped_out_leave_room_for_new_ones(rig: Rig) -> None:
+    """Sessions silent past a few of their intervals while another of the job reports
+    have dropped out: within the window, they do not count towards MAX_JOB_SESSIONS, and
+    a new session is taken rather than refused as one too many."""
+    s = rig.service
+    for i in range(MAX_JOB_SESSIONS):
+        s.report(Report("a", 10, rig.clock.t, session=f"s{i}"))
+    rig.clock.t += 2.0
+    s.report(Report("a", 11, rig.clock.t, session="s0"))  # the others dropped out
+    s.report(Report("a", 11, rig.clock.t, session="one-more"))
+    s.tick()
+    assert s.rejected_reports == 0 and _row(rig).iterations == 11
+
+
 @contextlib.contextmanager
 def _ticked_rig(**config: object) -> Iterator[Rig]:
     """A rig of its own, ticked once, for a property test (a fixture's rig would be shared
@@ -3639,6 +3655,35 @@ def test_a_shell_driven_job_restarted_with_a_session_counts_from_it_and_reports_
     assert _row(rig).iterations == 1002
     with pytest.raises(InvalidArgument, match=r"iterations: job 'a': 1001 iterations after 1002"):
         rig.service.report(Report("a", 1001, rig.clock.t + 1))
+
+
+def test_a_shell_driven_job_restarted_with_a_session_soon_after_reports_on_without_one(
+    rig: Rig,
+) -> None:
+    """``gpuctl net report`` without a session every 10 s, then, 5 s after the last,
+    ``--session S2`` with a restarted job's lower count: the old reporter had not dropped
+    out, so S2's restart waits for its next report. A report without a session at or above
+    S2's count is that next report (the shell job goes on without ``--session``): the count
+    is the restarted job's from then on, not refused as going backwards for good. One below
+    S2's count meanwhile is refused, saying the restart awaits its next report."""
+    rig.service.tick()
+    for n in range(1100, 1201, 10):
+        rig.clock.t += 10.0
+        rig.service.report(Report("a", n, rig.clock.t))
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+    assert _row(rig).iterations == 1200  # a rank behind, or a restart: not known yet
+    with pytest.raises(
+        InvalidArgument, match=r"999 iterations after 1200 .*session S2's restart awaits its next"
+    ):
+        rig.service.report(Report("a", 999, rig.clock.t + 1))
+    rig.clock.t += 5.0
+    for n in range(1001, 1031):
+        rig.service.report(Report("a", n, rig.clock.t))
+        assert _row(rig).iterations == n
+        rig.clock.t += 10.0
+    assert rig.service.rejected_reports == 1  # the one below S2's count
+    assert _row(rig).iteration_s == pytest.approx(10.0)
 
 
 def test_sessions_of_a_run_that_ended_stay_dead_after_a_tick_sees_the_next_run(
