@@ -11,8 +11,9 @@ by a thread of the ``Latency``'s own: ``observe()`` never waits for gpud, so a g
 accepts the call and never answers holds that thread for :data:`CALL_TIMEOUT_S` per report,
 never a request being served. Up to ``max_pending`` reports (8) wait for the thread; past
 it the oldest is dropped, as is a report whose call fails, and ``Latency.dropped`` counts
-the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`)
-after it was made says its age, as a batch held through a quiet spell does. ``flush()``
+the requests so lost. A report sent more than ``flush_every_s`` (and :data:`CALL_TIMEOUT_S`;
+at most :data:`HELD_UNAGED_MAX_S`) after it was made says its age, as a batch held through
+a quiet spell does. ``flush()``
 sends what is held and waits (a bounded time) for the thread; ``close()`` then ends the
 thread, dropping (and counting) the reports its flush left waiting when its time ran
 out: call one before exit
@@ -80,6 +81,11 @@ CALL_TIMEOUT_S = 1.0
 REPORT_BACKOFF_MAX_S = 30.0
 # The least time a Latency's sender thread waits with nothing to send before it ends.
 SENDER_IDLE_MIN_S = 5.0
+# The longest a batch may be held through a quiet spell, or a report wait for the sender
+# thread, and still be counted from its arrival, whatever ``flush_every_s`` (an infinite one
+# too): six of gpud's default latency windows (10 s), so a spike held for minutes by a
+# service that only flushes now and then is not read as what its GPU does now.
+HELD_UNAGED_MAX_S = 60.0
 
 
 def _check_interval(owner: str, name: str, seconds: float) -> None:
@@ -359,7 +365,7 @@ class Latency:
         to gpud, waiting at most :data:`CALL_TIMEOUT_S`); ``age_s`` the seconds since the
         earliest of its requests began, for a batch held through a quiet spell, or one
         that waited for the sender thread more than ``flush_every_s`` (and more than
-        :data:`CALL_TIMEOUT_S`), else None (gpud counts it from arrival).
+        :data:`CALL_TIMEOUT_S`; an infinite one: :data:`HELD_UNAGED_MAX_S`), else None (gpud counts it from arrival).
         ``background=False`` sends on the thread that observes, waiting for gpud's answer
         there (for a caller already off the request path). ``idle_s``: how long the sender
         thread waits with nothing to send before it ends (default ten ``flush_every_s``,
@@ -377,6 +383,8 @@ class Latency:
         self.job = job or os.environ.get("GPUD_JOB", "")
         self._channel = _Channel(socket, token)
         self._every = flush_every_s
+        # past this a held or waiting report says its age (an infinite interval too)
+        self._quiet = min(flush_every_s, HELD_UNAGED_MAX_S)
         self._max = max_batch
         self._clock = clock
         self._send = send or self._grpc_send
@@ -408,6 +416,7 @@ class Latency:
         self._sending = 0
         self._ready = threading.Condition()
         self._sender = 0  # the number of the sender thread that runs; 0: none
+        self._ending = False  # closed: that thread ends once nothing waits for it
         # the exit's deadline, by its clock: no call waits past it (None: not exiting)
         self._until: tuple[float, Callable[[], float]] | None = None
         self._channel.forget()
@@ -437,7 +446,7 @@ class Latency:
         batch is not refused with it. The batch, this request with it, is sent once
         ``flush_every_s`` passed since the last send, and gpud counts it from its arrival.
         Only a batch held through a quiet spell (its newest request finished more than
-        ``flush_every_s`` before this one) goes on its own, saying its age: gpud counts it
+        ``flush_every_s``, at most :data:`HELD_UNAGED_MAX_S`, before this one) goes on its own, saying its age: gpud counts it
         from when its earliest request began, so a GPU's hang then, or the loop off, is not
         read as what the GPU does now; this request follows it at once, counted from its
         arrival. What is held at exit is sent then (waiting up to :data:`CALL_TIMEOUT_S`).
@@ -449,7 +458,7 @@ class Latency:
         with self._lock:
             now = self._clock()
             held = None
-            if self._batch and now - self._newest > self._every:
+            if self._batch and now - self._newest > self._quiet:
                 held = self._take(now, aged=True)
             self._batch.append(seconds)
             self._began = min(self._began, now - seconds)
@@ -463,13 +472,14 @@ class Latency:
 
     def flush(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
         """Send what was collected now: saying its age if it was held through a quiet
-        spell (its newest request finished more than ``flush_every_s`` ago), and wait up
+        spell (its newest request finished more than ``flush_every_s``, at most
+        :data:`HELD_UNAGED_MAX_S`, ago), and wait up
         to ``timeout`` seconds for the sender thread to deliver every report so far. True
         once none is left waiting nor in a call (delivered, or dropped and counted in
         :attr:`dropped`)."""
         with self._lock:
             now = self._clock()
-            taken = self._take(now, aged=now - self._newest > self._every)
+            taken = self._take(now, aged=now - self._newest > self._quiet)
         self._deliver(taken)
         with self._ready:
             return self._ready.wait_for(lambda: not self._pending and not self._sending, timeout)
@@ -478,15 +488,21 @@ class Latency:
         """:meth:`flush`, then end the sender thread (a call still in gpud ends at its
         deadline). Reports still waiting for it when ``timeout`` ran out (behind a call
         gpud does not answer) are never sent: they are dropped and counted in
-        :attr:`dropped`. A report made after is sent by a new thread."""
+        :attr:`dropped`. A report another thread handed over after the flush is sent by
+        the thread, which then ends (a non-daemon one no longer holds the interpreter's
+        exit); a report made after that is sent by a new thread."""
         done = self.flush(timeout)
         with self._ready:
             if not done:
                 self._drop_waiting()
             # a report another thread handed over since flush() returned is no report left
-            # behind a hung call: the sender thread sends it, then ends when idle
+            # behind a hung call: the sender thread sends it, then ends, not waiting idle
+            # (with an infinite flush_every_s for ever, which keeps a non-daemon one's
+            # interpreter from exiting)
             if not self._pending:
                 self._sender = 0
+            else:
+                self._ending = True
             self._ready.notify_all()
         return done
 
@@ -519,6 +535,7 @@ class Latency:
         idle end); False where none can start. Under ``_ready``."""
         self._senders += 1
         self._sender = self._senders
+        self._ending = False
         try:
             self._start(
                 functools.partial(_send_for, weakref.ref(self), self._sender),
@@ -539,10 +556,14 @@ class Latency:
 
     def _next(self, me: int) -> _Report | None:
         """The report sender thread ``me`` sends next, counted in flight; None once it is
-        to end: closed, or ``idle_s`` passed with nothing to send."""
+        to end: closed (once what close() left it is sent), or ``idle_s`` passed with
+        nothing to send."""
         with self._ready:
             while self._sender == me and not self._pending:
-                if not self._ready.wait(self._idle) and not self._pending:
+                # closed, what close() left sent: no idle wait (with an infinite
+                # flush_every_s for ever)
+                ended = self._ending or not self._ready.wait(self._idle)
+                if ended and not self._pending:
                     self._sender = 0  # the next report starts another
             if self._sender != me:
                 return None
@@ -560,7 +581,8 @@ class Latency:
 
     def _call(self, report: _Report) -> None:
         """One report; its age (clamped to ``MAX_REPORT_AGE_S``) where it was held through
-        a quiet spell or waited longer than ``flush_every_s`` (and a call's deadline) to
+        a quiet spell or waited longer than ``flush_every_s`` (at most
+        :data:`HELD_UNAGED_MAX_S`; at least a call's deadline) to
         be sent. Never raises: a failure of the clock or the call drops and counts it, as
         does the exit's deadline passed (:meth:`call_timeout`)."""
         batch, began, aged, taken = report
@@ -568,7 +590,7 @@ class Latency:
             if self.call_timeout() <= 0.0:
                 raise TimeoutError("past the exit's deadline")
             now = self._clock()
-            late = now - taken > max(self._every, CALL_TIMEOUT_S)
+            late = now - taken > max(self._quiet, CALL_TIMEOUT_S)
             age = min(MAX_REPORT_AGE_S, max(0.0, now - began)) if aged or late else None
             self._send(self.job, batch, age)
         except Exception:  # the daemon may be away: drop the batch, never fail the job

@@ -296,9 +296,11 @@ class _JobState:
 
     def new_run(self, now: float) -> None:
         """A run ended, or another began: what the last one reported (its iterations, that
-        it reports, the company its rate was read in) is not the next one's, whose rate
-        is read from its own iterations once it settled."""
+        it reports, its processes, the company its rate was read in) is not the next
+        one's, whose rate is read from its own iterations once it settled, and whose first
+        process is no rank beside the last run's."""
         self.progress.clear()
+        self.processes.clear()
         self.reporting = False
         self.company, self.since = None, now + SETTLE_S
 

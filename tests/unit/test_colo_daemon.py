@@ -2575,6 +2575,28 @@ def test_a_latency_that_seldom_sends_on_its_own_sends_each_flush() -> None:
     assert lat.close(timeout=30) and sent == [[0.01], [0.02]] and lat.dropped == 0
 
 
+def test_a_latency_that_only_sends_when_flushed_says_the_age_of_a_batch_held_for_minutes() -> None:
+    """An infinite ``flush_every_s``: a spike held through ten quiet minutes, flushed or
+    followed by another request, goes saying its age (as with a 60 s interval), so gpud
+    does not read it as what the GPU does now."""
+    clock = Clock()
+    sent: list[tuple[list[float], float | None]] = []
+    lat = Latency(
+        "chat",
+        clock=clock,
+        send=lambda j, s, a: sent.append((s, a)),
+        flush_every_s=math.inf,
+        background=False,
+    )
+    lat.observe(0.5)
+    clock.t += 600.0
+    lat.flush()
+    lat.observe(0.5)
+    clock.t += 600.0
+    lat.observe(0.01)
+    assert sent == [([0.5], 600.5), ([0.5], 600.5), ([0.01], None)], sent
+
+
 def test_without_batching_a_report_sent_within_a_calls_deadline_says_no_age() -> None:
     """With ``flush_every_s=0`` a report that waits behind a call is late only past the
     call's deadline: one that waited half a second is counted from its arrival."""
@@ -2635,8 +2657,45 @@ def test_a_report_handed_over_between_a_closes_flush_and_its_end_is_sent_not_dro
     )
     assert lat.close(timeout=0) and lat.dropped == 0
     assert len(senders) == 1
-    senders[0]()  # the sender thread, run here: it sends the report, then ends idle
+    senders[0]()  # the sender thread, run here: it sends the report, then ends
     assert sent == [[0.02]] and lat.dropped == 0
+
+
+def test_a_closed_latency_that_only_sends_when_flushed_ends_its_thread_after_a_late_report() -> (
+    None
+):
+    """An infinite ``flush_every_s`` (its thread waits idle as long as Python waits): a
+    report handed over between close()'s flush and its end is sent, and the thread then
+    ends rather than waiting idle, which a non-daemon thread would do holding the
+    interpreter's exit."""
+    sent: list[list[float]] = []
+    threads: list[threading.Thread] = []
+
+    def start(target: Callable[[], None], name: str) -> None:
+        threads.append(threading.Thread(target=target, name=name, daemon=True))
+        threads[-1].start()
+
+    class RacedLatency(Latency):
+        def flush(self, timeout: float = 2 * CALL_TIMEOUT_S) -> bool:
+            done = super().flush(timeout)
+            self.observe(0.02)  # another serving thread, just after the flush returned
+            return done
+
+    answer = threading.Event()  # gpud answers once close() returned: the report still waits
+
+    def send(job: str, seconds: list[float], age_s: float | None) -> None:
+        answer.wait(timeout=30)  # a guard against a hang, not a measurement
+        sent.append(seconds)
+
+    lat = RacedLatency(
+        "chat", clock=Clock(), send=send, flush_every_s=math.inf, max_batch=1, start=start
+    )
+    assert lat.close(timeout=30) and len(threads) == 1
+    answer.set()
+    threads[0].join(timeout=30)  # a guard against a hang, not a measurement
+    assert not threads[0].is_alive() and sent == [[0.02]] and lat.dropped == 0
+    lat.observe(0.04)  # reports after the close go through a thread of their own
+    assert lat.close(timeout=30) and len(threads) == 2 and sent[-1] == [0.04]
 
 
 def test_a_clock_that_fails_on_the_sender_thread_drops_that_report_and_the_thread_goes_on() -> None:
@@ -6811,14 +6870,21 @@ def test_a_service_too_quiet_for_its_guard_says_it_is_not_guarded(
     assert (g.action, g.duty) == ("hold", 1.0)
 
 
-def training_run(tmp_path: Path) -> tuple[ColoService, Clock]:
-    """A service with one training job running since now under one reservation, ticked."""
+def training_run_and_jobs(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
+    """A service with one training job running since now under one reservation, ticked,
+    and the jobs it sees running."""
     clock = Clock()
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
     )
     svc.tick(snapshot())
+    return svc, clock, jobs
+
+
+def training_run(tmp_path: Path) -> tuple[ColoService, Clock]:
+    """A service with one training job running since now under one reservation, ticked."""
+    svc, clock, _ = training_run_and_jobs(tmp_path)
     return svc, clock
 
 
@@ -6865,6 +6931,17 @@ def test_ranks_of_one_job_starting_and_retrying_beside_each_other_forget_no_prog
         svc.tick(snapshot())
     st = svc._jobs["train"]
     assert st.progress[0][0] == 101.0 and st.progress[-1][1] == 35, list(st.progress)
+
+
+def test_a_new_run_of_a_job_keeps_none_of_the_last_runs_process_ids(tmp_path: Path) -> None:
+    """A run's processes are its own: one that ends and another that begins between two
+    ticks leave the next run no process ids to read its first process as a rank beside."""
+    svc, clock, jobs = training_run_and_jobs(tmp_path)
+    svc.throttle_point("train", 0, process="a")
+    clock.t += 1.0
+    jobs[0] = dataclasses.replace(jobs[0], reserved_at=clock.t)  # ended and reserved again
+    svc.tick(snapshot())
+    assert svc._jobs["train"].processes == {}
 
 
 def test_a_job_keeps_a_bounded_number_of_process_ids(tmp_path: Path) -> None:
