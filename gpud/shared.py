@@ -131,9 +131,12 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     """
     match = _SIZE.match(text)
     if match is None:
-        if _SIZE.match(text.strip().removeprefix("-")):
+        match = _SIZE.match(text.strip().removeprefix("-"))
+        if match is None:
+            raise InvalidArgument(f"{text!r} is not a size like 20GiB or 512MiB", field=field)
+        if float(match.group(1)) > 0:
             raise InvalidArgument(f"{text!r}: a size cannot be negative", field=field)
-        raise InvalidArgument(f"{text!r} is not a size like 20GiB or 512MiB", field=field)
+        # -0 is 0, refused as 0 is below
     number, unit, _ = match.groups()
     value = float(number) * _FACTORS[unit.lower()]
     if value <= 0:
@@ -194,8 +197,8 @@ def check_text(value: str, *, field: str, max_len: int) -> str:
 def check_kind_prefix(prefix: str, *, field: str = "kind_prefix") -> str:
     """``prefix``, the start of the event kinds a listing or a watch keeps, when some kind
     could start with it: at most :data:`MAX_KIND_PREFIX` printable characters
-    (:func:`check_text`). Kinds are printable (``gpu.lost``): a control character in the
-    prefix matches no event, and the listing would be empty without saying why (a watch
+    (:func:`check_text`). Kinds are printable (``gpu.lost``): an unprintable character in
+    the prefix matches no event, and the listing would be empty without saying why (a watch
     would wait for ever)."""
     return check_text(prefix, field=field, max_len=MAX_KIND_PREFIX)
 

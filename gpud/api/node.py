@@ -70,7 +70,7 @@ _FAULT_NAMES = {
 def _event_limit(request: pb.ListEventsRequest | pb.WatchEventsRequest) -> int:
     """The request's limit (its default for 0), its kind prefix and its filters checked: a
     ``gpu`` that is neither an index nor a GPU/MIG UUID, or a ``job`` no job could be
-    named, or a kind prefix with a control character, matches no event, and a listing (or a watch that would wait forever) would say
+    named, or a kind prefix with an unprintable character, matches no event, and a listing (or a watch that would wait forever) would say
     nothing about why, as gpuctl refuses them (exit 2)."""
     limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
     check_kind_prefix(request.kind_prefix)

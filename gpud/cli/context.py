@@ -191,9 +191,18 @@ for _code_name, _exit in ERROR_TABLE.values():
 # gRPC's words for a connection the socket accepted but no HTTP/2 settings came back on
 CONNECT_TIMED_OUT = "connection attempt timed out"
 # gRPC's last errors for a socket nothing listens on: gpud stopped between gpuctl's probe
-# and gRPC's own connect. Any other failure to connect came after the socket had taken
-# the probe's connection: gpud runs.
+# and gRPC's own connect.
 _NOTHING_LISTENS = ("Connection refused", "No such file or directory", "Not a directory")
+# gRPC's last errors for a connection the kernel did not complete because gpud's queue of
+# connections not yet accepted was full: gpud runs, busy under a burst of gpuctl.
+_QUEUE_FULL = (
+    "Delayed close",
+    "Transport endpoint is not connected",
+    "Resource temporarily unavailable",
+)
+# gRPC's last errors for a connection gpud's socket had queued and then dropped unanswered:
+# gpud ended (killed, or stopped to restart) with it still in the queue.
+_DROPPED = ("Connection reset by peer", "Socket closed")
 
 
 class CliError(Exception):
@@ -464,19 +473,32 @@ class Context:
         )
 
     def _failed_to_connect(self, details: str) -> CliError:
-        """gRPC's own connect failing after the probe connected: "not running" only where
-        nothing listens on the socket (any more); else gpud runs and did not take this
-        connection, e.g. its queue of connections not yet accepted filled under a burst of
-        gpuctl between the probe and gRPC's connect ("Delayed close due to in-progress
-        write")."""
-        if "last error" not in details or any(w in details for w in _NOTHING_LISTENS):
-            return _not_running(self.socket_path, f"cannot reach it ({details}) on")
-        return CliError(
-            f"gpud on {shown_path(self.socket_path)} runs but did not take gpuctl's"
-            f" connection ({details}): it is busy (a burst of connections can fill the queue"
-            " of those it has not accepted); retry, or check `systemctl status gpud`",
-            EXIT_NOT_RUNNING,
-        )
+        """gRPC's own connect failing after the probe connected, by gRPC's last error:
+        busy only where the kernel said gpud's queue of connections not yet accepted was
+        full ("Delayed close due to in-progress write"); closed before answering where
+        gpud dropped the queued connection as it ended ("Connection reset by peer");
+        permission denied where the socket's mode changed since the probe; else not
+        running, as where nothing listens on the socket any more."""
+        last_error = details.partition("last error")[2]
+        if any(w in last_error for w in _NOTHING_LISTENS):
+            last_error = ""  # gpud stopped since the probe
+        if "Permission denied" in last_error:
+            return _denied(self.socket_path)
+        if any(w in last_error for w in _QUEUE_FULL):
+            return CliError(
+                f"gpud on {shown_path(self.socket_path)} runs but did not take gpuctl's"
+                f" connection ({details}): it is busy (a burst of connections can fill the"
+                " queue of those it has not accepted); retry, or check `systemctl status gpud`",
+                EXIT_NOT_RUNNING,
+            )
+        if any(w in last_error for w in _DROPPED):
+            return CliError(
+                f"gpud on {shown_path(self.socket_path)} closed gpuctl's connection before"
+                f" answering ({details}): it stopped or restarted just now; nothing was sent;"
+                " see `systemctl status gpud`",
+                EXIT_NOT_RUNNING,
+            )
+        return _not_running(self.socket_path, f"cannot reach it ({details}) on")
 
     def close(self) -> None:
         if self._channel is not None:

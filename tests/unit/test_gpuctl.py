@@ -27,7 +27,7 @@ from gpud.api.ports import ReloadState, StateFiles
 from gpud.backend.sim import SimNode
 from gpud.build import UNKNOWN
 from gpud.build import current as current_build
-from gpud.cli.context import Context, probe_socket
+from gpud.cli.context import CliError, Context, probe_socket
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
 from gpud.cli.version import differ_line
@@ -1535,6 +1535,77 @@ def test_a_gpud_whose_queue_filled_after_the_probe_is_said_busy_not_not_running(
         )
     )
     assert str(gone).startswith("gpud is not running")
+
+
+_FAILED_TO_CONNECT = "failed to connect to all addresses; last error: "
+
+
+def _connect_failed(sock_dir: Path, last_error: str) -> CliError:
+    """What gpuctl says when gRPC's own connect to gpud's socket, after the probe's,
+    failed with ``last_error``."""
+    ctx = Context(socket_path=sock_dir / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+    return ctx.translate(_RpcError(grpc.StatusCode.UNAVAILABLE, _FAILED_TO_CONNECT + last_error))
+
+
+@pytest.mark.parametrize(
+    "last_error",
+    [
+        "UNAVAILABLE: unix:/x: recvmsg:Connection reset by peer (104)",
+        "UNAVAILABLE: unix:/x: Socket closed",
+    ],
+)
+def test_a_gpud_killed_with_gpuctls_connection_queued_is_said_to_have_closed_it_not_busy(
+    sock_dir: Path, last_error: str
+) -> None:
+    # gpud ended (kill -9) while gRPC's connection sat in its socket's queue
+    closed = _connect_failed(sock_dir, last_error)
+    assert closed.exit_code == 3 and closed.status == "UNAVAILABLE"
+    assert str(closed).startswith(
+        f"gpud on {sock_dir / 'gpud.sock'} closed gpuctl's connection before answering ("
+    )
+    assert last_error in str(closed)
+    assert "it stopped or restarted just now; nothing was sent" in str(closed)
+    assert "busy" not in str(closed) and "retry" not in str(closed)
+
+
+def test_a_socket_closed_to_gpuctl_after_the_probe_is_permission_denied_not_busy(
+    sock_dir: Path,
+) -> None:
+    # the socket's mode or group changed between the probe and gRPC's own connect
+    denied = _connect_failed(
+        sock_dir,
+        "FAILED_PRECONDITION: unix:/x: connect failed: addr: unix:/x error: Permission denied",
+    )
+    assert denied.exit_code == 77 and denied.status == "PERMISSION_DENIED"
+    assert str(denied).startswith(f"permission denied on {sock_dir / 'gpud.sock'}: ")
+    assert "busy" not in str(denied)
+
+
+@pytest.mark.parametrize(
+    "last_error",
+    [
+        "UNAVAILABLE: unix:/x: Delayed close due to in-progress write (recvmsg:Invalid argument"
+        " (22)) (sendmsg: Transport endpoint is not connected (107))",
+        "UNAVAILABLE: unix:/x: sendmsg: Transport endpoint is not connected (107)",
+        "UNAVAILABLE: unix:/x: connect: Resource temporarily unavailable (11)",
+    ],
+)
+def test_a_gpud_whose_queue_was_full_is_said_busy(sock_dir: Path, last_error: str) -> None:
+    busy = _connect_failed(sock_dir, last_error)
+    assert busy.exit_code == 3
+    assert str(busy).startswith(f"gpud on {sock_dir / 'gpud.sock'} runs but did not take")
+    assert last_error in str(busy) and "it is busy" in str(busy)
+
+
+def test_a_failure_to_connect_gpuctl_cannot_read_is_not_called_busy(sock_dir: Path) -> None:
+    # only the kernel's own words for a full queue say gpud runs and is busy
+    unknown = _connect_failed(sock_dir, "UNKNOWN: unix:/x: Bad frob")
+    assert unknown.exit_code == 3
+    assert str(unknown).startswith(
+        f"gpud is not running: cannot reach it ({_FAILED_TO_CONNECT}UNKNOWN: unix:/x: Bad frob)"
+        f" on {sock_dir / 'gpud.sock'}."
+    )
+    assert "busy" not in str(unknown)
 
 
 @pytest.mark.parametrize(

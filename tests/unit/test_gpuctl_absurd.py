@@ -428,3 +428,18 @@ def test_a_negative_size_or_duration_is_refused_naming_its_option(  # noqa: PLR0
     assert f"argument {message}" in said, err
     assert "expected one argument" not in said, err
     _nothing_changed(node, sim, faults)
+
+
+@pytest.mark.parametrize("value", ["-0", "-0GiB", "-0.0M"])
+def test_a_minus_zero_size_is_refused_as_zero_is_not_as_negative(
+    node: Node,
+    sim: SimNode,
+    faults: FakeFaults,
+    capsys: pytest.CaptureFixture[str],
+    value: str,
+) -> None:
+    err = _usage_error(node, capsys, "jobs", "add", "a", "--memory", value)
+    said = err.splitlines()[0]
+    assert f"argument --memory: {value!r} must be more than zero" in said, err
+    assert "negative" not in said, err
+    _nothing_changed(node, sim, faults)
