@@ -5,8 +5,8 @@ short grace left gpuctl saying the outcome was unknown (exit 3) while gpud went 
 apply on its worker thread and finished it. So at a stop the daemon closes the gate: a new
 call that would start something on the node (:data:`STARTS`: a MIG apply, a reservation, a
 queue entry, MPS limits, a job added or removed, a traffic pin or placement, a simulated
-fault or workload, an XID cleared) is refused with ``UNAVAILABLE`` ("gpud is stopping"),
-and the changing calls already running are waited for (:meth:`CallGate.drained`, bounded
+fault or workload, an XID cleared, a MIG layout forgotten) is refused with
+``UNAVAILABLE`` ("gpud is stopping"), and the changing calls already running are waited for (:meth:`CallGate.drained`, bounded
 by the daemon's ``CALL_STOP_WAIT_S``, cut short by :meth:`CallGate.cut`) so that their
 callers get their answers before the server stops. The calls that end something
 (:data:`ENDS`: ``Release``, ``Leave``) are still taken while the gate is closed, and
@@ -50,6 +50,7 @@ STARTS: Final = frozenset(
         "/gpud.v1.Node/RebootSim",
         "/gpud.v1.Node/SimWorkload",
         "/gpud.v1.Node/ClearXid",
+        "/gpud.v1.Mig/ForgetMig",
     }
 )
 # the calls that end what a start began: taken while gpud is stopping, and waited for

@@ -340,6 +340,24 @@ class MigManager:
             out.append(gpu or unknown_identity(i))
         return out, faults
 
+    def _unread(
+        self, ids: Sequence[GpuIdentity], faults: Mapping[int, str], indices: Iterable[int]
+    ) -> dict[int, str]:
+        """Of ``indices``, each GPU index where no UUID read now says which GPU is there, and
+        why: a faulty GPU never read (lost since before gpud started), or an index beyond
+        the driver's GPU count (``nvmlDeviceGetCount``) where a GPU was known, by an earlier
+        run (``last_seen``) or by telemetry (``read_identities``, or faulty now): a GPU gone
+        from the bus, which may come back. An index never known beyond the count has none."""
+        wanted = set(indices)
+        beyond = {i for i in wanted if i >= len(ids)}
+        known = {*self._last_seen(), *self._read_identities(), *faults} if beyond else set()
+        out = {i: faults[i] for i in wanted - beyond if not ids[i].uuid and i in faults}
+        for i in sorted(beyond & known):
+            out[i] = faults.get(i) or (
+                f"gone from the bus: the driver counts {len(ids)} GPU(s), none at index {i}"
+            )
+        return out
+
     def _faulty_now(self) -> dict[int, str]:
         """The GPUs not to call now: found faulty by telemetry, or with a read of ours still
         stuck in the driver (:data:`NOT_ANSWERING`)."""
@@ -1450,16 +1468,16 @@ class MigManager:
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
             newest = _newest_unread(desired.values(), ids)
+            unread = self._unread(all_ids, faults, {r.gpu_index for r in desired.values()})
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
                 i = record.gpu_index
-                unread = i < len(all_ids) and not all_ids[i].uuid
-                if gpu is None and unread and i in faults:
+                if gpu is None and i in unread:
                     # Lost before its identity was ever read: most likely the GPU its index's
                     # newest record names. An older one there is likely of a GPU replaced
                     # since, but with no UUID read at that index nothing says so: it is left
                     # alone too (not "missing", no layout_matches 0), and neither is acted on.
-                    reason = faults[i]
+                    reason = unread[i]
                     if newest[i].gpu_uuid != uuid:
                         reason += (
                             f"; its UUID never read, it is most likely {newest[i].gpu_uuid}"
@@ -1676,26 +1694,40 @@ class MigManager:
         is asked of the driver beyond the GPUs' identities; the record is returned.
 
         :class:`NotFound` where no layout is recorded under ``uuid``;
-        :class:`FailedPrecondition` while an apply runs (it may record one) or where a GPU
-        read now has that UUID, naming its index (a GPU lost since before gpud started has
-        none read, so its records can be forgotten: it is most likely the GPU of its
-        index's newest one)."""
-        with self._applying_lock:
-            if self._applying is not None:
-                raise FailedPrecondition(
-                    f"an apply of {self._applying[0]} is in flight: forget {uuid} once it"
-                    " ends (gpuctl mig show)"
-                )
-        with self._lock:
+        :class:`FailedPrecondition` while an apply or a reconcile step runs (it may record
+        one; forget never waits for it), where a GPU read now has that UUID, naming its
+        index, or where no UUID is read at the record's index that says which GPU is there
+        (a GPU lost since before gpud started, or gone from the bus: the driver counts no GPU
+        at an index where one was known): it may be that very GPU, so its layout is kept
+        until it answers."""
+        self._refuse_while_applying(uuid)
+        if not self._lock.acquire(blocking=False):
+            # An apply holds the lock for minutes (a drain waits up to its timeout): waiting
+            # would outlast gpuctl's deadline, then drop what the apply just recorded.
+            raise FailedPrecondition(
+                f"busy: an apply or reconcile runs: forget {uuid} once it ends (gpuctl mig show)"
+            )
+        try:
+            # an apply that marked itself after the check above waits for the lock: refused
+            # the same, not raced
+            self._refuse_while_applying(uuid)
             record = self._store.desired().get(uuid)
             if record is None:
                 raise NotFound(f"no MIG layout is recorded for {uuid} (gpuctl mig show)")
-            ids, _ = self._gpus()
+            ids, faults = self._gpus()
             present = next((g for g in ids if g.uuid == uuid), None)
             if present is not None:
                 raise FailedPrecondition(
                     f"{uuid} is GPU {present.index}{_product(present)}, present now: its"
                     " layout is managed (apply another config to change it)"
+                )
+            i = record.gpu_index
+            why = self._unread(ids, faults, [i]).get(i)
+            if why is not None:
+                raise FailedPrecondition(
+                    f"GPU {i} is faulty ({why}), its UUID not read since gpud started: the layout"
+                    f" recorded for {uuid} there is kept until it answers; forget it once"
+                    f" another GPU answers at index {i}"
                 )
             self._store.forget([uuid])
             self._outcomes = [o for o in self._outcomes if o.uuid != uuid]
@@ -1708,6 +1740,16 @@ class MigManager:
                 config=record.config_name,
             )
             return record
+        finally:
+            self._lock.release()
+
+    def _refuse_while_applying(self, uuid: str) -> None:
+        with self._applying_lock:
+            if self._applying is not None:
+                raise FailedPrecondition(
+                    f"an apply of {self._applying[0]} is in flight: forget {uuid} once it"
+                    " ends (gpuctl mig show)"
+                )
 
     def layouts(self) -> tuple[dict[int, DeviceLayout], dict[int, str]]:
         """The current layout of every GPU that answers, in mig-parted's terms, and why the

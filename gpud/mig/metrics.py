@@ -22,10 +22,10 @@ so it is unknown, not 0, and not the last value read either (a reset or a reboot
 changed it meanwhile). Its health alert pages, not ``MigLayoutDiffers`` as well.
 
 A desired record whose GPU is not present (outcome ``missing``: another UUID is known at its
-index, read by the manager or by telemetry, or no GPU is there) has
-``gpud_mig_layout_matches`` 0 under its own UUID and the index it was recorded at. With no
-UUID known at that index (the GPU there lost since before gpud started) its records are
-left alone as faulty: no series.
+index, read by the manager or by telemetry, or no GPU is there and none was ever known there)
+has ``gpud_mig_layout_matches`` 0 under its own UUID and the index it was recorded at. With
+no UUID known at that index (the GPU there lost since before gpud started, or gone from the
+bus where one was known) its records are left alone as faulty: no series.
 
 Instance data comes from the view the manager refreshes on reconcile after a change and at
 least every ``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the

@@ -28,6 +28,7 @@ def test_what_the_gate_counts_and_refuses() -> None:
     assert call_kind(APPLY, mig_pb2.ApplyMigRequest(dry_run=True)) is None
     assert call_kind(RESERVE, None) == "starts"
     assert call_kind("/gpud.v1.Mps/SetMpsLimits", None) == "starts"
+    assert call_kind("/gpud.v1.Mig/ForgetMig", mig_pb2.ForgetMigRequest()) == "starts"
     assert call_kind(RELEASE, None) == "ends"
     assert call_kind(LEAVE, None) == "ends"
     assert call_kind(SHOW, None) is None

@@ -34,6 +34,7 @@ from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config, parse_config
 from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
+from gpud.mig.results import ApplyResult
 from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import SeenIdentity
@@ -2956,3 +2957,142 @@ def test_a_layout_is_not_forgotten_while_an_apply_runs(host: Host, config: MigCo
     assert refusals and all("an apply of all-3g.40gb is in flight" in r for r in refusals)
     assert d.mig.forget("GPU-replaced").config_name == "all-disabled"
     assert "GPU-replaced" not in d.mig.desired()
+
+
+def layout_matches(d: Daemon, gpu: str) -> dict[str, float]:
+    """GPU index ``gpu``'s gpud_mig_layout_matches series, by UUID."""
+    return {
+        s.labels["gpu_uuid"]: s.value
+        for family in MigMetrics(d.mig)()
+        if family.name == "gpud_mig_layout_matches"
+        for s in family.samples
+        if s.labels["gpu"] == gpu
+    }
+
+
+def test_the_layout_of_a_gpu_lost_since_before_start_is_kept_until_it_answers(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 lost since before gpud started, its UUID never read: it may be the GPU any
+    record of its index names, so forget refuses each, naming the GPU and why. Once it
+    answers its UUID says which it is: the older record is then of a GPU not present, and
+    can be forgotten; its own layout is still managed."""
+    first = enable(host, config, "all-balanced")
+    lost = first.mig.show()[1].identity.uuid
+    record_replaced(first, first.mig.desired()[lost].updated_at - 60)
+    host.last_seen = {1: seen(first, 1)}
+    first.node.faults.lose(1)
+    d = host.start()
+    assert {o.uuid: o.status for o in d.mig.reconcile() if o.gpu == 1} == {
+        lost: "faulty",
+        "GPU-replaced": "faulty",
+    }
+    for uuid in (lost, "GPU-replaced"):
+        with pytest.raises(FailedPrecondition) as refused:
+            d.mig.forget(uuid)
+        said = str(refused.value)
+        assert said.startswith("GPU 1 is faulty (identity: GPU lost"), said
+        assert said.endswith(
+            f"), its UUID not read since gpud started: the layout recorded for {uuid} there is"
+            " kept until it answers; forget it once another GPU answers at index 1"
+        ), said
+    assert set(d.mig.desired()) == {first.mig.show()[0].identity.uuid, lost, "GPU-replaced"}
+    d.node.faults.clear(1)
+    assert {o.uuid: o.status for o in d.mig.reconcile() if o.gpu == 1} == {
+        lost: "ok",
+        "GPU-replaced": "missing",
+    }
+    assert d.mig.forget("GPU-replaced").config_name == "all-disabled"
+    assert d.mig.desired()[lost].config_name == "all-balanced"
+
+
+class _Counts:
+    """A backend whose driver counts ``count`` GPUs (the others gone from the bus)."""
+
+    def __init__(self, backend: NvmlBackend, count: int) -> None:
+        self._backend = backend
+        self.count = count
+
+    def gpu_count(self) -> int:
+        return self.count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("known_by", ["last-seen", "telemetry", "nothing"])
+def test_a_gpu_gone_from_the_bus_where_one_was_known_keeps_its_layout(
+    host: Host, config: MigConfigFile, known_by: str
+) -> None:
+    """After a restart the driver counts one GPU: GPU 1 fell off the bus. Where an earlier
+    run or telemetry knew a GPU at index 1, it may come back: its record is left alone as
+    faulty (no gpud_mig_layout_matches series) and forget refuses it. Where nothing knew
+    one there, the record is of a GPU not present: missing, 0, and forgotten on request."""
+    first = enable(host, config, "all-balanced")
+    gone = first.mig.show()[1].identity
+    if known_by == "last-seen":
+        host.last_seen = {1: seen(first, 1)}
+    elif known_by == "telemetry":
+        host.read_identities = {1: gone}
+    host.wrap = lambda b: _Counts(b, 1)
+    d = host.start()
+    (outcome,) = (o for o in d.mig.reconcile() if o.gpu == 1)
+    if known_by == "nothing":
+        assert (outcome.status, layout_matches(d, "1")) == ("missing", {gone.uuid: 0.0})
+        assert d.mig.forget(gone.uuid).gpu_index == 1
+        return
+    assert outcome.status == "faulty", outcome
+    assert "gone from the bus: the driver counts 1 GPU(s), none at index 1" in outcome.detail
+    assert layout_matches(d, "1") == {}
+    with pytest.raises(FailedPrecondition, match=r"^GPU 1 is faulty \(gone from the bus"):
+        d.mig.forget(gone.uuid)
+    assert gone.uuid in d.mig.desired()
+
+
+def test_forget_never_waits_behind_an_apply_that_began_after_its_check(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that starts between forget's look for one in flight and its taking the
+    manager's lock: forget is refused at once (an apply may hold the GPUs for minutes,
+    past gpuctl's deadline), not run after it over what it recorded."""
+    record_replaced(enable(host, config, "all-1g.10gb"), 0.0)
+    inside = threading.Event()  # the apply holds the manager's lock
+    answered = threading.Event()  # forget returned or raised
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        inside.set()
+        # bounded only so that a forget waiting on the lock lets the test end (and fail)
+        answered.wait(timeout=10)
+        yield {}
+
+    host.release = release
+    d = host.start()
+    applied: list[ApplyResult] = []
+    apply = threading.Thread(target=lambda: applied.append(d.mig.apply(config, "all-3g.40gb")))
+    forgetting = threading.get_ident()
+
+    class ApplyAfterTheCheck:
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
+            self.armed = True
+
+        def __enter__(self) -> Any:
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.__exit__(*exc)
+            if self.armed and threading.get_ident() == forgetting:
+                self.armed = False
+                apply.start()
+                inside.wait(timeout=10)
+
+    d.mig._applying_lock = ApplyAfterTheCheck(d.mig._applying_lock)  # type: ignore[assignment]
+    try:
+        with pytest.raises(FailedPrecondition, match=r"^busy: an apply or reconcile runs"):
+            d.mig.forget("GPU-replaced")
+    finally:
+        answered.set()
+        apply.join()
+    assert [a.result for a in applied] == ["success"]
+    assert d.mig.desired()["GPU-replaced"].config_name == "all-disabled"
