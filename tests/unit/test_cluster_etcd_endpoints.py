@@ -400,25 +400,25 @@ def test_a_proxy_dropping_the_token_is_a_refusal_naming_it_without_a_login_per_c
 
 
 @pytest.mark.parametrize(
-    ("broken", "said"),
+    ("fault", "said"),
     [
         (
-            AuthEtcd(drops_token=True),
+            {"drops_token": True},
             "etcd refused /kv/range as a call without a user (etcdserver: user name is "
             "empty), though {proxy} accepted the login",
         ),
-        (AuthEtcd(refuses_tokens=True), "etcd refused /kv/range at {proxy}: etcdserver: invalid"),
+        ({"refuses_tokens": True}, "etcd refused /kv/range at {proxy}: etcdserver: invalid"),
     ],
     ids=["drops-the-token", "refuses-its-own-tokens"],
 )
 def test_an_endpoint_refusing_the_token_is_passed_over_for_the_next_that_serves(
-    servers: list[http.server.ThreadingHTTPServer], broken: AuthEtcd, said: str
+    servers: list[http.server.ThreadingHTTPServer], fault: dict[str, bool], said: str
 ) -> None:
     """A proxy first in cluster.etcd_endpoints that drops the Authorization header, or an
     endpoint whose every token comes back ``invalid auth token``, beside an etcd that
     serves: calls are served by that etcd, and go on there; with neither serving, the
     refusal names each endpoint."""
-    etcd = AuthEtcd()
+    broken, etcd = AuthEtcd(**fault), AuthEtcd()
     proxy, etcd2 = _endpoint(servers, broken), _endpoint(servers, etcd)
     client = EtcdClient(
         EtcdSettings(endpoints=(proxy, etcd2), username="gpud", password="pw", timeout_s=2.0)
@@ -487,6 +487,18 @@ def test_an_http_failure_is_said_as_its_answer_not_as_no_answer(
     assert str(unreachable.value) == f"etcd unreachable at {proxy} ({said})"
 
 
+def _serve_tls(servers: list[http.server.ThreadingHTTPServer], ca: Path, tmp_path: Path) -> int:
+    """The port of etcd served over TLS with a certificate of ``ca`` for host etcd1 and
+    127.0.0.1."""
+    cert, key = certs.make_node(ca, "etcd1", tmp_path / "etcd1")
+    server = _serve(Answers(dict(ETCD)))
+    servers.append(server)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    return server.server_address[1]
+
+
 def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
     servers: list[http.server.ThreadingHTTPServer], tmp_path: Path
 ) -> None:
@@ -495,13 +507,7 @@ def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
     served_ca, other_ca = tmp_path / "served-ca", tmp_path / "other-ca"
     certs.make_ca(served_ca)
     certs.make_ca(other_ca, name="another CA")
-    cert, key = certs.make_node(served_ca, "etcd1", tmp_path / "etcd1")
-    server = _serve(Answers(dict(ETCD)))
-    servers.append(server)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
-    endpoint = f"https://127.0.0.1:{server.server_address[1]}"
+    endpoint = f"https://127.0.0.1:{_serve_tls(servers, served_ca, tmp_path)}"
     client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(other_ca / "ca.pem")))
     with pytest.raises(Unavailable) as unreachable:
         client.get("/x")
@@ -533,16 +539,10 @@ def test_a_certificate_for_another_host_is_said_with_the_host_it_is_not_valid_fo
 ) -> None:
     """etcd serves a certificate that does not name the host of its endpoint: the TLS
     library's reason is said to its end, with the host it quotes."""
-    cert, key = certs.make_node(_ca(tmp_path), "etcd1", tmp_path / "etcd1")
-    server = _serve(Answers(dict(ETCD)))
-    servers.append(server)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
-    endpoint = f"https://localhost:{server.server_address[1]}"
-    client = EtcdClient(
-        EtcdSettings(endpoints=(endpoint,), ca_file=str(tmp_path / "ca" / "ca.pem"))
-    )
+    ca = tmp_path / "ca"
+    certs.make_ca(ca)
+    endpoint = f"https://localhost:{_serve_tls(servers, ca, tmp_path)}"
+    client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(ca / "ca.pem")))
     with pytest.raises(Unavailable) as unreachable:
         client.get("/x")
     assert str(unreachable.value) == (
@@ -550,11 +550,6 @@ def test_a_certificate_for_another_host_is_said_with_the_host_it_is_not_valid_fo
         "CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, "
         "certificate is not valid for 'localhost'.\")"
     )
-
-
-def _ca(tmp_path: Path) -> Path:
-    certs.make_ca(tmp_path / "ca")
-    return tmp_path / "ca"
 
 
 def test_a_login_leaves_the_session_threads_send_on_as_it_was(
