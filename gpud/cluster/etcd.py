@@ -17,7 +17,9 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported (with etcd's authentication off, calls go without a token, as
 etcdctl's do; a login again mends ``user name is empty`` once it is on and an expired token,
-within the call that meets it, once per endpoint and call). Every failure to reach etcd is
+within the call that meets it, once per endpoint and call; an endpoint that still refuses
+this node's token, a proxy dropping the ``Authorization`` header, is passed over for the
+next, and a refusal only where none serves). Every failure to reach etcd is
 :class:`~gpud.errors.Unavailable`, naming each endpoint with its own failure (the kernel's
 ``Connection refused``, no answer within the timeout: a stopped etcd, or the HTTP reason of
 a 500, 503, 408 or 504: etcd's, or a proxy's own);
@@ -292,6 +294,8 @@ class EtcdClient:
             self._clients.append(client)
         self._current = 0
         self._lock = threading.Lock()
+        # guarded by _lock with the sets below: threads call on one client at once
+        self._tokens: dict[int, str] = {}  # each endpoint's token of this node's login
         self._authenticated: set[int] = set()
         # endpoints logged in while etcd had authentication off: their calls carry no token
         self._tokenless: set[int] = set()
@@ -312,6 +316,9 @@ class EtcdClient:
         last: BaseException | None = None
         wrong: list[str] = []  # endpoints that answered, but not as etcd
         unreachable: list[str] = []  # the others that failed, each with why
+        # endpoints that refused this node's token (their own proxy or token store; the
+        # next endpoint may take it), each said as the refusal it gave
+        refused: list[str] = []
         with self._lock:
             start = self._current
         for i in range(len(self._clients)):
@@ -325,15 +332,15 @@ class EtcdClient:
                 fresh = self._authenticate(index, client)
                 request = path
                 try:
-                    result = client.post(url, data=json.dumps(body))
+                    result = client.post(url, data=json.dumps(body), headers=self._token(index))
                 except self._refused as err:
-                    if not self._may_login_again(index, _refusal(err), fresh):
+                    if not self._forget_login_if_mendable(index, _refusal(err), fresh):
                         raise
                     # once per endpoint and call: a second refusal is said as it is
                     request = "/auth/authenticate"
                     self._authenticate(index, client)
                     request = path
-                    result = client.post(url, data=json.dumps(body))
+                    result = client.post(url, data=json.dumps(body), headers=self._token(index))
             except _NotEtcd as err:
                 self._say_not_etcd(endpoint, str(err))
                 wrong.append(str(err))
@@ -357,8 +364,17 @@ class EtcdClient:
                     continue
                 said = _refusal(err)
                 if self._token_unseen(index, said):
-                    self._token_lost.add(index)
-                    raise StoreRefused(self._said_token_lost(endpoint, request, said)) from err
+                    with self._lock:
+                        self._token_lost.add(index)
+                    last = err
+                    refused.append(self._said_token_lost(endpoint, request, said))
+                    continue
+                if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
+                    # a login again did not mend it here (a token store of its own, a
+                    # proxy): another endpoint may take this node's token
+                    last = err
+                    refused.append(f"etcd refused {request} at {endpoint}: {said}")
+                    continue
                 login = self._login_refusal(said)
                 if login:
                     raise StoreRefused(login) from err
@@ -368,10 +384,14 @@ class EtcdClient:
                 if _gateway_body(err) is None:  # a proxy's words, or another server's
                     said = f"{said} (answered by {endpoint} without etcd's error body)"
                 raise StoreRefused(f"etcd refused {request}: {said}") from err
-            self._token_lost.discard(index)
             with self._lock:
+                self._token_lost.discard(index)
                 self._current = index
             return result
+        if refused:
+            # an endpoint that answered and refused says more than one that did not answer
+            failed = [f"etcd unreachable at {', '.join(unreachable)}"] if unreachable else []
+            raise StoreRefused("; ".join([*refused, *failed, *wrong])) from last
         # every endpoint named wrong is said, whichever was tried last
         if last is None:
             raise Unavailable(f"etcd unreachable: {'; '.join(wrong)}")
@@ -397,12 +417,18 @@ class EtcdClient:
             body = body or ""
             return f"HTTP {err}" + (f" {_clipped(body)}" if body.strip() else "")
         text = getattr(err, "detail_text", None) or ""
+        if not text and not isinstance(err, self._refused) and str(err):
+            # not etcd3gw's (whose str is an HTTP reason): a failure on this host, a CA
+            # file gone since the start, said whole as the path is what to mend
+            return f"{type(err).__name__} {' '.join(str(err).split())!r}"
         kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
         if kernel:
             return kernel.group(1).strip()
         cause = text.split("Caused by ", 1)[-1]  # urllib3's preamble names the pool
-        # the TLS library's reason ends its text, past a preamble that a clip would keep
-        tls = re.search(r"\[SSL: [A-Z_]+\][^'\"()]*", cause)
+        # the TLS library's reason ends its text, past a preamble that a clip would keep;
+        # it may quote a host name ("not valid for 'etcd1'") and ends before OpenSSL's
+        # source line or the quote that closes it
+        tls = re.search(r"\[SSL: [A-Z_]+\].*?(?= \(_ssl|\"|'\)|$)", cause)
         if tls:
             cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
@@ -444,9 +470,9 @@ class EtcdClient:
             f" ({source})" if source else ""
         )
 
-    def _may_login_again(self, index: int, said: str, fresh: bool) -> bool:
+    def _forget_login_if_mendable(self, index: int, said: str, fresh: bool) -> bool:
         """Whether etcd's refusal ``said`` of a call to endpoint ``index`` is mended by a
-        login again, and the endpoint is marked to log in: a token expired (``invalid auth
+        login again, forgetting its login when it is: a token expired (``invalid auth
         token``), or a call without one where etcd's authentication has been turned on
         since (``user name is empty`` to a node that logged in while it was off). A token
         a login of this call (``fresh``) has just given is not logged in for again, nor
@@ -454,21 +480,28 @@ class EtcdClient:
         would have every call log in (a raft write and a bcrypt on every etcd member)."""
         if not self._settings.username or not any(w in said for w in _LOGIN_AGAIN):
             return False
-        token_refused = fresh or (NO_USER in said and index in self._token_lost)
-        if index not in self._tokenless and token_refused:
-            return False
-        self._authenticated.discard(index)
-        return True
+        with self._lock:
+            token_refused = fresh or (NO_USER in said and index in self._token_lost)
+            if index not in self._tokenless and token_refused:
+                return False
+            self._authenticated.discard(index)
+            return True
 
     def _token_unseen(self, index: int, said: str) -> bool:
         """Whether etcd answered ``user name is empty`` to a call that carried the token
         of this node's login at endpoint ``index``."""
-        return (
-            bool(self._settings.username)
-            and NO_USER in said
-            and index in self._authenticated
-            and index not in self._tokenless
-        )
+        if not self._settings.username or NO_USER not in said:
+            return False
+        with self._lock:
+            return index in self._authenticated and index not in self._tokenless
+
+    def _token(self, index: int) -> dict[str, str]:
+        """The headers that carry this node's token to endpoint ``index`` (etcd reads it
+        from ``Authorization``); none before a login, or while etcd has authentication
+        off. Given with each request, not set on the session: other threads send on it."""
+        with self._lock:
+            token = self._tokens.get(index)
+        return {"Authorization": token} if token else {}
 
     def _said_token_lost(self, endpoint: str, request: str, said: str) -> str:
         return (
@@ -482,10 +515,13 @@ class EtcdClient:
     def _authenticate(self, index: int, client: Any) -> bool:
         """Log in at endpoint ``index`` where a user is set and it is not logged in: True
         when a login was made. The token goes in the ``Authorization`` header of each
-        call; none while etcd has authentication off (a token of an earlier login would
-        be refused as ``invalid auth token``)."""
-        if not self._settings.username or index in self._authenticated:
+        call (:meth:`_token`); none while etcd has authentication off (a token of an
+        earlier login would be refused as ``invalid auth token``)."""
+        if not self._settings.username:
             return False
+        with self._lock:
+            if index in self._authenticated:
+                return False
         try:
             result = client.post(
                 client.get_url("/auth/authenticate"),
@@ -509,9 +545,10 @@ class EtcdClient:
                     self._settings.username,
                 )
             # etcd refuses a token once its authentication is off (`etcdctl auth disable`)
-            client.session.headers.pop("Authorization", None)
-            self._tokenless.add(index)
-            self._authenticated.add(index)
+            with self._lock:
+                self._tokens.pop(index, None)
+                self._tokenless.add(index)
+                self._authenticated.add(index)
             return True
         token = result.get("token") if isinstance(result, dict) else None
         if not isinstance(token, str) or not token:
@@ -524,9 +561,10 @@ class EtcdClient:
                 f"{self._login_settings()}, and that cluster.etcd_endpoints names etcd's "
                 "client port (2379 by default)"
             )
-        client.session.headers["Authorization"] = token
-        self._tokenless.discard(index)
-        self._authenticated.add(index)
+        with self._lock:
+            self._tokens[index] = token
+            self._tokenless.discard(index)
+            self._authenticated.add(index)
         return True
 
     def alarms(self) -> tuple[str, ...]:
@@ -609,7 +647,8 @@ class EtcdClient:
         import requests  # etcd3gw's transport
 
         with self._lock:
-            client = self._clients[self._current]
+            index = self._current
+        client = self._clients[index]
         body = {"create_request": {"key": _b64(key), "start_revision": after_revision + 1}}
         try:
             with client.session.post(
@@ -617,6 +656,7 @@ class EtcdClient:
                 data=json.dumps(body),
                 stream=True,
                 timeout=(min(self._settings.timeout_s, timeout_s), timeout_s),
+                headers=self._token(index),
             ) as resp:
                 if resp.status_code != 200:
                     raise Unavailable(f"etcd watch of {key}: HTTP {resp.status_code}")

@@ -345,7 +345,9 @@ class AuthEtcd:
 
     auth_on: bool = True
     drops_token: bool = False
+    refuses_tokens: bool = False  # a token store of its own: each token it gave is invalid
     logins: int = 0
+    calls: int = 0
     valid: set[str] = field(default_factory=set)
 
     def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
@@ -356,8 +358,10 @@ class AuthEtcd:
             if not self.auth_on:
                 return _etcd_error("etcdserver: authentication is not enabled")
             issued = f"t{self.logins}"
-            self.valid.add(issued)
+            if not self.refuses_tokens:
+                self.valid.add(issued)
             return 200, json.dumps({"header": {}, "token": issued})
+        self.calls += 1
         token = "" if self.drops_token else token
         if token and token not in self.valid:
             return _etcd_error("etcdserver: invalid auth token")
@@ -393,6 +397,42 @@ def test_a_proxy_dropping_the_token_is_a_refusal_naming_it_without_a_login_per_c
     etcd.drops_token = False  # the proxy mended: the token of that login serves
     assert client.get("/x") is None
     assert etcd.logins == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        (
+            {"drops_token": True},
+            "etcd refused /kv/range as a call without a user (etcdserver: user name is "
+            "empty), though {proxy} accepted the login",
+        ),
+        ({"refuses_tokens": True}, "etcd refused /kv/range at {proxy}: etcdserver: invalid"),
+    ],
+    ids=["drops-the-token", "refuses-its-own-tokens"],
+)
+def test_an_endpoint_refusing_the_token_is_passed_over_for_the_next_that_serves(
+    servers: list[http.server.ThreadingHTTPServer], fault: dict[str, bool], said: str
+) -> None:
+    """A proxy first in cluster.etcd_endpoints that drops the Authorization header, or an
+    endpoint whose every token comes back ``invalid auth token``, beside an etcd that
+    serves: calls are served by that etcd, and go on there; with neither serving, the
+    refusal names each endpoint."""
+    broken, etcd = AuthEtcd(**fault), AuthEtcd()
+    proxy, etcd2 = _endpoint(servers, broken), _endpoint(servers, etcd)
+    client = EtcdClient(
+        EtcdSettings(endpoints=(proxy, etcd2), username="gpud", password="pw", timeout_s=2.0)
+    )
+    for _ in range(3):
+        assert client.get("/x") is None
+    assert (broken.calls, etcd.calls) == (1, 3)
+    etcd.refuses_tokens, etcd.valid = True, set()
+    with pytest.raises(StoreRefused) as refused:
+        client.get("/x")
+    assert str(refused.value).startswith(
+        f"etcd refused /kv/range at {etcd2}: etcdserver: invalid auth token; "
+        + said.format(proxy=proxy)
+    ), str(refused.value)
 
 
 def test_an_expired_token_is_logged_in_for_again_within_the_call(
@@ -447,6 +487,18 @@ def test_an_http_failure_is_said_as_its_answer_not_as_no_answer(
     assert str(unreachable.value) == f"etcd unreachable at {proxy} ({said})"
 
 
+def _serve_tls(servers: list[http.server.ThreadingHTTPServer], ca: Path, tmp_path: Path) -> int:
+    """The port of etcd served over TLS with a certificate of ``ca`` for host etcd1 and
+    127.0.0.1."""
+    cert, key = certs.make_node(ca, "etcd1", tmp_path / "etcd1")
+    server = _serve(Answers(dict(ETCD)))
+    servers.append(server)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    return server.server_address[1]
+
+
 def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
     servers: list[http.server.ThreadingHTTPServer], tmp_path: Path
 ) -> None:
@@ -455,13 +507,7 @@ def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
     served_ca, other_ca = tmp_path / "served-ca", tmp_path / "other-ca"
     certs.make_ca(served_ca)
     certs.make_ca(other_ca, name="another CA")
-    cert, key = certs.make_node(served_ca, "etcd1", tmp_path / "etcd1")
-    server = _serve(Answers(dict(ETCD)))
-    servers.append(server)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
-    endpoint = f"https://127.0.0.1:{server.server_address[1]}"
+    endpoint = f"https://127.0.0.1:{_serve_tls(servers, served_ca, tmp_path)}"
     client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(other_ca / "ca.pem")))
     with pytest.raises(Unavailable) as unreachable:
         client.get("/x")
@@ -471,3 +517,57 @@ def test_a_certificate_etcd_does_not_trust_is_said_with_the_tls_librarys_reason(
         "CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer "
         "certificate"
     ), said
+
+
+def test_a_ca_file_gone_since_the_start_is_said_with_its_path(tmp_path: Path) -> None:
+    """cluster.etcd_ca_file removed (or its mount lost) after gpud started: the error names
+    the file requests could not load, not only the kind of error."""
+    ca = tmp_path / "ca.pem"
+    certs.make_ca(tmp_path)
+    endpoint = _nobody().replace("http:", "https:")
+    client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(ca)))
+    ca.unlink()
+    with pytest.raises(Unavailable) as unreachable:
+        client.get("/x")
+    said = str(unreachable.value)
+    assert said.startswith(f"etcd unreachable at {endpoint} (OSError '"), said
+    assert str(ca) in said, said
+
+
+def test_a_certificate_for_another_host_is_said_with_the_host_it_is_not_valid_for(
+    servers: list[http.server.ThreadingHTTPServer], tmp_path: Path
+) -> None:
+    """etcd serves a certificate that does not name the host of its endpoint: the TLS
+    library's reason is said to its end, with the host it quotes."""
+    ca = tmp_path / "ca"
+    certs.make_ca(ca)
+    endpoint = f"https://localhost:{_serve_tls(servers, ca, tmp_path)}"
+    client = EtcdClient(EtcdSettings(endpoints=(endpoint,), ca_file=str(ca / "ca.pem")))
+    with pytest.raises(Unavailable) as unreachable:
+        client.get("/x")
+    assert str(unreachable.value) == (
+        f'etcd unreachable at {endpoint} (ConnectionFailedError "[SSL: '
+        "CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, "
+        "certificate is not valid for 'localhost'.\")"
+    )
+
+
+def test_a_login_leaves_the_session_threads_send_on_as_it_was(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """Threads call on one client, each request merging its endpoint's session headers:
+    the token of a login, given and dropped as etcd's authentication is turned on and
+    off, goes with each request (etcd still sees it) and never into the shared session,
+    where a change under a request being sent is ``OrderedDict mutated during
+    iteration``."""
+    etcd = AuthEtcd(auth_on=False)
+    client = _logged_in(_endpoint(servers, etcd))
+    session = client._clients[0].session
+    before = dict(session.headers)
+    for auth_on in (False, True, False, True):
+        etcd.auth_on = auth_on
+        if not auth_on:
+            etcd.valid.clear()
+        assert client.get("/x") is None
+        assert dict(session.headers) == before
+    assert etcd.logins == 4
