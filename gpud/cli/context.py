@@ -194,15 +194,16 @@ CONNECT_TIMED_OUT = "connection attempt timed out"
 # and gRPC's own connect.
 _NOTHING_LISTENS = ("Connection refused", "No such file or directory", "Not a directory")
 # gRPC's last errors for a connection the kernel did not complete because gpud's queue of
-# connections not yet accepted was full: gpud runs, busy under a burst of gpuctl.
+# connections not yet accepted was full: gpud runs, busy under a burst of gpuctl. Not gRPC's
+# "Delayed close" wrapper: it wraps a dropped connection's reason as well.
 _QUEUE_FULL = (
-    "Delayed close",
     "Transport endpoint is not connected",
     "Resource temporarily unavailable",
 )
 # gRPC's last errors for a connection gpud's socket had queued and then dropped unanswered:
-# gpud ended (killed, or stopped to restart) with it still in the queue.
-_DROPPED = ("Connection reset by peer", "Socket closed")
+# gpud ended (killed, or stopped to restart) with it still in the queue, or during gRPC's
+# handshake write. Looked for before a full queue's words, which gRPC may put beside these.
+_DROPPED = ("Connection reset by peer", "Socket closed", "Broken pipe")
 
 
 class CliError(Exception):
@@ -474,28 +475,32 @@ class Context:
 
     def _failed_to_connect(self, details: str) -> CliError:
         """gRPC's own connect failing after the probe connected, by gRPC's last error:
-        busy only where the kernel said gpud's queue of connections not yet accepted was
-        full ("Delayed close due to in-progress write"); closed before answering where
-        gpud dropped the queued connection as it ended ("Connection reset by peer");
-        permission denied where the socket's mode changed since the probe; else not
-        running, as where nothing listens on the socket any more."""
-        last_error = details.partition("last error")[2]
+        closed before answering where gpud dropped the queued connection as it ended
+        ("Connection reset by peer", "Broken pipe"), even inside gRPC's "Delayed close"
+        wrapper; busy only where the kernel said gpud's queue of connections not yet
+        accepted was full ("Transport endpoint is not connected"); permission denied
+        where the socket's mode changed since the probe; else not running, as where
+        nothing listens on the socket any more. Only the kernel's words count: the
+        socket's path, which gRPC's text names, is left out before they are looked for."""
+        last_error = details.partition("last error")[2].replace(
+            f"unix:{self.socket_path.absolute()}", "unix:"
+        )
         if any(w in last_error for w in _NOTHING_LISTENS):
             last_error = ""  # gpud stopped since the probe
         if "Permission denied" in last_error:
             return _denied(self.socket_path)
-        if any(w in last_error for w in _QUEUE_FULL):
-            return CliError(
-                f"gpud on {shown_path(self.socket_path)} runs but did not take gpuctl's"
-                f" connection ({details}): it is busy (a burst of connections can fill the"
-                " queue of those it has not accepted); retry, or check `systemctl status gpud`",
-                EXIT_NOT_RUNNING,
-            )
         if any(w in last_error for w in _DROPPED):
             return CliError(
                 f"gpud on {shown_path(self.socket_path)} closed gpuctl's connection before"
                 f" answering ({details}): it stopped or restarted just now; nothing was sent;"
                 " see `systemctl status gpud`",
+                EXIT_NOT_RUNNING,
+            )
+        if any(w in last_error for w in _QUEUE_FULL):
+            return CliError(
+                f"gpud on {shown_path(self.socket_path)} runs but did not take gpuctl's"
+                f" connection ({details}): it is busy (a burst of connections can fill the"
+                " queue of those it has not accepted); retry, or check `systemctl status gpud`",
                 EXIT_NOT_RUNNING,
             )
         return _not_running(self.socket_path, f"cannot reach it ({details}) on")

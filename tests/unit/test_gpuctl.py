@@ -1520,12 +1520,13 @@ def test_a_gpud_whose_queue_filled_after_the_probe_is_said_busy_not_not_running(
         _RpcError(
             grpc.StatusCode.UNAVAILABLE,
             "failed to connect to all addresses; last error: UNKNOWN: unix:/x: Delayed close"
-            " due to in-progress write",
+            " due to in-progress write (recvmsg:Invalid argument (22)) (sendmsg: Transport"
+            " endpoint is not connected (107))",
         )
     )
     assert busy.exit_code == 3 and busy.status == "UNAVAILABLE"
     assert str(busy).startswith(f"gpud on {sock_dir / 'gpud.sock'} runs but did not take")
-    assert "Delayed close due to in-progress write" in str(busy) and "busy" in str(busy)
+    assert "Transport endpoint is not connected" in str(busy) and "busy" in str(busy)
     assert "not running" not in str(busy)
     gone = ctx.translate(
         _RpcError(
@@ -1552,6 +1553,9 @@ def _connect_failed(sock_dir: Path, last_error: str) -> CliError:
     [
         "UNAVAILABLE: unix:/x: recvmsg:Connection reset by peer (104)",
         "UNAVAILABLE: unix:/x: Socket closed",
+        # gpud died during gRPC's handshake write: gRPC's "Delayed close" wraps the reset
+        "UNAVAILABLE: unix:/x: Delayed close due to in-progress write (recvmsg:Connection"
+        " reset by peer (104)) (sendmsg: Broken pipe (32))",
     ],
 )
 def test_a_gpud_killed_with_gpuctls_connection_queued_is_said_to_have_closed_it_not_busy(
@@ -1595,6 +1599,39 @@ def test_a_gpud_whose_queue_was_full_is_said_busy(sock_dir: Path, last_error: st
     assert busy.exit_code == 3
     assert str(busy).startswith(f"gpud on {sock_dir / 'gpud.sock'} runs but did not take")
     assert last_error in str(busy) and "it is busy" in str(busy)
+
+
+@pytest.mark.parametrize("dir_name", ["Socket closed", "Permission denied", "Not a directory"])
+def test_a_socket_path_that_reads_like_a_reason_does_not_change_what_gpuctl_says(
+    sock_dir: Path, dir_name: str
+) -> None:
+    # only the kernel's words in gRPC's text say why; the socket's path, which it names, does not
+    path = sock_dir / dir_name / "gpud.sock"
+    ctx = Context(socket_path=path, timeout=5.0, output=Output(json_output=False))
+    busy = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{_FAILED_TO_CONNECT}UNAVAILABLE: unix:{path}: sendmsg: Transport endpoint is not"
+            " connected (107)",
+        )
+    )
+    assert busy.exit_code == 3
+    assert str(busy).startswith(f"gpud on {path} runs but did not take"), str(busy)
+    assert "it is busy" in str(busy)
+    unknown = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE, f"{_FAILED_TO_CONNECT}UNKNOWN: unix:{path}: Bad frob"
+        )
+    )
+    assert str(unknown).startswith("gpud is not running: cannot reach it"), str(unknown)
+    denied = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{_FAILED_TO_CONNECT}FAILED_PRECONDITION: unix:{path}: connect failed: addr:"
+            f" unix:{path} error: Permission denied",
+        )
+    )
+    assert denied.exit_code == 77 and denied.status == "PERMISSION_DENIED"
 
 
 def test_a_failure_to_connect_gpuctl_cannot_read_is_not_called_busy(sock_dir: Path) -> None:
