@@ -654,6 +654,44 @@ def test_a_netdev_deleted_while_gpud_ran_leaves_no_tree_to_its_restore() -> None
     tc.close()
 
 
+@dataclass
+class IndexUnread(ShapedLinks):
+    """A kernel whose look-ups by index fail (``fails``: an OSError's errno, or with
+    ``acked`` the error ack's) while the look-up by name answers."""
+
+    fails: int = errno.ENOBUFS
+    acked: bool = False
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if _ifname(body):
+            return super().get(mtype, body)
+        if self.acked:
+            return [], Ack(0, self.fails, None)
+        raise OSError(self.fails, os.strerror(self.fails))
+
+
+@pytest.mark.parametrize("acked", [False, True])
+def test_a_renamed_netdev_unread_by_its_ifindex_may_keep_gpuds_tree(acked: bool) -> None:
+    """eth0 shaped, ``ip link set eth0 name old0``, and the look-up of ifindex 1 fails
+    (ENOBUFS): that is not "no such netdev", gpud's tree may stay on old0."""
+    nl = IndexUnread(macs={"eth0": MAC_A}, acked=acked)
+    tc = TcNetlink(transport=nl)
+    assert tc.sync(ONE).ok
+    nl.links = {"old0": 1}
+    with pytest.raises(TcError) as unread:
+        tc.restore("eth0")
+    assert str(unread.value) == (
+        "eth0: no such network interface; the netdev on ifindex 1 unread: ENOBUFS"
+    )
+    assert (unread.value.errno, unread.value.tree_left) == (errno.ENODEV, None)
+    assert 1 not in [i for i, _ in nl.deleted]
+    nl.fails = errno.ENODEV  # the index gone too: nothing of gpud's left
+    with pytest.raises(TcError) as gone:
+        tc.restore("eth0")
+    assert (str(gone.value), gone.value.tree_left) == ("eth0: no such network interface", False)
+    tc.close()
+
+
 def test_a_netdev_restored_under_a_later_looked_up_name_leaves_no_tree_to_the_first() -> None:
     """eth0 renamed old1, a name restored as dropped from traffic.interfaces: old1's
     restore gave the netdev back, so eth0's refusal leaves nothing of gpud's."""
