@@ -182,6 +182,9 @@ class TcError(Exception):
     False where none does (no netdev by that name, or its index is another name's to
     restore), True where a refusal saw gpud's root on the netdev it left alone, None
     where it is not known (a failed read or request leaves the root as it was).
+    ``tree_removed``: True where a restore deleted gpud's root and only the re-install of
+    the original one failed (``tree_left`` False: the netdev has the kernel's default
+    root, not the one from before gpud).
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class TcError(Exception):
         errno: int | None = None,
         detail: str | None = None,
         tree_left: bool | None = None,
+        tree_removed: bool = False,
     ) -> None:
         text = f"{iface}: {message}"
         if op:
@@ -205,6 +209,7 @@ class TcError(Exception):
         self.errno = errno
         self.detail = detail
         self.tree_left = tree_left
+        self.tree_removed = tree_removed
 
 
 @dataclass(frozen=True)
@@ -1166,7 +1171,8 @@ class TcNetlink:
         is left as it is, and nothing is installed: gpud's tree is not there to give back
         (removed by hand, or gone with a netdev deleted and created again). Raises TcError
         on failure, whose ``tree_left`` is False where nothing of gpud's is left (no netdev
-        by that name, the kernel's ``ENODEV``; or its netdev another name's to restore).
+        by that name, the kernel's ``ENODEV``; or its netdev another name's to restore; or
+        gpud's root deleted and only the original's re-install refused, ``tree_removed``).
 
         ``ifindex``: the index of the netdev ``original`` was recorded on (None: not
         known). When the name is another netdev's than that one, or than the one this
@@ -1231,12 +1237,17 @@ class TcNetlink:
         if replaced or original is None or original.kind in (now, "noqueue"):
             return Restored(True, replaced, state.root)
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
-        self._request_one(
-            iface,
-            (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
-            f"qdisc replace dev {iface} root {original.kind}",
-            f"re-install the original {original.kind} root",
-        )
+        try:
+            self._request_one(
+                iface,
+                (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
+                f"qdisc replace dev {iface} root {original.kind}",
+                f"re-install the original {original.kind} root",
+            )
+        except TcError as err:
+            # the delete was acked: gpud's tree is gone, only the original is not back
+            err.tree_left, err.tree_removed = False, True
+            raise
         try:
             root = self.read(iface).root
         except TcError:

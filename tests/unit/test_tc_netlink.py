@@ -314,6 +314,32 @@ def test_a_root_re_installed_whose_read_back_fails_is_still_restored() -> None:
     tc.close()
 
 
+@dataclass
+class RefusedReinstall(BlindAfterReinstall):
+    """The delete of gpud's root acked, the re-install of the original refused (EPERM)."""
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        acks = super().request(msgs)
+        return [
+            Ack(a.seq, errno.EPERM, None) if mtype == RTM_NEWQDISC else a
+            for a, (mtype, _f, _b) in zip(acks, msgs, strict=True)
+        ]
+
+
+def test_a_refused_re_install_says_gpuds_tree_is_removed() -> None:
+    nl = RefusedReinstall()
+    tc = TcNetlink(transport=nl)
+    with pytest.raises(TcError) as refused:
+        tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert str(refused.value) == (
+        "eth0: cannot re-install the original pfifo_fast root: EPERM"
+        " (tc qdisc replace dev eth0 root pfifo_fast)"
+    )
+    assert nl.root is None  # gpud's tree deleted: the kernel's default root is there
+    assert (refused.value.tree_left, refused.value.tree_removed) == (False, True)
+    tc.close()
+
+
 def _with_mac(info: memoryview, mac: bytes) -> memoryview:
     """An RTM_NEWLINK answer with IFLA_ADDRESS ``mac`` added."""
     attr = struct.pack("=HH", 4 + len(mac), 1) + mac
