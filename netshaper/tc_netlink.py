@@ -182,6 +182,9 @@ class TcError(Exception):
     False where none does (no netdev by that name, or its index is another name's to
     restore), True where a refusal saw gpud's root on the netdev it left alone, None
     where it is not known (a failed read or request leaves the root as it was).
+    ``tree_removed``: True where a restore deleted gpud's root and only the re-install of
+    the original one failed (``tree_left`` False: the netdev has the kernel's default
+    root, not the one from before gpud).
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class TcError(Exception):
         errno: int | None = None,
         detail: str | None = None,
         tree_left: bool | None = None,
+        tree_removed: bool = False,
     ) -> None:
         text = f"{iface}: {message}"
         if op:
@@ -205,6 +209,7 @@ class TcError(Exception):
         self.errno = errno
         self.detail = detail
         self.tree_left = tree_left
+        self.tree_removed = tree_removed
 
 
 @dataclass(frozen=True)
@@ -742,20 +747,37 @@ class TcNetlink:
             idx = self._ifindex[iface] = self._lookup(iface)
         return idx
 
-    def _link_at(self, index: int) -> tuple[str, _Fingerprint] | None:
+    def _link_at(self, iface: str, index: int, err: TcError) -> tuple[str, _Fingerprint] | None:
         """The name and fingerprint the kernel gives index ``index`` now (``ip link show``,
-        ``RTM_GETLINK`` by index); None when there is no such index or it cannot be read."""
+        ``RTM_GETLINK`` by index); None when there is no such index (the kernel's
+        ``ENODEV``). Unread (``ENOBUFS``, ``EINTR``, any other error or an answer without
+        a name), the netdev ``iface`` was may be there under another name with gpud's
+        tree: a TcError (``ENODEV``, caused by ``err``, the look-up by name that failed)
+        whose ``tree_left`` is None raised."""
         try:
-            msgs, err = self._nl.get(RTM_GETLINK, _IFINFOMSG.pack(0, 0, index, 0, 0))
-        except OSError:
-            return None
-        if err is not None or not msgs:
-            return None
-        name = _attrs(msgs[0], _IFINFOMSG.size, len(msgs[0])).get(IFLA_IFNAME)
-        if name is None:
-            return None
-        text = bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
-        return text, _fingerprint(msgs[0])
+            msgs, ack = self._nl.get(RTM_GETLINK, _IFINFOMSG.pack(0, 0, index, 0, 0))
+        except OSError as oserr:
+            if oserr.errno == errno_mod.ENODEV:
+                return None
+            failed = _errname(oserr.errno) if oserr.errno else str(oserr)
+        else:
+            if ack is not None and ack.errno == errno_mod.ENODEV:
+                return None
+            name = None
+            if ack is None and msgs:
+                name = _attrs(msgs[0], _IFINFOMSG.size, len(msgs[0])).get(IFLA_IFNAME)
+            if name is not None:
+                text = bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
+                return text, _fingerprint(msgs[0])
+            failed = _errname(ack.errno) if ack is not None else "no name in the answer"
+        out = TcError(
+            iface,
+            f"no such network interface; the netdev on ifindex {index} unread: {failed}",
+            errno=errno_mod.ENODEV,
+            tree_left=None,
+        )
+        out.__cause__ = err
+        raise out
 
     def _renamed(self, iface: str, err: TcError) -> tuple[int, str, bool]:
         """The index and name now of the netdev ``iface`` was when this adapter last looked
@@ -770,14 +792,16 @@ class TcNetlink:
         bond's, a cloned or a set one; the check is any HTB root with that major handle, so
         one made by hand, or by a second gpud in the same namespace, passes too), or one
         another name found on that index by a later look-up (that name's to restore). The
-        error's ``tree_left`` is None where that netdev's tc state could not be read, False
-        otherwise. The third item is True where the name now is one in the last plan a pass
+        error's ``tree_left`` is None where that netdev or its tc state could not be read,
+        False otherwise. The third item is True where the name now is one in the last plan a pass
         was given, or one adopted (``traffic.interfaces``; ``ip link del b0; ip link set a0
         name b0``): the netdev is b0's to shape and restore, which :meth:`_resolve` says
         and :meth:`restore` refuses to do as ``iface``."""
         seen = self._cache_index.get(iface)
-        link = self._link_at(seen) if seen is not None else None
-        if err.errno != errno_mod.ENODEV or seen is None or link is None or link[0] == iface:
+        if err.errno != errno_mod.ENODEV or seen is None:
+            raise err
+        link = self._link_at(iface, seen, err)
+        if link is None or link[0] == iface:
             raise err
         renamed, print_now = link
         was = self._prints.get(iface)
@@ -1147,7 +1171,8 @@ class TcNetlink:
         is left as it is, and nothing is installed: gpud's tree is not there to give back
         (removed by hand, or gone with a netdev deleted and created again). Raises TcError
         on failure, whose ``tree_left`` is False where nothing of gpud's is left (no netdev
-        by that name, the kernel's ``ENODEV``; or its netdev another name's to restore).
+        by that name, the kernel's ``ENODEV``; or its netdev another name's to restore; or
+        gpud's root deleted and only the original's re-install refused, ``tree_removed``).
 
         ``ifindex``: the index of the netdev ``original`` was recorded on (None: not
         known). When the name is another netdev's than that one, or than the one this
@@ -1212,12 +1237,17 @@ class TcNetlink:
         if replaced or original is None or original.kind in (now, "noqueue"):
             return Restored(True, replaced, state.root)
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
-        self._request_one(
-            iface,
-            (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
-            f"qdisc replace dev {iface} root {original.kind}",
-            f"re-install the original {original.kind} root",
-        )
+        try:
+            self._request_one(
+                iface,
+                (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
+                f"qdisc replace dev {iface} root {original.kind}",
+                f"re-install the original {original.kind} root",
+            )
+        except TcError as err:
+            # the delete was acked: gpud's tree is gone, only the original is not back
+            err.tree_left, err.tree_removed = False, True
+            raise
         try:
             root = self.read(iface).root
         except TcError:

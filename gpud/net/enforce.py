@@ -108,7 +108,8 @@ class TcPort(Protocol):
         on; when the name is another netdev's (than that one, or since the last pass),
         ``original`` was the old one's and is not put on it. An error whose ``tree_left``
         is False left nothing of gpud's (no netdev by that name, or the netdev is another
-        name's to restore); any other may have left gpud's tree on a netdev."""
+        name's to restore, or ``tree_removed``: gpud's tree deleted and only the original
+        root not put back); any other may have left gpud's tree on a netdev."""
         ...
 
     def close(self) -> None:

@@ -1747,8 +1747,18 @@ class TrafficService:
                     iface, original, ifindex=self._shaped.original_ifindex(iface)
                 )
             except Exception as err:
-                if _tree_may_stay(err):
-                    message = _describe(iface, err)
+                message = _describe(iface, err)
+                if _not_put_back(err):
+                    # nothing of gpud's left to retry on: the record goes
+                    log.warning("traffic: original root not put back on %s: %s", iface, message)
+                    self._events.emit(
+                        "net.interface_error",
+                        "not in traffic.interfaces any more: gpud's tree removed, the"
+                        f" original root not put back: {message}",
+                        interface=iface,
+                        reason=message,
+                    )
+                elif _tree_may_stay(err):
                     log.warning("traffic: cannot remove gpud's tree: %s", message)
                     self._events.emit(
                         "net.interface_error",
@@ -1757,6 +1767,13 @@ class TrafficService:
                         reason=message,
                     )
                     continue
+                else:
+                    log.info(
+                        "traffic: nothing to remove from %s, not in traffic.interfaces any"
+                        " more: %s",
+                        iface,
+                        message,
+                    )
             else:
                 self._events.emit(
                     "net.unshaped",
@@ -2114,7 +2131,7 @@ class TrafficService:
                     done = self._tc.restore(iface, None if was else original, ifindex=recorded_at)
                 except Exception as err:
                     message = _describe(iface, err)
-                    if not _tree_may_stay(err):
+                    if not _tree_may_stay(err) and not _not_put_back(err):
                         # no netdev by that name, or its tree is another name's to restore:
                         # nothing of gpud's is left behind here
                         log.info("traffic: nothing to restore on %s: %s", iface, message)
@@ -2217,6 +2234,12 @@ def _tree_may_stay(err: Exception) -> bool:
     where the adapter says none is (``TcError.tree_left`` False: no netdev by that name,
     or its index another name's to restore); anything else may have left it."""
     return getattr(err, "tree_left", None) is not False
+
+
+def _not_put_back(err: Exception) -> bool:
+    """Whether a restore that raised ``err`` deleted gpud's tree and only failed to put the
+    original root back (``TcError.tree_removed``): the netdev has the kernel's default."""
+    return getattr(err, "tree_removed", False) is True
 
 
 def _describe(iface: str, err: Exception) -> str:

@@ -2071,6 +2071,78 @@ def test_an_interface_taken_out_whose_tree_may_stay_is_said_and_kept_for_the_nex
     assert "eth1" in ShapedInterfaces(rig.store).all()
 
 
+@dataclasses.dataclass
+class NotPutBackTc(FakeTc):
+    """Deletes gpud's tree, and the re-install of the original root is refused (EPERM)."""
+
+    def restore(
+        self, iface: str, original: tcplan.RootQdisc | None = None, *, ifindex: int | None = None
+    ) -> FakeRestored:
+        self.states.pop(iface, None)
+        raise TcError(
+            iface,
+            "cannot re-install the original pfifo_fast root: EPERM",
+            op=f"qdisc replace dev {iface} root pfifo_fast",
+            errno=errno.EPERM,
+            tree_left=False,
+            tree_removed=True,
+        )
+
+
+def _eth1_taken_out(tmp_path: Path, sysfs: Path, tc: Callable[[FakeTc], FakeTc]) -> Rig:
+    """eth0 and eth1 shaped, then gpud started again with eth1 out of the config."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    rig.tc = tc(rig.tc)
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    rig.service = rig.make()
+    rig.service.start()
+    return rig
+
+
+def test_an_interface_taken_out_whose_original_root_is_not_put_back_says_the_tree_is_gone(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = _eth1_taken_out(tmp_path, sysfs, lambda tc: NotPutBackTc(states=dict(tc.states)))
+    (event,) = rig.events.recent(100, kind_prefix="net.interface_error")
+    assert event.message == (
+        "not in traffic.interfaces any more: gpud's tree removed, the original root not put"
+        " back: eth1: cannot re-install the original pfifo_fast root: EPERM"
+        " (tc qdisc replace dev eth1 root pfifo_fast)"
+    )
+    assert "eth1" not in ShapedInterfaces(rig.store).all()  # nothing of gpud's to retry
+
+
+def test_an_interface_taken_out_that_is_gone_is_a_log_line(
+    tmp_path: Path, sysfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="gpud.net.service"):
+        rig = _eth1_taken_out(
+            tmp_path, sysfs, lambda tc: FakeTc(states=dict(tc.states), missing={"eth1"})
+        )
+    assert rig.events.recent(100, kind_prefix="net.interface_error") == []
+    assert "eth1" not in ShapedInterfaces(rig.store).all()
+    (line,) = [r.getMessage() for r in caplog.records if "nothing to remove" in r.getMessage()]
+    assert line == (
+        "traffic: nothing to remove from eth1, not in traffic.interfaces any more: eth1: no"
+        " such network interface"
+    )
+
+
+def test_a_stop_whose_original_root_is_not_put_back_is_said(rig: Rig) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    rig.tc = NotPutBackTc(states=dict(rig.tc.states))
+    _restart(rig).shutdown()
+    (event,) = rig.events.recent(100, kind_prefix="net.interface_error")
+    assert event.message == (
+        "traffic.shutdown = restore, not done: eth0: cannot re-install the original"
+        " pfifo_fast root: EPERM (tc qdisc replace dev eth0 root pfifo_fast)"
+    )
+
+
 def _restart(rig: Rig) -> TrafficService:
     """A new service (gpud started again) that has adopted the kernel and ticked once."""
     rig.service = rig.make()

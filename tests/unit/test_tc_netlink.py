@@ -314,6 +314,32 @@ def test_a_root_re_installed_whose_read_back_fails_is_still_restored() -> None:
     tc.close()
 
 
+@dataclass
+class RefusedReinstall(BlindAfterReinstall):
+    """The delete of gpud's root acked, the re-install of the original refused (EPERM)."""
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        acks = super().request(msgs)
+        return [
+            Ack(a.seq, errno.EPERM, None) if mtype == RTM_NEWQDISC else a
+            for a, (mtype, _f, _b) in zip(acks, msgs, strict=True)
+        ]
+
+
+def test_a_refused_re_install_says_gpuds_tree_is_removed() -> None:
+    nl = RefusedReinstall()
+    tc = TcNetlink(transport=nl)
+    with pytest.raises(TcError) as refused:
+        tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert str(refused.value) == (
+        "eth0: cannot re-install the original pfifo_fast root: EPERM"
+        " (tc qdisc replace dev eth0 root pfifo_fast)"
+    )
+    assert nl.root is None  # gpud's tree deleted: the kernel's default root is there
+    assert (refused.value.tree_left, refused.value.tree_removed) == (False, True)
+    tc.close()
+
+
 def _with_mac(info: memoryview, mac: bytes) -> memoryview:
     """An RTM_NEWLINK answer with IFLA_ADDRESS ``mac`` added."""
     attr = struct.pack("=HH", 4 + len(mac), 1) + mac
@@ -651,6 +677,44 @@ def test_a_netdev_deleted_while_gpud_ran_leaves_no_tree_to_its_restore() -> None
     with pytest.raises(TcError) as gone:
         tc.restore("eth0")
     assert (gone.value.errno, gone.value.tree_left) == (errno.ENODEV, False)
+    tc.close()
+
+
+@dataclass
+class IndexUnread(ShapedLinks):
+    """A kernel whose look-ups by index fail (``fails``: an OSError's errno, or with
+    ``acked`` the error ack's) while the look-up by name answers."""
+
+    fails: int = errno.ENOBUFS
+    acked: bool = False
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if _ifname(body):
+            return super().get(mtype, body)
+        if self.acked:
+            return [], Ack(0, self.fails, None)
+        raise OSError(self.fails, os.strerror(self.fails))
+
+
+@pytest.mark.parametrize("acked", [False, True])
+def test_a_renamed_netdev_unread_by_its_ifindex_may_keep_gpuds_tree(acked: bool) -> None:
+    """eth0 shaped, ``ip link set eth0 name old0``, and the look-up of ifindex 1 fails
+    (ENOBUFS): that is not "no such netdev", gpud's tree may stay on old0."""
+    nl = IndexUnread(macs={"eth0": MAC_A}, acked=acked)
+    tc = TcNetlink(transport=nl)
+    assert tc.sync(ONE).ok
+    nl.links = {"old0": 1}
+    with pytest.raises(TcError) as unread:
+        tc.restore("eth0")
+    assert str(unread.value) == (
+        "eth0: no such network interface; the netdev on ifindex 1 unread: ENOBUFS"
+    )
+    assert (unread.value.errno, unread.value.tree_left) == (errno.ENODEV, None)
+    assert 1 not in [i for i, _ in nl.deleted]
+    nl.fails = errno.ENODEV  # the index gone too: nothing of gpud's left
+    with pytest.raises(TcError) as gone:
+        tc.restore("eth0")
+    assert (str(gone.value), gone.value.tree_left) == ("eth0: no such network interface", False)
     tc.close()
 
 
