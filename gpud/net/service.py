@@ -39,7 +39,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +282,15 @@ class _Count(NamedTuple):
     restarted: tuple[str, ...] = ()
 
 
+def _a_rank_beside(pending: _Pending, others: Iterable[_Session]) -> bool:
+    """Whether any of ``others`` (a job's other live sessions) was heard since a moment
+    (:data:`_ONE_ARRIVAL_S`) before the first report (``pending``) of a session that was
+    below the job's count: ranks of one job report in the same cadence, a dead
+    predecessor does not, so that session is a rank behind and restarts nothing."""
+    since = pending.heard_at - _ONE_ARRIVAL_S
+    return any(s.heard_at >= since for s in others)
+
+
 def _job_count(
     prev: _JobReports | None, sessions: dict[str, _Session], session: str, heard: float
 ) -> _Count:
@@ -303,13 +312,13 @@ def _job_count(
         return _Count(me.iterations, session, ((me.iterations, me.stamp),))
     names = [name for name, s in sessions.items() if name == session or not s.dropped_out(heard)]
     live = [sessions[name] for name in names]
-    if me.pending is not None and heard - me.pending.heard_at > _ONE_ARRIVAL_S:
-        first = (me.pending.iterations, me.pending.stamp)
-        # one heard a moment before its first report reported in the same round
-        since = me.pending.heard_at - _ONE_ARRIVAL_S
-        if not any(s.heard_at >= since for s in live if s is not me):
-            told = (first, (me.iterations, me.stamp))
-            return _Count(me.iterations, session, told, (session,))
+    if (
+        me.pending is not None
+        and heard - me.pending.heard_at > _ONE_ARRIVAL_S
+        and not _a_rank_beside(me.pending, (s for s in live if s is not me))
+    ):
+        told = ((me.pending.iterations, me.pending.stamp), (me.iterations, me.stamp))
+        return _Count(me.iterations, session, told, (session,))
     lowest = min(live, key=lambda s: (s.iterations, -s.stamp))
     if max(s.iterations for s in live) < prev.iterations:
         lowest_told = ((lowest.iterations, lowest.stamp),)
@@ -635,11 +644,18 @@ class TrafficService:
             before = own.iterations if own is not None else None
             if not r.session and prev is not None:
                 before = prev.bare
+            silent = (
+                prev is not None
+                and heard - prev.heard_at > self._quiet_s(prev)
+                and r.job not in self._held_now()
+            )
             waiting = None
             if before is not None and r.iterations < before:
-                waiting = self._restart_awaiting(r, prev, heard)
+                waiting = self._restart_awaiting(r, prev, heard, silent=silent)
                 # at or above the restart's count, and not in the arrival of its first
-                # report (one round of the job's reports): its next report
+                # report (one round of the job's reports): its next report, which
+                # restarts the job (decided here: a report let through below the last
+                # one without a session is one the count restarts from)
                 if waiting is None or not (
                     waiting[1].iterations <= r.iterations
                     and heard - waiting[1].heard_at > _ONE_ARRIVAL_S
@@ -654,11 +670,6 @@ class TrafficService:
                         f" (going backwards; a restarted job reports from a new session{awaits})",
                         field="iterations",
                     )
-            silent = (
-                prev is not None
-                and heard - prev.heard_at > self._quiet_s(prev)
-                and r.job not in self._held_now()
-            )
             sessions = self._live_sessions(r, prev, heard, silent=silent)
             mine = self._session_report(r, prev, own, stamped, heard)
             if waiting is not None:
@@ -731,19 +742,29 @@ class TrafficService:
         )
 
     def _restart_awaiting(
-        self, r: Report, prev: _JobReports | None, heard: float
+        self, r: Report, prev: _JobReports | None, heard: float, *, silent: bool
     ) -> tuple[str, _Pending] | None:
-        """The session of ``r``'s job, heard within ``traffic.progress_window_s``, whose
-        restart awaits its next report (:attr:`_Session.pending`; the most recently heard),
-        when ``r``, a report without a session (``gpuctl net report`` without
-        ``--session``) arriving at ``heard``, is below the last such report: a shell job
-        restarted with ``--session`` soon after its last report without one, then
-        reporting without it again. None where ``r`` has a session or no restart awaits."""
+        """The live session of ``r``'s job (heard within ``traffic.progress_window_s``,
+        after the job's last run ended: :meth:`_prune`) whose restart awaits its next
+        report (:attr:`_Session.pending`; the most recently heard), when ``r``, a report
+        without a session (``gpuctl net report`` without ``--session``) arriving at
+        ``heard``, is below the last such report: a shell job restarted with ``--session``
+        soon after its last report without one, then reporting without it again. A session
+        whose restart can no longer follow (another live session heard since its first
+        report: it is a rank behind) awaits nothing. None where ``r`` has a session or no
+        restart awaits. ``silent``: the job fell silent before ``r`` (no other session
+        is live then)."""
         if r.session or prev is None:
             return None
-        window = self._tracker.config.window_s
-        for name, s in reversed(prev.sessions.items()):
-            if s.pending is not None and heard - s.heard_at <= window:
+        live = dict(prev.sessions)  # a report refused changes nothing
+        self._prune(r.job, live, heard)
+        # the reporter without a session is the one reporting; the dropped out are no ranks
+        others = {
+            name: s for name, s in live.items() if name and not silent and not s.dropped_out(heard)
+        }
+        for name, s in reversed(live.items()):
+            ranks = (o for n, o in others.items() if n != name)
+            if s.pending is not None and not _a_rank_beside(s.pending, ranks):
                 return name, s.pending
         return None
 

@@ -3729,6 +3729,17 @@ def test_a_shell_driven_job_restarted_with_a_session_counts_from_it_and_reports_
         rig.service.report(Report("a", 1001, rig.clock.t + 1))
 
 
+def _shell_job_restarted_as_s2(rig: Rig) -> None:
+    """Job a reported without a session every 10 s up to 1200, then, 5 s after the last,
+    with ``--session S2`` from 1000 (a restart awaiting its next report)."""
+    rig.service.tick()
+    for n in range(1100, 1201, 10):
+        rig.clock.t += 10.0
+        rig.service.report(Report("a", n, rig.clock.t))
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+
+
 def test_a_shell_driven_job_restarted_with_a_session_soon_after_reports_on_without_one(
     rig: Rig,
 ) -> None:
@@ -3738,12 +3749,7 @@ def test_a_shell_driven_job_restarted_with_a_session_soon_after_reports_on_witho
     S2's count is that next report (the shell job goes on without ``--session``): the count
     is the restarted job's from then on, not refused as going backwards for good. One below
     S2's count meanwhile is refused, saying the restart awaits its next report."""
-    rig.service.tick()
-    for n in range(1100, 1201, 10):
-        rig.clock.t += 10.0
-        rig.service.report(Report("a", n, rig.clock.t))
-    rig.clock.t += 5.0
-    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+    _shell_job_restarted_as_s2(rig)
     assert _row(rig).iterations == 1200  # a rank behind, or a restart: not known yet
     with pytest.raises(
         InvalidArgument, match=r"999 iterations after 1200 .*session S2's restart awaits its next"
@@ -3756,6 +3762,50 @@ def test_a_shell_driven_job_restarted_with_a_session_soon_after_reports_on_witho
         rig.clock.t += 10.0
     assert rig.service.rejected_reports == 1  # the one below S2's count
     assert _row(rig).iteration_s == pytest.approx(10.0)
+
+
+def test_a_pending_restart_of_a_run_that_ended_takes_no_report_of_the_next(rig: Rig) -> None:
+    """``gpuctl net report`` without a session up to 1200, then ``--session S2`` with a
+    lower count (its restart awaits its next report), then the run ends: S2 is a session of
+    the ended run, so a report without a session below 1200 is no next report of S2's
+    restart (the gap between the runs would count in the new run's pace) and the refusal
+    names no session of the ended run."""
+    _shell_job_restarted_as_s2(rig)
+    rig.clock.t += 1.0
+    rig.service.run_ended("a")
+    rig.clock.t += 5.0
+    for count in (1001, 5):
+        with pytest.raises(InvalidArgument, match=rf"{count} iterations after 1200") as refused:
+            rig.service.report(Report("a", count, rig.clock.t))
+        assert "S2" not in str(refused.value)
+    assert _row(rig).iterations == 1200
+
+
+def test_a_report_without_a_session_below_its_last_is_refused_when_no_restart_follows(
+    rig: Rig,
+) -> None:
+    """A reporter without a session and session R both at 1200; new session S2 reports
+    1000; then R reports 1210 and the reporter without a session 1001 in the same moment:
+    R heard since S2's first report makes S2 a rank behind, not a restart, so 1001 is
+    refused as going backwards (naming no restart) and the shell reporter goes on from
+    1200."""
+    rig.service.tick()
+    for n in range(1100, 1201, 10):
+        rig.clock.t += 10.0
+        rig.service.report(Report("a", n, rig.clock.t))
+        rig.service.report(Report("a", n, rig.clock.t, session="R"))
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1000, rig.clock.t, session="S2"))
+    shown = _row(rig).iterations
+    rig.clock.t += 5.0
+    rig.service.report(Report("a", 1210, rig.clock.t, session="R"))
+    with pytest.raises(InvalidArgument, match=r"1001 iterations after 1200 \(going back") as no:
+        rig.service.report(Report("a", 1001, rig.clock.t))
+    assert "awaits" not in str(no.value)
+    assert _row(rig).iterations == shown
+    with pytest.raises(InvalidArgument, match=r"1199 iterations after 1200"):
+        rig.service.report(Report("a", 1199, rig.clock.t))
+    rig.service.report(Report("a", 1201, rig.clock.t))
 
 
 def test_sessions_of_a_run_that_ended_stay_dead_after_a_tick_sees_the_next_run(
