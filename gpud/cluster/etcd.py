@@ -89,7 +89,8 @@ AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while aut
 # refusals that a login again mends: a token expired, or a call without one (authentication
 # turned on after calls went without it)
 NO_USER = "user name is empty"  # etcd's answer to a call that carried no token
-_LOGIN_AGAIN = ("invalid auth token", NO_USER)
+INVALID_TOKEN = "invalid auth token"  # etcd's answer to a token it did not give or let expire
+_LOGIN_AGAIN = (INVALID_TOKEN, NO_USER)
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -302,6 +303,9 @@ class EtcdClient:
         # endpoints whose token a login had just given was not seen by etcd (a proxy that
         # drops the Authorization header): no login again there until a call succeeds
         self._token_lost: set[int] = set()
+        # endpoints that answered a token a login had just given as invalid (a token store
+        # of its own, a proxy): no login again there until a call succeeds
+        self._token_refused: set[int] = set()
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
@@ -326,6 +330,7 @@ class EtcdClient:
             client = self._clients[index]
             endpoint = self._settings.endpoints[index]
             request = VERSION_PATH  # get_url asks the endpoint's version the first time
+            fresh = False
             try:
                 url = client.get_url(path)
                 request = "/auth/authenticate"
@@ -338,7 +343,7 @@ class EtcdClient:
                         raise
                     # once per endpoint and call: a second refusal is said as it is
                     request = "/auth/authenticate"
-                    self._authenticate(index, client)
+                    fresh = self._authenticate(index, client)
                     request = path
                     result = client.post(url, data=json.dumps(body), headers=self._token(index))
             except _NotEtcd as err:
@@ -372,6 +377,9 @@ class EtcdClient:
                 if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
                     # a login again did not mend it here (a token store of its own, a
                     # proxy): another endpoint may take this node's token
+                    if fresh and INVALID_TOKEN in said:
+                        with self._lock:
+                            self._token_refused.add(index)
                     last = err
                     refused.append(f"etcd refused {request} at {endpoint}: {said}")
                     continue
@@ -386,6 +394,7 @@ class EtcdClient:
                 raise StoreRefused(f"etcd refused {request}: {said}") from err
             with self._lock:
                 self._token_lost.discard(index)
+                self._token_refused.discard(index)
                 self._current = index
             return result
         if refused:
@@ -476,12 +485,18 @@ class EtcdClient:
         token``), or a call without one where etcd's authentication has been turned on
         since (``user name is empty`` to a node that logged in while it was off). A token
         a login of this call (``fresh``) has just given is not logged in for again, nor
-        one etcd never saw since that login: a proxy dropping the Authorization header
-        would have every call log in (a raft write and a bcrypt on every etcd member)."""
+        one etcd never saw since that login, nor one it refused as invalid as soon as a
+        login gave it: a proxy dropping the Authorization header, or one with a token
+        store of its own, would have every call log in (a raft write and a bcrypt on
+        every etcd member)."""
         if not self._settings.username or not any(w in said for w in _LOGIN_AGAIN):
             return False
         with self._lock:
-            token_refused = fresh or (NO_USER in said and index in self._token_lost)
+            token_refused = (
+                fresh
+                or (NO_USER in said and index in self._token_lost)
+                or (INVALID_TOKEN in said and index in self._token_refused)
+            )
             if index not in self._tokenless and token_refused:
                 return False
             self._authenticated.discard(index)

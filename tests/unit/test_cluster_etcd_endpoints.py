@@ -433,6 +433,12 @@ def test_an_endpoint_refusing_the_token_is_passed_over_for_the_next_that_serves(
         f"etcd refused /kv/range at {etcd2}: etcdserver: invalid auth token; "
         + said.format(proxy=proxy)
     ), str(refused.value)
+    # each endpoint that refused the token of a login is not logged in to again per call
+    # (a raft write and a bcrypt on every etcd member, each tick, from each node)
+    for _ in range(4):
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert (broken.logins, etcd.logins) == (1, 2)
 
 
 def test_an_expired_token_is_logged_in_for_again_within_the_call(
