@@ -95,6 +95,7 @@ VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endp
 
 
 _CLIP = 120  # characters of another server's answer said in an error
+_PATH = re.compile(r"/[^\s'\"]+")  # an absolute path (or a URL's) in an error's text
 
 
 class _NotEtcd(Unavailable):
@@ -115,9 +116,15 @@ def _etcd_version(body: str) -> str:
     return ""
 
 
-def _clipped(text: str) -> str:
+def _clipped(text: str, *, paths: bool = False) -> str:
+    """``text`` on one line, quoted, its first :data:`_CLIP` characters; with ``paths``, a
+    path that begins within them is said to its end (it names the file to mend)."""
     said = " ".join(text.split())
-    return f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
+    end = _CLIP
+    if paths:
+        cut = next((m for m in _PATH.finditer(said) if m.start() < end < m.end()), None)
+        end = cut.end() if cut else end
+    return f"{said[:end]!r}" + (" (clipped)" if len(said) > end else "")
 
 
 def _checked_version_get(
@@ -428,8 +435,8 @@ class EtcdClient:
         text = getattr(err, "detail_text", None) or ""
         if not text and not isinstance(err, self._refused) and str(err):
             # not etcd3gw's (whose str is an HTTP reason): a failure on this host, a CA
-            # file gone since the start, said whole as the path is what to mend
-            return f"{type(err).__name__} {' '.join(str(err).split())!r}"
+            # file gone since the start, said with the path it names whole (what to mend)
+            return f"{type(err).__name__} {_clipped(str(err), paths=True)}"
         kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
         if kernel:
             return kernel.group(1).strip()
@@ -437,7 +444,7 @@ class EtcdClient:
         # the TLS library's reason ends its text, past a preamble that a clip would keep;
         # it may quote a host name ("not valid for 'etcd1'") and ends before OpenSSL's
         # source line or the quote that closes it
-        tls = re.search(r"\[SSL: [A-Z_]+\].*?(?= \(_ssl|\"|'\)|$)", cause)
+        tls = re.search(r"\[SSL: [A-Z_]+\].*?(?= \(_ssl|\"|'\)|$)", cause, re.S)
         if tls:
             cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
