@@ -89,11 +89,13 @@ AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while aut
 # refusals that a login again mends: a token expired, or a call without one (authentication
 # turned on after calls went without it)
 NO_USER = "user name is empty"  # etcd's answer to a call that carried no token
-_LOGIN_AGAIN = ("invalid auth token", NO_USER)
+INVALID_TOKEN = "invalid auth token"  # etcd's answer to a token it did not give or let expire
+_LOGIN_AGAIN = (INVALID_TOKEN, NO_USER)
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
 _CLIP = 120  # characters of another server's answer said in an error
+_PATH = re.compile(r"/[^\s'\"]+")  # an absolute path (or a URL's) in an error's text
 
 
 class _NotEtcd(Unavailable):
@@ -114,9 +116,15 @@ def _etcd_version(body: str) -> str:
     return ""
 
 
-def _clipped(text: str) -> str:
+def _clipped(text: str, *, paths: bool = False) -> str:
+    """``text`` on one line, quoted, its first :data:`_CLIP` characters; with ``paths``, a
+    path that begins within them is said to its end (it names the file to mend)."""
     said = " ".join(text.split())
-    return f"{said[:_CLIP]!r}" + (" (clipped)" if len(said) > _CLIP else "")
+    end = _CLIP
+    if paths:
+        cut = next((m for m in _PATH.finditer(said) if m.start() < end < m.end()), None)
+        end = cut.end() if cut else end
+    return f"{said[:end]!r}" + (" (clipped)" if len(said) > end else "")
 
 
 def _checked_version_get(
@@ -302,6 +310,9 @@ class EtcdClient:
         # endpoints whose token a login had just given was not seen by etcd (a proxy that
         # drops the Authorization header): no login again there until a call succeeds
         self._token_lost: set[int] = set()
+        # endpoints that answered a token a login had just given as invalid (a token store
+        # of its own, a proxy): no login again there until a call succeeds
+        self._token_refused: set[int] = set()
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
@@ -326,6 +337,7 @@ class EtcdClient:
             client = self._clients[index]
             endpoint = self._settings.endpoints[index]
             request = VERSION_PATH  # get_url asks the endpoint's version the first time
+            fresh = False
             try:
                 url = client.get_url(path)
                 request = "/auth/authenticate"
@@ -338,7 +350,7 @@ class EtcdClient:
                         raise
                     # once per endpoint and call: a second refusal is said as it is
                     request = "/auth/authenticate"
-                    self._authenticate(index, client)
+                    fresh = self._authenticate(index, client)
                     request = path
                     result = client.post(url, data=json.dumps(body), headers=self._token(index))
             except _NotEtcd as err:
@@ -372,6 +384,9 @@ class EtcdClient:
                 if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
                     # a login again did not mend it here (a token store of its own, a
                     # proxy): another endpoint may take this node's token
+                    if fresh and INVALID_TOKEN in said:
+                        with self._lock:
+                            self._token_refused.add(index)
                     last = err
                     refused.append(f"etcd refused {request} at {endpoint}: {said}")
                     continue
@@ -386,6 +401,7 @@ class EtcdClient:
                 raise StoreRefused(f"etcd refused {request}: {said}") from err
             with self._lock:
                 self._token_lost.discard(index)
+                self._token_refused.discard(index)
                 self._current = index
             return result
         if refused:
@@ -419,8 +435,8 @@ class EtcdClient:
         text = getattr(err, "detail_text", None) or ""
         if not text and not isinstance(err, self._refused) and str(err):
             # not etcd3gw's (whose str is an HTTP reason): a failure on this host, a CA
-            # file gone since the start, said whole as the path is what to mend
-            return f"{type(err).__name__} {' '.join(str(err).split())!r}"
+            # file gone since the start, said with the path it names whole (what to mend)
+            return f"{type(err).__name__} {_clipped(str(err), paths=True)}"
         kernel = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
         if kernel:
             return kernel.group(1).strip()
@@ -428,7 +444,7 @@ class EtcdClient:
         # the TLS library's reason ends its text, past a preamble that a clip would keep;
         # it may quote a host name ("not valid for 'etcd1'") and ends before OpenSSL's
         # source line or the quote that closes it
-        tls = re.search(r"\[SSL: [A-Z_]+\].*?(?= \(_ssl|\"|'\)|$)", cause)
+        tls = re.search(r"\[SSL: [A-Z_]+\].*?(?= \(_ssl|\"|'\)|$)", cause, re.S)
         if tls:
             cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
@@ -476,12 +492,18 @@ class EtcdClient:
         token``), or a call without one where etcd's authentication has been turned on
         since (``user name is empty`` to a node that logged in while it was off). A token
         a login of this call (``fresh``) has just given is not logged in for again, nor
-        one etcd never saw since that login: a proxy dropping the Authorization header
-        would have every call log in (a raft write and a bcrypt on every etcd member)."""
+        one etcd never saw since that login, nor one it refused as invalid as soon as a
+        login gave it: a proxy dropping the Authorization header, or one with a token
+        store of its own, would have every call log in (a raft write and a bcrypt on
+        every etcd member)."""
         if not self._settings.username or not any(w in said for w in _LOGIN_AGAIN):
             return False
         with self._lock:
-            token_refused = fresh or (NO_USER in said and index in self._token_lost)
+            token_refused = (
+                fresh
+                or (NO_USER in said and index in self._token_lost)
+                or (INVALID_TOKEN in said and index in self._token_refused)
+            )
             if index not in self._tokenless and token_refused:
                 return False
             self._authenticated.discard(index)

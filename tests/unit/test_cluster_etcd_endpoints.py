@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import requests
 
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.errors import StoreRefused, Unavailable
@@ -433,6 +434,12 @@ def test_an_endpoint_refusing_the_token_is_passed_over_for_the_next_that_serves(
         f"etcd refused /kv/range at {etcd2}: etcdserver: invalid auth token; "
         + said.format(proxy=proxy)
     ), str(refused.value)
+    # each endpoint that refused the token of a login is not logged in to again per call
+    # (a raft write and a bcrypt on every etcd member, each tick, from each node)
+    for _ in range(4):
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert (broken.logins, etcd.logins) == (1, 2)
 
 
 def test_an_expired_token_is_logged_in_for_again_within_the_call(
@@ -532,6 +539,62 @@ def test_a_ca_file_gone_since_the_start_is_said_with_its_path(tmp_path: Path) ->
     said = str(unreachable.value)
     assert said.startswith(f"etcd unreachable at {endpoint} (OSError '"), said
     assert str(ca) in said, said
+
+
+class _Failing:
+    """An endpoint's session whose every API call fails with ``error`` before it reaches
+    etcd (a failure on this host, or the TLS library's), after etcd's ``/version``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def get(self, url: str, **kwargs: object) -> requests.Response:
+        answer = requests.Response()
+        answer.status_code, answer._content = 200, ETCD["/version"][1].encode()
+        return answer
+
+    def post(self, url: str, **kwargs: object) -> requests.Response:
+        raise self.error
+
+
+def _failing(error: BaseException) -> str:
+    """What a call says when each of its requests fails with ``error``."""
+    client = _client("http://127.0.0.1:2379")
+    client._clients[0].session = _Failing(error)
+    with pytest.raises(Unavailable) as unreachable:
+        client.get("/x")
+    return str(unreachable.value)
+
+
+def test_a_long_failure_on_this_host_is_said_clipped_with_the_path_it_names_whole() -> None:
+    """A failure on this host (not etcd's, nor HTTP's) says the file to mend to its end,
+    however deep, and not the pages of text a library may add after it."""
+    path = "/etc/gpud/pki/" + "/".join(["deep"] * 30) + "/etcd-ca.pem"
+    said = _failing(
+        OSError(f"Could not find a suitable TLS CA bundle, invalid path: {path}\n{'more ' * 100}")
+    )
+    assert said == (
+        "etcd unreachable at http://127.0.0.1:2379 (OSError 'Could not find a suitable TLS "
+        f"CA bundle, invalid path: {path}' (clipped))"
+    )
+
+
+def test_a_tls_reason_over_lines_is_said_without_the_preamble() -> None:
+    """The TLS library's reason on a line of its own past urllib3's preamble: said from
+    the reason to the source line that ends it, on one line."""
+    said = _failing(
+        requests.exceptions.SSLError(
+            "HTTPSConnectionPool(host='127.0.0.1', port=2379): Max retries exceeded with url: "
+            "/version (Caused by SSLError(SSLCertVerificationError(1, '[SSL: "
+            "CERTIFICATE_VERIFY_FAILED] certificate verify failed:\nself-signed certificate "
+            "in certificate chain (_ssl.c:1006)')))"
+        )
+    )
+    assert said == (
+        "etcd unreachable at http://127.0.0.1:2379 (ConnectionFailedError '[SSL: "
+        "CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate in "
+        "certificate chain')"
+    )
 
 
 def test_a_certificate_for_another_host_is_said_with_the_host_it_is_not_valid_for(
