@@ -31,7 +31,9 @@ and says it was cut short with :func:`cut_short`::
 
 in a ``main`` under :func:`restores_signals`, run as ``exit_as(main())``: a tool cut short
 dies by the signal once it has printed its report, as a shell loop expects. Meanwhile a second
-signal is only noted; a third ends the tool at once (a report stuck on a full pipe).
+signal is only noted; a third ends the tool at once (a report stuck on a full pipe), except in
+the middle of a cleanup (:func:`held`: a daemon being stopped, a network namespace deleted),
+which finishes first.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class Terminated(KeyboardInterrupt):
 class _Signals:
     """SIGTERM and SIGINT as received under :func:`stop_on_signals`: the first is raised in
     the main thread, unless a daemon is being stopped (:func:`held`), then once it is; any
-    after it are only noted, so that the cleanup the first one began is not cut short."""
+    after it are only noted, so that the cleanup the first one began is not cut short. The
+    third ends the tool (:func:`die_by`), at once or, in a held cleanup, once it is done."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -112,10 +115,11 @@ class _Signals:
 
     def handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
+        if self.holding:
+            return  # acted on as the held cleanup ends: cut short, it would leave what it removes
         if len(self.received) >= STOP_AT:
             die_by(signum)
-        if not self.holding:
-            self.raise_first()
+        self.raise_first()
 
     def raise_first(self) -> None:
         if self.received and not self.raised:
@@ -125,7 +129,8 @@ class _Signals:
 
 # The first SIGTERM or SIGINT cuts a tool short, a second is only noted (the cleanup and the
 # report it began go on), a third ends the tool at once: one stuck (its report blocked on a
-# full pipe, a stopped pager) still ends without a SIGKILL.
+# full pipe, a stopped pager) still ends without a SIGKILL. In a held cleanup, the third
+# ends the tool once that cleanup is done.
 STOP_AT = 3
 
 
@@ -133,7 +138,15 @@ def die_by(signum: int) -> NoReturn:
     """End this process by ``signum`` itself (SIGINT, SIGTERM), its default action restored,
     so that its parent (a shell running a loop of tools) sees it killed by the signal, as it
     would a program without handlers; 128 + its number should the kernel not deliver it.
-    Nothing buffered is written: the output may be the very pipe the tool is stuck on."""
+    Nothing buffered is written: the output may be the very pipe the tool is stuck on.
+
+    Off the main thread, where Python cannot change a handler, the signal is sent to the
+    process only if its action is already the default; otherwise the process exits with
+    128 + its number."""
+    if threading.current_thread() is not threading.main_thread():
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
+        os._exit(128 + signum)
     signal.signal(signum, signal.SIG_DFL)
     # to the main thread, where it is not blocked: delivered as the call returns
     signal.pthread_kill(threading.main_thread().ident or 0, signum)
@@ -184,8 +197,11 @@ def exit_as(rc: int) -> NoReturn:
     SIGTERM's number (cut short, its report printed) by that signal itself, so that a shell
     loop stops as a Ctrl-C should stop it; any other as it is."""
     if rc - 128 in (signal.SIGINT, signal.SIGTERM):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # a reader gone (``| head``) must not turn the signal's death into a traceback
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
         die_by(rc - 128)
     raise SystemExit(rc)
 
@@ -278,7 +294,8 @@ def cut_short(
 @contextmanager
 def held() -> Iterator[None]:
     """A cleanup under way (a daemon being stopped, a directory removed): a SIGTERM or SIGINT
-    arriving meanwhile is raised once it is done. Nothing under no :func:`stop_on_signals`."""
+    arriving meanwhile is raised once it is done, and a third signal (:data:`STOP_AT`) ends
+    the tool by it then, not part way. Nothing under no :func:`stop_on_signals`."""
     signals = _signals
     if signals is None:
         yield
@@ -288,6 +305,8 @@ def held() -> Iterator[None]:
         yield
     finally:
         signals.holding -= 1
+        if not signals.holding and len(signals.received) >= STOP_AT:
+            die_by(signals.received[-1])
     if not signals.holding:
         signals.raise_first()
 

@@ -347,9 +347,9 @@ sys.exit(cut_short(stopped.by, "0 of 1 rounds", figures={}, show=lambda f: print
 
 
 def took_them_stuck_writing(proc: subprocess.Popen[str]) -> None:
-    """Until ``proc`` has no signal pending and sleeps in a pipe write (or is gone): it took
-    the signals sent so far and went back to its report. Sent sooner, a signal still pending
-    would merge with the one before it."""
+    """Until ``proc`` has no signal pending and sleeps on a pipe (or is gone): it took the
+    signals sent so far and went back to its report (a write) or its cleanup (a read). Sent
+    sooner, a signal still pending would merge with the one before it."""
     status, wchan = Path(f"/proc/{proc.pid}/status"), Path(f"/proc/{proc.pid}/wchan")
     while proc.poll() is None:
         pending = re.findall(r"^(?:SigPnd|ShdPnd):\s+(\w+)$", status.read_text(), re.M)
@@ -383,6 +383,115 @@ def test_a_report_stuck_on_a_full_pipe_is_ended_by_a_third_signal() -> None:
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+# A cleanup (held) that removes its marker once the test writes a line: the signals come first.
+HELD_CLEANUP = """
+import sys
+from pathlib import Path
+from tools.simdaemon import held, stop_on_signals
+
+marker = Path(sys.argv[1])
+with stop_on_signals():
+    with held():
+        print("holding", file=sys.stderr, flush=True)
+        sys.stdin.readline()
+        marker.unlink()
+    print("not reached", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_cleanup_under_three_signals_finishes_before_the_tool_dies_by_the_signal(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "netns"
+    marker.touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_CLEANUP, str(marker)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        assert proc.stderr.readline() == "holding\n"
+        for _ in range(3):
+            took_them_stuck_writing(proc)
+            proc.send_signal(signal.SIGTERM)
+        took_them_stuck_writing(proc)
+        assert proc.poll() is None, "a third signal cut the cleanup short"
+        proc.stdin.write("cleaned\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        assert not marker.exists()
+        assert "not reached" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+# Cut short, with its reader gone (``bench ... | head``) and a report still buffered.
+EXIT_AS_ON_A_CLOSED_PIPE = """
+import signal, sys
+from tools.simdaemon import exit_as
+
+sys.stdout.write("a report the reader never takes")
+exit_as(128 + signal.SIGINT)
+"""
+
+
+def test_a_tool_cut_short_whose_reader_went_away_still_dies_by_the_signal() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", EXIT_AS_ON_A_CLOSED_PIPE],
+            cwd=ROOT,
+            # buffered, as a tool's stdout to a pipe is: the report fails in exit_as's flush
+            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# die_by called off the main thread, where Python's signal.signal refuses.
+DIE_OFF_THE_MAIN_THREAD = """
+import signal, sys, threading
+from tools.simdaemon import die_by
+
+if sys.argv[1] == "handled":
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+dying = threading.Thread(target=die_by, args=(signal.SIGTERM,))
+dying.start()
+dying.join()
+"""
+
+
+@pytest.mark.parametrize(
+    ("handler", "ended"),
+    [("default", -signal.SIGTERM), ("handled", 128 + signal.SIGTERM)],
+)
+def test_die_by_off_the_main_thread_still_ends_the_tool(handler: str, ended: int) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DIE_OFF_THE_MAIN_THREAD, handler],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == ended, done.stderr
 
 
 def test_a_benchmark_cut_short_by_ctrl_c_stops_the_shell_loop_that_ran_it() -> None:
