@@ -811,7 +811,20 @@ def test_a_gpu_gone_from_the_bus_after_a_restart_keeps_its_layout_until_forgotte
     (config.daemon.run_dir / "sim" / "node.json").unlink()
     one = config.with_overrides({"backend.simulate": "A100-SXM4-40GB:1"}, source="test")
 
+    def mig_events(kind: str) -> list[dict[str, object]]:
+        code, out, err = gpuctl("--json", "events", "--kind", kind)
+        assert code == 0, err
+        events: list[dict[str, object]] = json.loads(out)["events"]
+        return events
+
     def again() -> None:
+        # the reconcile step leaves it alone as faulty: not missing (no layout_matches 0)
+        deadline = time.monotonic() + 20
+        while not (drift := [e for e in mig_events("mig.drift") if e["fields"]["gpu"] == 1]):
+            assert time.monotonic() < deadline, "no reconcile outcome for GPU 1"
+            time.sleep(0.05)
+        assert [e["fields"]["status"] for e in drift] == ["faulty"], drift
+        assert "gone from the bus" in str(drift[0]["message"]), drift
         code, out, err = gpuctl("mig", "forget", uuid)
         assert code == 6, out + err
         assert "gone from the bus: the driver counts 1 GPU(s), none at index 1" in err, err
@@ -819,5 +832,12 @@ def test_a_gpu_gone_from_the_bus_after_a_restart_keeps_its_layout_until_forgotte
         code, out, err = gpuctl("mig", "forget", "--gone", uuid)
         assert code == 0, out + err
         assert f"forgot {uuid}" in out, out
+        (forgotten,) = mig_events("mig.forgotten")
+        assert forgotten["fields"] == {
+            "gpu": 1,
+            "uuid": uuid,
+            "config": "custom-balanced",
+            "gone": True,
+        }
 
     run_daemon(one, again)
