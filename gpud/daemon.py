@@ -88,6 +88,7 @@ from gpud.reach import reach_warnings
 from gpud.store import DB_NAME, StateStore, worst_refusals_s
 from gpud.telemetry.sampler import Sampler, tick_bound_s
 from gpud.telemetry.seen import SeenGpus
+from gpud.telemetry.seen import identity as seen_identity
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
 from gpud.threads import EXIT_GRACE_S, on_daemon_thread, wait_first
 
@@ -609,7 +610,7 @@ class Daemon:
             reserved=self._jobs_reserving,
             hold_placement=self.jobs.placing_none_on,
             after_change=self._devices_changed,
-            last_seen=self._last_seen,
+            last_seen=self._mig_last_seen,
             # a GPU's identity as the latest sample read it in this run
             read_identities=lambda: {g.index: g for g in self._identities() if g.read},
         )
@@ -802,6 +803,21 @@ class Daemon:
             for g in (snap.gpus if snap else ())
             if g.last_seen is not None
         }
+
+    def _mig_last_seen(self) -> dict[int, SeenIdentity]:
+        """:meth:`_last_seen`, and how an earlier run last saw each GPU index the driver no
+        longer counts (``nvmlDeviceGetCount``: the sampler has no slot for it): a GPU gone
+        from the bus since then is still known there, so the MIG manager leaves its layout
+        alone as faulty instead of taking it for a board removed (``missing``)."""
+        counted = self._last_seen()
+        snap = self.sampler.latest()
+        slots = len(snap.gpus) if snap else 0
+        gone = {
+            i: told
+            for i, kept in dict(self.seen.known).items()
+            if i >= slots and (told := seen_identity(kept)) is not None
+        }
+        return {**gone, **counted}
 
     def _products(self) -> dict[int, str]:
         """GPU index -> product key; for a GPU never read since gpud started, the product

@@ -7,7 +7,8 @@
                      [--skip-reset]
     gpuctl mig assert -f FILE -c NAME             exit 0: the GPUs match; 1: they differ
     gpuctl mig export [-c NAME]                   the current layout as a mig-parted file
-    gpuctl mig forget GPU-UUID                    drop the layout recorded for a GPU gone
+    gpuctl mig forget [--gone] GPU-UUID           drop the layout recorded for a GPU gone
+                                                  (--gone: from the bus, for good)
 
 With ``--drain``, ``--drain-timeout`` is how long to wait for processes to leave the
 instances that would be destroyed (default: the daemon's ``mig.drain_timeout_s``); the call
@@ -170,6 +171,12 @@ def register(subparsers: Subparsers) -> None:
     )
     forget.add_argument(
         "gpu_uuid", metavar="GPU-UUID", type=given("the GPU's UUID"), help="as mig show says it"
+    )
+    forget.add_argument(
+        "--gone",
+        action="store_true",
+        help="the board is removed for good: drop its layout though it is gone from the bus"
+        " (recorded at an index the driver no longer counts)",
     )
     forget.set_defaults(run=run_forget)
 
@@ -482,7 +489,8 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
 
 def run_forget(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ForgetMigResponse = ctx.call(
-        ctx.stub(pb_grpc.MigStub).ForgetMig, pb.ForgetMigRequest(gpu_uuid=args.gpu_uuid)
+        ctx.stub(pb_grpc.MigStub).ForgetMig,
+        pb.ForgetMigRequest(gpu_uuid=args.gpu_uuid, gone=args.gone),
     )
     if ctx.out.json:
         ctx.out.print_json(resp)

@@ -244,7 +244,7 @@ class MigServicer(pb_grpc.MigServicer):
         uuid = request.gpu_uuid.strip()
         if not uuid:
             raise InvalidArgument("a GPU UUID is required (GPU-...)", field="gpu_uuid")
-        record = await on_daemon_thread(lambda: self._manager.forget(uuid))
+        record = await on_daemon_thread(lambda: self._manager.forget(uuid, gone=request.gone))
         return pb.ForgetMigResponse(
             gpu_uuid=record.gpu_uuid, gpu=record.gpu_index, config_name=record.config_name
         )

@@ -188,6 +188,9 @@ NOT_ANSWERING = "not answering: an earlier driver call on it is still outstandin
 # long, or until this process changes the GPU; then read again, for an instance another
 # tool created may let the driver list more.
 INCOMPLETE_TABLE_S = 60.0
+# How long `forget` waits for the manager's lock: a reconcile step holds it for milliseconds
+# each tick; an apply is refused before this wait (see MigManager.forget).
+FORGET_WAIT_S = 2.0
 
 
 def _fault_reason(err: BackendError) -> str:
@@ -1687,7 +1690,7 @@ class MigManager:
     def desired(self) -> dict[str, DesiredRecord]:
         return self._store.desired()
 
-    def forget(self, uuid: str) -> DesiredRecord:
+    def forget(self, uuid: str, *, gone: bool = False) -> DesiredRecord:
         """Drop the desired layout recorded under ``uuid``, of a GPU no longer present (a
         board replaced or removed: ``nvidia-smi -L`` lists no such UUID): reconcile stops
         reporting it ``missing`` and its ``gpud_mig_layout_matches`` goes at once. Nothing
@@ -1699,13 +1702,20 @@ class MigManager:
         index, or where no UUID is read at the record's index that says which GPU is there
         (a GPU lost since before gpud started, or gone from the bus: the driver counts no GPU
         at an index where one was known): it may be that very GPU, so its layout is kept
-        until it answers."""
+        until it answers. ``gone``: the operator says the board gone from the bus is removed
+        for good, so its record is dropped; only where the driver counts no GPU at its index
+        (a GPU merely lost at an index it still counts is refused: it may answer again).
+
+        The lock is waited for up to ``FORGET_WAIT_S`` (a reconcile step holds it for
+        milliseconds each tick), never for an apply: one marks itself in ``_applying``
+        before it waits for the lock, and that is checked again once the lock is held."""
         self._refuse_while_applying(uuid)
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(timeout=FORGET_WAIT_S):
             # An apply holds the lock for minutes (a drain waits up to its timeout): waiting
-            # would outlast gpuctl's deadline, then drop what the apply just recorded.
+            # for it would outlast gpuctl's deadline, then drop what the apply just recorded.
             raise FailedPrecondition(
-                f"busy: an apply or reconcile runs: forget {uuid} once it ends (gpuctl mig show)"
+                f"busy: an apply, a dry run or a reconcile runs: forget {uuid} once it ends"
+                " (gpuctl mig show)"
             )
         try:
             # an apply that marked itself after the check above waits for the lock: refused
@@ -1722,22 +1732,35 @@ class MigManager:
                     " layout is managed (apply another config to change it)"
                 )
             i = record.gpu_index
-            why = self._unread(ids, faults, [i]).get(i)
+            beyond = i >= len(ids)
+            if gone and not beyond:
+                raise FailedPrecondition(
+                    f"--gone: the driver counts GPU {i} ({len(ids)} GPU(s)): it is not gone from"
+                    f" the bus; forget {uuid} without --gone (refused while the GPU there is"
+                    " faulty: it may be that GPU and answer again)"
+                )
+            why = None if gone else self._unread(ids, faults, [i]).get(i)
             if why is not None:
+                hint = (
+                    "if the board is removed for good, forget it with --gone"
+                    if beyond
+                    else f"forget it once another GPU answers at index {i}"
+                )
                 raise FailedPrecondition(
                     f"GPU {i} is faulty ({why}), its UUID not read since gpud started: the layout"
-                    f" recorded for {uuid} there is kept until it answers; forget it once"
-                    f" another GPU answers at index {i}"
+                    f" recorded for {uuid} there is kept until it answers; {hint}"
                 )
             self._store.forget([uuid])
             self._outcomes = [o for o in self._outcomes if o.uuid != uuid]
             self._events.emit(
                 "mig.forgotten",
                 f"forgot the MIG layout of {record.config_name} recorded for {uuid}"
-                f" (GPU {record.gpu_index} then), a GPU not present",
+                f" (GPU {record.gpu_index} then), a GPU not present"
+                + (" (gone from the bus, removed for good)" if gone else ""),
                 gpu=record.gpu_index,
                 uuid=uuid,
                 config=record.config_name,
+                gone=gone,
             )
             return record
         finally:

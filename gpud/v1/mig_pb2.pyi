@@ -532,16 +532,22 @@ class ForgetMigRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GPU_UUID_FIELD_NUMBER: _builtins.int
+    GONE_FIELD_NUMBER: _builtins.int
     gpu_uuid: _builtins.str
     """"GPU-5c6e...", as `gpuctl mig show` or the metric's gpu_uuid says"""
+    gone: _builtins.bool
+    """the board is removed for good: its layout is dropped though its GPU is gone from the bus
+    (recorded at an index the driver no longer counts); refused at an index still counted
+    """
     def __init__(
         self,
         *,
         gpu_uuid: _builtins.str = ...,
+        gone: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_uuid", b"gpu_uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gone", b"gone", "gpu_uuid", b"gpu_uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

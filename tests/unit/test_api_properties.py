@@ -193,6 +193,7 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
     "/gpud.v1.Mig/ForgetMig": st.builds(
         mig_pb2.ForgetMigRequest,
         gpu_uuid=st.sampled_from(["", " ", "GPU-replaced", "GPU-00000000-0000-0000-0000-0"]),
+        gone=st.booleans(),
     ),
     "/gpud.v1.Mps/ShowMps": st.builds(
         lambda d: _set(mps_pb2.ShowMpsRequest(), device=d), _opt(devices)

@@ -787,3 +787,57 @@ def test_a_simulated_reboot_that_fails_says_how_many_mps_daemons_ended(
         run_daemon(config, body)
     said = [r.getMessage() for r in caplog.records if r.name == "gpud.daemon"]
     assert "the simulated reboot failed after 2 MPS control daemons ended" in said, said
+
+
+def test_a_gpu_gone_from_the_bus_after_a_restart_keeps_its_layout_until_forgotten_as_gone(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPU 1 gets a layout, then falls off the bus while gpud is down: the next run's driver
+    counts 1 GPU. Its record is left alone as faulty (gone from the bus), not forgotten by a
+    plain forget; ``forget --gone`` drops it."""
+    config = make_config(root)
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    gpuctl = Gpuctl(config, capsys)
+
+    def first() -> list[dict[str, object]]:
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        return _read_and_kept(config, gpuctl)
+
+    before = run_daemon(config, first)
+    uuid = str(before[1]["uuid"])
+    # the board is gone: the simulated node is one GPU now, GPU 0 as it was
+    (config.daemon.run_dir / "sim" / "node.json").unlink()
+    one = config.with_overrides({"backend.simulate": "A100-SXM4-40GB:1"}, source="test")
+
+    def mig_events(kind: str) -> list[dict[str, object]]:
+        code, out, err = gpuctl("--json", "events", "--kind", kind)
+        assert code == 0, err
+        events: list[dict[str, object]] = json.loads(out)["events"]
+        return events
+
+    def again() -> None:
+        # the reconcile step leaves it alone as faulty: not missing (no layout_matches 0)
+        deadline = time.monotonic() + 20
+        while not (drift := [e for e in mig_events("mig.drift") if e["fields"]["gpu"] == 1]):
+            assert time.monotonic() < deadline, "no reconcile outcome for GPU 1"
+            time.sleep(0.05)
+        assert [e["fields"]["status"] for e in drift] == ["faulty"], drift
+        assert "gone from the bus" in str(drift[0]["message"]), drift
+        code, out, err = gpuctl("mig", "forget", uuid)
+        assert code == 6, out + err
+        assert "gone from the bus: the driver counts 1 GPU(s), none at index 1" in err, err
+        assert "--gone" in err, err
+        code, out, err = gpuctl("mig", "forget", "--gone", uuid)
+        assert code == 0, out + err
+        assert f"forgot {uuid}" in out, out
+        (forgotten,) = mig_events("mig.forgotten")
+        assert forgotten["fields"] == {
+            "gpu": 1,
+            "uuid": uuid,
+            "config": "custom-balanced",
+            "gone": True,
+        }
+
+    run_daemon(one, again)

@@ -3049,6 +3049,84 @@ def test_a_gpu_gone_from_the_bus_where_one_was_known_keeps_its_layout(
     assert gone.uuid in d.mig.desired()
 
 
+def test_a_board_gone_from_the_bus_for_good_is_forgotten_with_gone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """GPU 1 fell off the bus and the driver now counts one GPU: a plain forget refuses its
+    record, naming ``--gone``; ``gone`` drops it, says so in ``mig.forgotten``, and the
+    reconcile step converges on the GPU left."""
+    first = enable(host, config, "all-balanced")
+    gone = first.mig.show()[1].identity
+    host.last_seen = {1: seen(first, 1)}
+    host.wrap = lambda b: _Counts(b, 1)
+    d = host.start()
+    with pytest.raises(FailedPrecondition) as refused:
+        d.mig.forget(gone.uuid)
+    assert str(refused.value).endswith("if the board is removed for good, forget it with --gone"), (
+        refused.value
+    )
+    assert d.mig.forget(gone.uuid, gone=True).gpu_index == 1
+    assert gone.uuid not in d.mig.desired()
+    (event,) = d.events.recent(kind_prefix="mig.forgotten")
+    assert (event.fields["gpu"], event.fields["gone"]) == (1, True), event
+    assert [o.status for o in d.mig.reconcile()] == ["ok"]
+
+
+def test_gone_is_refused_for_a_gpu_lost_at_an_index_the_driver_still_counts(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU lost since before start is still counted by the driver: it may answer again,
+    so ``gone`` does not drop its layout."""
+    first = enable(host, config, "all-balanced")
+    lost = first.mig.show()[1].identity.uuid
+    host.last_seen = {1: seen(first, 1)}
+    first.node.faults.lose(1)
+    d = host.start()
+    with pytest.raises(FailedPrecondition, match=r"^--gone: the driver counts GPU 1 \(2 GPU"):
+        d.mig.forget(lost, gone=True)
+    assert lost in d.mig.desired()
+
+
+def test_forget_waits_for_a_reconcile_step_that_holds_the_lock_for_a_moment(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A reconcile step holds the manager's lock for milliseconds each tick: a forget that
+    comes meanwhile waits for it and is done, not refused as busy."""
+    record_replaced(enable(host, config, "all-1g.10gb"), 0.0)
+    d = host.start()
+    inner = d.mig._lock
+    held = threading.Event()
+    asked = threading.Event()  # forget asked for the lock: the reconcile step ends
+
+    def reconcile_step() -> None:
+        with inner:
+            held.set()
+            asked.wait(timeout=10)
+
+    class EndsWhenAsked:
+        """The lock, let go by the step as forget asks for it: a forget that does not wait
+        finds it still held."""
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            if not blocking:
+                return inner.acquire(blocking=False)
+            asked.set()
+            return inner.acquire(timeout=timeout)
+
+        def release(self) -> None:
+            inner.release()
+
+    step = threading.Thread(target=reconcile_step)
+    step.start()
+    held.wait(timeout=10)
+    d.mig._lock = EndsWhenAsked()  # type: ignore[assignment]
+    try:
+        assert d.mig.forget("GPU-replaced").config_name == "all-disabled"
+    finally:
+        asked.set()
+        step.join()
+
+
 def test_forget_never_waits_behind_an_apply_that_began_after_its_check(
     host: Host, config: MigConfigFile
 ) -> None:
@@ -3089,7 +3167,9 @@ def test_forget_never_waits_behind_an_apply_that_began_after_its_check(
 
     d.mig._applying_lock = ApplyAfterTheCheck(d.mig._applying_lock)  # type: ignore[assignment]
     try:
-        with pytest.raises(FailedPrecondition, match=r"^busy: an apply or reconcile runs"):
+        with pytest.raises(
+            FailedPrecondition, match=r"^busy: an apply, a dry run or a reconcile runs"
+        ):
             d.mig.forget("GPU-replaced")
     finally:
         answered.set()

@@ -937,5 +937,5 @@ def test_forget_drops_the_layout_of_a_gpu_replaced_and_refuses_one_present(
     assert "GPU-replaced" not in {o.uuid for o in node.mig.reconcile()}
     forgotten = [e for e in node.events.recent() if e.kind == "mig.forgotten"]
     assert [e.fields for e in forgotten] == [
-        {"gpu": 1, "uuid": "GPU-replaced", "config": "all-disabled"}
+        {"gpu": 1, "uuid": "GPU-replaced", "config": "all-disabled", "gone": False}
     ]
