@@ -39,6 +39,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,10 @@ AUTH_OFF = "authentication is not enabled"  # etcd's answer to a login while aut
 NO_USER = "user name is empty"  # etcd's answer to a call that carried no token
 INVALID_TOKEN = "invalid auth token"  # etcd's answer to a token it did not give or let expire
 _LOGIN_AGAIN = (INVALID_TOKEN, NO_USER)
+# an endpoint that refused the token of a login is logged in to again after this long:
+# at most one login a minute there (a raft write and a bcrypt on every etcd member), and
+# one mended meanwhile, whose old token has expired, serves again without a restart
+LOGIN_AGAIN_AFTER_S = 60.0
 VERSION_PATH = "/version"  # where etcd3gw discovers the API path, once per endpoint
 
 
@@ -247,7 +252,9 @@ def _prefix_end(prefix: bytes) -> bytes:
 class EtcdClient:
     """A small, synchronous etcd v3 client (call it from a worker thread)."""
 
-    def __init__(self, settings: EtcdSettings) -> None:
+    def __init__(
+        self, settings: EtcdSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         try:
             import etcd3gw  # the optional extra: imported only when etcd is configured
         except ImportError as err:
@@ -259,6 +266,7 @@ class EtcdClient:
         if not settings.endpoints:
             raise ConfigError("at least one endpoint is needed", key="cluster.etcd_endpoints")
         self._settings = settings
+        self._clock = clock
         exc = etcd3gw.exceptions
         self._unreachable: tuple[type[BaseException], ...] = (
             exc.ConnectionFailedError,
@@ -308,11 +316,13 @@ class EtcdClient:
         # endpoints logged in while etcd had authentication off: their calls carry no token
         self._tokenless: set[int] = set()
         # endpoints whose token a login had just given was not seen by etcd (a proxy that
-        # drops the Authorization header): no login again there until a call succeeds
-        self._token_lost: set[int] = set()
+        # drops the Authorization header), each with the monotonic time of the login it
+        # met: no login again there until a call succeeds or LOGIN_AGAIN_AFTER_S passes
+        self._token_lost: dict[int, float] = {}
         # endpoints that answered a token a login had just given as invalid (a token store
-        # of its own, a proxy): no login again there until a call succeeds
-        self._token_refused: set[int] = set()
+        # of its own, a proxy), each with the monotonic time of that login: no login again
+        # there until a call succeeds or LOGIN_AGAIN_AFTER_S passes
+        self._token_refused: dict[int, float] = {}
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
 
@@ -377,7 +387,9 @@ class EtcdClient:
                 said = _refusal(err)
                 if self._token_unseen(index, said):
                     with self._lock:
-                        self._token_lost.add(index)
+                        # each later call meets it too: the mark keeps its login's time
+                        if fresh or index not in self._token_lost:
+                            self._token_lost[index] = self._clock()
                     last = err
                     refused.append(self._said_token_lost(endpoint, request, said))
                     continue
@@ -386,7 +398,7 @@ class EtcdClient:
                     # proxy): another endpoint may take this node's token
                     if fresh and INVALID_TOKEN in said:
                         with self._lock:
-                            self._token_refused.add(index)
+                            self._token_refused[index] = self._clock()
                     last = err
                     refused.append(f"etcd refused {request} at {endpoint}: {said}")
                     continue
@@ -400,8 +412,8 @@ class EtcdClient:
                     said = f"{said} (answered by {endpoint} without etcd's error body)"
                 raise StoreRefused(f"etcd refused {request}: {said}") from err
             with self._lock:
-                self._token_lost.discard(index)
-                self._token_refused.discard(index)
+                self._token_lost.pop(index, None)
+                self._token_refused.pop(index, None)
                 self._current = index
             return result
         if refused:
@@ -495,19 +507,27 @@ class EtcdClient:
         one etcd never saw since that login, nor one it refused as invalid as soon as a
         login gave it: a proxy dropping the Authorization header, or one with a token
         store of its own, would have every call log in (a raft write and a bcrypt on
-        every etcd member)."""
+        every etcd member). Such an endpoint is logged in to again once
+        :data:`LOGIN_AGAIN_AFTER_S` has passed since: mended meanwhile, it would refuse
+        the old token as expired for good (etcd's simple tokens live 5 minutes)."""
         if not self._settings.username or not any(w in said for w in _LOGIN_AGAIN):
             return False
         with self._lock:
             token_refused = (
                 fresh
-                or (NO_USER in said and index in self._token_lost)
-                or (INVALID_TOKEN in said and index in self._token_refused)
+                or (NO_USER in said and self._held_back(self._token_lost, index))
+                or (INVALID_TOKEN in said and self._held_back(self._token_refused, index))
             )
             if index not in self._tokenless and token_refused:
                 return False
             self._authenticated.discard(index)
             return True
+
+    def _held_back(self, marks: dict[int, float], index: int) -> bool:
+        """Whether endpoint ``index`` is marked in ``marks`` by a login less than
+        :data:`LOGIN_AGAIN_AFTER_S` ago (called with ``_lock`` held)."""
+        since = marks.get(index)
+        return since is not None and self._clock() - since < LOGIN_AGAIN_AFTER_S
 
     def _token_unseen(self, index: int, said: str) -> bool:
         """Whether etcd answered ``user name is empty`` to a call that carried the token
@@ -531,7 +551,7 @@ class EtcdClient:
             f"accepted the login of user {self._settings.username!r} and the call carried "
             "its token: a proxy in front of etcd drops the Authorization header; let it "
             "pass that header, or name etcd itself in cluster.etcd_endpoints (not logging "
-            "in again until a call there succeeds)"
+            "in again until a call there succeeds or a minute has passed)"
         )
 
     def _authenticate(self, index: int, client: Any) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.cluster.etcd import LOGIN_AGAIN_AFTER_S, EtcdClient, EtcdSettings
 from gpud.errors import StoreRefused, Unavailable
 from tools import certs
 
@@ -371,8 +371,9 @@ class AuthEtcd:
         return ETCD["/v3/kv/range"]
 
 
-def _logged_in(endpoint: str) -> EtcdClient:
-    return EtcdClient(EtcdSettings(endpoints=(endpoint,), username="gpud", password="pw"))
+def _logged_in(endpoint: str, clock: Callable[[], float] | None = None) -> EtcdClient:
+    settings = EtcdSettings(endpoints=(endpoint,), username="gpud", password="pw")
+    return EtcdClient(settings) if clock is None else EtcdClient(settings, clock=clock)
 
 
 def test_a_proxy_dropping_the_token_is_a_refusal_naming_it_without_a_login_per_call(
@@ -392,7 +393,7 @@ def test_a_proxy_dropping_the_token_is_a_refusal_naming_it_without_a_login_per_c
             f"empty), though {endpoint} accepted the login of user 'gpud' and the call "
             "carried its token: a proxy in front of etcd drops the Authorization header; "
             "let it pass that header, or name etcd itself in cluster.etcd_endpoints (not "
-            "logging in again until a call there succeeds)"
+            "logging in again until a call there succeeds or a minute has passed)"
         )
     assert etcd.logins == 1
     etcd.drops_token = False  # the proxy mended: the token of that login serves
@@ -440,6 +441,55 @@ def test_an_endpoint_refusing_the_token_is_passed_over_for_the_next_that_serves(
         with pytest.raises(StoreRefused):
             client.get("/x")
     assert (broken.logins, etcd.logins) == (1, 2)
+
+
+def test_an_endpoint_mended_after_refusing_its_tokens_is_logged_in_to_again_a_minute_on(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """The one endpoint refuses each token it gives, then is mended with the token of
+    that login expired meanwhile: no login there within LOGIN_AGAIN_AFTER_S of the one
+    refused, one after it, which serves; refused again, it is held back afresh."""
+    now = [0.0]
+    etcd = AuthEtcd(refuses_tokens=True)
+    client = _logged_in(_endpoint(servers, etcd), clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert etcd.logins == 1
+    etcd.refuses_tokens = False  # mended; the token t1 it refused is not valid there
+    now[0] = LOGIN_AGAIN_AFTER_S - 1
+    with pytest.raises(StoreRefused):
+        client.get("/x")
+    assert etcd.logins == 1
+    now[0] = LOGIN_AGAIN_AFTER_S + 1
+    assert client.get("/x") is None
+    assert client.get("/x") is None
+    assert etcd.logins == 2
+    etcd.refuses_tokens, etcd.valid = True, set()  # broken again: each new token refused
+    for _ in range(3):
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert etcd.logins == 3  # the expired token mended by a login, refused as it came
+    now[0] += LOGIN_AGAIN_AFTER_S + 1
+    for _ in range(3):
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert etcd.logins == 4
+
+
+def test_a_proxy_dropping_the_token_is_logged_in_through_again_once_a_minute(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """A proxy dropping the Authorization header meets one login, then none per call,
+    then one more once LOGIN_AGAIN_AFTER_S has passed (it may have been mended)."""
+    now = [0.0]
+    etcd = AuthEtcd(drops_token=True)
+    client = _logged_in(_endpoint(servers, etcd), clock=lambda: now[0])
+    for step in (0.0, 20.0, 20.0, 21.0, 1.0):
+        now[0] += step
+        with pytest.raises(StoreRefused):
+            client.get("/x")
+    assert etcd.logins == 2
 
 
 def test_an_expired_token_is_logged_in_for_again_within_the_call(
