@@ -1704,7 +1704,9 @@ class MigManager:
         at an index where one was known): it may be that very GPU, so its layout is kept
         until it answers. ``gone``: the operator says the board gone from the bus is removed
         for good, so its record is dropped; only where the driver counts no GPU at its index
-        (a GPU merely lost at an index it still counts is refused: it may answer again).
+        (a GPU merely lost at an index it still counts is refused: it may answer again), and
+        while every GPU the driver counts has a UUID read (NVML numbers GPUs in PCI order: a
+        board moves down an index once one below it is removed, so an unread GPU may be it).
 
         The lock is waited for up to ``FORGET_WAIT_S`` (a reconcile step holds it for
         milliseconds each tick), never for an apply: one marks itself in ``_applying``
@@ -1739,6 +1741,8 @@ class MigManager:
                     f" the bus; forget {uuid} without --gone (refused while the GPU there is"
                     " faulty: it may be that GPU and answer again)"
                 )
+            if gone:
+                self._refuse_gone_while_unread(uuid, ids, faults)
             why = None if gone else self._unread(ids, faults, [i]).get(i)
             if why is not None:
                 hint = (
@@ -1765,6 +1769,24 @@ class MigManager:
             return record
         finally:
             self._lock.release()
+
+    def _refuse_gone_while_unread(
+        self, uuid: str, ids: Sequence[GpuIdentity], faults: Mapping[int, str]
+    ) -> None:
+        """Refuse ``forget --gone`` of ``uuid`` while a GPU the driver counts has no UUID
+        read (by this manager or telemetry): NVML numbers GPUs in PCI order, so a board
+        at a higher index moves down once one below it is removed, and that unread GPU
+        may be this very board, still on the bus."""
+        unread = self._unread(ids, faults, range(len(ids)))
+        if not unread:
+            return
+        first, *others = sorted(unread)
+        also = f"; also unread: GPU {', '.join(map(str, others))}" if others else ""
+        raise FailedPrecondition(
+            f"GPU {first} is faulty and unread: it may be this board at a new index;"
+            f" forget --gone once it answers ({unread[first]}{also}); the layout recorded"
+            f" for {uuid} is kept"
+        )
 
     def _refuse_while_applying(self, uuid: str) -> None:
         with self._applying_lock:

@@ -3072,6 +3072,29 @@ def test_a_board_gone_from_the_bus_for_good_is_forgotten_with_gone(
     assert [o.status for o in d.mig.reconcile()] == ["ok"]
 
 
+def test_gone_is_refused_while_a_gpu_the_driver_counts_is_unread(
+    host: Host, config: MigConfigFile
+) -> None:
+    """NVML numbers GPUs in PCI order: with the board at index 0 removed for good, the one
+    recorded at index 1 is now GPU 0. Lost since before start, its UUID is unread, so
+    nothing says it is not the board whose record ``gone`` would drop: refused, naming
+    GPU 0, until it answers."""
+    first = enable(host, config, "all-balanced")
+    moved = first.mig.show()[1].identity.uuid
+    host.last_seen = {1: seen(first, 1)}
+    host.wrap = lambda b: _Counts(b, 1)
+    first.node.faults.lose(0)
+    d = host.start()
+    with pytest.raises(FailedPrecondition) as refused:
+        d.mig.forget(moved, gone=True)
+    assert str(refused.value).startswith(
+        "GPU 0 is faulty and unread: it may be this board at a new index;"
+        " forget --gone once it answers"
+    ), refused.value
+    assert moved in d.mig.desired()
+    assert d.events.recent(kind_prefix="mig.forgotten") == []
+
+
 def test_gone_is_refused_for_a_gpu_lost_at_an_index_the_driver_still_counts(
     host: Host, config: MigConfigFile
 ) -> None:
