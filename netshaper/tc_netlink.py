@@ -305,7 +305,7 @@ class Restored:
     left as it is); ``replaced``: "ifindex NEW, was OLD" when the name is another netdev's
     than the one the original was recorded on, else ""; ``root``: the root qdisc left on
     the interface (None: none dumped, as on a netdev that is down; or not read again
-    after the original was re-installed).
+    after the original was re-installed, or after gpud's root was deleted).
     """
 
     ours: bool
@@ -1181,7 +1181,9 @@ class TcNetlink:
         gave it, and ``replaced`` says "ifindex NEW, was OLD". The netdev is told by its
         ifindex: one given the old ifindex explicitly, or moved in from another namespace
         keeping it, is taken for the old one. The original re-installed, a failed read of
-        it gives ``root`` None (the kernel acked the replace).
+        it gives ``root`` None (the kernel acked the replace). A failed read after the
+        kernel acked the delete of gpud's root does not fail the restore: the original is
+        re-installed as where another kind was read, and ``root`` is None where it is not.
 
         A netdev renamed away from ``iface`` (``ip link set dev IF name NEW``) keeps its
         ifindex and gpud's tree: it is restored by the ifindex this adapter last looked up
@@ -1232,10 +1234,18 @@ class TcNetlink:
                 errno=err.errno,
                 detail=err.detail,
             ) from err
-        state = self.read(iface)
-        now = state.root.kind if state.root is not None else "noqueue"
+        left: RootQdisc | None = None
+        now: str | None = None
+        try:
+            left = self.read(iface).root
+        except TcError:
+            # the delete was acked: gpud's tree is gone whatever the read says, and the
+            # root the kernel put in its place is not known, so the original goes back
+            pass
+        else:
+            now = left.kind if left is not None else "noqueue"
         if replaced or original is None or original.kind in (now, "noqueue"):
-            return Restored(True, replaced, state.root)
+            return Restored(True, replaced, left)
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
         try:
             self._request_one(

@@ -1756,6 +1756,26 @@ class TrafficService:
             self._shaped.set_original(iface, recorded, found.ifindex)
         return recorded
 
+    def _restore_failed(self, iface: str, logged: str, said: str, message: str) -> None:
+        """A restore of ``iface`` that left it otherwise than before gpud: a warning
+        (``logged``) and a ``net.interface_error`` event (``said``), both ending in
+        ``message``, the error."""
+        log.warning("traffic: %s: %s", logged, message)
+        self._events.emit(
+            "net.interface_error", f"{said}: {message}", interface=iface, reason=message
+        )
+
+    def _say_not_put_back(self, iface: str, doing: str, message: str) -> None:
+        """A restore deleted gpud's root from ``iface`` and the kernel refused the original
+        root's re-install: the netdev has the kernel's default root. ``doing``: what the
+        restore was for, as the event says it."""
+        self._restore_failed(
+            iface,
+            f"original root not put back on {iface}",
+            f"{doing}: gpud's tree removed, the original root not put back",
+            message,
+        )
+
     def _unshape_dropped(self) -> None:
         """Remove gpud's root from the interfaces an earlier run shaped that are no longer
         in ``traffic.interfaces`` (a root that is not gpud's HTB is left as it is)."""
@@ -1771,14 +1791,7 @@ class TrafficService:
                 message = _describe(iface, err)
                 if _not_put_back(err):
                     # nothing of gpud's left to retry on: the record goes
-                    log.warning("traffic: original root not put back on %s: %s", iface, message)
-                    self._events.emit(
-                        "net.interface_error",
-                        "not in traffic.interfaces any more: gpud's tree removed, the"
-                        f" original root not put back: {message}",
-                        interface=iface,
-                        reason=message,
-                    )
+                    self._say_not_put_back(iface, "not in traffic.interfaces any more", message)
                 elif _tree_may_stay(err):
                     log.warning("traffic: cannot remove gpud's tree: %s", message)
                     self._events.emit(
@@ -2157,14 +2170,20 @@ class TrafficService:
                         # nothing of gpud's is left behind here
                         log.info("traffic: nothing to restore on %s: %s", iface, message)
                         continue
+                    if _not_put_back(err):
+                        # gpud's tree is gone, the kernel's default root in its place:
+                        # nothing of gpud's is left for the next start to take or remove
+                        self._say_not_put_back(iface, "traffic.shutdown = restore", message)
+                        if self._shaped is not None:
+                            self._shaped.discard(iface)
+                        continue
                     # a failed delete or replace, or a refusal where gpud's tree was seen
                     # or could not be read: the operator is told where it may stay
-                    log.warning("traffic: cannot restore %s: %s", iface, message)
-                    self._events.emit(
-                        "net.interface_error",
-                        f"traffic.shutdown = restore, not done: {message}",
-                        interface=iface,
-                        reason=message,
+                    self._restore_failed(
+                        iface,
+                        f"cannot restore {iface}",
+                        "traffic.shutdown = restore, not done",
+                        message,
                     )
                     continue
                 # a netdev renamed away is restored by its ifindex: gpud's tree went with it,

@@ -2132,15 +2132,19 @@ def test_an_interface_taken_out_that_is_gone_is_a_log_line(
     )
 
 
-def test_a_stop_whose_original_root_is_not_put_back_is_said(rig: Rig) -> None:
+def test_a_stop_whose_original_root_is_not_put_back_says_gpuds_tree_is_removed(
+    rig: Rig,
+) -> None:
     _shaped_over(rig, PFIFO_FAST)
     rig.tc = NotPutBackTc(states=dict(rig.tc.states))
     _restart(rig).shutdown()
     (event,) = rig.events.recent(100, kind_prefix="net.interface_error")
     assert event.message == (
-        "traffic.shutdown = restore, not done: eth0: cannot re-install the original"
-        " pfifo_fast root: EPERM (tc qdisc replace dev eth0 root pfifo_fast)"
+        "traffic.shutdown = restore: gpud's tree removed, the original root not put back:"
+        " eth0: cannot re-install the original pfifo_fast root: EPERM"
+        " (tc qdisc replace dev eth0 root pfifo_fast)"
     )
+    assert "eth0" not in ShapedInterfaces(rig.store).all()  # nothing of gpud's is left
 
 
 def _restart(rig: Rig) -> TrafficService:

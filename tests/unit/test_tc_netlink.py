@@ -326,8 +326,32 @@ class RefusedReinstall(BlindAfterReinstall):
         ]
 
 
-def test_a_refused_re_install_says_gpuds_tree_is_removed() -> None:
-    nl = RefusedReinstall()
+@dataclass
+class BlindAfterDelete(BlindAfterReinstall):
+    """The delete of gpud's root acked, and every read after it fails (ENOBUFS)."""
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if mtype == RTM_GETQDISC and self.root is None:
+            raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+        return super().dump(mtype, body)
+
+
+@dataclass
+class BlindAfterDeleteRefused(BlindAfterDelete, RefusedReinstall):
+    """The read after the delete fails, and the re-install of the original is refused."""
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param(RefusedReinstall, id="read_after_the_delete"),
+        pytest.param(BlindAfterDeleteRefused, id="read_after_the_delete_failed"),
+    ],
+)
+def test_a_refused_re_install_says_gpuds_tree_is_removed(
+    kernel: type[RefusedReinstall],
+) -> None:
+    nl = kernel()
     tc = TcNetlink(transport=nl)
     with pytest.raises(TcError) as refused:
         tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
@@ -337,6 +361,20 @@ def test_a_refused_re_install_says_gpuds_tree_is_removed() -> None:
     )
     assert nl.root is None  # gpud's tree deleted: the kernel's default root is there
     assert (refused.value.tree_left, refused.value.tree_removed) == (False, True)
+    tc.close()
+
+
+def test_a_failed_read_after_the_delete_still_puts_the_original_back() -> None:
+    nl = BlindAfterDelete()
+    tc = TcNetlink(transport=nl)
+    done = tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
+    assert (done.ours, done.replaced, done.root) == (True, "", None)
+    assert nl.reinstalled and nl.root is None
+    tc.close()
+    # no original recorded: the kernel's default root is what gpud gives back
+    nl = BlindAfterDelete()
+    tc = TcNetlink(transport=nl)
+    assert tc.restore("eth0").ours and not nl.reinstalled
     tc.close()
 
 
