@@ -157,6 +157,10 @@ class Progress:
         self._highest = start  # the highest count drained (the sender thread's)
         self._drained = 0
         self._pending: deque[tuple[int, float]] = deque()  # drained, not yet accepted
+        # reports step() made that the sender has accounted for (sent, rejected or dropped,
+        # last_error said): flush() waits on this, not on _pending, which empties before the
+        # try that emptied it has counted them (set under _flushed)
+        self._settled = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._flushed = threading.Condition()
@@ -187,16 +191,18 @@ class Progress:
         self._appended += 1
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Send what is buffered now; True once everything so far was sent (or rejected)."""
+        """Send what is buffered now; True once everything so far was sent (or rejected or
+        dropped) and the try that did it has counted it: :attr:`sent`, :attr:`rejected` and
+        :attr:`last_error` say so when it returns. False at ``timeout`` (gpud away, say)."""
         target = self._appended
         if not self.active:
             return True  # nothing of this rank's is to be sent
         if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
-            return self._drained >= target and not self._pending
+            return self._settled >= target
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._flushed:
             self._wake.set()
-            while self._drained < target or self._pending:
+            while self._settled < target:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -228,7 +234,7 @@ class Progress:
         self._flushed = threading.Condition()
         self._queue = deque(maxlen=self._max_buffer)
         self._pending = deque()
-        self._appended = self._drained = 0
+        self._appended = self._drained = self._settled = 0
         self._channel = None
         atexit.unregister(self.close)
 
@@ -249,7 +255,7 @@ class Progress:
             self._drain()
             if not self._pending:
                 backoff = self._interval
-                self._notify()
+                self._settle()
                 continue
             started = time.monotonic()
             said = self.last_error
@@ -260,7 +266,7 @@ class Progress:
             except Exception as err:  # any transport failure: keep the reports, retry later
                 self.last_error = self._unreachable(err, tried, dropped)
                 backoff = self._backoff(backoff, time.monotonic() - started)
-            self._notify()
+            self._settle()
 
     def _unreachable(self, err: Exception, tried: float, dropped: int) -> str:
         """:attr:`last_error` for a try begun at ``tried`` (the clock's time), with
@@ -358,8 +364,12 @@ class Progress:
             return self._interval
         return min(_MAX_BACKOFF_S, max(backoff * 2, 0.05))
 
-    def _notify(self) -> None:
+    def _settle(self) -> None:
+        """After a try, its counts and last_error set: with nothing left pending, all that
+        was drained is accounted for, and a waiting flush() may return."""
         with self._flushed:
+            if not self._pending:
+                self._settled = self._drained
             self._flushed.notify_all()
 
     def _drain(self) -> None:

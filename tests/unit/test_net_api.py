@@ -290,9 +290,6 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
             away = p.last_error
             with _serve(node, path):
                 assert p.flush(timeout=15)
-                # flush returns once nothing is pending; the try that sent it counts it and
-                # says gpud is back before its pause
-                tries.until(len(tries.pauses) + 1)
         finally:
             p.close()
     assert away.startswith(f"gpud unreachable at {path} since ")
@@ -303,6 +300,63 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.last_error.startswith(f"gpud was unreachable at {path} from ")
     assert p.last_error.endswith(": 15 reports dropped meanwhile")
     assert p.sent == 10 and p.dropped == 15
+
+
+def test_a_flush_returns_only_once_the_try_that_sent_the_reports_has_counted_them(
+    node: Node,
+) -> None:
+    """The sender empties its pending reports before it says what became of them (gpud back
+    after an outage: the clock it reads for how long). A flush while it is there has not
+    returned yet; once it returns, sent and last_error say what that try did."""
+    away, back = threading.Event(), threading.Event()
+    reading, release = threading.Event(), threading.Event()
+    held: list[Progress] = []
+
+    def wait(wake: threading.Event, timeout: float) -> bool:
+        # gpud starts while the sender pauses after a try that found it away: the next try
+        # meets it listening, not its deadline running out as it appears
+        if held and "gpud unreachable" in held[0].last_error:
+            away.set()
+            assert back.wait(60), "never let go"
+        return wake.wait(timeout)
+
+    def clock() -> float:
+        # the sender's read once gpud accepted the reports: the try is between emptying its
+        # pending reports and saying gpud is back
+        if threading.current_thread().name.startswith("gpud-progress-") and held[0].sent:
+            reading.set()
+            assert release.wait(60), "never released"
+        return time.time()
+
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        p = Progress(
+            "train-a",
+            socket=path,
+            flush_interval_s=0.02,
+            call_timeout_s=1.0,
+            clock=clock,
+            wait=wait,
+        )
+        held.append(p)
+        try:
+            for _ in range(5):
+                p.step()
+            assert away.wait(60), p.last_error
+            with _serve(node, path):
+                back.set()
+                assert reading.wait(60), p.last_error
+                assert not p.flush(timeout=0.05)  # the try has not counted them yet
+                release.set()
+                assert p.flush(timeout=15)
+                sent, said = p.sent, p.last_error
+        finally:
+            back.set()
+            release.set()
+            p.close()
+    assert sent == 5
+    assert said.startswith(f"gpud was unreachable at {path} from "), said
+    assert said.endswith(": 0 reports dropped meanwhile"), said
 
 
 def test_last_error_counts_no_negative_outage_after_the_wall_clock_steps_back() -> None:
