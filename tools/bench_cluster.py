@@ -201,14 +201,14 @@ async def _round(nodes: int, jobs_per_node: int, reps: int) -> dict[str, Any]:
             for c in clients:
                 await c.close()
             await server.stop(None)
-    r, s = statistics.median(rounds), statistics.median(singles)
+    round_s, single_s = statistics.median(rounds), statistics.median(singles)
     return {
         "nodes": nodes,
         "jobs": len({j.job for rep in reports for j in rep.jobs}),
-        "round_ms": r * 1e3,
+        "round_ms": round_s * 1e3,
         "round_max_ms": max(rounds) * 1e3,
-        "one_report_ms": s * 1e3,
-        "ratio_to_one_report": r / s,
+        "one_report_ms": single_s * 1e3,
+        "ratio_to_one_report": round_s / single_s,
         "target_ms": 1000.0,
     }
 

@@ -331,10 +331,10 @@ def send_fuzzed(
             if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
                 run.held.append(time.monotonic() - asked)
         except grpc.RpcError as err:
-            code = err.code()  # type: ignore[attr-defined]
+            code = err.code()
             run.outcomes[code.name] += 1
             if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                run.failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
+                run.failures.append(f"{path}: {code.name}: {err.details()}")
         run.sent = i + 1
         if big:
             run.big_sent += 1

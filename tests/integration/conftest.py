@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 
 import pytest
 
@@ -27,13 +28,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# RunningDaemon's field named socket hides the module inside its class body
+Socket: TypeAlias = socket.socket
+
+
 @dataclass
 class RunningDaemon:
     proc: subprocess.Popen[bytes]
     root: Path
     socket: Path
     metrics_port: int
-    notify: socket.socket | None = None
+    notify: Socket | None = None
     log: Path = field(default_factory=Path)
     run: Path = field(default_factory=Path)
 

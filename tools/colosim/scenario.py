@@ -140,7 +140,8 @@ class Scenario:
         weights = [self.mix[n] for n in names]
         rate = self.load * self.training_gpus / self.mean_work_s
         mu = math.log(self.mean_work_s) - self.work_sigma**2 / 2
-        jobs, t = [], 0.0
+        jobs: list[JobSpec] = []
+        t = 0.0
         while True:
             t += rng.expovariate(rate)
             if t >= self.duration_s:
@@ -214,14 +215,14 @@ def parse(data: Mapping[str, Any], where: str = "scenario") -> Scenario:
                 burst_s=_num(s, "burst_s", 120, 1, 3600, where=w),
             )
         )
-    jobs = None
+    jobs: tuple[JobSpec, ...] | None = None
     if "jobs" in data:
-        jobs = []
+        listed: list[JobSpec] = []
         for i, j in enumerate(data["jobs"]):
             w = f"{where}.jobs[{i}]"
             if not isinstance(j, Mapping) or j.get("type") not in TRAIN_TYPES:
                 raise ScenarioError(f"type must be one of {', '.join(TRAIN_TYPES)}", where=w)
-            jobs.append(
+            listed.append(
                 JobSpec(
                     id=str(j.get("id", f"j{i:04d}")),
                     type=str(j["type"]),
@@ -230,7 +231,7 @@ def parse(data: Mapping[str, Any], where: str = "scenario") -> Scenario:
                     mem_factor=_num(j, "mem_factor", 1.0, 0.1, 10, where=w),
                 )
             )
-        jobs = tuple(jobs)
+        jobs = tuple(listed)
     count = int(_num(gpus, "count", 8, 1, 64, where=f"{where}.gpus"))
     if len(services) >= count:
         raise ScenarioError("needs more GPUs than services", where=where)

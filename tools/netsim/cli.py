@@ -158,13 +158,13 @@ def print_suite(reports: Sequence[ScenarioReport], out: TextIO) -> None:
                 m = g["geomean"].get(c, {}).get(metric)
                 row += f"{_fmt(m['geomean'] if m else None):>11}"
             out.write(f"{metric[:10]:<11}{row}\n")
-            zeros = [
+            zero_notes = [
                 f"{c} {g['geomean'][c][metric]['zeros']} (pos {g['geomean'][c][metric]['positive']:.3f})"
                 for c in cols
                 if metric in g["geomean"].get(c, {}) and g["geomean"][c][metric]["zeros"]
             ]
-            if zeros:
-                out.write(f"{'':<11}zeros: {', '.join(zeros)}\n")
+            if zero_notes:
+                out.write(f"{'':<11}zeros: {', '.join(zero_notes)}\n")
         ratios = g["leveller_min_progress_over"]
         if ratios:
             parts = []

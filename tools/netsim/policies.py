@@ -342,15 +342,17 @@ class LevellerPolicy:
         if self._leveller is None or self._tracker is None:
             knobs = dict(view.leveller_knobs())
             knobs.setdefault("group_tolerance", TrafficConfig().group_tolerance)
-            progress_knobs: dict[str, float] = {}
-            if window := knobs.pop("progress_window_s", None):
-                progress_knobs["window_s"] = window
-            if (weight := knobs.pop("progress_long_weight", None)) is not None:
-                progress_knobs["long_weight"] = weight
+            window = knobs.pop("progress_window_s", None)
+            weight = knobs.pop("progress_long_weight", None)
             config = self._config or LevellerConfig(levels=view.levels, **knobs)
-            progress = self._progress or (
-                ProgressConfig(**progress_knobs) if progress_knobs else None
-            )
+            progress = self._progress
+            if progress is None and (window or weight is not None):
+                # a zero or absent window keeps netshaper's, as a scenario without it does
+                defaults = ProgressConfig()
+                progress = ProgressConfig(
+                    window_s=window or defaults.window_s,
+                    long_weight=defaults.long_weight if weight is None else weight,
+                )
             self._leveller = Leveller(config)
             self._tracker = ProgressTracker(progress)
         tracker = self._tracker

@@ -14,7 +14,7 @@ The mixes come from a testbed result file's ``setup`` when one is given (so a cu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tools.netsim.metrics import ScenarioReport, run_scenarios
@@ -38,7 +38,7 @@ def mixes_from_testbed() -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any
 
 def scenario(
     name: str,
-    jobs: list[Mapping[str, Any]],
+    jobs: Sequence[Mapping[str, Any]],
     traffic: Mapping[str, Any],
     *,
     rate_bps: float = RATE_BPS,

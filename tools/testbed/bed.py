@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -162,7 +163,7 @@ class Bed:
         self.tc("qdisc", "del", "dev", "a0", "root", check=False)
 
     # -- gpud ------------------------------------------------------------------------------
-    def start_gpud(self, traffic: dict[str, object], *, tick_s: float = 0.2) -> None:
+    def start_gpud(self, traffic: Mapping[str, object], *, tick_s: float = 0.2) -> None:
         lines = ["[daemon]", f"tick_s = {tick_s}", "[metrics]", "enabled = false", "[traffic]"]
         settings: dict[str, object] = {
             "enabled": True,

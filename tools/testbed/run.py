@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         for m in run["mixes"].values():
             m.pop("_traces", None)
+    aggregated = aggregate(runs)
     report = {
         "setup": {
             "rate_bps": rate,
@@ -385,13 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             "gpud_traffic": GPUD_TRAFFIC,
             "gpud_tick_s": GPUD_TICK_S,
         },
-        "mixes": aggregate(runs),
+        "mixes": aggregated,
         "runs": runs,
     }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for name, m in report["mixes"].items():
+        for name, m in aggregated.items():
             print(
                 f"{name:8} ceiling {m['ceiling']:.3f}  baseline {m['baseline']['min_progress']:.3f}"
                 f"  gpud {m['gpud']['min_progress']:.3f}  (x{m['gpud_over_baseline']} baseline,"
