@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpud.clock import WAKE_S, elapsed
-from gpud.cluster.etcd import EtcdClient
+from gpud.cluster.etcd import EtcdClient, KeyValue
 from gpud.cluster.model import node_name
 from gpud.cluster.trust import CHECK_S, Candidacy
 from gpud.errors import GpudError, StoreFull, StoreRefused
@@ -105,6 +105,15 @@ Notify = Callable[[str, str, dict[str, object]], None]
 """(event kind, message, fields): elections report ``cluster.elected`` / ``cluster.step_down``."""
 
 
+def _watched_from(kv: KeyValue) -> int:
+    """The revision a watch of the leader key starts after: the one etcd read it at. Its
+    own mod revision, never written again while one leader holds it, falls behind every
+    compaction (``etcdctl compact``, etcd's auto-compaction): a watch from there is
+    cancelled at once, and the step it ends would read and watch it again, without
+    pause, until the leader changes."""
+    return max(kv.mod_revision, kv.read_revision)
+
+
 class EtcdElection:
     """See the module docstring."""
 
@@ -145,7 +154,8 @@ class EtcdElection:
         self._detail = "not started"
         self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
-        self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
+        # the revision the leader key was last read at (0: none seen): watched from there
+        self._watch_revision = 0
         self._stop = stopped if stopped is not None else threading.Event()
         self._thread: threading.Thread | None = None
         # called on the election's thread when the leader or the epoch changes
@@ -289,7 +299,7 @@ class EtcdElection:
         if kv is None or kv.lease != lease:
             self._step_down("leader key is gone")
             return
-        self._watch_revision = kv.mod_revision
+        self._watch_revision = _watched_from(kv)
         with self._lock:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
@@ -364,7 +374,7 @@ class EtcdElection:
                 self._forget_leader()
                 self._campaign()
                 return
-            self._watch_revision = kv.mod_revision
+            self._watch_revision = _watched_from(kv)
         except GpudError as err:
             with self._lock:
                 was_ok = self._store_state == STORE_OK

@@ -219,10 +219,17 @@ class EtcdSettings:
 
 @dataclass(frozen=True, slots=True)
 class KeyValue:
+    """A key as etcd answered a range for it; ``read_revision``: the store's revision in
+    that answer's header (0 where unknown), past every change to the key then. A watch
+    from it misses none, and starts at a revision that etcd keeps until a later
+    compaction (``etcdctl compact REV``), which the key's own ``mod_revision``, as old as
+    the key where it is never written again, does not."""
+
     value: bytes
     create_revision: int
     mod_revision: int
     lease: int
+    read_revision: int = 0
 
 
 def _b64(data: str | bytes) -> str:
@@ -234,14 +241,22 @@ def _unb64(data: str) -> bytes:
     return base64.b64decode(data)
 
 
-def _key_value(kv: Mapping[str, Any]) -> KeyValue:
-    """One of the gateway's ``kvs`` (numbers come as strings, absent when 0)."""
+def _key_value(kv: Mapping[str, Any], read_revision: int = 0) -> KeyValue:
+    """One of the gateway's ``kvs`` (numbers come as strings, absent when 0), read at the
+    store's ``read_revision``."""
     return KeyValue(
         value=_unb64(kv.get("value", "")),
         create_revision=int(kv.get("create_revision", 0)),
         mod_revision=int(kv.get("mod_revision", 0)),
         lease=int(kv.get("lease", 0)),
+        read_revision=read_revision,
     )
+
+
+def _header_revision(result: Mapping[str, Any]) -> int:
+    """The store's revision in an answer's header (0 where it carried none)."""
+    header = result.get("header")
+    return int(header.get("revision", 0)) if isinstance(header, Mapping) else 0
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -648,7 +663,7 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         result = self._post("/kv/range", {"key": _b64(key)})
         kvs = result.get("kvs") or []
-        return _key_value(kvs[0]) if kvs else None
+        return _key_value(kvs[0], _header_revision(result)) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: kv.value for key, kv in self.get_prefix_kvs(prefix).items()}
@@ -657,7 +672,8 @@ class EtcdClient:
         """Every key under ``prefix`` with its value, revisions and lease."""
         raw = prefix.encode()
         result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        return {_unb64(kv["key"]).decode(): _key_value(kv) for kv in result.get("kvs") or []}
+        read = _header_revision(result)
+        return {_unb64(kv["key"]).decode(): _key_value(kv, read) for kv in result.get("kvs") or []}
 
     def create(self, key: str, value: str, lease: int) -> int | None:
         """Put ``key`` only if it does not exist; its create revision, or None if it did."""

@@ -801,3 +801,27 @@ def test_a_leader_reelected_in_a_higher_epoch_after_a_restore_writes_its_tags_ba
         assert led.stored() == {f"{led.tags}a": b"12", f"{led.tags}b": b"14"}
 
     asyncio.run(scenario())
+
+
+def test_a_leader_key_read_after_a_compaction_is_watched_from_a_revision_etcd_keeps(
+    etcd: LocalEtcd,
+) -> None:
+    """The leader key is written once; other writes and a compaction past it leave its own
+    revision compacted: a watch from there is cancelled at once. Each read says the
+    revision etcd answered at, from which a watch waits for a change."""
+    clock = Clock()
+    leader, follower = elections(etcd, clock, n=2)
+    leader.step()
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    for i in range(5):
+        client.put(f"{leader.key}-elsewhere", str(i))
+    revision = int(client._post("/kv/range", {"key": "AA=="})["header"]["revision"])
+    client._post("/kv/compaction", {"revision": revision})
+    kv = client.get(leader.key)
+    assert kv is not None and kv.mod_revision < revision <= kv.read_revision
+    assert client.wait_for_change(leader.key, kv.mod_revision, 5.0)  # cancelled: compacted
+    assert not client.wait_for_change(leader.key, kv.read_revision, 0.3)
+    follower.step()
+    assert follower.state().leader == leader.node
+    assert not client.wait_for_change(leader.key, follower._watch_revision, 0.3)
+    leader.stop()
