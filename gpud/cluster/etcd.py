@@ -340,6 +340,10 @@ class EtcdClient:
         self._token_refused: dict[int, float] = {}
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
+        # one login at a time per endpoint: threads that meet it unlogged at once wait
+        # for the first one's token (each login is a raft write and a bcrypt on every
+        # etcd member)
+        self._logging_in = [threading.Lock() for _ in self._clients]
 
     @property
     def timeout_s(self) -> float:
@@ -476,10 +480,17 @@ class EtcdClient:
             cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
 
+    def _first_said(self, said: set[str], endpoint: str) -> bool:
+        """Whether ``endpoint`` is not in ``said`` yet, adding it: True for one thread
+        alone, however many meet the same endpoint at once."""
+        with self._lock:
+            first = endpoint not in said
+            said.add(endpoint)
+        return first
+
     def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
-        if endpoint not in self._said_not_etcd:
-            # once, even while another endpoint works: the list is wrong
-            self._said_not_etcd.add(endpoint)
+        # once, even while another endpoint works: the list is wrong
+        if self._first_said(self._said_not_etcd, endpoint):
             log.warning("cluster: %s", not_etcd)
 
     def _login_refusal(self, said: str) -> str:
@@ -571,7 +582,8 @@ class EtcdClient:
 
     def _authenticate(self, index: int, client: Any) -> bool:
         """Log in at endpoint ``index`` where a user is set and it is not logged in: True
-        when a login was made. The token goes in the ``Authorization`` header of each
+        when a login was made, this thread's or another's it waited for (threads that
+        meet the endpoint unlogged at once make one login). The token goes in the ``Authorization`` header of each
         call (:meth:`_token`); none while etcd has authentication off (a token of an
         earlier login would be refused as ``invalid auth token``)."""
         if not self._settings.username:
@@ -579,6 +591,23 @@ class EtcdClient:
         with self._lock:
             if index in self._authenticated:
                 return False
+        # only threads about to log in take this lock: one that waits on it waits for a login
+        logging_in = self._logging_in[index]
+        waited = not logging_in.acquire(blocking=False)
+        if waited:
+            logging_in.acquire()
+        try:
+            with self._lock:
+                if index in self._authenticated:
+                    # a token another thread's login gave while this one waited is as
+                    # fresh as its own: not logged in for again within this call either
+                    return waited
+            return self._login(index, client)
+        finally:
+            logging_in.release()
+
+    def _login(self, index: int, client: Any) -> bool:
+        """:meth:`_authenticate`'s login at endpoint ``index`` (its login lock held)."""
         try:
             result = client.post(
                 client.get_url("/auth/authenticate"),
@@ -593,8 +622,7 @@ class EtcdClient:
             # user can be set up before `etcdctl auth enable`, which a call then meets as
             # "user name is empty" and logs in again
             endpoint = self._settings.endpoints[index]
-            if endpoint not in self._said_auth_off:
-                self._said_auth_off.add(endpoint)
+            if self._first_said(self._said_auth_off, endpoint):
                 log.warning(
                     "cluster: etcd at %s has authentication off: calls go without the login "
                     "of cluster.etcd_username %r until it is on (etcdctl auth enable)",
