@@ -65,7 +65,9 @@ class LeaderInfo:
     ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd); ``lease``: the ID of
     the etcd lease the leader key is attached to (``etcdctl get -w json <prefix>/leader``),
     the one this node holds while it leads, as last read on another node; 0 when no leader
-    key is known, or with election "single"."""
+    key is known, or with election "single"; ``stepped_down``: why this node last stopped
+    leading (the ``cluster.step_down`` event's words), while it knows of no leader since
+    ("" otherwise): etcd unreachable overwrites ``detail`` with its own failure."""
 
     leader: str
     address: str
@@ -75,6 +77,7 @@ class LeaderInfo:
     detail: str = ""
     store_state: str = STORE_OK
     lease: int = 0
+    stepped_down: str = ""
 
 
 class Election(Protocol):
@@ -152,6 +155,7 @@ class EtcdElection:
         self._leader_lease = 0  # of the leader key as last read (a follower's)
         self._store_state = STORE_UNREACHABLE  # how the last etcd call went
         self._detail = "not started"
+        self._stepped_down = ""  # why this node last stopped leading, until a leader is known
         self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
         # the revision the leader key was last read at (0: none seen): watched from there
@@ -205,6 +209,7 @@ class EtcdElection:
                 self._detail,
                 state,
                 self._leader_lease if self._leader else 0,
+                "" if self._leader else self._stepped_down,
             )
 
     # -- life ----------------------------------------------------------------------------
@@ -346,7 +351,7 @@ class EtcdElection:
             self._abandoned = lease
             self._leader = self._leader_address = ""
             self._leader_lease = 0
-            self._detail = why
+            self._detail = self._stepped_down = why
         log.warning("stepping down as cluster leader (epoch %d): %s", self._epoch, why)
         self._notify("cluster.step_down", f"stepped down: {why}", {"epoch": self._epoch})
         self.on_change()
@@ -402,6 +407,7 @@ class EtcdElection:
             )
             self._leader, self._leader_address = leader, address
             self._leader_lease = kv.lease
+            self._stepped_down = ""  # a leader is known again: that is what status says
             self._epoch = kv.create_revision
             self._store_state = STORE_OK
             self._detail = "" if leader else f"unreadable leader key {self.key}"
@@ -443,6 +449,7 @@ class EtcdElection:
             self._valid_until = sent + granted
             self._epoch = epoch
             self._leader, self._leader_address = self.node, self.address
+            self._stepped_down = ""
             self._store_state = STORE_OK
             self._detail = ""
         log.info("elected cluster leader (epoch %d, lease TTL %d s)", epoch, granted)
