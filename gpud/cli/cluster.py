@@ -260,7 +260,10 @@ def _summary(message: str) -> str:
 def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     """Who this node reports to, and where it learnt that."""
     if not resp.leader:
-        return [f"leader:      none known, epoch {resp.epoch}"]
+        none = [f"leader:      none known, epoch {resp.epoch}"]
+        if resp.stepped_down:  # the detail says etcd's failure since, not this
+            none.append(f"stepped down: this node led epoch {resp.epoch}: {resp.stepped_down}")
+        return none
     leader = f"{resp.leader} at {resp.leader_address}" if resp.leader_address else resp.leader
     # the leader key's lease, hex as etcdctl prints it (etcdctl lease timetolive ID): the
     # elected leader's, absent from an older gpud

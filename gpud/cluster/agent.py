@@ -256,7 +256,7 @@ class ClusterAgent:
         # the problem last published (message, kind, mode; "" cleared; its key:
         # _key_instance), and when
         self._published: tuple[str, str, str] = ("", "", "")
-        self._published_at = 0.0
+        self._published_at = 0.0  # (clock) when the problem entry was last written
         self._problem_since = 0.0  # (wall) when last_error took its current text
         self._problem_text = ""
         self._alarms = alarms
@@ -576,10 +576,14 @@ class ClusterAgent:
         change, and again every ``REPUBLISH_S`` while it lasts (its lease)."""
         if self._problems is None:
             return
-        message, kind, now = self.last_error, self.last_error_kind, self._wall()
+        message, kind = self.last_error, self.last_error_kind
+        # the entry's lease runs on etcd's clock: republished by this node's clock that
+        # never goes back, as a wall clock stepped back (NTP, date -s) would hold it back
+        # past its lease; the wall clock says only since when the problem lasts
+        now = self._clock()
         mode = self.mode.value if message else ""  # said with a problem, republished on a change
         if message != self._problem_text:
-            self._problem_text, self._problem_since = message, now
+            self._problem_text, self._problem_since = message, self._wall()
         if (message, kind, mode) == self._published and (
             not message or now - self._published_at < problems.REPUBLISH_S
         ):

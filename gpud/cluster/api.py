@@ -173,6 +173,7 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         last_error_kind=s.last_error_kind,
         problems_state=s.problems_state or None,  # absent with no etcd, as from an older gpud
         leader_lease=f"{s.info.lease:016x}" if s.info.lease else None,  # as etcdctl prints it
+        stepped_down=s.info.stepped_down or None,
     )
     for c in s.certificates:
         cert = msg.certificates.add(key=c.key, path=c.path, error=c.error)

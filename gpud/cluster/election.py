@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpud.clock import WAKE_S, elapsed
-from gpud.cluster.etcd import EtcdClient
+from gpud.cluster.etcd import EtcdClient, KeyValue
 from gpud.cluster.model import node_name
 from gpud.cluster.trust import CHECK_S, Candidacy
 from gpud.errors import GpudError, StoreFull, StoreRefused
@@ -65,7 +65,9 @@ class LeaderInfo:
     ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd); ``lease``: the ID of
     the etcd lease the leader key is attached to (``etcdctl get -w json <prefix>/leader``),
     the one this node holds while it leads, as last read on another node; 0 when no leader
-    key is known, or with election "single"."""
+    key is known, or with election "single"; ``stepped_down``: why this node last stopped
+    leading (the ``cluster.step_down`` event's words), while it knows of no leader since
+    ("" otherwise): etcd unreachable overwrites ``detail`` with its own failure."""
 
     leader: str
     address: str
@@ -75,6 +77,7 @@ class LeaderInfo:
     detail: str = ""
     store_state: str = STORE_OK
     lease: int = 0
+    stepped_down: str = ""
 
 
 class Election(Protocol):
@@ -103,6 +106,15 @@ class SingleElection:
 
 Notify = Callable[[str, str, dict[str, object]], None]
 """(event kind, message, fields): elections report ``cluster.elected`` / ``cluster.step_down``."""
+
+
+def _watched_from(kv: KeyValue) -> int:
+    """The revision a watch of the leader key starts after: the one etcd read it at. Its
+    own mod revision, never written again while one leader holds it, falls behind every
+    compaction (``etcdctl compact``, etcd's auto-compaction): a watch from there is
+    cancelled at once, and the step it ends would read and watch it again, without
+    pause, until the leader changes."""
+    return max(kv.mod_revision, kv.read_revision)
 
 
 class EtcdElection:
@@ -143,9 +155,11 @@ class EtcdElection:
         self._leader_lease = 0  # of the leader key as last read (a follower's)
         self._store_state = STORE_UNREACHABLE  # how the last etcd call went
         self._detail = "not started"
+        self._stepped_down = ""  # why this node last stopped leading, until a leader is known
         self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
-        self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
+        # the revision the leader key was last read at (0: none seen): watched from there
+        self._watch_revision = 0
         self._stop = stopped if stopped is not None else threading.Event()
         self._thread: threading.Thread | None = None
         # called on the election's thread when the leader or the epoch changes
@@ -195,6 +209,7 @@ class EtcdElection:
                 self._detail,
                 state,
                 self._leader_lease if self._leader else 0,
+                "" if self._leader else self._stepped_down,
             )
 
     # -- life ----------------------------------------------------------------------------
@@ -289,7 +304,7 @@ class EtcdElection:
         if kv is None or kv.lease != lease:
             self._step_down("leader key is gone")
             return
-        self._watch_revision = kv.mod_revision
+        self._watch_revision = _watched_from(kv)
         with self._lock:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
@@ -336,7 +351,7 @@ class EtcdElection:
             self._abandoned = lease
             self._leader = self._leader_address = ""
             self._leader_lease = 0
-            self._detail = why
+            self._detail = self._stepped_down = why
         log.warning("stepping down as cluster leader (epoch %d): %s", self._epoch, why)
         self._notify("cluster.step_down", f"stepped down: {why}", {"epoch": self._epoch})
         self.on_change()
@@ -364,7 +379,7 @@ class EtcdElection:
                 self._forget_leader()
                 self._campaign()
                 return
-            self._watch_revision = kv.mod_revision
+            self._watch_revision = _watched_from(kv)
         except GpudError as err:
             with self._lock:
                 was_ok = self._store_state == STORE_OK
@@ -392,6 +407,7 @@ class EtcdElection:
             )
             self._leader, self._leader_address = leader, address
             self._leader_lease = kv.lease
+            self._stepped_down = ""  # a leader is known again: that is what status says
             self._epoch = kv.create_revision
             self._store_state = STORE_OK
             self._detail = "" if leader else f"unreadable leader key {self.key}"
@@ -433,6 +449,7 @@ class EtcdElection:
             self._valid_until = sent + granted
             self._epoch = epoch
             self._leader, self._leader_address = self.node, self.address
+            self._stepped_down = ""
             self._store_state = STORE_OK
             self._detail = ""
         log.info("elected cluster leader (epoch %d, lease TTL %d s)", epoch, granted)

@@ -219,10 +219,17 @@ class EtcdSettings:
 
 @dataclass(frozen=True, slots=True)
 class KeyValue:
+    """A key as etcd answered a range for it; ``read_revision``: the store's revision in
+    that answer's header (0 where unknown), past every change to the key then. A watch
+    from it misses none, and starts at a revision that etcd keeps until a later
+    compaction (``etcdctl compact REV``), which the key's own ``mod_revision``, as old as
+    the key where it is never written again, does not."""
+
     value: bytes
     create_revision: int
     mod_revision: int
     lease: int
+    read_revision: int = 0
 
 
 def _b64(data: str | bytes) -> str:
@@ -234,14 +241,22 @@ def _unb64(data: str) -> bytes:
     return base64.b64decode(data)
 
 
-def _key_value(kv: Mapping[str, Any]) -> KeyValue:
-    """One of the gateway's ``kvs`` (numbers come as strings, absent when 0)."""
+def _key_value(kv: Mapping[str, Any], read_revision: int = 0) -> KeyValue:
+    """One of the gateway's ``kvs`` (numbers come as strings, absent when 0), read at the
+    store's ``read_revision``."""
     return KeyValue(
         value=_unb64(kv.get("value", "")),
         create_revision=int(kv.get("create_revision", 0)),
         mod_revision=int(kv.get("mod_revision", 0)),
         lease=int(kv.get("lease", 0)),
+        read_revision=read_revision,
     )
+
+
+def _header_revision(result: Mapping[str, Any]) -> int:
+    """The store's revision in an answer's header (0 where it carried none)."""
+    header = result.get("header")
+    return int(header.get("revision", 0)) if isinstance(header, Mapping) else 0
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -325,6 +340,10 @@ class EtcdClient:
         self._token_refused: dict[int, float] = {}
         self._said_not_etcd: set[str] = set()  # endpoints logged as answering not as etcd
         self._said_auth_off: set[str] = set()  # endpoints logged as having auth off
+        # one login at a time per endpoint: threads that meet it unlogged at once wait
+        # for the first one's token (each login is a raft write and a bcrypt on every
+        # etcd member)
+        self._logging_in = [threading.Lock() for _ in self._clients]
 
     @property
     def timeout_s(self) -> float:
@@ -461,10 +480,17 @@ class EtcdClient:
             cause = tls.group(0)
         return f"{type(err).__name__} {_clipped(cause)}" if cause.strip() else type(err).__name__
 
+    def _first_said(self, said: set[str], endpoint: str) -> bool:
+        """Whether ``endpoint`` is not in ``said`` yet, adding it: True for one thread
+        alone, however many meet the same endpoint at once."""
+        with self._lock:
+            first = endpoint not in said
+            said.add(endpoint)
+        return first
+
     def _say_not_etcd(self, endpoint: str, not_etcd: str) -> None:
-        if endpoint not in self._said_not_etcd:
-            # once, even while another endpoint works: the list is wrong
-            self._said_not_etcd.add(endpoint)
+        # once, even while another endpoint works: the list is wrong
+        if self._first_said(self._said_not_etcd, endpoint):
             log.warning("cluster: %s", not_etcd)
 
     def _login_refusal(self, said: str) -> str:
@@ -556,7 +582,8 @@ class EtcdClient:
 
     def _authenticate(self, index: int, client: Any) -> bool:
         """Log in at endpoint ``index`` where a user is set and it is not logged in: True
-        when a login was made. The token goes in the ``Authorization`` header of each
+        when a login was made, this thread's or another's it waited for (threads that
+        meet the endpoint unlogged at once make one login). The token goes in the ``Authorization`` header of each
         call (:meth:`_token`); none while etcd has authentication off (a token of an
         earlier login would be refused as ``invalid auth token``)."""
         if not self._settings.username:
@@ -564,6 +591,23 @@ class EtcdClient:
         with self._lock:
             if index in self._authenticated:
                 return False
+        # only threads about to log in take this lock: one that waits on it waits for a login
+        logging_in = self._logging_in[index]
+        waited = not logging_in.acquire(blocking=False)
+        if waited:
+            logging_in.acquire()
+        try:
+            with self._lock:
+                if index in self._authenticated:
+                    # a token another thread's login gave while this one waited is as
+                    # fresh as its own: not logged in for again within this call either
+                    return waited
+            return self._login(index, client)
+        finally:
+            logging_in.release()
+
+    def _login(self, index: int, client: Any) -> bool:
+        """:meth:`_authenticate`'s login at endpoint ``index`` (its login lock held)."""
         try:
             result = client.post(
                 client.get_url("/auth/authenticate"),
@@ -578,8 +622,7 @@ class EtcdClient:
             # user can be set up before `etcdctl auth enable`, which a call then meets as
             # "user name is empty" and logs in again
             endpoint = self._settings.endpoints[index]
-            if endpoint not in self._said_auth_off:
-                self._said_auth_off.add(endpoint)
+            if self._first_said(self._said_auth_off, endpoint):
                 log.warning(
                     "cluster: etcd at %s has authentication off: calls go without the login "
                     "of cluster.etcd_username %r until it is on (etcdctl auth enable)",
@@ -648,7 +691,7 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         result = self._post("/kv/range", {"key": _b64(key)})
         kvs = result.get("kvs") or []
-        return _key_value(kvs[0]) if kvs else None
+        return _key_value(kvs[0], _header_revision(result)) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: kv.value for key, kv in self.get_prefix_kvs(prefix).items()}
@@ -657,7 +700,8 @@ class EtcdClient:
         """Every key under ``prefix`` with its value, revisions and lease."""
         raw = prefix.encode()
         result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        return {_unb64(kv["key"]).decode(): _key_value(kv) for kv in result.get("kvs") or []}
+        read = _header_revision(result)
+        return {_unb64(kv["key"]).decode(): _key_value(kv, read) for kv in result.get("kvs") or []}
 
     def create(self, key: str, value: str, lease: int) -> int | None:
         """Put ``key`` only if it does not exist; its create revision, or None if it did."""

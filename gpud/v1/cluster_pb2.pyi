@@ -676,6 +676,7 @@ class GetClusterStatusResponse(_message.Message):
     LAST_ERROR_KIND_FIELD_NUMBER: _builtins.int
     PROBLEMS_STATE_FIELD_NUMBER: _builtins.int
     LEADER_LEASE_FIELD_NUMBER: _builtins.int
+    STEPPED_DOWN_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
@@ -743,6 +744,12 @@ class GetClusterStatusResponse(_message.Message):
     the key. Absent when no leader key is known, with election "single", and from an older
     gpud
     """
+    stepped_down: _builtins.str
+    """why this node last stopped leading (the cluster.step_down event's words: its lease
+    expired, its key gone, etcd unreachable until the lease could expire), while it knows
+    of no leader since; detail then says how the last etcd call went. Absent otherwise, with
+    election "single", and from an older gpud
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]:
         """every node the leader heard from (asked of the leader)"""
@@ -794,10 +801,11 @@ class GetClusterStatusResponse(_message.Message):
         last_error_kind: _builtins.str | None = ...,
         problems_state: _builtins.str | None = ...,
         leader_lease: _builtins.str | None = ...,
+        stepped_down: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_lease", b"_leader_lease", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_problems_state", b"_problems_state", "_store_state", b"_store_state", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader_lease", b"leader_lease", "leader_since_unix_seconds", b"leader_since_unix_seconds", "problems_state", b"problems_state", "store_state", b"store_state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_lease", b"_leader_lease", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_problems_state", b"_problems_state", "_stepped_down", b"_stepped_down", "_store_state", b"_store_state", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader_lease", b"leader_lease", "leader_since_unix_seconds", b"leader_since_unix_seconds", "problems_state", b"problems_state", "stepped_down", b"stepped_down", "store_state", b"store_state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_lease", b"_leader_lease", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_problems_state", b"_problems_state", "_store_state", b"_store_state", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "elected_leader", b"elected_leader", "elected_leader_address", b"elected_leader_address", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leader_lease", b"leader_lease", "leader_since_unix_seconds", b"leader_since_unix_seconds", "leader_source", b"leader_source", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "problems_state", b"problems_state", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_lease", b"_leader_lease", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_problems_state", b"_problems_state", "_stepped_down", b"_stepped_down", "_store_state", b"_store_state", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "elected_leader", b"elected_leader", "elected_leader_address", b"elected_leader_address", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leader_lease", b"leader_lease", "leader_since_unix_seconds", b"leader_since_unix_seconds", "leader_source", b"leader_source", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "problems_state", b"problems_state", "rejected_orders", b"rejected_orders", "stepped_down", b"stepped_down", "store_ok", b"store_ok", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error_kind: _TypeAlias = _typing.Literal["last_error_kind"]  # noqa: Y015
     _WhichOneofArgType__last_error_kind: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind"]  # noqa: Y015
@@ -809,6 +817,8 @@ class GetClusterStatusResponse(_message.Message):
     _WhichOneofArgType__leader_since_unix_seconds: _TypeAlias = _typing.Literal["_leader_since_unix_seconds", b"_leader_since_unix_seconds"]  # noqa: Y015
     _WhichOneofReturnType__problems_state: _TypeAlias = _typing.Literal["problems_state"]  # noqa: Y015
     _WhichOneofArgType__problems_state: _TypeAlias = _typing.Literal["_problems_state", b"_problems_state"]  # noqa: Y015
+    _WhichOneofReturnType__stepped_down: _TypeAlias = _typing.Literal["stepped_down"]  # noqa: Y015
+    _WhichOneofArgType__stepped_down: _TypeAlias = _typing.Literal["_stepped_down", b"_stepped_down"]  # noqa: Y015
     _WhichOneofReturnType__store_state: _TypeAlias = _typing.Literal["store_state"]  # noqa: Y015
     _WhichOneofArgType__store_state: _TypeAlias = _typing.Literal["_store_state", b"_store_state"]  # noqa: Y015
     @_typing.overload
@@ -821,6 +831,8 @@ class GetClusterStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__leader_since_unix_seconds) -> _WhichOneofReturnType__leader_since_unix_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__problems_state) -> _WhichOneofReturnType__problems_state | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stepped_down) -> _WhichOneofReturnType__stepped_down | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__store_state) -> _WhichOneofReturnType__store_state | None: ...
 

@@ -133,6 +133,38 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
     leader.step()
     info = leader.state()
     assert not info.leading and not info.store_ok
+    leader.step()  # as a follower: etcd still stopped, said in the detail
+    info = leader.state()
+    assert info.detail.startswith("etcd unreachable at") and info.store_state == "unreachable"
+    assert info.stepped_down.startswith("cannot reach etcd before the lease could expire")
+
+
+def test_an_operator_deleting_the_leader_key_has_it_elected_again_on_a_new_lease(
+    etcd: LocalEtcd,
+) -> None:
+    """``etcdctl del <prefix>/leader`` while a node leads: it steps down at its next step
+    (the watch ends at the delete), frees its old lease, and the next campaign elects a
+    leader on a new lease in a higher epoch."""
+    clock = Clock()
+    leader, follower = elections(etcd, clock, n=2)
+    leader.step()
+    follower.step()
+    before = leader.state()
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    kv = client.get(leader.key)
+    assert kv is not None
+    client.delete(leader.key)
+    assert client.wait_for_change(leader.key, kv.read_revision, 5.0)
+    leader.step()
+    assert not leader.state().leading
+    assert leader.state().stepped_down == "leader key is gone"
+    follower.step()
+    leader.step()
+    after = follower.state()
+    assert after.leading and after.epoch > before.epoch and after.lease != before.lease
+    assert client.time_to_live(before.lease)[0] == -1  # the old lease was revoked
+    assert leader.state().leader == follower.node and leader.state().stepped_down == ""
+    follower.stop()
 
 
 def test_etcd_restart_is_ridden_out(etcd: LocalEtcd) -> None:
@@ -801,3 +833,27 @@ def test_a_leader_reelected_in_a_higher_epoch_after_a_restore_writes_its_tags_ba
         assert led.stored() == {f"{led.tags}a": b"12", f"{led.tags}b": b"14"}
 
     asyncio.run(scenario())
+
+
+def test_a_leader_key_read_after_a_compaction_is_watched_from_a_revision_etcd_keeps(
+    etcd: LocalEtcd,
+) -> None:
+    """The leader key is written once; other writes and a compaction past it leave its own
+    revision compacted: a watch from there is cancelled at once. Each read says the
+    revision etcd answered at, from which a watch waits for a change."""
+    clock = Clock()
+    leader, follower = elections(etcd, clock, n=2)
+    leader.step()
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    for i in range(5):
+        client.put(f"{leader.key}-elsewhere", str(i))
+    revision = int(client._post("/kv/range", {"key": "AA=="})["header"]["revision"])
+    client._post("/kv/compaction", {"revision": revision})
+    kv = client.get(leader.key)
+    assert kv is not None and kv.mod_revision < revision <= kv.read_revision
+    assert client.wait_for_change(leader.key, kv.mod_revision, 5.0)  # cancelled: compacted
+    assert not client.wait_for_change(leader.key, kv.read_revision, 0.3)
+    follower.step()
+    assert follower.state().leader == leader.node
+    assert not client.wait_for_change(leader.key, follower._watch_revision, 0.3)
+    leader.stop()

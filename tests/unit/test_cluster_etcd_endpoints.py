@@ -4,6 +4,7 @@ listens on."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import logging
@@ -684,3 +685,77 @@ def test_a_login_leaves_the_session_threads_send_on_as_it_was(
         assert client.get("/x") is None
         assert dict(session.headers) == before
     assert etcd.logins == 4
+
+
+@dataclass
+class MeetingLoginEtcd(AuthEtcd):
+    """Each login waits for a second one to arrive before it is answered (or for
+    ``meeting`` to give up): two threads that log in at once are both seen logging in."""
+
+    meeting: threading.Barrier = field(default_factory=lambda: threading.Barrier(2, timeout=1.0))
+
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
+        if path == "/v3/auth/authenticate":
+            # broken: the one login of this node, no other came
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.meeting.wait()
+        return super().__call__(path, request, token)
+
+
+def _at_once(calls: int, call: Callable[[], object]) -> None:
+    threads = [threading.Thread(target=call) for _ in range(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_threads_that_call_at_once_before_a_login_make_one_login(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    etcd = MeetingLoginEtcd()
+    client = _logged_in(_endpoint(servers, etcd))
+    results: list[object] = []
+    _at_once(2, lambda: results.append(client.get("/x")))
+    assert results == [None, None]
+    assert etcd.logins == 1 and etcd.calls == 2
+
+
+class MeetingSet(set[str]):
+    """A set of endpoints logged: each look-up, once made, waits for a second one (or for
+    ``meeting`` to give up) before it answers, so that two threads that meet the same
+    endpoint both look before either adds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(2, timeout=1.0)
+
+    def __contains__(self, endpoint: object) -> bool:
+        seen = super().__contains__(endpoint)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.meeting.wait()
+        return seen
+
+
+def test_an_endpoint_not_etcd_met_by_threads_at_once_is_logged_once(
+    servers: list[http.server.ThreadingHTTPServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    other = _endpoint(servers, Answers())
+    etcd = _endpoint(servers, Answers(dict(ETCD)))
+    client = _client(other, etcd)
+    client._said_not_etcd = MeetingSet()
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        _at_once(2, lambda: client.get("/x"))
+    said = [r.getMessage() for r in caplog.records if other in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_etcds_authentication_off_met_by_threads_at_once_is_logged_once(
+    servers: list[http.server.ThreadingHTTPServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    client = _logged_in(_endpoint(servers, AuthEtcd(auth_on=False)))
+    client._said_auth_off = MeetingSet()
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.etcd"):
+        _at_once(2, lambda: client.get("/x"))
+    said = [r.getMessage() for r in caplog.records if "authentication off" in r.getMessage()]
+    assert len(said) == 1, said

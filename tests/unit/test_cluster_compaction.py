@@ -1,0 +1,78 @@
+"""An etcd compacted past the leader key's own revision (``etcdctl compact REV``, the
+advice for an etcd out of space, or etcd's auto-compaction): the election's watch between
+steps still waits for a change."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from gpud.cluster.election import EtcdElection
+from gpud.cluster.etcd import EtcdClient, KeyValue
+from tests.unit.test_cluster_agent import Clock
+from tests.unit.test_cluster_suspend import SuspendingWatch
+
+KEY = "/c/leader"
+
+
+class CompactedEtcd(SuspendingWatch):
+    """Reads answer with the store's revision, as etcd's header does; a watch from a
+    revision at or below the compaction is cancelled at once (etcd's ``compact_revision``
+    answer, which ``wait_for_change`` counts as a change), any other lasts its timeout."""
+
+    def __init__(self, now: Clock, stop: threading.Event) -> None:
+        super().__init__(now, stop)
+        self.compacted = 0
+        self.cancelled = 0
+
+    def write_elsewhere_and_compact(self, writes: int) -> None:
+        self.revision += writes
+        self.compacted = self.revision
+
+    def get(self, key: str) -> KeyValue | None:
+        kv = super().get(key)
+        return None if kv is None else dataclasses.replace(kv, read_revision=self.revision)
+
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        if after_revision + 1 <= self.compacted:
+            self.cancelled += 1
+            return True
+        return super().wait_for_change(key, after_revision, timeout_s)
+
+
+def _compacted_under(node: str) -> tuple[Clock, CompactedEtcd, EtcdElection]:
+    """n0 elected; 40 writes to other keys, then a compaction to the last of them."""
+    now = Clock()
+    stop = threading.Event()
+    etcd = CompactedEtcd(now, stop)
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    leader = EtcdElection(client, node="n0", address="n0:1", prefix="/c", ttl_s=300, clock=now)
+    leader.step()
+    assert leader.state().leading
+    etcd.write_elsewhere_and_compact(40)
+    if node == "n0":
+        return now, etcd, leader
+    follower = EtcdElection(
+        client, node=node, address=f"{node}:1", prefix="/c", ttl_s=300, clock=now
+    )
+    return now, etcd, follower
+
+
+def test_a_follower_waits_out_its_pause_after_etcd_is_compacted_past_the_leader_key() -> None:
+    now, etcd, follower = _compacted_under("n1")
+    follower.step()
+    assert follower.state().leader == "n0"
+    start = now.now
+    follower._wait(follower.interval_s)
+    assert etcd.cancelled == 0
+    assert now.now >= start + follower.interval_s  # watched, not stepped again at once
+
+
+def test_a_leader_waits_out_its_pause_after_etcd_is_compacted_past_its_key() -> None:
+    now, etcd, leader = _compacted_under("n0")
+    leader.step()  # the renewal reads the key again
+    assert leader.state().leading
+    start = now.now
+    leader._wait(leader.interval_s)
+    assert etcd.cancelled == 0
+    assert now.now >= start + leader.interval_s
