@@ -6,7 +6,8 @@ request (one that sends nothing, a port scanner or a half-open peer, and one tha
 byte now and then, never its whole request, are closed alike once it is spent), and at most
 ``max_connections`` are served at once.
 One more is answered ``503 Service Unavailable`` (``Retry-After: 1``) and closed at once, so a
-flood of connections costs a few bytes each instead of a thread and its stack for the whole
+flood of connections (queued by the kernel up to ``net.core.somaxconn``, not dropped) costs a
+few bytes each instead of a thread and its stack for the whole
 timeout, and a scrape gets through as soon as one of them ends. Prometheus scrapes over one
 connection per target; :data:`MAX_CONNECTIONS` leaves room for several Prometheus servers,
 ``curl`` and a dashboard's probes.
@@ -148,6 +149,11 @@ class MetricsServer(ThreadingWSGIServer):
 
     max_connections = MAX_CONNECTIONS
     clock: Callable[[], float] = time.monotonic
+    # the kernel's queue of connections not yet accepted (listen(2)'s backlog, capped by
+    # net.core.somaxconn): socketserver's 5 drops the rest of a burst, whose clients resend
+    # their SYN after 1 s, 3 s, 7 s... (a scrape among them past its timeout); queued, each is
+    # served or answered 503 at once
+    request_queue_size = socket.SOMAXCONN
 
     def server_activate(self) -> None:
         super().server_activate()

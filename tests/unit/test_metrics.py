@@ -476,6 +476,23 @@ def test_a_connection_that_trickles_its_request_is_closed_once_its_time_is_spent
         stop_metrics_server(server, thread)
 
 
+def test_a_burst_of_connections_waits_in_the_listen_queue_not_in_syn_retries() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0, max_connections=2)
+    address = ("127.0.0.1", server.server_port)
+    server.shutdown()  # nothing accepts them now: they queue, as while a burst is answered
+    waiting: list[socket.socket] = []
+    try:
+        # prometheus_client's server left the kernel's queue at 5: the rest of a burst was
+        # dropped, its clients retrying after 1 s, 3 s, 7 s..., past a scrape's timeout
+        for _ in range(64):
+            waiting.append(socket.create_connection(address, timeout=5))
+    finally:
+        for conn in waiting:
+            conn.close()
+        stop_metrics_server(server, thread)
+
+
 def test_a_connection_past_the_bound_is_answered_busy_and_a_scrape_follows() -> None:
     registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
     server, thread = start_metrics_server(registry, "127.0.0.1", 0, max_connections=2)
