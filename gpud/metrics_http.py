@@ -1,10 +1,13 @@
 """The ``/metrics`` HTTP listener: prometheus_client's WSGI app on a bounded threading server.
 
 Each connection is served on a thread of its own, as prometheus_client's own server does,
-with two bounds it lacks: a connection that sends nothing (a port scanner, a half-open peer)
-is closed after ``connection_timeout_s``, and at most ``max_connections`` are served at once.
+with two bounds it lacks: a connection is given ``connection_timeout_s`` in all to send its
+request (one that sends nothing, a port scanner or a half-open peer, and one that sends a
+byte now and then, never its whole request, are closed alike once it is spent), and at most
+``max_connections`` are served at once.
 One more is answered ``503 Service Unavailable`` (``Retry-After: 1``) and closed at once, so a
-flood of connections costs a few bytes each instead of a thread and its stack for the whole
+flood of connections (queued by the kernel up to ``net.core.somaxconn``, not dropped) costs a
+few bytes each instead of a thread and its stack for the whole
 timeout, and a scrape gets through as soon as one of them ends. Prometheus scrapes over one
 connection per target; :data:`MAX_CONNECTIONS` leaves room for several Prometheus servers,
 ``curl`` and a dashboard's probes.
@@ -16,6 +19,7 @@ mistyped ``metrics_path`` fails instead of scraping the metrics under a wrong na
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
@@ -101,8 +105,39 @@ def _reply(start_response: Callable[..., Any], status: str, text: str, method: s
     return [b""] if method == "HEAD" else [body]
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The bytes of ``sock``, each read given only what is left until ``deadline`` (on
+    ``clock``): a socket timeout alone restarts at every byte received, so a peer that
+    trickles its request would hold its thread, and its slot, for as long as it likes."""
+
+    def __init__(self, sock: socket.socket, deadline: float, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._clock = clock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - self._clock()
+        if left <= 0:
+            raise TimeoutError("/metrics: the request was not received within its time")
+        # the reply's writes get no more than this either (the socket keeps the timeout)
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class _QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape on stderr (the journal)."""
+    """No access log line per scrape on stderr (the journal); the whole request read within
+    ``timeout`` seconds of the connection's start (:class:`_DeadlineReader`)."""
+
+    def setup(self) -> None:
+        super().setup()
+        clock: Callable[[], float] = getattr(self.server, "clock", time.monotonic)
+        if self.timeout is not None:
+            reader = _DeadlineReader(self.connection, clock() + self.timeout, clock)
+            self.rfile = io.BufferedReader(reader)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -114,6 +149,11 @@ class MetricsServer(ThreadingWSGIServer):
 
     max_connections = MAX_CONNECTIONS
     clock: Callable[[], float] = time.monotonic
+    # the kernel's queue of connections not yet accepted (listen(2)'s backlog, capped by
+    # net.core.somaxconn): socketserver's 5 drops the rest of a burst, whose clients resend
+    # their SYN after 1 s, 3 s, 7 s... (a scrape among them past its timeout); queued, each is
+    # served or answered 503 at once
+    request_queue_size = socket.SOMAXCONN
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -166,19 +206,25 @@ def start_metrics_server(
     *,
     connection_timeout_s: float = CONNECTION_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` (:func:`metrics_app`)
     from a thread
     (``ss -ltnp`` shows gpud listening there).
 
     ``port=0`` picks a free port (``server.server_port`` says which); an IPv6 ``host`` binds
-    an IPv6 socket. Stop it with :func:`stop_metrics_server`.
+    an IPv6 socket. Stop it with :func:`stop_metrics_server`. ``clock`` (monotonic) times
+    each connection's ``connection_timeout_s``.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type(
         "MetricsServer",
         (MetricsServer,),
-        {"address_family": family, "max_connections": max_connections},
+        {
+            "address_family": family,
+            "max_connections": max_connections,
+            "clock": staticmethod(clock),
+        },
     )
     handler = type("MetricsHandler", (_QuietHandler,), {"timeout": connection_timeout_s})
     server: WSGIServer = make_server(

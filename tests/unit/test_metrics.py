@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -444,6 +445,51 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_timeout() -> None:
             idle.sendall(b"GET /metrics HTTP/1.1\\r\\n")  # and never the rest
             assert idle.recv(1) == b""  # closed by the server, not timed out here
     finally:
+        stop_metrics_server(server, thread)
+
+
+def test_a_connection_that_trickles_its_request_is_closed_once_its_time_is_spent() -> None:
+    now = [0.0]
+    reads = threading.Semaphore(0)
+
+    def clock() -> float:
+        reads.release()  # the server looked at the time: connection start, or a read
+        return now[0]
+
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(
+        registry, "127.0.0.1", 0, connection_timeout_s=30.0, clock=clock
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as slow:
+            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+            # its start, the read of the request line, the read waiting for the headers
+            for _ in range(3):
+                reads.acquire(timeout=5)
+            now[0] = 31.0  # each byte came within the socket timeout; the whole did not
+            try:
+                slow.sendall(b"X-Slow: 1\r\n")
+                assert slow.recv(4096) == b""  # closed by the server, not timed out here
+            except ConnectionResetError:
+                pass
+    finally:
+        stop_metrics_server(server, thread)
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue_not_in_syn_retries() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0, max_connections=2)
+    address = ("127.0.0.1", server.server_port)
+    server.shutdown()  # nothing accepts them now: they queue, as while a burst is answered
+    waiting: list[socket.socket] = []
+    try:
+        # prometheus_client's server left the kernel's queue at 5: the rest of a burst was
+        # dropped, its clients retrying after 1 s, 3 s, 7 s..., past a scrape's timeout
+        for _ in range(64):
+            waiting.append(socket.create_connection(address, timeout=5))
+    finally:
+        for conn in waiting:
+            conn.close()
         stop_metrics_server(server, thread)
 
 
