@@ -1231,14 +1231,11 @@ class TcNetlink:
         except TcError as err:
             if err.errno not in (errno_mod.EINVAL, errno_mod.ENOENT):
                 raise
-            raise TcError(
-                iface,
+            raise _reworded(
+                err,
                 f"cannot delete the HTB root: the root qdisc is no longer gpud's HTB 6764:"
                 f" (replaced or removed since it was read; the kernel answered"
                 f" {_errname(err.errno)}): left as it is",
-                op=err.op,
-                errno=err.errno,
-                detail=err.detail,
             ) from err
         left: RootQdisc | None = None
         now: str | None = None
@@ -1269,16 +1266,11 @@ class TcNetlink:
             # both failures say what the netdev holds now: neither the original nor a
             # root anyone read
             said = _errname(err.errno) if err.errno else str(err.__cause__ or err)
-            raise TcError(
-                iface,
+            raise _reworded(
+                err,
                 f"cannot re-install the original {original.kind} root: {said}, after the"
                 f" read of the root the delete of gpud's left failed"
                 f" ({str(unread).removeprefix(f'{iface}: ')})",
-                op=err.op,
-                errno=err.errno,
-                detail=err.detail,
-                tree_left=False,
-                tree_removed=True,
             ) from err
         try:
             root = self.read(iface).root
@@ -1330,6 +1322,14 @@ def _print_change(was: tuple[int, _Fingerprint] | None, index: int, now: _Finger
     if kind != kind_now:
         return f"link type {kind_now}, was {kind}"
     return f"MAC {_mac(mac_now)}, was {_mac(mac)}"
+
+
+def _reworded(err: TcError, message: str) -> TcError:
+    """``err`` (its interface, tc command, errno, extended ack and what it says of gpud's
+    tree) said as ``message``."""
+    out = TcError(err.iface, message, op=err.op, errno=err.errno, detail=err.detail)
+    out.tree_left, out.tree_removed = err.tree_left, err.tree_removed
+    return out
 
 
 def _is_ours(root: RootQdisc | None) -> bool:
