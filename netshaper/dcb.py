@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from netshaper.tc_netlink import ARPHRD_LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -211,19 +214,48 @@ class DryRunBackend:
         return MapResult(netdev, changes)
 
 
+LinkType = Callable[[str], "int | None"]
+"""A netdev's link type (the kernel's ``ARPHRD_*``), None where it cannot be read."""
+
+
+def sysfs_link_type(sysfs_root: str = "/sys") -> LinkType:
+    """A netdev's link type as ``<sysfs_root>/class/net/NETDEV/type`` says it (the
+    ``ifi_type`` ``ip -d link show`` prints as ``link/...``), as the network namespace
+    sysfs was mounted in sees it; None where unread (no such netdev)."""
+
+    def link_type(netdev: str) -> int | None:
+        try:
+            with open(os.path.join(sysfs_root, "class", "net", netdev, "type")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    return link_type
+
+
 class NicMap:
     """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
 
     ``netdevs``: the netdevs whose map gpud owns (configuration, or
     ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
     fail, the others are still written and one :class:`DcbError` names every failure.
+    The loopback is refused under any name (``ip link set lo name lb0``), by its link
+    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, from sysfs unless given),
+    read on every apply: it has no NIC, so nothing is run or printed for it.
     """
 
-    def __init__(self, backend: DscpMapBackend, netdevs: Sequence[str]) -> None:
+    def __init__(
+        self,
+        backend: DscpMapBackend,
+        netdevs: Sequence[str],
+        *,
+        link_type: LinkType | None = None,
+    ) -> None:
         if not netdevs:
             raise ValueError("NicMap needs at least one netdev")
         self._backend = backend
         self._netdevs = tuple(netdevs)
+        self._link_type = link_type if link_type is not None else sysfs_link_type()
 
     @property
     def netdevs(self) -> tuple[str, ...]:
@@ -237,6 +269,17 @@ class NicMap:
         lines: list[str] = []
         failures: list[DcbError] = []
         for netdev in self._netdevs:
+            if self._link_type(netdev) == ARPHRD_LOOPBACK:
+                failures.append(
+                    DcbError(
+                        netdev,
+                        f"the loopback (ARPHRD_LOOPBACK, type {ARPHRD_LOOPBACK}), named"
+                        f" {netdev}: it has no NIC, so no DSCP -> priority map, and carries"
+                        " no RDMA traffic; not written (list the RoCE netdevs in"
+                        " traffic.rdma_interfaces)",
+                    )
+                )
+                continue
             try:
                 result = self._backend.apply(netdev, dscp_priorities)
             except DcbError as err:

@@ -195,7 +195,7 @@ def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | N
     t = config.traffic
     if t.rdma_backend == "none":
         return None, ""
-    from netshaper.dcb import DcbAppBackend, DryRunBackend, NicMap
+    from netshaper.dcb import DcbAppBackend, DryRunBackend, NicMap, sysfs_link_type
     from netshaper.rdma import roce_v2_targets
     from netshaper.rdma_verbs import open_discovery
 
@@ -208,4 +208,4 @@ def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | N
         return None, why
     backend = DcbAppBackend() if t.rdma_backend == "dcb" else DryRunBackend()
     log.info("RDMA DSCP -> priority map (%s) on %s", t.rdma_backend, ", ".join(netdevs))
-    return NicMap(backend, netdevs), ""
+    return NicMap(backend, netdevs, link_type=sysfs_link_type(sysfs_root)), ""

@@ -1086,6 +1086,29 @@ def test_open_rdma_discovers_roce_netdevs() -> None:
     assert open_rdma(Config()) == (None, "")
 
 
+def test_a_loopback_renamed_into_rdma_interfaces_is_refused_by_its_link_type(
+    tmp_path: Path,
+) -> None:
+    """``ip link set lo name lb0``, lb0 in traffic.rdma_interfaces: the config's check by
+    name passes it, the map is not written on it (the kernel's ARPHRD_LOOPBACK, read in
+    the sysfs gpud is given), and eth2 still gets its map."""
+    from gpud.config import Config
+    from gpud.net.wiring import open_rdma
+    from netshaper.dcb import DcbError
+
+    for netdev, kind in (("lb0", 772), ("eth2", 1)):
+        (tmp_path / "class" / "net" / netdev).mkdir(parents=True)
+        (tmp_path / "class" / "net" / netdev / "type").write_text(f"{kind}\n")
+    t = TrafficConfig(rdma_backend="dry-run", rdma_interfaces=("lb0", "eth2"))
+    port, why = open_rdma(Config(traffic=t), sysfs_root=str(tmp_path))
+    assert port is not None and why == ""
+    with pytest.raises(DcbError) as refused:
+        port.apply({26: 5})
+    said = str(refused.value)
+    assert said.startswith("lb0: 1 of 2 netdev(s) not written"), said
+    assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0" in said
+
+
 def wiring_parts(tmp_path: Path) -> tuple[StateStore, EventLog, JobService]:
     """What the daemon hands open_traffic: its store, event log and jobs service."""
     from gpud.jobs.service import JobService
