@@ -509,6 +509,9 @@ class TrafficService:
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
+        # interface -> passes running that repaired it: another tool that changes it back
+        # before every pass is said twice (net.drift), not once a pass
+        self._drift_run: dict[str, int] = {}
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
@@ -1884,6 +1887,7 @@ class TrafficService:
                 self._netdev_replaced(iface, res.replaced)
             if res.error is not None:
                 self._applied.pop(iface, None)
+                self._drift_run.pop(iface, None)
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
@@ -1893,10 +1897,13 @@ class TrafficService:
             # fails the next one counts all it finds at them (a pass's worth of blur)
             sent_at = self._sent_at.get(iface, {})
             self._sent_at[iface] = {job: lv for job, lv in levels.items() if job in tags}
+            if not res.ops:
+                self._drift_run.pop(iface, None)  # gpud's tree held since the last pass
             if found is not None and not res.replaced:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif res.ops and (unchanged or (res.replaced and not status.error)):
                 status.repairs += 1
+                run = self._drift_run[iface] = self._drift_run.get(iface, 0) + 1
                 # a netdev deleted and created again between two passes (a driver reset,
                 # a runtime re-making it), or between the start's adopt and the first pass,
                 # lost gpud's tree with it: not another tool's change, nor a takeover.
@@ -1908,12 +1915,22 @@ class TrafficService:
                     if res.replaced
                     else f"restored {len(res.ops)} tc object(s) changed outside gpud"
                 )
-                self._events.emit(
-                    "net.drift",
-                    f"{iface}: {why}: " + "; ".join(res.restored or res.ops)[:500],
-                    interface=iface,
-                    operations=len(res.ops),
-                )
+                if run == 2:
+                    # a tool fighting gpud (its own root or filters put back by a timer, a
+                    # network manager): each pass still repairs, `gpuctl net show` counts
+                    log.warning("traffic: %s: changed outside gpud on every pass", iface)
+                    why = (
+                        "changed outside gpud again on 2 passes running: another tool keeps"
+                        " changing it; gpud restores it on every pass, said again once a"
+                        " pass finds it as gpud left it: " + why
+                    )
+                if run <= 2:
+                    self._events.emit(
+                        "net.drift",
+                        f"{iface}: {why}: " + "; ".join(res.restored or res.ops)[:500],
+                        interface=iface,
+                        operations=len(res.ops),
+                    )
             try:
                 counters = self._tc.counters(iface)
             except Exception as err:

@@ -303,6 +303,41 @@ def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
     assert "net.drift" in rig.kinds()
 
 
+def test_another_tool_changing_the_root_every_pass_is_repaired_each_pass_said_twice(
+    rig: Rig,
+) -> None:
+    """Another tool runs ``tc qdisc replace dev eth0 root fq_codel`` before every pass:
+    gpud puts its tree back each pass, and says the first repair and, once, that the
+    change comes back every pass; not an event per pass. One pass that finds its tree in
+    place ends the fight: the next change is said again."""
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    rig.service.tick()
+
+    def fq_codel() -> None:
+        rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", tcplan.RootQdisc("fq_codel", 0))
+
+    for _ in range(10):
+        fq_codel()
+        rig.service.tick()
+        root = rig.tc.states["eth0"].root
+        assert root is not None and root.kind == "htb"
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 2, drifts
+    assert drifts[0].startswith("eth0: restored ")
+    assert drifts[1].startswith(
+        "eth0: changed outside gpud again on 2 passes running: another tool keeps changing"
+        " it; gpud restores it on every pass, said again once a pass finds it as gpud left"
+        " it: restored "
+    )
+    assert rig.service.view().interfaces[0].repairs == 10
+    rig.service.tick()  # gpud's tree held for a pass
+    fq_codel()
+    rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3 and drifts[2].startswith("eth0: restored ")
+
+
 @pytest.mark.parametrize(
     "then_active",
     [{"a"}, {"a", "b"}],  # the plan unchanged; a job started in that same tick
