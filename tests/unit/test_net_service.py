@@ -952,6 +952,28 @@ def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
     ]
 
 
+def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(rig: Rig) -> None:
+    """A firewall reload runs ``nft flush ruleset`` while jobs a and b are marked: the next
+    pass writes gpud's table again and says it was removed outside gpud, in one event."""
+    rig.active = {"a", "b"}
+    for job in ("a", "b"):
+        rig.cgroups.ensure(job)
+    rig.service.tick()
+    rig.service.tick()
+    assert len(rig.marker.marks) == 2
+    rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+    rig.service.tick()
+    assert len(rig.marker.marks) == 2
+    marking = [e.message for e in rig.events.recent(100, "net.marking")]
+    assert marking[-1] == (
+        "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+        " reload?): written again, 4 rule(s): the jobs' packets went unmarked until this"
+        " pass"
+    )
+    rig.service.tick()
+    assert len(rig.events.recent(100, "net.marking")) == len(marking)
+
+
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
     rig.service.tick()
     rig.service.shutdown()  # fail-static: nothing is touched
