@@ -2007,6 +2007,44 @@ def test_a_nic_map_changed_outside_gpud_is_written_back(tmp_path: Path, sysfs: P
     assert s.settle(5) and len(lines) == 2  # read back, nothing to write
 
 
+def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A DCBX agent puts its own priority back on gpud's DSCP before every check: each
+    check writes gpud's back; the first is said, then once that it keeps coming back,
+    not once a check. A check that finds the map as gpud wrote it ends the run."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    lines: list[str] = []
+    backend = DryRunBackend(lines.append)
+    rig = Rig(tmp_path, sysfs)
+    s = rig.with_nic(NicMap(backend, ["eth2"]))
+    s.tick()
+    assert s.settle(5)
+    tag = s.tags.allocations()["a"]
+
+    def check(agent: bool) -> None:
+        if agent:
+            backend._shown["eth2"][tag] = (3,)
+        rig.clock.t += RDMA_RECHECK_S
+        s.tick()
+        assert s.settle(5)
+
+    for _ in range(6):
+        check(agent=True)
+    assert len(lines) == 7 and lines[-1].endswith(f"dscp-prio {tag}:7")
+    drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+    assert len(drifts) == 2, drifts
+    assert drifts[1] == (
+        "NIC DSCP -> priority map changed outside gpud again on 2 checks running: another"
+        " agent (a DCBX one, lldpad) keeps changing it; gpud writes it back on every"
+        " check, said again once a check finds it as gpud wrote it: 1 entry written back"
+    )
+    check(agent=False)
+    check(agent=True)
+    assert len(rig.events.recent(100, "net.rdma_drift")) == 3
+
+
 @pytest.mark.parametrize(
     ("stall_iterations", "low", "high"),
     [(0, 0.35, 0.45), (8, 0.8, 0.9)],
