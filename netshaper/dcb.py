@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from netshaper.tc_netlink import ARPHRD_LOOPBACK
+from netshaper import ethtool
+from netshaper.ethtool import ARPHRD_LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -218,21 +218,6 @@ LinkType = Callable[[str], "int | None"]
 """A netdev's link type (the kernel's ``ARPHRD_*``), None where it cannot be read."""
 
 
-def sysfs_link_type(sysfs_root: str = "/sys") -> LinkType:
-    """A netdev's link type as ``<sysfs_root>/class/net/NETDEV/type`` says it (the
-    ``ifi_type`` ``ip -d link show`` prints as ``link/...``), as the network namespace
-    sysfs was mounted in sees it; None where unread (no such netdev)."""
-
-    def link_type(netdev: str) -> int | None:
-        try:
-            with open(os.path.join(sysfs_root, "class", "net", netdev, "type")) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-
-    return link_type
-
-
 class NicMap:
     """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
 
@@ -240,8 +225,9 @@ class NicMap:
     ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
     fail, the others are still written and one :class:`DcbError` names every failure.
     The loopback is refused under any name (``ip link set lo name lb0``), by its link
-    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, from sysfs unless given),
-    read on every apply: it has no NIC, so nothing is run or printed for it.
+    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, as this process's network
+    namespace sees it unless given, :func:`netshaper.ethtool.link_type`), read on every
+    apply: it has no NIC, so nothing is run or printed for it.
     """
 
     def __init__(
@@ -255,7 +241,7 @@ class NicMap:
             raise ValueError("NicMap needs at least one netdev")
         self._backend = backend
         self._netdevs = tuple(netdevs)
-        self._link_type = link_type if link_type is not None else sysfs_link_type()
+        self._link_type = link_type if link_type is not None else ethtool.link_type
 
     @property
     def netdevs(self) -> tuple[str, ...]:

@@ -83,6 +83,7 @@ from typing import Protocol
 
 from pyroute2.netns import create_socket
 
+from netshaper.ethtool import ARPHRD_LOOPBACK
 from netshaper.tcplan import (
     ETH_P_ALL,
     FILTER_PRIO,
@@ -137,7 +138,6 @@ RTM_GETTFILTER = 46
 IFLA_ADDRESS = 1
 IFLA_IFNAME = 3
 IFLA_PERM_ADDRESS = 54  # the NIC's burnt-in MAC (kernel 5.5+); absent or zero on virtual ones
-ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 TCA_KIND = 1
 TCA_OPTIONS = 2
 TCA_STATS2 = 7
