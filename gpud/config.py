@@ -760,7 +760,7 @@ def loopback_listed(t: TrafficConfig) -> list[tuple[str, str]]:
     (:func:`config_warnings`). By name only: the file is checked where the netdevs may not
     be (``gpud --check-config`` on another host), so a loopback under another name is
     found by the first pass on it (the kernel's ``ARPHRD_LOOPBACK``, see
-    :mod:`netshaper.tc_netlink`)."""
+    :mod:`netshaper.tc_netlink` and :class:`netshaper.dcb.NicMap`)."""
     listed = (("traffic.interfaces", t.interfaces), ("traffic.rdma_interfaces", t.rdma_interfaces))
     return [(key, _LOOPBACK_WHY[key]) for key, names in listed if "lo" in names]
 

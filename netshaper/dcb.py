@@ -32,6 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from netshaper import ethtool
+from netshaper.ethtool import ARPHRD_LOOPBACK
+
 log = logging.getLogger(__name__)
 
 DSCP_MAX = 63
@@ -211,19 +214,34 @@ class DryRunBackend:
         return MapResult(netdev, changes)
 
 
+LinkType = Callable[[str], "int | None"]
+"""A netdev's link type (the kernel's ``ARPHRD_*``), None where it cannot be read."""
+
+
 class NicMap:
     """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
 
     ``netdevs``: the netdevs whose map gpud owns (configuration, or
     ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
     fail, the others are still written and one :class:`DcbError` names every failure.
+    The loopback is refused under any name (``ip link set lo name lb0``), by its link
+    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, as this process's network
+    namespace sees it unless given, :func:`netshaper.ethtool.link_type`), read on every
+    apply: it has no NIC, so nothing is run or printed for it.
     """
 
-    def __init__(self, backend: DscpMapBackend, netdevs: Sequence[str]) -> None:
+    def __init__(
+        self,
+        backend: DscpMapBackend,
+        netdevs: Sequence[str],
+        *,
+        link_type: LinkType | None = None,
+    ) -> None:
         if not netdevs:
             raise ValueError("NicMap needs at least one netdev")
         self._backend = backend
         self._netdevs = tuple(netdevs)
+        self._link_type = link_type if link_type is not None else ethtool.link_type
 
     @property
     def netdevs(self) -> tuple[str, ...]:
@@ -237,6 +255,17 @@ class NicMap:
         lines: list[str] = []
         failures: list[DcbError] = []
         for netdev in self._netdevs:
+            if self._link_type(netdev) == ARPHRD_LOOPBACK:
+                failures.append(
+                    DcbError(
+                        netdev,
+                        f"the loopback (ARPHRD_LOOPBACK, type {ARPHRD_LOOPBACK}), named"
+                        f" {netdev}: it has no NIC, so no DSCP -> priority map, and carries"
+                        " no RDMA traffic; not written (list the RoCE netdevs in"
+                        " traffic.rdma_interfaces)",
+                    )
+                )
+                continue
             try:
                 result = self._backend.apply(netdev, dscp_priorities)
             except DcbError as err:

@@ -1,5 +1,5 @@
-"""A link's speed (``SIOCETHTOOL``) and whether it is up (``SIOCGIFFLAGS``), as the
-calling process's network namespace sees them.
+"""A link's speed (``SIOCETHTOOL``), whether it is up (``SIOCGIFFLAGS``) and its link
+type (``SIOCGIFHWADDR``), as the calling process's network namespace sees them.
 
 ``/sys/class/net/IF/speed`` and ``operstate`` describe the interfaces of the namespace that
 mounted /sys, not of the caller's: a daemon started with ``nsenter --net=`` still sees the
@@ -16,6 +16,8 @@ import struct
 
 SIOCETHTOOL = 0x8946
 SIOCGIFFLAGS = 0x8913
+SIOCGIFHWADDR = 0x8927
+ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 # ip link's LOWER_UP-and-UP: the kernel sets it when operstate is "up" or "unknown"
 IFF_RUNNING = 0x40
 ETHTOOL_GSET = 0x00000001
@@ -28,6 +30,8 @@ _IFREQ = "16sP16x"
 _IFNAMSIZ = 16
 # struct ifreq with ifr_flags: the name, then a short (padded to the union's 24 bytes)
 _IFREQ_FLAGS = "16sh22x"
+# struct ifreq with ifr_hwaddr: the name, then a sockaddr whose sa_family is the link type
+_IFREQ_HWADDR = "16sH22x"
 
 
 def link_speed_mbps(iface: str) -> int | None:
@@ -49,17 +53,33 @@ def link_speed_mbps(iface: str) -> int | None:
     return None if speed in (0, _SPEED_UNKNOWN) else speed
 
 
-def link_running(iface: str) -> bool | None:
-    """Whether ``iface`` in this process's network namespace is up with its carrier
-    (``ip link``'s ``state UP``, or ``UNKNOWN`` for a driver that reports no state); None
-    when there is no such interface."""
+def _ifreq_short(iface: str, request: int, layout: str, member: str) -> int | None:
+    """The short right after the name in the ``struct ifreq`` the kernel answers to
+    ``request`` on ``iface`` (``layout``, with ``member`` its format); None when there is
+    no such interface in this process's network namespace."""
     name = iface.encode()
     if not name or len(name) >= _IFNAMSIZ:
         return None
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            answer = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack(_IFREQ_FLAGS, name, 0))
+            answer = fcntl.ioctl(sock.fileno(), request, struct.pack(layout, name, 0))
     except OSError:
         return None
-    (flags,) = struct.unpack_from("=h", answer, _IFNAMSIZ)
-    return bool(flags & IFF_RUNNING)
+    (value,) = struct.unpack_from(member, answer, _IFNAMSIZ)
+    return int(value)
+
+
+def link_running(iface: str) -> bool | None:
+    """Whether ``iface`` in this process's network namespace is up with its carrier
+    (``ip link``'s ``state UP``, or ``UNKNOWN`` for a driver that reports no state); None
+    when there is no such interface."""
+    flags = _ifreq_short(iface, SIOCGIFFLAGS, _IFREQ_FLAGS, "=h")
+    return None if flags is None else bool(flags & IFF_RUNNING)
+
+
+def link_type(iface: str) -> int | None:
+    """The link type of ``iface`` in this process's network namespace: the kernel's
+    ``ARPHRD_*`` (``dev->type``, what ``ip link`` prints as ``link/ether``,
+    ``link/loopback``), whatever the netdev is named; None when there is no such
+    interface."""
+    return _ifreq_short(iface, SIOCGIFHWADDR, _IFREQ_HWADDR, "=H")

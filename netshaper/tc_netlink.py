@@ -83,6 +83,7 @@ from typing import Protocol
 
 from pyroute2.netns import create_socket
 
+from netshaper.ethtool import ARPHRD_LOOPBACK
 from netshaper.tcplan import (
     ETH_P_ALL,
     FILTER_PRIO,
@@ -137,7 +138,6 @@ RTM_GETTFILTER = 46
 IFLA_ADDRESS = 1
 IFLA_IFNAME = 3
 IFLA_PERM_ADDRESS = 54  # the NIC's burnt-in MAC (kernel 5.5+); absent or zero on virtual ones
-ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 TCA_KIND = 1
 TCA_OPTIONS = 2
 TCA_STATS2 = 7
@@ -872,6 +872,11 @@ class TcNetlink:
             if q.ifindex == index and q.parent == TC_H_ROOT
         )
         self._tree_seen[index] = ours
+        # only an index some name was last looked up on is asked about again: one per
+        # name kept, however many netdevs were renamed away and made again while gpud ran
+        named = set(self._cache_index.values())
+        for gone in [i for i in self._tree_seen if i not in named]:
+            del self._tree_seen[gone]
         return ours, ""
 
     def _tree_at(self, index: int) -> tuple[str, bool | None]:
@@ -1183,7 +1188,8 @@ class TcNetlink:
         keeping it, is taken for the old one. The original re-installed, a failed read of
         it gives ``root`` None (the kernel acked the replace). A failed read after the
         kernel acked the delete of gpud's root does not fail the restore: the original is
-        re-installed as where another kind was read, and ``root`` is None where it is not.
+        re-installed as where another kind was read, and ``root`` is None where it is not;
+        where that re-install fails too, its error names the read's failure as well.
 
         A netdev renamed away from ``iface`` (``ip link set dev IF name NEW``) keeps its
         ifindex and gpud's tree: it is restored by the ifindex this adapter last looked up
@@ -1225,23 +1231,21 @@ class TcNetlink:
         except TcError as err:
             if err.errno not in (errno_mod.EINVAL, errno_mod.ENOENT):
                 raise
-            raise TcError(
-                iface,
+            raise _reworded(
+                err,
                 f"cannot delete the HTB root: the root qdisc is no longer gpud's HTB 6764:"
                 f" (replaced or removed since it was read; the kernel answered"
                 f" {_errname(err.errno)}): left as it is",
-                op=err.op,
-                errno=err.errno,
-                detail=err.detail,
             ) from err
         left: RootQdisc | None = None
         now: str | None = None
+        unread: TcError | None = None
         try:
             left = self.read(iface).root
-        except TcError:
+        except TcError as err:
             # the delete was acked: gpud's tree is gone whatever the read says, and the
             # root the kernel put in its place is not known, so the original goes back
-            pass
+            unread = err
         else:
             now = left.kind if left is not None else "noqueue"
         if replaced or original is None or original.kind in (now, "noqueue"):
@@ -1257,7 +1261,17 @@ class TcNetlink:
         except TcError as err:
             # the delete was acked: gpud's tree is gone, only the original is not back
             err.tree_left, err.tree_removed = False, True
-            raise
+            if unread is None:
+                raise
+            # both failures say what the netdev holds now: neither the original nor a
+            # root anyone read
+            said = _errname(err.errno) if err.errno else str(err.__cause__ or err)
+            raise _reworded(
+                err,
+                f"cannot re-install the original {original.kind} root: {said}, after the"
+                f" read of the root the delete of gpud's left failed"
+                f" ({str(unread).removeprefix(f'{iface}: ')})",
+            ) from err
         try:
             root = self.read(iface).root
         except TcError:
@@ -1308,6 +1322,14 @@ def _print_change(was: tuple[int, _Fingerprint] | None, index: int, now: _Finger
     if kind != kind_now:
         return f"link type {kind_now}, was {kind}"
     return f"MAC {_mac(mac_now)}, was {_mac(mac)}"
+
+
+def _reworded(err: TcError, message: str) -> TcError:
+    """``err`` (its interface, tc command, errno, extended ack and what it says of gpud's
+    tree) said as ``message``."""
+    out = TcError(err.iface, message, op=err.op, errno=err.errno, detail=err.detail)
+    out.tree_left, out.tree_removed = err.tree_left, err.tree_removed
+    return out
 
 
 def _is_ours(root: RootQdisc | None) -> bool:

@@ -187,11 +187,18 @@ def level_priorities_warning(priorities: Sequence[int]) -> str:
     )
 
 
-def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | None, str]:
+def open_rdma(
+    config: Config,
+    *,
+    sysfs_root: str = "/sys",
+    link_type: Callable[[str], int | None] | None = None,
+) -> tuple[RdmaPort | None, str]:
     """The NIC DSCP -> priority map ``traffic.rdma_backend`` names, on
     ``traffic.rdma_interfaces`` or, when that is empty, on every netdev behind a RoCE v2
     GID (pyverbs discovery, or ``/sys/class/infiniband``). Returns the port (None: no map
-    to keep) and, when one was asked for but cannot be kept, why."""
+    to keep) and, when one was asked for but cannot be kept, why. ``link_type``: a
+    netdev's ``ARPHRD_*`` (None: as gpud's network namespace sees it), which keeps the
+    loopback under any name out of the map."""
     t = config.traffic
     if t.rdma_backend == "none":
         return None, ""
@@ -208,4 +215,4 @@ def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | N
         return None, why
     backend = DcbAppBackend() if t.rdma_backend == "dcb" else DryRunBackend()
     log.info("RDMA DSCP -> priority map (%s) on %s", t.rdma_backend, ", ".join(netdevs))
-    return NicMap(backend, netdevs), ""
+    return NicMap(backend, netdevs, link_type=link_type), ""

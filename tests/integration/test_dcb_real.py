@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -56,3 +57,26 @@ def test_every_netdev_is_tried_and_each_failure_named(ns: str) -> None:
     assert "2 of 2 netdev(s) not written" in str(err.value)
     with pytest.raises(DcbError, match=r"gone0: app show failed \(exit 1\): .*No such device"):
         DcbAppBackend(netns=ns).current("gone0")
+
+
+def test_the_loopback_renamed_is_refused_by_its_link_type_in_gpuds_namespace(ns: str) -> None:
+    """``ip link set lo name lb0`` in gpud's namespace, lb0 listed: the kernel's link type
+    there (ARPHRD_LOOPBACK) keeps dcb off it; v0 is still tried."""
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "name", "lb0"], check=True)
+    code = (
+        "from netshaper.dcb import DcbAppBackend, DcbError, NicMap\n"
+        "try:\n"
+        "    NicMap(DcbAppBackend(), ['lb0', 'v0']).apply({26: 7})\n"
+        "except DcbError as err:\n"
+        "    print(err)\n"
+    )
+    said = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    # v0 tried: refused by the kernel (no DCB ops on a veth), not left out
+    assert "lb0, v0: 2 of 2 netdev(s) not written" in said, said
+    assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0" in said

@@ -113,3 +113,23 @@ def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
     assert table(fake, "eth3") == [[26, 5], [48, 6]]  # the healthy netdev was still written
     with pytest.raises(ValueError, match="DSCP 64"):
         nic.apply({64: 1})
+
+
+def test_the_loopback_under_another_name_gets_no_map_and_the_others_still_do(fake: Path) -> None:
+    """``ip link set lo name lb0`` and lb0 in traffic.rdma_interfaces: the name passes the
+    config's check, the kernel's link type (ARPHRD_LOOPBACK) does not, so dcb is never run
+    (nor printed) for it, and eth3's map is written."""
+    link_type = {"lb0": 772, "eth3": 1}.get
+    nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["lb0", "eth3"], link_type=link_type)
+    with pytest.raises(dcb.DcbError) as refused:
+        nic.apply({26: 5})
+    said = str(refused.value)
+    assert said.startswith("lb0: 1 of 2 netdev(s) not written"), said
+    assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0: it has no NIC" in said
+    assert all("lb0" not in call for call in calls(fake))
+    assert table(fake, "eth3") == [[26, 5]]
+    lines: list[str] = []
+    dry = dcb.NicMap(dcb.DryRunBackend(lines.append), ["lb0", "eth3"], link_type=link_type)
+    with pytest.raises(dcb.DcbError, match="named lb0"):
+        dry.apply({26: 5})
+    assert lines == ["dcb app replace dev eth3 dscp-prio 26:5"]

@@ -303,6 +303,41 @@ def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
     assert "net.drift" in rig.kinds()
 
 
+def test_another_tool_changing_the_root_every_pass_is_repaired_each_pass_said_twice(
+    rig: Rig,
+) -> None:
+    """Another tool runs ``tc qdisc replace dev eth0 root fq_codel`` before every pass:
+    gpud puts its tree back each pass, and says the first repair and, once, that the
+    change comes back every pass; not an event per pass. One pass that finds its tree in
+    place ends the fight: the next change is said again."""
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    rig.service.tick()
+
+    def fq_codel() -> None:
+        rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", tcplan.RootQdisc("fq_codel", 0))
+
+    for _ in range(10):
+        fq_codel()
+        rig.service.tick()
+        root = rig.tc.states["eth0"].root
+        assert root is not None and root.kind == "htb"
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 2, drifts
+    assert drifts[0].startswith("eth0: restored ")
+    assert drifts[1].startswith(
+        "eth0: changed outside gpud again on 2 passes running: another tool keeps changing"
+        " it; gpud restores it on every pass, said again once a pass finds it as gpud left"
+        " it: restored "
+    )
+    assert rig.service.view().interfaces[0].repairs == 10
+    rig.service.tick()  # gpud's tree held for a pass
+    fq_codel()
+    rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3 and drifts[2].startswith("eth0: restored ")
+
+
 @pytest.mark.parametrize(
     "then_active",
     [{"a"}, {"a", "b"}],  # the plan unchanged; a job started in that same tick
@@ -917,6 +952,28 @@ def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
     ]
 
 
+def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(rig: Rig) -> None:
+    """A firewall reload runs ``nft flush ruleset`` while jobs a and b are marked: the next
+    pass writes gpud's table again and says it was removed outside gpud, in one event."""
+    rig.active = {"a", "b"}
+    for job in ("a", "b"):
+        rig.cgroups.ensure(job)
+    rig.service.tick()
+    rig.service.tick()
+    assert len(rig.marker.marks) == 2
+    rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+    rig.service.tick()
+    assert len(rig.marker.marks) == 2
+    marking = [e.message for e in rig.events.recent(100, "net.marking")]
+    assert marking[-1] == (
+        "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+        " reload?): written again, 4 rule(s): the jobs' packets went unmarked until this"
+        " pass"
+    )
+    rig.service.tick()
+    assert len(rig.events.recent(100, "net.marking")) == len(marking)
+
+
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
     rig.service.tick()
     rig.service.shutdown()  # fail-static: nothing is touched
@@ -1084,6 +1141,27 @@ def test_open_rdma_discovers_roce_netdevs() -> None:
     )
     assert none is None and "traffic.rdma_interfaces" in why
     assert open_rdma(Config()) == (None, "")
+
+
+def test_a_loopback_renamed_into_rdma_interfaces_is_refused_by_its_link_type(
+    tmp_path: Path,
+) -> None:
+    """``ip link set lo name lb0``, lb0 in traffic.rdma_interfaces: the config's check by
+    name passes it, the map is not written on it (the kernel's ARPHRD_LOOPBACK), and eth2
+    still gets its map."""
+    from gpud.config import Config
+    from gpud.net.wiring import open_rdma
+    from netshaper.dcb import DcbError
+
+    t = TrafficConfig(rdma_backend="dry-run", rdma_interfaces=("lb0", "eth2"))
+    kinds = {"lb0": 772, "eth2": 1}
+    port, why = open_rdma(Config(traffic=t), sysfs_root=str(tmp_path), link_type=kinds.get)
+    assert port is not None and why == ""
+    with pytest.raises(DcbError) as refused:
+        port.apply({26: 5})
+    said = str(refused.value)
+    assert said.startswith("lb0: 1 of 2 netdev(s) not written"), said
+    assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0" in said
 
 
 def wiring_parts(tmp_path: Path) -> tuple[StateStore, EventLog, JobService]:
@@ -1925,6 +2003,44 @@ def test_a_nic_map_changed_outside_gpud_is_written_back(tmp_path: Path, sysfs: P
     rig.clock.t += RDMA_RECHECK_S
     s.tick()
     assert s.settle(5) and len(lines) == 2  # read back, nothing to write
+
+
+def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A DCBX agent puts its own priority back on gpud's DSCP before every check: each
+    check writes gpud's back; the first is said, then once that it keeps coming back,
+    not once a check. A check that finds the map as gpud wrote it ends the run."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    lines: list[str] = []
+    backend = DryRunBackend(lines.append)
+    rig = Rig(tmp_path, sysfs)
+    s = rig.with_nic(NicMap(backend, ["eth2"]))
+    s.tick()
+    assert s.settle(5)
+    tag = s.tags.allocations()["a"]
+
+    def check(agent: bool) -> None:
+        if agent:
+            backend._shown["eth2"][tag] = (3,)
+        rig.clock.t += RDMA_RECHECK_S
+        s.tick()
+        assert s.settle(5)
+
+    for _ in range(6):
+        check(agent=True)
+    assert len(lines) == 7 and lines[-1].endswith(f"dscp-prio {tag}:7")
+    drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+    assert len(drifts) == 2, drifts
+    assert drifts[1] == (
+        "NIC DSCP -> priority map changed outside gpud again on 2 checks running: another"
+        " agent (a DCBX one, lldpad) keeps changing it; gpud writes it back on every"
+        " check, said again once a check finds it as gpud wrote it: 1 entry written back"
+    )
+    check(agent=False)
+    check(agent=True)
+    assert len(rig.events.recent(100, "net.rdma_drift")) == 3
 
 
 @pytest.mark.parametrize(

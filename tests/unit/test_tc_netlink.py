@@ -342,21 +342,26 @@ class BlindAfterDeleteRefused(BlindAfterDelete, RefusedReinstall):
 
 
 @pytest.mark.parametrize(
-    "kernel",
+    ("kernel", "said"),
     [
-        pytest.param(RefusedReinstall, id="read_after_the_delete"),
-        pytest.param(BlindAfterDeleteRefused, id="read_after_the_delete_failed"),
+        pytest.param(RefusedReinstall, "", id="read_after_the_delete"),
+        pytest.param(
+            BlindAfterDeleteRefused,
+            ", after the read of the root the delete of gpud's left failed (cannot read tc"
+            " state: [Errno 105] No buffer space available)",
+            id="read_after_the_delete_failed",
+        ),
     ],
 )
-def test_a_refused_re_install_says_gpuds_tree_is_removed(
-    kernel: type[RefusedReinstall],
+def test_a_refused_re_install_says_gpuds_tree_is_removed_and_any_read_that_failed(
+    kernel: type[RefusedReinstall], said: str
 ) -> None:
     nl = kernel()
     tc = TcNetlink(transport=nl)
     with pytest.raises(TcError) as refused:
         tc.restore("eth0", tp.RootQdisc("pfifo_fast", 0))
     assert str(refused.value) == (
-        "eth0: cannot re-install the original pfifo_fast root: EPERM"
+        f"eth0: cannot re-install the original pfifo_fast root: EPERM{said}"
         " (tc qdisc replace dev eth0 root pfifo_fast)"
     )
     assert nl.root is None  # gpud's tree deleted: the kernel's default root is there
@@ -767,4 +772,19 @@ def test_a_netdev_restored_under_a_later_looked_up_name_leaves_no_tree_to_the_fi
         tc.restore("eth0")
     assert "old1's at gpud's last look-up, restored as old1" in str(refused.value)
     assert refused.value.tree_left is False
+    tc.close()
+
+
+def test_what_was_seen_of_gpuds_tree_is_kept_for_the_names_indexes_only() -> None:
+    """eth0 renamed away and made again many times while gpud runs: each renamed-away
+    netdev's tree is read once for its error, and not remembered past the next look-up
+    of eth0 on its new ifindex."""
+    nl = ShapedLinks(links={"eth0": 1})
+    tc = TcNetlink(transport=nl)
+    for index in range(1, 40):
+        nl.links = {"eth0": index}
+        assert tc.drift(ONE).ok
+        nl.links = {f"old{index}": index}
+        assert "gpud leaves" in str(tc.drift(ONE).errors["eth0"])
+    assert set(tc._tree_seen) == {39}
     tc.close()
