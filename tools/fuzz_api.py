@@ -15,9 +15,13 @@ the GetEntry calls ask for a real entry that stays queued (the node's GPUs are r
 first), so that their ``wait_s`` (NaN, infinite, negative, huge, 0, a fraction) is taken
 and waited out, not cut short by an unknown id.
 
-Prints the outcome codes and the daemon's resident set: after start, after a warm-up that
-calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
-UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
+Prints the outcome codes, then those of the requests with 1 MB in them (every one over
+gpud's MAX_REQUEST_BYTES, so RESOURCE_EXHAUSTED from gRPC itself, before gpud decodes it;
+each other outcome named with its method and the field that held the 1 MB, ``request`` for
+raw bytes), and the daemon's resident set: after start, after a warm-up that
+calls every method three times with an empty request, and after the fuzzing. Exits 1 if the
+daemon died, answered INTERNAL or UNKNOWN, answered a 1 MB request otherwise than
+RESOURCE_EXHAUSTED, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
 or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
 removed, what was measured so far printed, "cut short by SIGNAL", dying by it (128 + its number).
 """
@@ -36,6 +40,7 @@ from typing import Any
 import grpc
 import psutil
 
+from gpud.shared import WATCHING_KEY
 from gpud.v1 import (
     cluster_pb2,
     colo_pb2,
@@ -144,8 +149,9 @@ class Fuzzer:
                 setattr(message, fd.name, self.scalar(fd))
         return message
 
-    def plant_big(self, message: Any) -> bool:
-        """Set one string field, at any depth, to 1 MB; False if the message has none."""
+    def plant_big(self, message: Any, prefix: str = "") -> str:
+        """Set one string field, at any depth, to 1 MB; its path (``job.name``), or "" if
+        the message has none."""
         fields = [fd for fd in message.DESCRIPTOR.fields if _type_name(fd) == "TYPE_STRING"]
         nested = [
             fd
@@ -159,11 +165,11 @@ class Fuzzer:
                 getattr(message, fd.name).append(big)
             else:
                 setattr(message, fd.name, big)
-            return True
+            return f"{prefix}{fd.name}"
         for fd in self.rng.sample(nested, len(nested)):
-            if self.plant_big(getattr(message, fd.name)):
-                return True
-        return False
+            if planted := self.plant_big(getattr(message, fd.name), f"{prefix}{fd.name}."):
+                return planted
+        return ""
 
 
 def methods() -> list[tuple[str, Any, Any, bool]]:
@@ -207,6 +213,10 @@ class Run:
     sent: int = 0
     big_sent: int = 0  # of them with a 1 MB string (or 1 MB of raw bytes)
     outcomes: Counter[str] = field(default_factory=Counter)
+    # each big request's outcome: its code, its method and the field with 1 MB ("request":
+    # raw bytes), and the start of what gpud said
+    big_outcomes: Counter[str] = field(default_factory=Counter)
+    big_other: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     held: list[float] = field(default_factory=list)  # each answered GetEntry of the queued one
     rss_start: float | None = None
@@ -217,21 +227,21 @@ class Run:
 
 
 # Streams that may send nothing for hours (a WatchEvents no event matches yet): set up
-# once gpud has sent their initial metadata; a refusal ends them before.
+# once gpud has sent their initial metadata, (WATCHING_KEY, "1"). A refusal ends one
+# without it, gRPC's own (a request over MAX_REQUEST_BYTES) included: its empty initial
+# metadata can come before the status, the call not yet done.
 QUIET_STREAMS = frozenset({"/gpud.v1.Node/WatchEvents"})
 
 
 def first_of(stream: Any, path: str) -> Any:
     """The first message of ``stream``, a call of method ``path``, or None where it ended
-    without one; then the call is cancelled. A quiet stream (:data:`QUIET_STREAMS`) is read
-    only once gpud has ended it (a refusal, raised here): one gpud set up and sent its
-    initial metadata for answers None, rather than wait out its deadline for an event
-    that may never come."""
+    without one; then the call is cancelled. A quiet stream (:data:`QUIET_STREAMS`) that
+    gpud set up, its initial metadata saying so, answers None, rather than wait out its
+    deadline for an event that may never come; one without that metadata is read to its
+    end (a refusal, raised here)."""
     try:
-        if path in QUIET_STREAMS:
-            stream.initial_metadata()
-            if not stream.done():
-                return None
+        if path in QUIET_STREAMS and dict(stream.initial_metadata() or ()).get(WATCHING_KEY) == "1":
+            return None
         return next(stream, None)
     finally:
         stream.cancel()
@@ -314,10 +324,13 @@ def send_fuzzed(
     for i in range(run.requests):
         path, request_cls, _, _ = rng.choice(rpcs)
         big = i in big_at
+        planted = ""
         if big:
             request: Any = fuzzer.fill(request_cls())
-            if not fuzzer.plant_big(request):
+            planted = fuzzer.plant_big(request)
+            if not planted:
                 request = fuzzer.string().encode() + b"x" * MB  # no string field: raw bytes
+                planted = "request"
         elif rng.random() < 0.05:
             request = rng.randbytes(rng.randint(1, 300))
         else:
@@ -325,19 +338,24 @@ def send_fuzzed(
             if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
                 request.id = queued
         asked = time.monotonic()
+        said = ""
         try:
             calls[path](request, timeout=30)
-            run.outcomes["OK"] += 1
+            outcome = "OK"
             if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
                 run.held.append(time.monotonic() - asked)
         except grpc.RpcError as err:
             code = err.code()
-            run.outcomes[code.name] += 1
+            outcome, said = code.name, str(err.details())
             if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                run.failures.append(f"{path}: {code.name}: {err.details()}")
+                run.failures.append(f"{path}: {code.name}: {said}")
+        run.outcomes[outcome] += 1
         run.sent = i + 1
         if big:
             run.big_sent += 1
+            run.big_outcomes[outcome] += 1
+            if outcome != "RESOURCE_EXHAUSTED":
+                run.big_other[f"{path} {planted}: {outcome}: {said[:120]}"] += 1
 
 
 def _mib(value: float | None) -> str:
@@ -352,6 +370,10 @@ def report(run: Run, max_growth_mb: float) -> int:
     print(f"{sent} fuzzed requests ({big} with a 1 MB string) to {run.methods} "
           f"methods of gpud --simulate {SPEC}, seed {run.seed}")  # fmt: skip
     print("outcomes: " + (", ".join(f"{k} {v}" for k, v in run.outcomes.most_common()) or "-"))
+    print("of them with 1 MB: "
+          + (", ".join(f"{k} {v}" for k, v in run.big_outcomes.most_common()) or "-"))  # fmt: skip
+    for line, n in run.big_other.most_common(10):
+        print(f"  {n} x {line}")
     print(f"GetEntry of the queued entry: {len(run.held)} answered, "
           f"{len([h for h in run.held if h >= 0.1])} after waiting, "
           f"longest {max(run.held, default=0.0):.1f} s")  # fmt: skip
@@ -364,7 +386,13 @@ def report(run: Run, max_growth_mb: float) -> int:
         print("  " + line[:300])
     if run.cut_by:
         return cut_short(run.cut_by, f"{run.sent} of {run.requests} requests")
-    ok = bool(run.alive) and not run.failures and growth is not None and growth <= max_growth_mb
+    ok = (
+        bool(run.alive)
+        and not run.failures
+        and not run.big_other
+        and growth is not None
+        and growth <= max_growth_mb
+    )
     print(
         "daemon "
         + ("still serving" if run.alive else "NOT SERVING")

@@ -29,13 +29,14 @@ The token is shown only to callers who may reserve (the socket; TCP under ``"ful
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from gpud.config import parse_address
-from gpud.errors import PermissionDenied
+from gpud.errors import PermissionDenied, ResourceExhausted
 
 TcpAccess = Literal["read", "full"]
 
@@ -64,6 +65,35 @@ TCP_NEEDS_TOKEN: Final = "reports over TCP carry the run's GPUD_REPORT_TOKEN"
 def on_socket(peer: str) -> bool:
     """Whether ``context.peer()`` is a caller on the unix socket."""
     return peer.startswith("unix:")
+
+
+class OpenStreams:
+    """The streams of one method open at once, on the unix socket and over TCP counted
+    apart (TCP callers never take the socket's places): at most ``most`` on each, one more
+    refused with :class:`ResourceExhausted` saying how many ``what`` are open there, the
+    bound, and which to end (``hint``)."""
+
+    def __init__(self, most: int, what: str, hint: str) -> None:
+        self.most = most
+        self._what = what
+        self._hint = hint
+        self._open = {True: 0, False: 0}  # by on_socket
+
+    @contextlib.contextmanager
+    def held(self, peer: str) -> Iterator[None]:
+        """A place for the stream of ``context.peer()`` ``peer`` while it is open."""
+        local = on_socket(peer)
+        if self._open[local] >= self.most:
+            where = "on gpud's unix socket" if local else "over TCP (api.tcp_address)"
+            raise ResourceExhausted(
+                f"{self._open[local]} {self._what} {where} already, the most gpud serves"
+                f" there at once ({self.most}): end one ({self._hint}) and retry"
+            )
+        self._open[local] += 1
+        try:
+            yield
+        finally:
+            self._open[local] -= 1
 
 
 def guard(access: TcpAccess, socket_hint: str) -> Guard:

@@ -11,7 +11,15 @@
   and so does one with a string or repeated field over its bound
   (:func:`gpud.api.validate.request_bounds`), before the servicer runs;
 - any other exception is logged with its traceback and ends the call with ``INTERNAL``;
-  the daemon keeps serving.
+  the daemon keeps serving;
+- a call that changes the node (:func:`gpud.api.gate.call_kind`: a reservation, a queue
+  entry, a job added, MPS limits, a pin, a fault, ...) whose caller goes away mid-way (its
+  deadline passed, ``gpuctl`` cut off, the server stopping) runs to its end all the same:
+  its change, the event that says so and the gate's count of it whole, only its answer
+  unsent. gRPC cancels a handler at its next ``await``, which left the change made by the
+  worker thread without its event (a simulated fault injected, no ``sim.fault`` line) and
+  no longer counted by the gate a stop drains. ``ApplyMig`` is not so held: it asks itself
+  whether its caller still wants it between steps (its plan is kept for the next start).
 
 Services registered on :class:`gpud.api.server.ApiServer` get this for free: they raise
 ``InvalidArgument(..., field=...)``, ``NotFound``, ... and never call ``context.abort``
@@ -20,6 +28,7 @@ themselves.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -30,7 +39,7 @@ import grpc
 
 from gpud.api import validate
 from gpud.api.access import Guard
-from gpud.api.gate import CallGate
+from gpud.api.gate import APPLY_MIG, CallGate, call_kind
 from gpud.errors import (
     ERROR_KEY,
     EXIT_CODE_KEY,
@@ -119,6 +128,31 @@ async def _abort_for(
     await context.abort(grpc.StatusCode[code_name], details[:_MAX_DETAIL], metadata)
 
 
+def _runs_whole(method: str, request: Any) -> bool:
+    """Whether the call is run to its end when its caller goes away (the module docstring)."""
+    return method != APPLY_MIG and call_kind(method, request) is not None
+
+
+async def _to_its_end(work: Awaitable[Any], method: str) -> Any:
+    """``work``'s result; should the call be cancelled meanwhile, ``work`` still runs to its
+    end (its error logged as a refusal would be), then the cancellation goes on."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.done():
+            raise
+        while not task.done():  # cancelled again (a stop's grace ended): still to its end
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+        err = None if task.cancelled() else task.exception()
+        if isinstance(err, GpudError):
+            log.info("%s (its caller gone): %s: %s", method, type(err).__name__, err)
+        elif err is not None:
+            log.error("%s (its caller gone): unexpected error", method, exc_info=err)
+        raise
+
+
 def _wrap_unary_response(
     behavior: Behavior,
     method: str,
@@ -134,7 +168,8 @@ def _wrap_unary_response(
             with gate.call(method, request) if gate is not None else contextlib.nullcontext():
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
-                    result = await result
+                    whole = _runs_whole(method, request)
+                    result = await (_to_its_end(result, method) if whole else result)
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from gpud.api import convert, validate
-from gpud.api.access import on_socket
+from gpud.api.access import OpenStreams
 from gpud.api.ports import (
     EventSource,
     FaultPort,
@@ -31,7 +31,6 @@ from gpud.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Unavailable,
 )
 from gpud.events import DEFAULT_WATCH_BUFFER
@@ -148,9 +147,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._sample_again = sample_again
         self._traffic = traffic
         self._clock = clock
-        self._max_watchers = max_event_watchers
         self._watch_buffer = watch_buffer
-        self._watchers = {True: 0, False: 0}  # open streams, by on_socket
+        self._watchers = OpenStreams(max_event_watchers, "event watchers", "gpuctl events --follow")
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -251,53 +249,44 @@ class NodeServicer(pb_grpc.NodeServicer):
         log = self._events
         if log is None:
             return
-        local = on_socket(context.peer())
-        if self._watchers[local] >= self._max_watchers:
-            where = "on gpud's unix socket" if local else "over TCP (api.tcp_address)"
-            raise ResourceExhausted(
-                f"{self._watchers[local]} event watchers {where} already, the most gpud serves"
-                f" there at once ({self._max_watchers}): end one (gpuctl events --follow) and"
-                " retry"
+        with self._watchers.held(context.peer()):
+            loop = asyncio.get_running_loop()
+            ready = asyncio.Event()
+
+            def wake() -> None:  # from whichever thread emitted
+                with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits
+                    loop.call_soon_threadsafe(ready.set)
+
+            watcher, start, gap = log.watch(
+                wake,
+                limit=limit,
+                kind_prefix=request.kind_prefix,
+                gpu=request.gpu.strip(),
+                job=request.job,
+                after_seq=request.after_seq,
+                after_time=after_time,
+                buffer=self._watch_buffer,
             )
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wake() -> None:  # from whichever thread emitted
-            with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits
-                loop.call_soon_threadsafe(ready.set)
-
-        watcher, start, gap = log.watch(
-            wake,
-            limit=limit,
-            kind_prefix=request.kind_prefix,
-            gpu=request.gpu.strip(),
-            job=request.job,
-            after_seq=request.after_seq,
-            after_time=after_time,
-            buffer=self._watch_buffer,
-        )
-        self._watchers[local] += 1
-        try:
-            # the watcher knows it is set up (and following again, after a restart)
-            await context.send_initial_metadata(((WATCHING_KEY, "1"),))
-            if gap:
-                yield pb.WatchEventsResponse(expired=gap)
-            for event in start:
-                yield pb.WatchEventsResponse(event=convert.event(event))
-            while True:
-                ready.clear()  # before the take: a wake after it is not lost
-                events, missed, closed = log.take(watcher)
-                for event in events:
+            try:
+                # the watcher knows it is set up (and following again, after a restart)
+                await context.send_initial_metadata(((WATCHING_KEY, "1"),))
+                if gap:
+                    yield pb.WatchEventsResponse(expired=gap)
+                for event in start:
                     yield pb.WatchEventsResponse(event=convert.event(event))
-                if missed:
-                    yield pb.WatchEventsResponse(missed=missed)
-                if closed:
-                    return  # gpud stops: the stream ends, OK
-                if not events and not missed:
-                    await ready.wait()
-        finally:
-            self._watchers[local] -= 1
-            log.unwatch(watcher)
+                while True:
+                    ready.clear()  # before the take: a wake after it is not lost
+                    events, missed, closed = log.take(watcher)
+                    for event in events:
+                        yield pb.WatchEventsResponse(event=convert.event(event))
+                    if missed:
+                        yield pb.WatchEventsResponse(missed=missed)
+                    if closed:
+                        return  # gpud stops: the stream ends, OK
+                    if not events and not missed:
+                        await ready.wait()
+            finally:
+                log.unwatch(watcher)
 
     async def InjectFault(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.InjectFaultRequest, context: grpc.aio.ServicerContext

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from gpud.api.access import OpenStreams
 from gpud.api.interceptors import ErrorMappingInterceptor
 from gpud.api.server import connection_options
 from gpud.cluster.agent import ClusterAgent, ClusterStatus
@@ -196,9 +197,24 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
     return msg
 
 
+# WatchAttributes streams open at once on the unix socket, and as many over TCP
+# (api.tcp_address), counted apart: each job process that watches its attributes holds one
+# (gpud.client.watch_attributes), with its request (up to MAX_REQUEST_BYTES) and its
+# coroutine, so that a client that opens them in a loop and never closes one bounds gpud's
+# memory rather than growing it until the kernel's OOM killer stops gpud.
+MAX_ATTRIBUTE_WATCHERS = 1024
+
+
 class ClusterServicer(pb_grpc.ClusterServicer):
-    def __init__(self, agent: ClusterAgent) -> None:
+    """``gpud.v1.Cluster`` on the local socket (and api.tcp_address): at most
+    ``max_watchers`` WatchAttributes streams open at once on each, one more refused with
+    RESOURCE_EXHAUSTED."""
+
+    def __init__(self, agent: ClusterAgent, *, max_watchers: int = MAX_ATTRIBUTE_WATCHERS) -> None:
         self._agent = agent
+        self._watchers = OpenStreams(
+            max_watchers, "WatchAttributes streams", "a job's gpud.client.watch_attributes"
+        )
 
     def register(self, server: Any) -> None:
         pb_grpc.add_ClusterServicer_to_server(self, server)
@@ -219,10 +235,12 @@ class ClusterServicer(pb_grpc.ClusterServicer):
     async def WatchAttributes(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetAttributesRequest, context: Any
     ) -> AsyncIterator[pb.GetAttributesResponse]:
-        async for epoch, seq, attributes in self._agent.watch(_jobs(request.jobs)):
-            yield pb.GetAttributesResponse(
-                epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
-            )
+        jobs = _jobs(request.jobs)
+        with self._watchers.held(context.peer()):
+            async for epoch, seq, attributes in self._agent.watch(jobs):
+                yield pb.GetAttributesResponse(
+                    epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
+                )
 
 
 def _listen_error(address: str) -> GpudError:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from typing import Any
 
+import grpc
 import pytest
 
+from gpud.api import ApiServer
 from gpud.api.gate import CallGate, call_kind
 from gpud.errors import Unavailable
-from gpud.v1 import mig_pb2
+from gpud.v1 import mig_pb2, node_pb2
+from tests.unit.api_support import ServerThread, short_dir
 
 APPLY = "/gpud.v1.Mig/ApplyMig"
 RESERVE = "/gpud.v1.Jobs/Reserve"
@@ -103,3 +109,57 @@ async def test_drained_times_out_while_a_call_runs_and_a_cut_ends_it_at_once() -
     release.set()
     await task
     assert gate.running == 0
+
+
+async def _cancelling() -> bool:
+    return any(task.cancelling() for task in asyncio.all_tasks())
+
+
+def test_a_change_whose_caller_went_away_midway_runs_to_its_end_and_is_counted_till_then() -> None:
+    # gRPC cancels a handler at its next await once its caller is gone: the change its worker
+    # thread made stood, but what the handler did after it (the event saying so) never ran,
+    # and a stop's drain no longer waited for it.
+    started, go_on, finished = (threading.Event() for _ in range(3))
+
+    def change() -> None:
+        started.set()
+        go_on.wait(30)
+
+    async def inject(request: node_pb2.InjectFaultRequest, context: Any) -> Any:
+        await asyncio.to_thread(change)  # the change, on a worker thread
+        finished.set()  # what follows it on the loop: its event
+        return node_pb2.InjectFaultResponse()
+
+    handler = grpc.method_handlers_generic_handler(
+        "gpud.v1.Node",
+        {
+            "InjectFault": grpc.unary_unary_rpc_method_handler(
+                inject,
+                request_deserializer=node_pb2.InjectFaultRequest.FromString,
+                response_serializer=node_pb2.InjectFaultResponse.SerializeToString,
+            )
+        },
+    )
+    gate = CallGate()
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        registrar = lambda server: server.add_generic_rpc_handlers((handler,))  # noqa: E731
+        with (
+            ServerThread(ApiServer(path, servicers=[registrar], gate=gate)) as served,
+            grpc.insecure_channel(f"unix:{path}") as channel,
+        ):
+            call = channel.unary_unary(
+                "/gpud.v1.Node/InjectFault",
+                request_serializer=node_pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=node_pb2.InjectFaultResponse.FromString,
+            ).future(node_pb2.InjectFaultRequest(), timeout=60)
+            assert started.wait(30)
+            call.cancel()
+            for _ in range(3000):  # until gRPC has cancelled the handler's task
+                if served.run(_cancelling()):
+                    break
+                time.sleep(0.01)
+            assert gate.running == 1  # a stop still waits for it
+            go_on.set()
+            assert finished.wait(30)
+            assert served.run(gate.drained(30))

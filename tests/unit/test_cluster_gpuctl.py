@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 import gpud.client
@@ -216,3 +217,38 @@ def test_a_leader_lease_is_said_in_sixteen_hex_digits_as_etcdctl_prints_it(
     status = agent.status()
     small = dataclasses.replace(status, info=dataclasses.replace(status.info, lease=0x2A))
     assert status_to_pb(small).leader_lease == "000000000000002a"
+
+
+def test_attribute_watchers_past_the_bound_are_refused_naming_it_and_one_ended_frees_its_place() -> (
+    None
+):
+    # A client that opens WatchAttributes streams in a loop and never ends one held a
+    # coroutine and its request each in gpud, without bound (200 streams: +9 MiB).
+    agent = leading_agent(StaticNodeView(gpus={"train-a": ("GPU-1",)}))
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ClusterServicer(agent, max_watchers=2)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])) as server:
+            server.run(agent.tick())
+            first = gpud.client.watch_attributes("train-a", socket=path)
+            second = gpud.client.watch_attributes("train-a", socket=path)
+            next(first), next(second)  # both set up
+            with pytest.raises(grpc.RpcError) as err:
+                next(gpud.client.watch_attributes("train-a", socket=path))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details() == (
+                "2 WatchAttributes streams on gpud's unix socket already, the most gpud serves"
+                " there at once (2): end one (a job's gpud.client.watch_attributes) and retry"
+            )
+            first.close()  # its place is freed once gpud has seen the stream end
+            for _ in range(1000):
+                third = gpud.client.watch_attributes("train-a", socket=path)
+                try:
+                    next(third)
+                    break
+                except grpc.RpcError as refused:
+                    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            else:
+                pytest.fail("the ended stream's place was never freed")
+            third.close()
+            second.close()

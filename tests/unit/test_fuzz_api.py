@@ -26,7 +26,7 @@ from gpud.v1 import node_pb2
 from tests.unit.api_support import short_dir
 from tests.unit.tool_support import running_tool, stopped_by
 from tools import simdaemon
-from tools.fuzz_api import MB, Run, first_of_stream, methods, report, send_fuzzed
+from tools.fuzz_api import MB, Run, first_of, first_of_stream, methods, report, send_fuzzed
 from tools.simdaemon import Terminated, stop_on_signals
 
 
@@ -109,6 +109,68 @@ def test_a_watch_that_matches_nothing_yet_answers_once_set_up_and_a_refused_one_
                     assert ended.is_set()
         finally:
             server.stop(None)
+
+
+class _RefusedTooLarge(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "SERVER: Received message larger than max (1000004 vs. 262144)"
+
+
+class _RefusedStream:
+    """A WatchEvents gRPC refused for its size: empty initial metadata, the status not yet
+    in (done() False) as the fuzzer asks, the refusal as it reads on."""
+
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
+    def done(self) -> bool:
+        return False
+
+    def __iter__(self) -> _RefusedStream:
+        return self
+
+    def __next__(self) -> Any:
+        raise _RefusedTooLarge()
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_watch_refused_for_its_size_before_its_status_came_is_counted_refused_not_set_up() -> (
+    None
+):
+    with pytest.raises(grpc.RpcError) as err:
+        first_of(_RefusedStream(), "/gpud.v1.Node/WatchEvents")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_the_summary_names_each_big_request_not_refused_for_its_size_by_method_and_field(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def call(request: Any, timeout: float) -> None:
+        if not isinstance(request, bytes) and request.DESCRIPTOR.name == "WatchEventsRequest":
+            return  # as a stream set up with the 1 MB in it would be
+        raise _RefusedTooLarge()
+
+    rpcs = [
+        r for r in methods() if r[0] in ("/gpud.v1.Node/WatchEvents", "/gpud.v1.Node/GetStatus")
+    ]
+    run = Run(requests=40, big=40, seed=1, methods=len(rpcs))
+    calls = {path: call for path, _, _, _ in rpcs}
+    send_fuzzed(calls, rpcs, random.Random(1), run, big_at=set(range(40)), queued="q")
+    run.alive, run.rss_warm, run.rss_end = True, 70.0, 71.0
+    assert report(run, max_growth_mb=20) == 1
+    out = capsys.readouterr().out
+    watches = run.big_outcomes["OK"]
+    assert 0 < watches < 40, out
+    assert f"of them with 1 MB: RESOURCE_EXHAUSTED {40 - watches}, OK {watches}" in out, out
+    # GetStatus has no string field: its 1 MB are raw bytes, refused whole
+    assert re.search(
+        r"  \d+ x /gpud.v1.Node/WatchEvents (kind_prefix|gpu|job): OK: $", out, re.M
+    ), out
 
 
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end
