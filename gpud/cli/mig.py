@@ -264,17 +264,20 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         # shows it, its product and UUID are what an earlier run last read
         product = last_seen(gpu.product, gpu.HasField("mig_capable"))
         name = " ".join(x for x in (product, gpu.uuid) if x)
+        desired = (
+            f"; desired: {gpu.desired_layout} ({gpu.desired_config})" if gpu.desired_config else ""
+        )
         if gpu.fault:
-            ctx.out.print(f"GPU {gpu.index}{' ' + name if name else ''}: faulty: {gpu.fault}")
+            # what reconcile brings it to once it answers
+            ctx.out.print(
+                f"GPU {gpu.index}{' ' + name if name else ''}: faulty: {gpu.fault}{desired}"
+            )
             continue
         mode = "not MIG capable"
         if gpu.mig_capable:
             mode = "MIG " + ("on" if gpu.mig_current else "off")
             if gpu.mig_pending != gpu.mig_current:
                 mode += f" ({'on' if gpu.mig_pending else 'off'} pending a GPU reset)"
-        desired = (
-            f"; desired: {gpu.desired_layout} ({gpu.desired_config})" if gpu.desired_config else ""
-        )
         # the reasons once per GPU, not per instance: a driver that does not support the
         # query answers so for each MIG device
         unknown = dict.fromkeys(i.processes_unknown for i in gpu.instances if i.processes_unknown)

@@ -138,6 +138,24 @@ def _print_notes(ctx: Context, devices: Iterable[pb.MpsDevice]) -> None:
             ctx.out.print(note)
 
 
+def kept_by_clients(d: pb.MpsDevice) -> str:
+    """What a limit change leaves as it was, "" when nothing: the control daemon passes it
+    to its running MPS servers (``set_active_thread_percentage PID``,
+    ``set_device_pinned_mem_limit PID``), and a server gives it to the clients that connect
+    after it; a client already connected keeps the limits it connected with until it exits.
+    A server runs only while it has clients."""
+    if not d.up or not d.server_pids:
+        return ""
+    device = f"MIG device {d.gpu}:{d.mig}" if d.HasField("mig") else f"GPU {d.gpu}"
+    servers = ", ".join(map(str, d.server_pids))
+    plural = "s" if len(d.server_pids) > 1 else ""
+    return (
+        f"{device} ({d.uuid or UNKNOWN}): the clients of MPS server{plural} {servers} that run"
+        " now keep the limits they connected with; the new ones reach clients that connect"
+        " from now on"
+    )
+
+
 def run_set(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.SetMpsLimitsRequest(
         device=args.gpu, clear_threads=args.clear_threads, clear_memory=args.clear_memory
@@ -149,6 +167,10 @@ def run_set(ctx: Context, args: argparse.Namespace) -> int:
     if args.enabled is not None:
         request.enabled = args.enabled
     resp: pb.SetMpsLimitsResponse = ctx.call(ctx.stub(pb_grpc.MpsStub).SetMpsLimits, request)
+    limits = (args.threads, args.memory, args.clear_threads or None, args.clear_memory or None)
+    kept = kept_by_clients(resp.device) if any(v is not None for v in limits) else ""
+    if kept:
+        ctx.out.note(kept)
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:

@@ -61,12 +61,12 @@ def gpu_message(view: GpuView, seen: SeenIdentity | None = None) -> pb.MigGpu:
     product then; ``mig_capable`` stays unset, as for any GPU not read)."""
     ident = view.identity
     msg = pb.MigGpu(
-        index=ident.index,
-        mig_current=bool(view.mode and view.mode.current),
-        mig_pending=bool(view.mode and view.mode.pending),
-        layout="" if view.fault else view.describe(),
-        fault=view.fault,
+        index=ident.index, layout="" if view.fault else view.describe(), fault=view.fault
     )
+    # else not read (faulty, or not MIG capable): unknown, unset rather than False
+    if view.mode is not None:
+        msg.mig_current = view.mode.current
+        msg.mig_pending = view.mode.pending
     # else never read (lost or hung since gpud started): unknown, unset rather than "" or False
     if ident.read:
         msg.uuid = ident.uuid

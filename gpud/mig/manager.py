@@ -1840,8 +1840,16 @@ class MigManager:
         ids, faults = self._gpus()
         desired = self._store.desired()
         healthy = [g for g in ids if g.index not in faults]
+        # one never read since gpud started has no UUID: its layout is its index's newest
+        # record's, the one reconcile brings it to once it answers (and an apply replaces)
+        unread = _newest_unread(desired.values(), {g.uuid for g in ids if g.uuid})
         views = {
-            i: faulty_view(ids[i], desired.get(ids[i].uuid), reason) for i, reason in faults.items()
+            i: faulty_view(
+                ids[i],
+                desired.get(ids[i].uuid) if ids[i].uuid else unread.get(i),
+                reason,
+            )
+            for i, reason in faults.items()
         }
         wait_s = self._read_timeout_s if timeout_s is None else timeout_s
         views.update(self._read_views(healthy, desired, wait_s))

@@ -1662,14 +1662,34 @@ class MpsManager:
         if restart:
             dev.restarts += 1
         dev.up = True  # last: what a status read sees up is all there
+        if not restart:
+            self._events.emit(
+                "mps.start",
+                f"started the MPS control daemon of {_label(target)} ({target.uuid}, pid"
+                f" {pid}) with threads {_pct(desired.threads_percent)}, memory"
+                f" {_mem(desired.memory_bytes)}",
+                **_where(target),
+                pid=pid,
+                restarts=dev.restarts,
+            )
+            return
+        # the daemon before (dead, or killed for not answering) took its MPS servers with it,
+        # and their clients' contexts: nothing else tells a job that its processes lost them
+        jobs = self._holding_jobs(target)
+        lost = (
+            f"; job {jobs[0]} held the device: its MPS clients lost their server"
+            if len(jobs) == 1
+            else f"; jobs {', '.join(jobs)} held the device: their MPS clients lost their server"
+        )
         self._events.emit(
-            "mps.restart" if restart else "mps.start",
-            f"{'restarted' if restart else 'started'} the MPS control daemon of"
-            f" {_label(target)} ({target.uuid}, pid {pid}) with threads"
-            f" {_pct(desired.threads_percent)}, memory {_mem(desired.memory_bytes)}",
+            "mps.restart",
+            f"restarted the MPS control daemon of {_label(target)} ({target.uuid}, pid {pid})"
+            f" with threads {_pct(desired.threads_percent)}, memory {_mem(desired.memory_bytes)}"
+            f"{lost + ' with the daemon before' if jobs else ''}",
             **_where(target),
             pid=pid,
             restarts=dev.restarts,
+            jobs=list(jobs),
         )
 
     def _check(

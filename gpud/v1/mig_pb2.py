@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/mig.proto\x12\x07gpud.v1\";\n\x0fMigConfigSource\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"d\n\x12MigInstanceProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x1e\n\x11used_memory_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0b\n\x03job\x18\x03 \x01(\tB\x14\n\x12_used_memory_bytes\"\xb4\x03\n\x0bMigInstance\x12\x17\n\x0fgpu_instance_id\x18\x01 \x01(\r\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\x17\n\x0fplacement_start\x18\x03 \x01(\r\x12\x16\n\x0eplacement_size\x18\x04 \x01(\r\x12 \n\x13\x63ompute_instance_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x63ompute_profile\x18\x06 \x01(\t\x12\x10\n\x03mig\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04uuid\x18\x08 \x01(\t\x12\x1f\n\x12memory_total_bytes\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\n \x01(\x04H\x03\x88\x01\x01\x12.\n\tprocesses\x18\x0b \x03(\x0b\x32\x1b.gpud.v1.MigInstanceProcess\x12\x19\n\x11processes_unknown\x18\x0c \x01(\t\x12\x16\n\x0ememory_unknown\x18\r \x01(\tB\x16\n\x14_compute_instance_idB\x06\n\x04_migB\x15\n\x13_memory_total_bytesB\x14\n\x12_memory_used_bytes\"]\n\rMigProfileRow\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x18\n\x10placement_starts\x18\x03 \x03(\r\x12\x16\n\x0eplacement_size\x18\x04 \x01(\r\"\xcb\x02\n\x06MigGpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07product\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x0bmig_capable\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x13\n\x0bmig_current\x18\x05 \x01(\x08\x12\x13\n\x0bmig_pending\x18\x06 \x01(\x08\x12\'\n\tinstances\x18\x07 \x03(\x0b\x32\x14.gpud.v1.MigInstance\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65sired_config\x18\t \x01(\t\x12\x16\n\x0e\x64\x65sired_layout\x18\n \x01(\t\x12(\n\x08profiles\x18\x0b \x03(\x0b\x32\x16.gpud.v1.MigProfileRow\x12\r\n\x05\x66\x61ult\x18\x0c \x01(\tB\x07\n\x05_uuidB\n\n\x08_productB\x0e\n\x0c_mig_capable\"\x10\n\x0eShowMigRequest\"d\n\x0fShowMigResponse\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.gpud.v1.MigGpu\x12\x1d\n\x10unfinished_apply\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x13\n\x11_unfinished_apply\"\x97\x01\n\x0f\x41pplyMigRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.gpud.v1.MigConfigSource\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x12\n\nskip_reset\x18\x06 \x01(\x08\"~\n\rMigGpuOutcome\x12\x0b\n\x03gpu\x18\x01 \x01(\r\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05steps\x18\x03 \x03(\t\x12\x15\n\rreset_pending\x18\x04 \x01(\x08\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\tB\x07\n\x05_uuid\"\x88\x01\n\x10\x41pplyMigResponse\x12\x13\n\x0b\x63onfig_name\x18\x01 \x01(\t\x12\x0e\n\x06result\x18\x02 \x01(\t\x12$\n\x04gpus\x18\x03 \x03(\x0b\x32\x16.gpud.v1.MigGpuOutcome\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\"<\n\x10\x41ssertMigRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.gpud.v1.MigConfigSource\"I\n\x11\x41ssertMigResponse\x12\x0f\n\x07matches\x18\x01 \x01(\x08\x12\x13\n\x0b\x64ifferences\x18\x02 \x03(\t\x12\x0e\n\x06\x66\x61ulty\x18\x03 \x03(\t\" \n\x10\x45xportMigRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"3\n\x11\x45xportMigResponse\x12\x0c\n\x04yaml\x18\x01 \x01(\t\x12\x10\n\x08left_out\x18\x02 \x03(\t\"2\n\x10\x46orgetMigRequest\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x0c\n\x04gone\x18\x02 \x01(\x08\"G\n\x11\x46orgetMigResponse\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x13\n\x0b\x63onfig_name\x18\x03 \x01(\t2\xd0\x02\n\x03Mig\x12<\n\x07ShowMig\x12\x17.gpud.v1.ShowMigRequest\x1a\x18.gpud.v1.ShowMigResponse\x12?\n\x08\x41pplyMig\x12\x18.gpud.v1.ApplyMigRequest\x1a\x19.gpud.v1.ApplyMigResponse\x12\x42\n\tAssertMig\x12\x19.gpud.v1.AssertMigRequest\x1a\x1a.gpud.v1.AssertMigResponse\x12\x42\n\tExportMig\x12\x19.gpud.v1.ExportMigRequest\x1a\x1a.gpud.v1.ExportMigResponse\x12\x42\n\tForgetMig\x12\x19.gpud.v1.ForgetMigRequest\x1a\x1a.gpud.v1.ForgetMigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/mig.proto\x12\x07gpud.v1\";\n\x0fMigConfigSource\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"d\n\x12MigInstanceProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x1e\n\x11used_memory_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0b\n\x03job\x18\x03 \x01(\tB\x14\n\x12_used_memory_bytes\"\xb4\x03\n\x0bMigInstance\x12\x17\n\x0fgpu_instance_id\x18\x01 \x01(\r\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\x17\n\x0fplacement_start\x18\x03 \x01(\r\x12\x16\n\x0eplacement_size\x18\x04 \x01(\r\x12 \n\x13\x63ompute_instance_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x63ompute_profile\x18\x06 \x01(\t\x12\x10\n\x03mig\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04uuid\x18\x08 \x01(\t\x12\x1f\n\x12memory_total_bytes\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\n \x01(\x04H\x03\x88\x01\x01\x12.\n\tprocesses\x18\x0b \x03(\x0b\x32\x1b.gpud.v1.MigInstanceProcess\x12\x19\n\x11processes_unknown\x18\x0c \x01(\t\x12\x16\n\x0ememory_unknown\x18\r \x01(\tB\x16\n\x14_compute_instance_idB\x06\n\x04_migB\x15\n\x13_memory_total_bytesB\x14\n\x12_memory_used_bytes\"]\n\rMigProfileRow\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x18\n\x10placement_starts\x18\x03 \x03(\r\x12\x16\n\x0eplacement_size\x18\x04 \x01(\r\"\xf5\x02\n\x06MigGpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07product\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x0bmig_capable\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x0bmig_current\x18\x05 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x0bmig_pending\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\'\n\tinstances\x18\x07 \x03(\x0b\x32\x14.gpud.v1.MigInstance\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65sired_config\x18\t \x01(\t\x12\x16\n\x0e\x64\x65sired_layout\x18\n \x01(\t\x12(\n\x08profiles\x18\x0b \x03(\x0b\x32\x16.gpud.v1.MigProfileRow\x12\r\n\x05\x66\x61ult\x18\x0c \x01(\tB\x07\n\x05_uuidB\n\n\x08_productB\x0e\n\x0c_mig_capableB\x0e\n\x0c_mig_currentB\x0e\n\x0c_mig_pending\"\x10\n\x0eShowMigRequest\"d\n\x0fShowMigResponse\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.gpud.v1.MigGpu\x12\x1d\n\x10unfinished_apply\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x13\n\x11_unfinished_apply\"\x97\x01\n\x0f\x41pplyMigRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.gpud.v1.MigConfigSource\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x12\n\nskip_reset\x18\x06 \x01(\x08\"~\n\rMigGpuOutcome\x12\x0b\n\x03gpu\x18\x01 \x01(\r\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05steps\x18\x03 \x03(\t\x12\x15\n\rreset_pending\x18\x04 \x01(\x08\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\tB\x07\n\x05_uuid\"\x88\x01\n\x10\x41pplyMigResponse\x12\x13\n\x0b\x63onfig_name\x18\x01 \x01(\t\x12\x0e\n\x06result\x18\x02 \x01(\t\x12$\n\x04gpus\x18\x03 \x03(\x0b\x32\x16.gpud.v1.MigGpuOutcome\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\"<\n\x10\x41ssertMigRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.gpud.v1.MigConfigSource\"I\n\x11\x41ssertMigResponse\x12\x0f\n\x07matches\x18\x01 \x01(\x08\x12\x13\n\x0b\x64ifferences\x18\x02 \x03(\t\x12\x0e\n\x06\x66\x61ulty\x18\x03 \x03(\t\" \n\x10\x45xportMigRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"3\n\x11\x45xportMigResponse\x12\x0c\n\x04yaml\x18\x01 \x01(\t\x12\x10\n\x08left_out\x18\x02 \x03(\t\"2\n\x10\x46orgetMigRequest\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x0c\n\x04gone\x18\x02 \x01(\x08\"G\n\x11\x46orgetMigResponse\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x13\n\x0b\x63onfig_name\x18\x03 \x01(\t2\xd0\x02\n\x03Mig\x12<\n\x07ShowMig\x12\x17.gpud.v1.ShowMigRequest\x1a\x18.gpud.v1.ShowMigResponse\x12?\n\x08\x41pplyMig\x12\x18.gpud.v1.ApplyMigRequest\x1a\x19.gpud.v1.ApplyMigResponse\x12\x42\n\tAssertMig\x12\x19.gpud.v1.AssertMigRequest\x1a\x1a.gpud.v1.AssertMigResponse\x12\x42\n\tExportMig\x12\x19.gpud.v1.ExportMigRequest\x1a\x1a.gpud.v1.ExportMigResponse\x12\x42\n\tForgetMig\x12\x19.gpud.v1.ForgetMigRequest\x1a\x1a.gpud.v1.ForgetMigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MIGPROFILEROW']._serialized_start=632
   _globals['_MIGPROFILEROW']._serialized_end=725
   _globals['_MIGGPU']._serialized_start=728
-  _globals['_MIGGPU']._serialized_end=1059
-  _globals['_SHOWMIGREQUEST']._serialized_start=1061
-  _globals['_SHOWMIGREQUEST']._serialized_end=1077
-  _globals['_SHOWMIGRESPONSE']._serialized_start=1079
-  _globals['_SHOWMIGRESPONSE']._serialized_end=1179
-  _globals['_APPLYMIGREQUEST']._serialized_start=1182
-  _globals['_APPLYMIGREQUEST']._serialized_end=1333
-  _globals['_MIGGPUOUTCOME']._serialized_start=1335
-  _globals['_MIGGPUOUTCOME']._serialized_end=1461
-  _globals['_APPLYMIGRESPONSE']._serialized_start=1464
-  _globals['_APPLYMIGRESPONSE']._serialized_end=1600
-  _globals['_ASSERTMIGREQUEST']._serialized_start=1602
-  _globals['_ASSERTMIGREQUEST']._serialized_end=1662
-  _globals['_ASSERTMIGRESPONSE']._serialized_start=1664
-  _globals['_ASSERTMIGRESPONSE']._serialized_end=1737
-  _globals['_EXPORTMIGREQUEST']._serialized_start=1739
-  _globals['_EXPORTMIGREQUEST']._serialized_end=1771
-  _globals['_EXPORTMIGRESPONSE']._serialized_start=1773
-  _globals['_EXPORTMIGRESPONSE']._serialized_end=1824
-  _globals['_FORGETMIGREQUEST']._serialized_start=1826
-  _globals['_FORGETMIGREQUEST']._serialized_end=1876
-  _globals['_FORGETMIGRESPONSE']._serialized_start=1878
-  _globals['_FORGETMIGRESPONSE']._serialized_end=1949
-  _globals['_MIG']._serialized_start=1952
-  _globals['_MIG']._serialized_end=2288
+  _globals['_MIGGPU']._serialized_end=1101
+  _globals['_SHOWMIGREQUEST']._serialized_start=1103
+  _globals['_SHOWMIGREQUEST']._serialized_end=1119
+  _globals['_SHOWMIGRESPONSE']._serialized_start=1121
+  _globals['_SHOWMIGRESPONSE']._serialized_end=1221
+  _globals['_APPLYMIGREQUEST']._serialized_start=1224
+  _globals['_APPLYMIGREQUEST']._serialized_end=1375
+  _globals['_MIGGPUOUTCOME']._serialized_start=1377
+  _globals['_MIGGPUOUTCOME']._serialized_end=1503
+  _globals['_APPLYMIGRESPONSE']._serialized_start=1506
+  _globals['_APPLYMIGRESPONSE']._serialized_end=1642
+  _globals['_ASSERTMIGREQUEST']._serialized_start=1644
+  _globals['_ASSERTMIGREQUEST']._serialized_end=1704
+  _globals['_ASSERTMIGRESPONSE']._serialized_start=1706
+  _globals['_ASSERTMIGRESPONSE']._serialized_end=1779
+  _globals['_EXPORTMIGREQUEST']._serialized_start=1781
+  _globals['_EXPORTMIGREQUEST']._serialized_end=1813
+  _globals['_EXPORTMIGRESPONSE']._serialized_start=1815
+  _globals['_EXPORTMIGRESPONSE']._serialized_end=1866
+  _globals['_FORGETMIGREQUEST']._serialized_start=1868
+  _globals['_FORGETMIGREQUEST']._serialized_end=1918
+  _globals['_FORGETMIGRESPONSE']._serialized_start=1920
+  _globals['_FORGETMIGRESPONSE']._serialized_end=1991
+  _globals['_MIG']._serialized_start=1994
+  _globals['_MIG']._serialized_end=2330
 # @@protoc_insertion_point(module_scope)

@@ -220,6 +220,9 @@ class MigGpu(_message.Message):
     mig_capable: _builtins.bool
     """absent: a GPU never read (lost or hung since gpud started)"""
     mig_current: _builtins.bool
+    """Absent where no MIG mode is read: a faulty GPU (a reset or reboot may change it
+    meanwhile), or one not MIG capable (the driver gives it none).
+    """
     mig_pending: _builtins.bool
     """differs from mig_current until a GPU reset"""
     layout: _builtins.str
@@ -242,8 +245,8 @@ class MigGpu(_message.Message):
         uuid: _builtins.str | None = ...,
         product: _builtins.str | None = ...,
         mig_capable: _builtins.bool | None = ...,
-        mig_current: _builtins.bool = ...,
-        mig_pending: _builtins.bool = ...,
+        mig_current: _builtins.bool | None = ...,
+        mig_pending: _builtins.bool | None = ...,
         instances: _abc.Iterable[Global___MigInstance] | None = ...,
         layout: _builtins.str = ...,
         desired_config: _builtins.str = ...,
@@ -251,18 +254,26 @@ class MigGpu(_message.Message):
         profiles: _abc.Iterable[Global___MigProfileRow] | None = ...,
         fault: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_product", b"_product", "_uuid", b"_uuid", "mig_capable", b"mig_capable", "product", b"product", "uuid", b"uuid"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_mig_current", b"_mig_current", "_mig_pending", b"_mig_pending", "_product", b"_product", "_uuid", b"_uuid", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_product", b"_product", "_uuid", b"_uuid", "desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_mig_current", b"_mig_current", "_mig_pending", b"_mig_pending", "_product", b"_product", "_uuid", b"_uuid", "desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_capable: _TypeAlias = _typing.Literal["mig_capable"]  # noqa: Y015
     _WhichOneofArgType__mig_capable: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable"]  # noqa: Y015
+    _WhichOneofReturnType__mig_current: _TypeAlias = _typing.Literal["mig_current"]  # noqa: Y015
+    _WhichOneofArgType__mig_current: _TypeAlias = _typing.Literal["_mig_current", b"_mig_current"]  # noqa: Y015
+    _WhichOneofReturnType__mig_pending: _TypeAlias = _typing.Literal["mig_pending"]  # noqa: Y015
+    _WhichOneofArgType__mig_pending: _TypeAlias = _typing.Literal["_mig_pending", b"_mig_pending"]  # noqa: Y015
     _WhichOneofReturnType__product: _TypeAlias = _typing.Literal["product"]  # noqa: Y015
     _WhichOneofArgType__product: _TypeAlias = _typing.Literal["_product", b"_product"]  # noqa: Y015
     _WhichOneofReturnType__uuid: _TypeAlias = _typing.Literal["uuid"]  # noqa: Y015
     _WhichOneofArgType__uuid: _TypeAlias = _typing.Literal["_uuid", b"_uuid"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_capable) -> _WhichOneofReturnType__mig_capable | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_current) -> _WhichOneofReturnType__mig_current | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_pending) -> _WhichOneofReturnType__mig_pending | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__product) -> _WhichOneofReturnType__product | None: ...
     @_typing.overload

@@ -194,6 +194,37 @@ def test_gpuctl_mps_set_is_what_the_control_daemon_holds(
     assert "20GiB of 80GiB" in table and "0:1" in table
 
 
+def test_a_limit_changed_under_connected_clients_says_they_keep_theirs(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An MPS server's limits reach the clients that connect after the change: those that
+    run keep what they connected with, and ``gpuctl mps set`` says so, naming the servers."""
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "40") == 0
+    assert "keep" not in capsys.readouterr().err  # no server: nothing is kept
+    (server,) = node.mps.start_server("1", os.getuid())
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "20", "--memory", "8GiB") == 0
+    said = capsys.readouterr()
+    assert held_by_server(node, gpu_uuid(1), server)["active_thread_percentage"] == 20.0
+    assert "20%" in said.out
+    assert (
+        f"gpuctl: GPU 1 ({gpu_uuid(1)}): the clients of MPS server {server} that run now keep"
+        " the limits they connected with; the new ones reach clients that connect from now on"
+    ) in said.err
+    assert node.ctl("--json", "mps", "set", "--gpu", "1", "--threads", "30") == 0
+    (note,) = json.loads(capsys.readouterr().out)["notes"]
+    assert f"MPS server {server} that run now keep" in note
+    # enabling changes no limit: nothing to say
+    assert node.ctl("mps", "set", "--gpu", "1", "--enable") == 0
+    assert "keep" not in capsys.readouterr().err
+
+
+def held_by_server(node: Node, uuid: str, server: int) -> dict[str, object]:
+    servers = daemon_state(node, uuid)["servers"]
+    assert isinstance(servers, dict)
+    found: dict[str, object] = servers[str(server)]
+    return found
+
+
 def test_gpuctl_run_gives_the_child_its_environment_and_releases(
     node: Node, tmp_path: Path
 ) -> None:

@@ -1656,6 +1656,22 @@ def test_a_gpu_lost_before_start_takes_the_layout_an_apply_gave_it_once_it_answe
     assert d.mig.assert_config(config, "all-3g.40gb") == []
 
 
+def test_a_gpu_lost_before_start_shows_the_layout_it_is_to_take(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU lost since before gpud started carries the desired layout of the record its
+    index had (what reconcile brings it to once it answers), as a GPU lost after it was
+    read does: not shown as unmanaged."""
+    first = enable(host, config, "all-balanced")
+    first.node.faults.lose(1)
+    d = host.start()
+    lost = d.mig.show()[1]
+    assert lost.fault and not lost.identity.read
+    assert lost.desired is not None and lost.desired.config_name == "all-balanced"
+    assert lost.desired.gpu_uuid == seen(first, 1).uuid
+    assert d.mig.show()[0].desired is not None  # a GPU that answers: its own, as before
+
+
 def seen(d: Daemon, gpu: int) -> SeenIdentity:
     """GPU ``gpu`` as daemon life ``d`` read it: how a later life last saw it."""
     g = d.mig.show()[gpu].identity

@@ -495,6 +495,35 @@ def test_export_leaves_a_lost_gpu_out_and_says_so(
     assert error["exit_code"] == 11 and error["message"].startswith("not exported: GPU 0: ")
 
 
+def test_a_faulty_gpus_mig_mode_is_unknown_in_show_json(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """A lost GPU's MIG mode is not read: a reset or reboot may change it meanwhile, so
+    ``mig_current`` and ``mig_pending`` are null, not the false of a GPU with MIG off."""
+    node.sim.faults.lose(1)
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    assert code == 11
+    healthy, lost = json.loads(out)["gpus"]
+    assert lost["fault"] and (lost["mig_current"], lost["mig_pending"]) == (None, None)
+    assert (healthy["mig_current"], healthy["mig_pending"]) == (False, False)
+
+
+def test_a_faulty_gpu_shows_the_layout_it_is_to_take(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """A faulty GPU's line says the desired layout reconcile brings it to once it answers,
+    as a GPU that answers says its own."""
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 0, err
+    code, out, _ = gpuctl(capsys, node, "mig", "show")
+    (healthy,) = [line for line in out.splitlines() if line.startswith("GPU 1 ")]
+    desired = healthy[healthy.index("; desired: ") :]
+    node.sim.faults.lose(1)
+    code, out, _ = gpuctl(capsys, node, "mig", "show")
+    (lost,) = [line for line in out.splitlines() if line.startswith("GPU 1 ")]
+    assert code == 11 and ": faulty: GPU lost" in lost and lost.endswith(desired), lost
+
+
 def test_show_and_assert_name_each_faulty_gpu_on_stderr(
     capsys: pytest.CaptureFixture[str], node: Node
 ) -> None:

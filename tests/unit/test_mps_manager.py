@@ -967,6 +967,34 @@ def test_a_killed_daemon_is_restarted_with_the_same_limits(root: Path) -> None:
         store.close()
 
 
+def test_a_daemon_killed_behind_gpuds_back_is_restarted_naming_the_jobs_it_served(
+    root: Path,
+) -> None:
+    """A control daemon killed with its MPS servers (and their clients) under a job: the
+    restart names the jobs holding the device, whose clients lost their server, as a skipped
+    start does; one on a device no job holds names none."""
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(0): ["train-7"]})
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+        pids = [s.pid for s in mgr.status()]
+        for pid in pids:
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_dead(pid)
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+        said = {e.fields["gpu"]: e for e in events.recent(kind_prefix="mps.restart")}
+        assert said[0].fields["jobs"] == ["train-7"]
+        assert said[0].message.endswith(
+            "; job train-7 held the device: its MPS clients lost their server with the"
+            " daemon before"
+        )
+        assert said[1].fields["jobs"] == []
+        assert said[1].message.endswith("memory unlimited")
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_a_daemon_being_restarted_is_not_shown_up_before_its_limits_are_back(
     root: Path,
 ) -> None:
