@@ -15,7 +15,8 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 ``GPUD_REPORT_TOKEN`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to it (not a Ctrl-C or Ctrl-\\
 on the terminal, which reaches the command directly; one gpuctl was started ignoring,
-``nohup``'s SIGHUP, stays ignored, by the command too), and when it ends stops what it
+``nohup``'s SIGHUP, stays ignored, by the command too; a command still running
+``--kill-after`` seconds after a SIGTERM passed on gets SIGKILL, said), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds, or at once on a signal
 since the command ended: every process whose environment carries the run's ``GPUD_RUN``),
 releases the reservation, telling gpud how the
@@ -257,7 +258,8 @@ def register(subparsers: Subparsers) -> None:
         default=KILL_AFTER_S,
         metavar="SECONDS",
         help="once the command exits, processes it left running get SIGTERM, and SIGKILL "
-        f"this many seconds later (default {KILL_AFTER_S:g})",
+        "this many seconds later; a command still running this long after a SIGTERM "
+        f"gpuctl passed on gets SIGKILL (default {KILL_AFTER_S:g})",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run, **{STDERR_MAY_GO: True})
@@ -754,7 +756,14 @@ def _run(
     never: NotStarted | None = None  # set when the command never started
     try:
         returncode = _launch(
-            command, env, place, told.append, stop, after=after, json_errors=ctx.out.json
+            command,
+            env,
+            place,
+            told.append,
+            stop,
+            after=after,
+            json_errors=ctx.out.json,
+            kill_after=args.kill_after,
         )
         return exit_status(returncode)
     except NotStarted as err:
@@ -1215,6 +1224,7 @@ def _launch(
     after: _Stop | None = None,
     json_errors: bool = False,
     popen: Callable[..., subprocess.Popen[bytes]] | None = None,
+    kill_after: float | None = None,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
@@ -1232,7 +1242,9 @@ def _launch(
     document of gpuctl's errors; one that cannot even be started (no fork: EAGAIN, ENOMEM)
     exits 127 as well, the signals then going to ``after`` at once, unless ``stop`` took
     one before the fork failed: that signal stopped the run (NotStarted). ``popen``: what
-    starts it (``subprocess.Popen``)."""
+    starts it (``subprocess.Popen``). ``kill_after``: a command still running this many
+    seconds after a SIGTERM was passed on to it gets SIGKILL, said on stderr (None: never):
+    whoever stopped gpuctl waits for it to end."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -1307,6 +1319,38 @@ def _launch(
             os.close(gate_w)
 
     ended = False  # the command ended: its PID, not reaped yet, is still its own
+    # SIGKILL for a command that outlives a SIGTERM passed on by kill_after: a stop request
+    # (systemd's, a batch system's) must end, as `gpuctl jobs rm --force` ends a run
+    killer: threading.Timer | None = None
+    # held from the timer's check to its kill, and by the main thread from the command's
+    # end to its reaping: never a kill of a PID reused since
+    reaping = threading.Lock()
+
+    def kill_if_running() -> None:
+        with reaping:
+            if ended:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # a stderr gone loses the line, not the kill
+            print(
+                f"gpuctl: the command (pid {child.pid}) did not end {seconds(kill_after or 0)}"
+                " after SIGTERM: SIGKILL (--kill-after)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def pass_on(signum: int) -> None:
+        nonlocal killer
+        # os.kill, not Popen.send_signal: that reaps a command the same signal just ended
+        # (a process group's SIGTERM, a terminal's SIGHUP), and the wait below then finds
+        # no child
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+        if signum == signal.SIGTERM and kill_after is not None and killer is None:
+            killer = threading.Timer(kill_after, kill_if_running)
+            killer.daemon = True
+            killer.start()
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if ended:
@@ -1317,11 +1361,7 @@ def _launch(
             told(signum)
         if signum in _FROM_THE_KEYBOARD and _terminal_sent_it(child.pid):
             return  # Ctrl-C, Ctrl-\: the terminal sent it to the command as well
-        # os.kill, not Popen.send_signal: that reaps a command the same signal just ended
-        # (a process group's SIGTERM, a terminal's SIGHUP), and the wait below then finds
-        # no child
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
+        pass_on(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in taken}
     if stop is not None:
@@ -1329,17 +1369,19 @@ def _launch(
         if stop.signum is not None:  # sent as it started the command: the command has it
             if told is not None:
                 told(stop.signum)
-            with contextlib.suppress(ProcessLookupError):  # os.kill: see forward
-                os.kill(child.pid, stop.signum)
+            pass_on(stop.signum)
     held = False  # whether it ended as the gate, never the command
     try:
         # waited for, not reaped: a process killed after the gate opened (the SIGTERM of
         # `gpuctl jobs rm --force`) may have died before it became the command
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-        ended = True
+        with reaping:
+            ended = True
         held = place is not None and still_the_gate(child.pid)
         code = child.wait()
     finally:
+        if killer is not None:
+            killer.cancel()
         if after is None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

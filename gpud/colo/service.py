@@ -2724,6 +2724,31 @@ class ColoService:
             *at,
         )
 
+    def reservation_made(self, job: str, at: float) -> None:
+        """A reservation of ``job`` was made, stamped ``at`` (Unix time, as
+        :attr:`RunningJob.reserved_at`): the jobs service tells it as it reserves. It
+        stands for the earliest place promised to a run of the job before then, as a
+        reservation read from ``running`` does: a run whose command ended at once (not
+        found, a quick exit) reserves and releases between two questions, and no list of
+        reservations ever shows it, so its place would otherwise bar the next run, of its
+        job too, for :data:`PROMISE_S`."""
+        with self._lock:
+            self._keep_promise_of(job, at)
+
+    def _keep_promise_of(self, job: str, stamp: float) -> None:
+        """Have the reservation of ``job`` stamped ``stamp`` stand for the earliest open
+        place promised to it before then, unless it stands for one already. Under the
+        lock."""
+        if any(n == job and p.shown == stamp for (n, _), p in self._promised.items()):
+            return
+        open_ = [
+            p
+            for (n, _), p in self._promised.items()
+            if n == job and p.shown is None and p.wall <= stamp
+        ]
+        if open_:
+            min(open_, key=lambda p: p.wall).shown = stamp
+
     def _promises(
         self, job: str, wid: str, running: Sequence[RunningJob], now: float
     ) -> list[tuple[str, RunningJob]]:
@@ -2735,18 +2760,11 @@ class ColoService:
         already is given a second place); a run whose reservation was refused holds its
         place :data:`PROMISE_S` at most. Under the lock."""
         self._promised = {k: p for k, p in self._promised.items() if now - p.at <= PROMISE_S}
-        taken = {(name, p.shown) for (name, _), p in self._promised.items()}
         # one stamp a reservation: a job on several devices is listed once a device
         for name, stamp in sorted(
             {(r.name, r.reserved_at) for r in running if r.reserved_at is not None}
         ):
-            open_ = [
-                p
-                for (n, _), p in self._promised.items()
-                if n == name and p.shown is None and p.wall <= stamp
-            ]
-            if open_ and (name, stamp) not in taken:
-                min(open_, key=lambda p: p.wall).shown = stamp
+            self._keep_promise_of(name, stamp)
         return [
             (name if name != job else f"{job} ({w})", p.place)
             for (name, w), p in self._promised.items()

@@ -6990,3 +6990,25 @@ def test_a_throttle_sends_one_process_id_through_retries_and_a_forked_child_its_
     answers.append(True)
     t.point()
     assert len(sent) == 4 and sent[3] not in ("", sent[0]), sent
+
+
+def test_a_run_that_reserved_and_ended_between_two_questions_holds_no_place(
+    tmp_path: Path,
+) -> None:
+    """A `gpuctl run` whose command ends at once (not found, a quick exit) reserves the
+    place it was given and releases it before any list of reservations shows it: the next
+    run of its job is told the GPU is free, not that it would slow below 1/2 beside that
+    ended run until PROMISE_S has passed."""
+    clock = Clock()
+    jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    first = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (first.gpu, first.reason) == (1, "GPU 1 is free: exclusive")
+    svc.reservation_made("sweep", clock.t)  # and released before the next question
+    clock.t += 1
+    again = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (again.gpu, again.reason) == (1, "GPU 1 is free: exclusive")
+    # a reservation made before a place was promised stands for none
+    svc.reservation_made("sweep", clock.t - 1)
+    assert svc.advise("other", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]

@@ -2284,3 +2284,25 @@ def test_placement_reopens_after_a_mig_apply_on_the_instances_the_driver_has_now
     finally:
         d.admission.passes.close(10.0)  # the pass the hold's end asked for
         _close(d)
+
+
+def test_a_run_that_ended_before_colocation_read_it_leaves_its_gpu_to_the_next(
+    root: Path,
+) -> None:
+    """A `gpuctl run` whose command fails at once (not found) reserves the GPU advice gave
+    it and releases it before the co-location loop reads the reservations: the next run of
+    the job is told the GPU is free, not held waiting beside the one that ended."""
+    d = build(make_config(root))
+    try:
+        snap = d.sampler.tick()
+        d.mps.reconcile(snap)
+        first = d.colo.advise("sweep", reserving=True, snapshot=snap)
+        assert first.gpu == 0, first.reason
+        launch = d.jobs.reserve(RunRequest(job="sweep", advised_devices=(first.device,)))
+        d.jobs.release(launch.reservation.id)
+        again = d.colo.advise("sweep", reserving=True, snapshot=snap)
+        assert (again.gpu, again.reason) == (0, first.reason)
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()

@@ -969,6 +969,38 @@ def test_a_signal_once_the_command_ended_cuts_the_wait_for_what_it_left_and_rele
     assert node.jobs.reservations.held() == []
 
 
+def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_kill_after_later(
+    node: Node, tmp_path: Path
+) -> None:
+    """A SIGTERM sent to gpuctl (systemd's stop, a batch system's) is passed on to the
+    command; one that ignores it gets SIGKILL ``--kill-after`` seconds later, said on
+    stderr, and gpuctl releases the reservation with that end and exits 137. gpuctl waited
+    for it for as long as it ran."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    started = tmp_path / "started"
+    script = f"trap '' TERM; echo $$ > {started}; while :; do sleep 0.05; done"
+    run = gpuctl_process(
+        node, "run", "--job", "j", "--gpus", "1", "--kill-after", "0.5", "--", "sh", "-c", script
+    )
+    try:
+        while not started.exists() or not started.read_text().strip():
+            assert run.poll() is None, ended(run)
+            time.sleep(0.01)
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)  # a hang guard only
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        if alive(int(started.read_text())):
+            os.kill(int(started.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 128 + signal.SIGKILL, err
+    assert "did not end 500 ms after SIGTERM: SIGKILL (--kill-after)" in err
+    assert ends == [RunEnd(EndCause.EXITED, exit_signal=signal.SIGKILL)]
+    assert node.jobs.reservations.held() == []
+
+
 def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     node: Node, tmp_path: Path
 ) -> None:
