@@ -509,9 +509,13 @@ class TrafficService:
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
-        # interface -> passes running that repaired it: another tool that changes it back
-        # before every pass is said twice (net.drift), not once a pass
-        self._drift_run: dict[str, int] = {}
+        # interface -> (the pass that last repaired it, passes running that did): another
+        # tool that changes it back before every pass is said twice (net.drift), not once
+        # a pass. Only a repair on the very next pass continues the run: a pass between
+        # that moved the plan, failed or read no link rate says nothing of the tree's
+        # fate, and two unrelated changes around it are each said plainly
+        self._tc_pass = 0
+        self._drift_run: dict[str, tuple[int, int]] = {}
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
@@ -1847,6 +1851,7 @@ class TrafficService:
     ) -> None:
         if self._tc is None:
             return
+        self._tc_pass += 1
         self._adopt_late(tags)
         links: dict[str, int] = {}
         for iface, status in self._ifaces.items():
@@ -1890,7 +1895,6 @@ class TrafficService:
                 self._netdev_replaced(iface, res.replaced)
             if res.error is not None:
                 self._applied.pop(iface, None)
-                self._drift_run.pop(iface, None)
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
@@ -1900,13 +1904,16 @@ class TrafficService:
             # fails the next one counts all it finds at them (a pass's worth of blur)
             sent_at = self._sent_at.get(iface, {})
             self._sent_at[iface] = {job: lv for job, lv in levels.items() if job in tags}
-            if not res.ops:
-                self._drift_run.pop(iface, None)  # gpud's tree held since the last pass
             if found is not None and not res.replaced:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif res.ops and (unchanged or (res.replaced and not status.error)):
                 status.repairs += 1
-                run = self._drift_run[iface] = self._drift_run.get(iface, 0) + 1
+                run = 1
+                if not res.replaced:
+                    # a netdev made again is no tool's fight: always said, and no run
+                    last, before = self._drift_run.get(iface, (0, 0))
+                    run = before + 1 if last == self._tc_pass - 1 else 1
+                    self._drift_run[iface] = (self._tc_pass, run)
                 # a netdev deleted and created again between two passes (a driver reset,
                 # a runtime re-making it), or between the start's adopt and the first pass,
                 # lost gpud's tree with it: not another tool's change, nor a takeover.

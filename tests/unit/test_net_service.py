@@ -338,6 +338,44 @@ def test_another_tool_changing_the_root_every_pass_is_repaired_each_pass_said_tw
     assert len(drifts) == 3 and drifts[2].startswith("eth0: restored ")
 
 
+def test_changes_outside_gpud_with_plan_changes_between_are_each_said_plainly(
+    rig: Rig,
+) -> None:
+    """Three unrelated ``tc qdisc replace dev eth0 root fq_codel``, each a pass apart
+    from the next by a pass that moved the plan (a job started or stopped): no pass
+    repaired eth0 twice running, so each is said as a change of its own."""
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    for then_active in ({"a", "b"}, {"a"}, None):
+        rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", tcplan.RootQdisc("fq_codel", 0))
+        rig.service.tick()
+        if then_active is not None:
+            rig.active = then_active
+            rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3, drifts
+    assert all(d.startswith("eth0: restored ") for d in drifts), drifts
+    assert rig.service.view().interfaces[0].repairs == 3
+
+
+def test_a_netdev_made_again_on_passes_running_is_named_each_time(rig: Rig) -> None:
+    """eth0 deleted and created again before each of three passes (a driver resetting
+    it): each new netdev is said with its ifindex and the one before, never as another
+    tool's change."""
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    for n in range(3):
+        del rig.tc.states["eth0"]
+        rig.tc.replaced["eth0"] = f"ifindex {9 + n}, was {8 + n}"
+        rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3, drifts
+    for n, d in enumerate(drifts):
+        assert d.startswith(f"eth0: another netdev by that name (ifindex {9 + n}, was {8 + n}):")
+
+
 @pytest.mark.parametrize(
     "then_active",
     [{"a"}, {"a", "b"}],  # the plan unchanged; a job started in that same tick
