@@ -383,6 +383,9 @@ class NetView:
     """Registered jobs without a tag that are not in use (they take one when they run)."""
     marking: bool = True
     """``traffic.marking``: whether gpud marks packets by cgroup at all."""
+    rdma_repairs: int = 0
+    """Checks that found the NIC DSCP -> priority map changed outside gpud (``dcb app``
+    showing another priority on a DSCP gpud wrote) and wrote it back."""
     gap_spacings: float = 20.0
     """How many of its usual spacings a job goes without progress before it is stopped
     (``traffic.progress_gap_spacings``)."""
@@ -551,6 +554,7 @@ class TrafficService:
         # checks running that wrote the map back (the NIC map's worker's own): an agent
         # that changes it before every check is said twice, not once a check
         self._rdma_drift_run = 0
+        self._rdma_repairs = 0  # checks that wrote it back, said or not
         self._rdma_posted: dict[int, int] | None = None  # as last handed to the worker
         self._rdma_tried_at = float("-inf")
         self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
@@ -1153,6 +1157,7 @@ class TrafficService:
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
+                rdma_repairs=self._rdma_repairs,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
@@ -2155,6 +2160,8 @@ class TrafficService:
             if message != self._rdma_error:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
+            # a check that failed saw nothing of the agent: what it finds after is new
+            self._rdma_drift_run = 0
             return
         was = self._rdma_error
         drift = want == self._rdma_map and not was
@@ -2168,6 +2175,7 @@ class TrafficService:
                 + (f"; {len(changed)} change(s)" if changed else ""),
             )
         elif changed and drift:
+            self._rdma_repairs += 1
             self._rdma_drift_run += 1
             again = (
                 " again on 2 checks running: another agent (a DCBX one, lldpad) keeps"

@@ -29,7 +29,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.metrics import Collector
-from gpud.net.api import job_message
+from gpud.net.api import job_message, show_message
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import (
     FakeAdopted,
@@ -2079,6 +2079,65 @@ def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
     check(agent=False)
     check(agent=True)
     assert len(rig.events.recent(100, "net.rdma_drift")) == 3
+
+
+class _BreakableNic:
+    """A NIC map that writes through ``nic`` until ``fail`` is set (``dcb`` timing out)."""
+
+    def __init__(self, nic: RdmaPort) -> None:
+        self.nic = nic
+        self.fail = False
+
+    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[str]:
+        if self.fail:
+            raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
+        return self.nic.apply(dscp_priorities)
+
+
+def test_a_nic_map_check_that_failed_ends_the_agents_run_and_every_write_back_is_counted(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """An agent rewrites the map on two checks running (said twice), a check fails, the
+    next writes it again: one later change by an agent is said, not taken as the same
+    fight; every write-back is counted in ``gpuctl net show`` and the metric, said or
+    not."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    backend = DryRunBackend(lambda line: None)
+    nic = _BreakableNic(NicMap(backend, ["eth2"], link_type=lambda netdev: 1))
+    rig = Rig(tmp_path, sysfs, rdma_backend="dcb")
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(5)
+        tag = s.tags.allocations()["a"]
+
+        def check(*, agent: bool = False, fail: bool = False) -> None:
+            if agent:
+                backend._shown["eth2"][tag] = (3,)
+            nic.fail = fail
+            rig.clock.t += RDMA_RECHECK_S
+            s.tick()
+            assert s.settle(5)
+
+        for _ in range(3):
+            check(agent=True)
+        check(agent=True, fail=True)
+        check()  # writes the agent's change back, as the pair of net.rdma_error
+        assert s.view().rdma_error == ""
+        check(agent=True)
+        drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+        assert len(drifts) == 3, drifts
+        assert "keeps changing" not in drifts[2]
+        assert s.view().rdma_repairs == 4
+        assert show_message(s.view(), rig.clock.t).rdma_repairs == 4
+        collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+        collector.add_source(TrafficMetrics(s))
+        registry = CollectorRegistry()
+        registry.register(collector)
+        assert registry.get_sample_value("gpud_net_rdma_map_repairs_total") == 4
+    finally:
+        s.shutdown()
 
 
 @pytest.mark.parametrize(
