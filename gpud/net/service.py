@@ -2116,13 +2116,15 @@ class TrafficService:
             )
         elif result.created and not result.rebuilt and self._marking_ok:
             # written by this run and gone since its last pass: a firewall reload flushed
-            # the whole ruleset, and the jobs' packets left unmarked until now
+            # the whole ruleset, and the jobs' packets (if any job is marked) left unmarked
+            # until now
             message = (
                 f"nftables: table {FAMILY} {DEFAULT_TABLE} removed outside gpud (nft flush"
-                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s):"
-                " the jobs' packets went unmarked until this pass"
+                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s)"
             )
-            log.warning("traffic: %s", message)
+            if result.added:
+                message += ": the jobs' packets went unmarked until this pass"
+                log.warning("traffic: %s", message)
             self._events.emit("net.marking", message)
         elif result.changed and self._marking_ok and not result.foreign:
             self._events.emit(

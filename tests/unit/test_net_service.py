@@ -1012,6 +1012,25 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
 
 
+def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``nft flush ruleset`` while no job is marked: the table is written again and said,
+    but no packet went unmarked, so neither the message nor a warning says so."""
+    rig.service.tick()
+    rig.service.tick()
+    assert not rig.marker.marks
+    rig.marker.table = False  # nft flush ruleset
+    with caplog.at_level("WARNING"):
+        rig.service.tick()
+    marking = [e.message for e in rig.events.recent(100, "net.marking")]
+    assert marking[-1] == (
+        "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+        " reload?): written again, 0 rule(s)"
+    )
+    assert not [r for r in caplog.records if "removed outside gpud" in r.getMessage()]
+
+
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
     rig.service.tick()
     rig.service.shutdown()  # fail-static: nothing is touched
