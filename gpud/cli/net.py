@@ -249,7 +249,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     ctx.out.print(f"order: {order}; level changes: {resp.level_changes_total}")
     ctx.out.print(f"marking by cgroup (nftables): {resp.marking_error or 'ok'}")
     if resp.rdma_backend != "none":
-        ctx.out.print(f"RDMA DSCP map ({resp.rdma_backend}): {resp.rdma_error or 'ok'}")
+        repairs = f" (repairs: {resp.rdma_repairs})" if resp.rdma_repairs else ""
+        ctx.out.print(f"RDMA DSCP map ({resp.rdma_backend}): {resp.rdma_error or 'ok'}{repairs}")
     return 0
 
 

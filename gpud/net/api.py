@@ -103,6 +103,7 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
         idle_untagged_jobs=view.idle_untagged,
         marking_off=not view.marking,
         stop_after_spacings=view.gap_spacings,
+        rdma_repairs=view.rdma_repairs,
     )
 
 

@@ -22,6 +22,7 @@
     gpud_net_interface_enforced{interface}          1 when the plan is in the kernel
     gpud_net_interface_rate_bits_per_second{interface}
     gpud_net_interface_repairs_total{interface}     drift restored
+    gpud_net_rdma_map_repairs_total                 NIC map drift written back
     gpud_net_untagged_jobs                          jobs in use left without a tag: the DSCP
                                                     pool is in use (alert TrafficJobsUntagged)
     gpud_net_idle_untagged_jobs                     idle jobs holding no tag (they take one
@@ -137,8 +138,16 @@ class TrafficMetrics:
             "1 when the NIC DSCP -> priority map (traffic.rdma_backend) is written on every"
             " netdev; 0 while one is not (gpuctl net show names it).",
         )
+        # an agent rewriting the map before every check is said twice (net.rdma_drift),
+        # then only counted here
+        rdma_repairs = CounterMetricFamily(
+            "gpud_net_rdma_map_repairs",
+            "Checks that found the NIC DSCP -> priority map changed outside gpud and wrote"
+            " it back.",
+        )
         if view.rdma_backend != "none":
             rdma.add_metric([], 0.0 if view.rdma_error else 1.0)
+            rdma_repairs.add_metric([], float(view.rdma_repairs))
         epoch = GaugeMetricFamily(
             "gpud_net_cluster_epoch", "Epoch of the cluster order in force (0: local policy)."
         )
@@ -149,7 +158,8 @@ class TrafficMetrics:
         reports.add_metric(["accepted"], float(self._service.accepted_reports))
         reports.add_metric(["rejected"], float(self._service.rejected_reports))
         yield from (dscp, level, rate, *job_c, jobs_at, share, *level_c, changes)
-        yield from (enforced, link, repairs, untagged, idle_untagged, marking, rdma, epoch)
+        yield from (enforced, link, repairs, untagged, idle_untagged, marking, rdma, rdma_repairs)
+        yield epoch
         yield reports
 
 

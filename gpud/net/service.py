@@ -383,6 +383,9 @@ class NetView:
     """Registered jobs without a tag that are not in use (they take one when they run)."""
     marking: bool = True
     """``traffic.marking``: whether gpud marks packets by cgroup at all."""
+    rdma_repairs: int = 0
+    """Checks that found the NIC DSCP -> priority map changed outside gpud (``dcb app``
+    showing another priority on a DSCP gpud wrote) and wrote it back."""
     gap_spacings: float = 20.0
     """How many of its usual spacings a job goes without progress before it is stopped
     (``traffic.progress_gap_spacings``)."""
@@ -509,9 +512,13 @@ class TrafficService:
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
-        # interface -> passes running that repaired it: another tool that changes it back
-        # before every pass is said twice (net.drift), not once a pass
-        self._drift_run: dict[str, int] = {}
+        # interface -> (the pass that last repaired it, passes running that did): another
+        # tool that changes it back before every pass is said twice (net.drift), not once
+        # a pass. Only a repair on the very next pass continues the run: a pass between
+        # that moved the plan, failed or read no link rate says nothing of the tree's
+        # fate, and two unrelated changes around it are each said plainly
+        self._tc_pass = 0
+        self._drift_run: dict[str, tuple[int, int]] = {}
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
@@ -547,6 +554,7 @@ class TrafficService:
         # checks running that wrote the map back (the NIC map's worker's own): an agent
         # that changes it before every check is said twice, not once a check
         self._rdma_drift_run = 0
+        self._rdma_repairs = 0  # checks that wrote it back, said or not
         self._rdma_posted: dict[int, int] | None = None  # as last handed to the worker
         self._rdma_tried_at = float("-inf")
         self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
@@ -1149,6 +1157,7 @@ class TrafficService:
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
+                rdma_repairs=self._rdma_repairs,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
@@ -1847,6 +1856,7 @@ class TrafficService:
     ) -> None:
         if self._tc is None:
             return
+        self._tc_pass += 1
         self._adopt_late(tags)
         links: dict[str, int] = {}
         for iface, status in self._ifaces.items():
@@ -1890,7 +1900,6 @@ class TrafficService:
                 self._netdev_replaced(iface, res.replaced)
             if res.error is not None:
                 self._applied.pop(iface, None)
-                self._drift_run.pop(iface, None)
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
@@ -1900,13 +1909,16 @@ class TrafficService:
             # fails the next one counts all it finds at them (a pass's worth of blur)
             sent_at = self._sent_at.get(iface, {})
             self._sent_at[iface] = {job: lv for job, lv in levels.items() if job in tags}
-            if not res.ops:
-                self._drift_run.pop(iface, None)  # gpud's tree held since the last pass
             if found is not None and not res.replaced:
                 self._say_adopted_tc(iface, found, res.tc_ops)
             elif res.ops and (unchanged or (res.replaced and not status.error)):
                 status.repairs += 1
-                run = self._drift_run[iface] = self._drift_run.get(iface, 0) + 1
+                run = 1
+                if not res.replaced:
+                    # a netdev made again is no tool's fight: always said, and no run
+                    last, before = self._drift_run.get(iface, (0, 0))
+                    run = before + 1 if last == self._tc_pass - 1 else 1
+                    self._drift_run[iface] = (self._tc_pass, run)
                 # a netdev deleted and created again between two passes (a driver reset,
                 # a runtime re-making it), or between the start's adopt and the first pass,
                 # lost gpud's tree with it: not another tool's change, nor a takeover.
@@ -2104,13 +2116,15 @@ class TrafficService:
             )
         elif result.created and not result.rebuilt and self._marking_ok:
             # written by this run and gone since its last pass: a firewall reload flushed
-            # the whole ruleset, and the jobs' packets left unmarked until now
+            # the whole ruleset, and the jobs' packets (if any job is marked) left unmarked
+            # until now
             message = (
                 f"nftables: table {FAMILY} {DEFAULT_TABLE} removed outside gpud (nft flush"
-                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s):"
-                " the jobs' packets went unmarked until this pass"
+                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s)"
             )
-            log.warning("traffic: %s", message)
+            if result.added:
+                message += ": the jobs' packets went unmarked until this pass"
+                log.warning("traffic: %s", message)
             self._events.emit("net.marking", message)
         elif result.changed and self._marking_ok and not result.foreign:
             self._events.emit(
@@ -2148,6 +2162,8 @@ class TrafficService:
             if message != self._rdma_error:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
+            # a check that failed saw nothing of the agent: what it finds after is new
+            self._rdma_drift_run = 0
             return
         was = self._rdma_error
         drift = want == self._rdma_map and not was
@@ -2161,6 +2177,7 @@ class TrafficService:
                 + (f"; {len(changed)} change(s)" if changed else ""),
             )
         elif changed and drift:
+            self._rdma_repairs += 1
             self._rdma_drift_run += 1
             again = (
                 " again on 2 checks running: another agent (a DCBX one, lldpad) keeps"

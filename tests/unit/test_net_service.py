@@ -29,7 +29,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.metrics import Collector
-from gpud.net.api import job_message
+from gpud.net.api import job_message, show_message
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import (
     FakeAdopted,
@@ -336,6 +336,44 @@ def test_another_tool_changing_the_root_every_pass_is_repaired_each_pass_said_tw
     rig.service.tick()
     drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
     assert len(drifts) == 3 and drifts[2].startswith("eth0: restored ")
+
+
+def test_changes_outside_gpud_with_plan_changes_between_are_each_said_plainly(
+    rig: Rig,
+) -> None:
+    """Three unrelated ``tc qdisc replace dev eth0 root fq_codel``, each a pass apart
+    from the next by a pass that moved the plan (a job started or stopped): no pass
+    repaired eth0 twice running, so each is said as a change of its own."""
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    for then_active in ({"a", "b"}, {"a"}, None):
+        rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", tcplan.RootQdisc("fq_codel", 0))
+        rig.service.tick()
+        if then_active is not None:
+            rig.active = then_active
+            rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3, drifts
+    assert all(d.startswith("eth0: restored ") for d in drifts), drifts
+    assert rig.service.view().interfaces[0].repairs == 3
+
+
+def test_a_netdev_made_again_on_passes_running_is_named_each_time(rig: Rig) -> None:
+    """eth0 deleted and created again before each of three passes (a driver resetting
+    it): each new netdev is said with its ifindex and the one before, never as another
+    tool's change."""
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    for n in range(3):
+        del rig.tc.states["eth0"]
+        rig.tc.replaced["eth0"] = f"ifindex {9 + n}, was {8 + n}"
+        rig.service.tick()
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 3, drifts
+    for n, d in enumerate(drifts):
+        assert d.startswith(f"eth0: another netdev by that name (ifindex {9 + n}, was {8 + n}):")
 
 
 @pytest.mark.parametrize(
@@ -972,6 +1010,25 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     )
     rig.service.tick()
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
+
+
+def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``nft flush ruleset`` while no job is marked: the table is written again and said,
+    but no packet went unmarked, so neither the message nor a warning says so."""
+    rig.service.tick()
+    rig.service.tick()
+    assert not rig.marker.marks
+    rig.marker.table = False  # nft flush ruleset
+    with caplog.at_level("WARNING"):
+        rig.service.tick()
+    marking = [e.message for e in rig.events.recent(100, "net.marking")]
+    assert marking[-1] == (
+        "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+        " reload?): written again, 0 rule(s)"
+    )
+    assert not [r for r in caplog.records if "removed outside gpud" in r.getMessage()]
 
 
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
@@ -2041,6 +2098,65 @@ def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
     check(agent=False)
     check(agent=True)
     assert len(rig.events.recent(100, "net.rdma_drift")) == 3
+
+
+class _BreakableNic:
+    """A NIC map that writes through ``nic`` until ``fail`` is set (``dcb`` timing out)."""
+
+    def __init__(self, nic: RdmaPort) -> None:
+        self.nic = nic
+        self.fail = False
+
+    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[str]:
+        if self.fail:
+            raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
+        return self.nic.apply(dscp_priorities)
+
+
+def test_a_nic_map_check_that_failed_ends_the_agents_run_and_every_write_back_is_counted(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """An agent rewrites the map on two checks running (said twice), a check fails, the
+    next writes it again: one later change by an agent is said, not taken as the same
+    fight; every write-back is counted in ``gpuctl net show`` and the metric, said or
+    not."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    backend = DryRunBackend(lambda line: None)
+    nic = _BreakableNic(NicMap(backend, ["eth2"], link_type=lambda netdev: 1))
+    rig = Rig(tmp_path, sysfs, rdma_backend="dcb")
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(5)
+        tag = s.tags.allocations()["a"]
+
+        def check(*, agent: bool = False, fail: bool = False) -> None:
+            if agent:
+                backend._shown["eth2"][tag] = (3,)
+            nic.fail = fail
+            rig.clock.t += RDMA_RECHECK_S
+            s.tick()
+            assert s.settle(5)
+
+        for _ in range(3):
+            check(agent=True)
+        check(agent=True, fail=True)
+        check()  # writes the agent's change back, as the pair of net.rdma_error
+        assert s.view().rdma_error == ""
+        check(agent=True)
+        drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+        assert len(drifts) == 3, drifts
+        assert "keeps changing" not in drifts[2]
+        assert s.view().rdma_repairs == 4
+        assert show_message(s.view(), rig.clock.t).rdma_repairs == 4
+        collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+        collector.add_source(TrafficMetrics(s))
+        registry = CollectorRegistry()
+        registry.register(collector)
+        assert registry.get_sample_value("gpud_net_rdma_map_repairs_total") == 4
+    finally:
+        s.shutdown()
 
 
 @pytest.mark.parametrize(
