@@ -3,8 +3,9 @@
 Each connection is served on a thread of its own, as prometheus_client's own server does,
 with two bounds it lacks: a connection is given ``connection_timeout_s`` in all to send its
 request (one that sends nothing, a port scanner or a half-open peer, and one that sends a
-byte now and then, never its whole request, are closed alike once it is spent), and at most
-``max_connections`` are served at once.
+byte now and then, never its whole request, are closed alike once it is spent) and as long
+again, from the reply's first byte, to take its reply (one that stops reading is closed, and
+logged at debug level only); and at most ``max_connections`` are served at once.
 One more is answered ``503 Service Unavailable`` (``Retry-After: 1``) and closed at once, so a
 flood of connections (queued by the kernel up to ``net.core.somaxconn``, not dropped) costs a
 few bytes each instead of a thread and its stack for the whole
@@ -22,12 +23,14 @@ from __future__ import annotations
 import io
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, cast
 from urllib.parse import parse_qs, urlencode
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -105,39 +108,128 @@ def _reply(start_response: Callable[..., Any], status: str, text: str, method: s
     return [b""] if method == "HEAD" else [body]
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The bytes of ``sock``, each read given only what is left until ``deadline`` (on
-    ``clock``): a socket timeout alone restarts at every byte received, so a peer that
-    trickles its request would hold its thread, and its slot, for as long as it likes."""
+class _Budget:
+    """``limit_s`` seconds (on ``clock``) in all for one direction of ``sock``, counted from
+    :meth:`start`: a socket timeout alone restarts at every byte that moves, so a peer that
+    trickles its request, or reads its reply a byte at a time, would hold its thread, and its
+    slot, for as long as it likes."""
 
-    def __init__(self, sock: socket.socket, deadline: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, sock: socket.socket, limit_s: float, clock: Callable[[], float], what: str
+    ) -> None:
+        self._sock = sock
+        self._limit_s = limit_s
+        self._clock = clock
+        self._what = what
+        self._deadline: float | None = None
+
+    def start(self) -> float:
+        if self._deadline is None:
+            self._deadline = self._clock() + self._limit_s
+        return self._deadline
+
+    def spent(self) -> TimeoutError:
+        return TimeoutError(f"{self._what} within {self._limit_s:g} s")
+
+    def arm(self) -> None:
+        """Give the socket's next call what is left (the socket's one timeout serves reads
+        and writes alike, so each sets its own before it waits)."""
+        left = self.start() - self._clock()
+        if left <= 0:
+            raise self.spent()
+        self._sock.settimeout(left)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The bytes of the request, all within ``budget`` of the connection's start."""
+
+    def __init__(self, sock: socket.socket, budget: _Budget) -> None:
         super().__init__()
         self._sock = sock
-        self._deadline = deadline
-        self._clock = clock
+        self._budget = budget
+        budget.start()
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        left = self._deadline - self._clock()
-        if left <= 0:
-            raise TimeoutError("/metrics: the request was not received within its time")
-        # the reply's writes get no more than this either (the socket keeps the timeout)
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
+        self._budget.arm()
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError as e:  # the socket's own says only "timed out"
+            raise self._budget.spent() from e
+
+
+class _DeadlineWriter(io.BufferedIOBase):
+    """The reply, all sent within ``budget`` of its first byte: a request that took most of
+    its own time to arrive still gets the whole of this for its reply."""
+
+    def __init__(self, sock: socket.socket, budget: _Budget) -> None:
+        super().__init__()
+        self._sock = sock
+        self._budget = budget
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._budget.arm()
+        try:
+            self._sock.sendall(data)  # its timeout bounds the whole call, not each send
+        except TimeoutError as e:
+            raise self._budget.spent() from e
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+class _QuietServerHandler(ServerHandler):
+    """A reply its peer stopped taking (timed out, reset) logged at debug level, not as a
+    traceback on stderr (the journal), and no error page written to a peer that does not
+    read; any other error of the app is wsgiref's to report."""
+
+    request_handler: WSGIRequestHandler
+
+    def handle_error(self) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (TimeoutError, ConnectionError)):
+            super().handle_error()
+            return
+        log.debug("/metrics: reply to %s cut: %s", self.request_handler.client_address[0], exc)
 
 
 class _QuietHandler(WSGIRequestHandler):
     """No access log line per scrape on stderr (the journal); the whole request read within
-    ``timeout`` seconds of the connection's start (:class:`_DeadlineReader`)."""
+    ``timeout`` seconds of the connection's start (:class:`_DeadlineReader`), the whole reply
+    sent within as long from its first byte (:class:`_DeadlineWriter`)."""
 
     def setup(self) -> None:
         super().setup()
         clock: Callable[[], float] = getattr(self.server, "clock", time.monotonic)
         if self.timeout is not None:
-            reader = _DeadlineReader(self.connection, clock() + self.timeout, clock)
-            self.rfile = io.BufferedReader(reader)
+            sock = self.connection
+            request = _Budget(sock, self.timeout, clock, "/metrics: request not received")
+            self.rfile = io.BufferedReader(_DeadlineReader(sock, request))
+            self.wfile = _DeadlineWriter(sock, _Budget(sock, self.timeout, clock, "reply not sent"))
+
+    def handle(self) -> None:
+        # WSGIRequestHandler.handle, but with a ServerHandler of our own: its ServerHandler
+        # prints a traceback to stderr for a reply that timed out
+        self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:
+            self.requestline = ""
+            self.request_version = ""
+            self.command = ""
+            self.send_error(414)
+            return
+        if not self.parse_request():
+            return
+        # wsgiref passes the handler's wfile as it is: it only writes and flushes it
+        wfile = cast(IO[bytes], self.wfile)
+        handler = _QuietServerHandler(
+            self.rfile, wfile, self.get_stderr(), self.get_environ(), multithread=False
+        )
+        handler.request_handler = self
+        handler.run(self.server.get_app())  # type: ignore[attr-defined]
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -148,11 +240,11 @@ class MetricsServer(ThreadingWSGIServer):
     counts the connections answered 503 for want of one)."""
 
     max_connections = MAX_CONNECTIONS
-    clock: Callable[[], float] = time.monotonic
+    clock = staticmethod(time.monotonic)
     # the kernel's queue of connections not yet accepted (listen(2)'s backlog, capped by
     # net.core.somaxconn): socketserver's 5 drops the rest of a burst, whose clients resend
     # their SYN after 1 s, 3 s, 7 s... (a scrape among them past its timeout); queued, each is
-    # served or answered 503 at once
+    # served or answered 503 at once. start_metrics_server asks for net.core.somaxconn itself
     request_queue_size = socket.SOMAXCONN
 
     def server_activate(self) -> None:
@@ -199,6 +291,17 @@ class MetricsServer(ThreadingWSGIServer):
             self._slots.release()
 
 
+def listen_backlog(proc_root: Path = Path("/proc")) -> int:
+    """``net.core.somaxconn`` as ``<proc_root>/sys/net/core/somaxconn`` says it: the longest
+    accept queue the kernel gives a listening socket (an operator may have raised it past
+    ``socket.SOMAXCONN``, the 4096 Python was built with, which stands in where it is
+    unreadable)."""
+    try:
+        return int((proc_root / "sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+
+
 def start_metrics_server(
     registry: CollectorRegistry,
     host: str,
@@ -207,6 +310,7 @@ def start_metrics_server(
     connection_timeout_s: float = CONNECTION_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
     clock: Callable[[], float] = time.monotonic,
+    proc_root: Path = Path("/proc"),
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` (:func:`metrics_app`)
     from a thread
@@ -214,7 +318,9 @@ def start_metrics_server(
 
     ``port=0`` picks a free port (``server.server_port`` says which); an IPv6 ``host`` binds
     an IPv6 socket. Stop it with :func:`stop_metrics_server`. ``clock`` (monotonic) times
-    each connection's ``connection_timeout_s``.
+    each connection's ``connection_timeout_s``, for its request and again for its reply; the
+    kernel queues up to ``net.core.somaxconn`` connections not yet accepted
+    (:func:`listen_backlog` reads it under ``proc_root``).
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type(
@@ -224,6 +330,7 @@ def start_metrics_server(
             "address_family": family,
             "max_connections": max_connections,
             "clock": staticmethod(clock),
+            "request_queue_size": listen_backlog(proc_root),
         },
     )
     handler = type("MetricsHandler", (_QuietHandler,), {"timeout": connection_timeout_s})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 import gpud.build
+from gpud import metrics_http
 from gpud.backend.port import (
     Clocks,
     EccCounts,
@@ -448,13 +450,17 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_timeout() -> None:
         stop_metrics_server(server, thread)
 
 
-def test_a_connection_that_trickles_its_request_is_closed_once_its_time_is_spent() -> None:
+def test_a_connection_that_trickles_its_request_is_closed_once_its_time_is_spent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="gpud.metrics_http")
     now = [0.0]
     reads = threading.Semaphore(0)
 
     def clock() -> float:
+        value = now[0]  # read before the test may move it on
         reads.release()  # the server looked at the time: connection start, or a read
-        return now[0]
+        return value
 
     registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
     server, thread = start_metrics_server(
@@ -465,15 +471,103 @@ def test_a_connection_that_trickles_its_request_is_closed_once_its_time_is_spent
             slow.sendall(b"GET /metrics HTTP/1.1\r\n")
             # its start, the read of the request line, the read waiting for the headers
             for _ in range(3):
-                reads.acquire(timeout=5)
+                assert reads.acquire(timeout=5)
             now[0] = 31.0  # each byte came within the socket timeout; the whole did not
             try:
                 slow.sendall(b"X-Slow: 1\r\n")
                 assert slow.recv(4096) == b""  # closed by the server, not timed out here
             except ConnectionResetError:
                 pass
+        # logged before the server closed the connection
+        (ended,) = [r for r in caplog.records if r.exc_info]
+        assert ended.exc_info is not None
+        assert str(ended.exc_info[1]) == "/metrics: request not received within 30 s"
     finally:
         stop_metrics_server(server, thread)
+
+
+class _BigFamily:
+    """A family whose exposition outgrows any socket buffer (16 MiB), so that sending it
+    waits on its reader."""
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily("gpud_test_big", "a big family", labels=["pad"])
+        for i in range(4096):
+            gauge.add_metric([f"{i:08d}" + "x" * 4088], i)
+        yield gauge
+
+
+def _big_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(_BigFamily())
+    return registry
+
+
+def test_a_request_that_arrives_late_still_gets_its_whole_reply() -> None:
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1  # the connection starts at 0; its request is all read just before 30
+        return 0.0 if calls[0] == 1 else 30.0 - 1e-6
+
+    server, thread = start_metrics_server(
+        _big_registry(), "127.0.0.1", 0, connection_timeout_s=30.0, clock=clock
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=30) as late:
+            late.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            reply = bytearray()
+            while chunk := late.recv(1 << 20):
+                reply += chunk
+        head, _, body = bytes(reply).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200 OK")
+        assert body == generate_latest(_big_registry())
+    finally:
+        stop_metrics_server(server, thread)
+
+
+def test_a_reader_that_stops_mid_reply_is_logged_at_debug_not_as_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cut = threading.Event()
+    lines: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "reply to" in record.getMessage():
+                lines.append(record.getMessage())
+                cut.set()
+
+    log = logging.getLogger("gpud.metrics_http")
+    seen, level = Seen(), log.level
+    log.addHandler(seen)
+    log.setLevel(logging.DEBUG)
+    server, thread = start_metrics_server(_big_registry(), "127.0.0.1", 0, connection_timeout_s=0.2)
+    try:
+        with socket.socket() as stuck:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect(("127.0.0.1", server.server_port))
+            stuck.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert stuck.recv(16) == b"HTTP/1.0 200 OK\r"  # and no more
+            assert cut.wait(timeout=10)
+        assert lines == ["/metrics: reply to 127.0.0.1 cut: reply not sent within 0.2 s"]
+        assert "Traceback" not in capsys.readouterr().err
+    finally:
+        stop_metrics_server(server, thread)
+        log.removeHandler(seen)
+        log.setLevel(level)
+
+
+def test_the_listen_queue_is_as_long_as_the_kernel_allows(tmp_path: Path) -> None:
+    (tmp_path / "sys/net/core").mkdir(parents=True)
+    (tmp_path / "sys/net/core/somaxconn").write_text("65535\n")
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0, proc_root=tmp_path)
+    try:
+        assert server.request_queue_size == 65535
+    finally:
+        stop_metrics_server(server, thread)
+    assert metrics_http.listen_backlog(tmp_path / "absent") == socket.SOMAXCONN
 
 
 def test_a_burst_of_connections_waits_in_the_listen_queue_not_in_syn_retries() -> None:
