@@ -366,10 +366,20 @@ class EtcdClient:
         # by the count whether the one it awaited ended, and takes its failure
         self._logins_ended = [0 for _ in self._clients]
         self._login_failed: dict[int, _AwaitedLoginFailed] = {}
+        # the highest compact_revision a watch was cancelled with, guarded by _lock
+        self._compacted = 0
 
     @property
     def timeout_s(self) -> float:
         return self._settings.timeout_s
+
+    @property
+    def compacted_revision(self) -> int:
+        """The revision etcd was last seen compacted to (``etcdctl compact REV``, its
+        auto-compaction): the ``compact_revision`` etcd cancelled a watch from an earlier
+        revision with; 0 before any. A watch starting at it or later is served."""
+        with self._lock:
+            return self._compacted
 
     # -- transport -----------------------------------------------------------------------
 
@@ -822,10 +832,15 @@ class EtcdClient:
                     if not line.strip():
                         continue
                     result = json.loads(line).get("result", {})
-                    if result.get("events") or result.get("compact_revision"):
+                    compacted = int(result.get("compact_revision") or 0)
+                    if compacted:
+                        # compacted past our revision: the key is read again, and watched
+                        # from here on where etcd's answer gives no revision to start at
+                        with self._lock:
+                            self._compacted = max(self._compacted, compacted)
                         return True
-                    if result.get("canceled"):
-                        return True  # compacted past our revision: re-read the key
+                    if result.get("events") or result.get("canceled"):
+                        return True
         except requests.exceptions.ConnectionError as err:
             if "timed out" in str(err).lower():
                 return False

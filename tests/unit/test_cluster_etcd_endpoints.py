@@ -803,3 +803,16 @@ def test_threads_queued_behind_a_hung_login_take_its_failure_without_logging_in_
     }
     assert len(failures) == 4 and set(failures) <= said, failures
     assert etcd.hung == 1
+
+
+def test_a_watch_cancelled_for_a_compaction_records_the_revision_compacted_to(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """etcd's answer to a watch from a compacted revision: the change the caller reads
+    again, and the revision a later watch may start at."""
+    cancelled = {"result": {"canceled": True, "compact_revision": "51"}}
+    answers = Answers({**ETCD, "/v3/watch": (200, json.dumps(cancelled))})
+    client = _client(_endpoint(servers, answers))
+    assert client.compacted_revision == 0
+    assert client.wait_for_change("/c/leader", 11, 1.0)
+    assert client.compacted_revision == 51
