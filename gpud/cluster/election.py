@@ -108,13 +108,15 @@ Notify = Callable[[str, str, dict[str, object]], None]
 """(event kind, message, fields): elections report ``cluster.elected`` / ``cluster.step_down``."""
 
 
-def _watched_from(kv: KeyValue) -> int:
+def _watched_from(kv: KeyValue, compacted: int) -> int:
     """The revision a watch of the leader key starts after: the one etcd read it at. Its
     own mod revision, never written again while one leader holds it, falls behind every
     compaction (``etcdctl compact``, etcd's auto-compaction): a watch from there is
     cancelled at once, and the step it ends would read and watch it again, without
-    pause, until the leader changes."""
-    return max(kv.mod_revision, kv.read_revision)
+    pause, until the leader changes. Where the read's answer carried no revision (a
+    proxy that strips etcd's header), the watch starts no earlier than the revision
+    etcd was last seen ``compacted`` to, which etcd still serves."""
+    return max(kv.mod_revision, kv.read_revision, compacted - 1)
 
 
 class EtcdElection:
@@ -304,7 +306,7 @@ class EtcdElection:
         if kv is None or kv.lease != lease:
             self._step_down("leader key is gone")
             return
-        self._watch_revision = _watched_from(kv)
+        self._watch_revision = _watched_from(kv, self._client.compacted_revision)
         with self._lock:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
@@ -379,7 +381,7 @@ class EtcdElection:
                 self._forget_leader()
                 self._campaign()
                 return
-            self._watch_revision = _watched_from(kv)
+            self._watch_revision = _watched_from(kv, self._client.compacted_revision)
         except GpudError as err:
             with self._lock:
                 was_ok = self._store_state == STORE_OK

@@ -109,6 +109,23 @@ class _NotEtcd(Unavailable):
     redirected it to anything but etcd's answer."""
 
 
+class _AwaitedLoginFailed(Exception):
+    """A login at an endpoint that this thread waited for, another thread's, failed or
+    was still under way when this call's timeout ran out: this call takes ``said`` as
+    that endpoint's failure and goes on to the next endpoint, unreachable or refused as
+    the login was."""
+
+    def __init__(self, said: str, *, unreachable: bool = False) -> None:
+        super().__init__(said)
+        self.said = said
+        self.unreachable = unreachable
+
+    def again(self) -> _AwaitedLoginFailed:
+        """The same failure for another waiting thread (an exception raised in two
+        threads at once would share one traceback)."""
+        return _AwaitedLoginFailed(self.said, unreachable=self.unreachable)
+
+
 def _etcd_version(body: str) -> str:
     """etcd's version in its ``/version`` answer, or "" when the body is not etcd's."""
     try:
@@ -344,10 +361,25 @@ class EtcdClient:
         # for the first one's token (each login is a raft write and a bcrypt on every
         # etcd member)
         self._logging_in = [threading.Lock() for _ in self._clients]
+        # each endpoint's count of logins ended (given a token or failed), and how the
+        # last failed one failed, guarded by _lock: a thread that waited for a login tells
+        # by the count whether the one it awaited ended, and takes its failure
+        self._logins_ended = [0 for _ in self._clients]
+        self._login_failed: dict[int, _AwaitedLoginFailed] = {}
+        # the highest compact_revision a watch was cancelled with, guarded by _lock
+        self._compacted = 0
 
     @property
     def timeout_s(self) -> float:
         return self._settings.timeout_s
+
+    @property
+    def compacted_revision(self) -> int:
+        """The revision etcd was last seen compacted to (``etcdctl compact REV``, its
+        auto-compaction): the ``compact_revision`` etcd cancelled a watch from an earlier
+        revision with; 0 before any. A watch starting at it or later is served."""
+        with self._lock:
+            return self._compacted
 
     # -- transport -----------------------------------------------------------------------
 
@@ -382,6 +414,13 @@ class EtcdClient:
                     fresh = self._authenticate(index, client)
                     request = path
                     result = client.post(url, data=json.dumps(body), headers=self._token(index))
+            except _AwaitedLoginFailed as err:
+                last = err
+                if err.unreachable:
+                    unreachable.append(f"{endpoint} ({err.said})")
+                else:
+                    refused.append(err.said)
+                continue
             except _NotEtcd as err:
                 self._say_not_etcd(endpoint, str(err))
                 wrong.append(str(err))
@@ -583,28 +622,67 @@ class EtcdClient:
     def _authenticate(self, index: int, client: Any) -> bool:
         """Log in at endpoint ``index`` where a user is set and it is not logged in: True
         when a login was made, this thread's or another's it waited for (threads that
-        meet the endpoint unlogged at once make one login). The token goes in the ``Authorization`` header of each
-        call (:meth:`_token`); none while etcd has authentication off (a token of an
-        earlier login would be refused as ``invalid auth token``)."""
+        meet the endpoint unlogged at once make one login). The token goes in the
+        ``Authorization`` header of each call (:meth:`_token`); none while etcd has
+        authentication off (a token of an earlier login would be refused as ``invalid auth
+        token``).
+
+        A thread that waits for another's login waits no longer than
+        ``cluster.etcd_timeout_s``, and takes that login's failure as its own
+        (:class:`_AwaitedLoginFailed`) rather than logging in again: etcd sees one login
+        per endpoint however many threads met it, and a hung etcd costs each of them one
+        timeout, not one per thread queued ahead of it."""
         if not self._settings.username:
             return False
         with self._lock:
             if index in self._authenticated:
                 return False
+            awaited = self._logins_ended[index]
         # only threads about to log in take this lock: one that waits on it waits for a login
         logging_in = self._logging_in[index]
         waited = not logging_in.acquire(blocking=False)
-        if waited:
-            logging_in.acquire()
+        if waited and not logging_in.acquire(timeout=self._settings.timeout_s):
+            endpoint = self._settings.endpoints[index]
+            raise _AwaitedLoginFailed(
+                f"login at {endpoint} still under way after {self._settings.timeout_s:g} s",
+                unreachable=True,
+            )
         try:
             with self._lock:
                 if index in self._authenticated:
                     # a token another thread's login gave while this one waited is as
                     # fresh as its own: not logged in for again within this call either
                     return waited
-            return self._login(index, client)
+                failed = self._login_failed.get(index)
+                if failed is not None and self._logins_ended[index] != awaited:
+                    raise failed.again()
+            try:
+                return self._login(index, client)
+            except BaseException as err:
+                self._login_ended(index, self._awaited_failure(index, err))
+                raise
         finally:
             logging_in.release()
+
+    def _awaited_failure(self, index: int, err: BaseException) -> _AwaitedLoginFailed:
+        """The failure of a login at endpoint ``index``, as the threads that waited for it
+        take it: unreachable with the reason this call gives, or refused with etcd's
+        words (or the setting to mend, where they name the login)."""
+        endpoint = self._settings.endpoints[index]
+        if isinstance(err, self._unreachable) and not isinstance(err, self._not_json):
+            return _AwaitedLoginFailed(self._why_unreachable(err), unreachable=True)
+        if isinstance(err, self._refused) and not isinstance(err, _NotEtcd):
+            said = _refusal(err)
+            return _AwaitedLoginFailed(
+                self._login_refusal(said)
+                or f"etcd refused /auth/authenticate at {endpoint}: {said}"
+            )
+        return _AwaitedLoginFailed(f"the login at {endpoint} failed: {err}")
+
+    def _login_ended(self, index: int, failed: _AwaitedLoginFailed) -> None:
+        with self._lock:
+            self._logins_ended[index] += 1
+            self._login_failed[index] = failed
 
     def _login(self, index: int, client: Any) -> bool:
         """:meth:`_authenticate`'s login at endpoint ``index`` (its login lock held)."""
@@ -634,6 +712,8 @@ class EtcdClient:
                 self._tokens.pop(index, None)
                 self._tokenless.add(index)
                 self._authenticated.add(index)
+                self._logins_ended[index] += 1
+                self._login_failed.pop(index, None)
             return True
         token = result.get("token") if isinstance(result, dict) else None
         if not isinstance(token, str) or not token:
@@ -650,6 +730,8 @@ class EtcdClient:
             self._tokens[index] = token
             self._tokenless.discard(index)
             self._authenticated.add(index)
+            self._logins_ended[index] += 1
+            self._login_failed.pop(index, None)
         return True
 
     def alarms(self) -> tuple[str, ...]:
@@ -750,10 +832,15 @@ class EtcdClient:
                     if not line.strip():
                         continue
                     result = json.loads(line).get("result", {})
-                    if result.get("events") or result.get("compact_revision"):
+                    compacted = int(result.get("compact_revision") or 0)
+                    if compacted:
+                        # compacted past our revision: the key is read again, and watched
+                        # from here on where etcd's answer gives no revision to start at
+                        with self._lock:
+                            self._compacted = max(self._compacted, compacted)
                         return True
-                    if result.get("canceled"):
-                        return True  # compacted past our revision: re-read the key
+                    if result.get("events") or result.get("canceled"):
+                        return True
         except requests.exceptions.ConnectionError as err:
             if "timed out" in str(err).lower():
                 return False

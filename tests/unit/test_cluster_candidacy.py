@@ -37,6 +37,7 @@ class MemoryEtcd:
     by themselves."""
 
     timeout_s = 0.1
+    compacted_revision = 0  # no watch was cancelled for a compaction
 
     def __init__(self) -> None:
         self.kv: dict[str, KeyValue] = {}

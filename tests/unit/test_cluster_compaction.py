@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import pytest
+
 from gpud.cluster.election import EtcdElection
 from gpud.cluster.etcd import EtcdClient, KeyValue
 from tests.unit.test_cluster_agent import Clock
@@ -16,12 +18,14 @@ KEY = "/c/leader"
 
 
 class CompactedEtcd(SuspendingWatch):
-    """Reads answer with the store's revision, as etcd's header does; a watch from a
-    revision at or below the compaction is cancelled at once (etcd's ``compact_revision``
-    answer, which ``wait_for_change`` counts as a change), any other lasts its timeout."""
+    """Reads answer with the store's revision, as etcd's header does (none where
+    ``headerless``: a proxy that strips it); a watch from a revision below the compaction
+    is cancelled at once (etcd's ``compact_revision`` answer, which ``wait_for_change``
+    counts as a change and records), any other lasts its timeout."""
 
-    def __init__(self, now: Clock, stop: threading.Event) -> None:
+    def __init__(self, now: Clock, stop: threading.Event, *, headerless: bool = False) -> None:
         super().__init__(now, stop)
+        self.headerless = headerless
         self.compacted = 0
         self.cancelled = 0
 
@@ -31,20 +35,25 @@ class CompactedEtcd(SuspendingWatch):
 
     def get(self, key: str) -> KeyValue | None:
         kv = super().get(key)
-        return None if kv is None else dataclasses.replace(kv, read_revision=self.revision)
+        if kv is None or self.headerless:
+            return kv
+        return dataclasses.replace(kv, read_revision=self.revision)
 
     def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
-        if after_revision + 1 <= self.compacted:
+        if after_revision + 1 < self.compacted:  # etcd keeps the revision compacted to
             self.cancelled += 1
+            self.compacted_revision = self.compacted
             return True
         return super().wait_for_change(key, after_revision, timeout_s)
 
 
-def _compacted_under(node: str) -> tuple[Clock, CompactedEtcd, EtcdElection]:
+def _compacted_under(
+    node: str, *, headerless: bool = False
+) -> tuple[Clock, CompactedEtcd, EtcdElection]:
     """n0 elected; 40 writes to other keys, then a compaction to the last of them."""
     now = Clock()
     stop = threading.Event()
-    etcd = CompactedEtcd(now, stop)
+    etcd = CompactedEtcd(now, stop, headerless=headerless)
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     leader = EtcdElection(client, node="n0", address="n0:1", prefix="/c", ttl_s=300, clock=now)
     leader.step()
@@ -76,3 +85,23 @@ def test_a_leader_waits_out_its_pause_after_etcd_is_compacted_past_its_key() -> 
     leader._wait(leader.interval_s)
     assert etcd.cancelled == 0
     assert now.now >= start + leader.interval_s
+
+
+@pytest.mark.parametrize("node", ["n0", "n1"], ids=["leader", "follower"])
+def test_a_read_without_a_revision_is_watched_from_the_compaction_a_watch_was_cancelled_for(
+    node: str,
+) -> None:
+    """A proxy that strips etcd's header from a read's answer: the leader key is watched
+    from its own revision, behind the compaction, once; etcd's cancel names the revision
+    it was compacted to, and every watch after it starts there and waits out its pause."""
+    now, etcd, election = _compacted_under(node, headerless=True)
+    election.step()
+    assert election.state().leader == "n0"
+    election._wait(election.interval_s)
+    assert etcd.cancelled == 1  # watched from the key's own revision
+    start = now.now
+    election.step()
+    assert election.state().leader == "n0"
+    election._wait(election.interval_s)
+    assert etcd.cancelled == 1
+    assert now.now >= start + election.interval_s

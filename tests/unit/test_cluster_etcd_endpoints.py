@@ -759,3 +759,60 @@ def test_etcds_authentication_off_met_by_threads_at_once_is_logged_once(
         _at_once(2, lambda: client.get("/x"))
     said = [r.getMessage() for r in caplog.records if "authentication off" in r.getMessage()]
     assert len(said) == 1, said
+
+
+@dataclass
+class HungLoginEtcd(AuthEtcd):
+    """etcd whose logins get no answer until ``released`` (a hung etcd: stopped, its disk
+    stalled): the one thread that logs in times out, the others waited for it."""
+
+    released: threading.Event = field(default_factory=threading.Event)
+    hung: int = 0  # logins made, counted as they arrive
+
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
+        if path == "/v3/auth/authenticate":
+            self.hung += 1
+            self.released.wait(10.0)
+        return super().__call__(path, request, token)
+
+
+def test_threads_queued_behind_a_hung_login_take_its_failure_without_logging_in_again(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """The leader's keepalive meeting an expired token while the alarms reader, problem
+    board and tag store log in: each call fails within its own timeout, not one timeout
+    per thread ahead of it, and etcd sees one login."""
+    etcd = HungLoginEtcd()
+    endpoint = _endpoint(servers, etcd)
+    settings = EtcdSettings(endpoints=(endpoint,), username="gpud", password="pw", timeout_s=0.5)
+    client = EtcdClient(settings)
+    failures: list[str] = []
+
+    def call() -> None:
+        with pytest.raises(Unavailable) as unreachable:
+            client.get("/x")
+        failures.append(str(unreachable.value))
+
+    try:
+        _at_once(4, call)
+    finally:
+        etcd.released.set()
+    said = {
+        f"etcd unreachable at {endpoint} (no answer within 0.5 s, cluster.etcd_timeout_s)",
+        f"etcd unreachable at {endpoint} (login at {endpoint} still under way after 0.5 s)",
+    }
+    assert len(failures) == 4 and set(failures) <= said, failures
+    assert etcd.hung == 1
+
+
+def test_a_watch_cancelled_for_a_compaction_records_the_revision_compacted_to(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """etcd's answer to a watch from a compacted revision: the change the caller reads
+    again, and the revision a later watch may start at."""
+    cancelled = {"result": {"canceled": True, "compact_revision": "51"}}
+    answers = Answers({**ETCD, "/v3/watch": (200, json.dumps(cancelled))})
+    client = _client(_endpoint(servers, answers))
+    assert client.compacted_revision == 0
+    assert client.wait_for_change("/c/leader", 11, 1.0)
+    assert client.compacted_revision == 51

@@ -30,6 +30,7 @@ class ExpiringEtcd:
     grant or keepalive by ``now`` (etcd's clock, which a suspended node's does not stop)."""
 
     timeout_s = 0.1
+    compacted_revision = 0  # no watch was cancelled for a compaction
 
     def __init__(self, now: Clock) -> None:
         self.now = now
