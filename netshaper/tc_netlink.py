@@ -505,6 +505,14 @@ class NetlinkTransport(Protocol):
     def close(self) -> None: ...
 
 
+def netns_socket(netns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
+    """A socket made in the network namespace ``/run/netns/NETNS`` (one fork): what the
+    kernel answers on it (an ioctl, a netlink dump) is about that namespace's netdevs. A
+    missing NETNS is an OSError; it is never created."""
+    sock: socket.socket = create_socket(netns, family, kind, proto, flags=0)
+    return sock
+
+
 class _Netlink:
     """One rtnetlink socket: batched requests with per-message acks, and dumps."""
 
