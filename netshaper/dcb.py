@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from netshaper import ethtool
 from netshaper.ethtool import ARPHRD_LOOPBACK
+from netshaper.tc_netlink import netns_socket
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,12 @@ class MapResult:
 
 
 class DscpMapBackend(Protocol):
+    @property
+    def netns(self) -> str | None:
+        """The network namespace (``/run/netns/NAME``) whose netdevs the backend writes;
+        None: this process's."""
+        ...
+
     def current(self, netdev: str) -> dict[int, tuple[int, ...]]: ...
 
     def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult: ...
@@ -155,8 +164,14 @@ class DcbAppBackend:
     def __init__(
         self, dcb: str = "dcb", *, netns: str | None = None, runner: Runner = _run
     ) -> None:
+        self._netns = netns or None
         self._argv0 = [dcb, *(["-n", netns] if netns else [])]
         self._run = runner
+
+    @property
+    def netns(self) -> str | None:
+        """``dcb -n NETNS``'s namespace; None: this process's."""
+        return self._netns
 
     def _call(self, netdev: str, args: list[str]) -> str:
         argv = [*self._argv0, *args]
@@ -202,6 +217,11 @@ class DryRunBackend:
         self._dcb = dcb
         self._shown: dict[str, dict[int, tuple[int, ...]]] = {}
 
+    @property
+    def netns(self) -> str | None:
+        """Always this process's namespace: the printed commands carry no ``-n``."""
+        return None
+
     def current(self, netdev: str) -> dict[int, tuple[int, ...]]:
         return dict(self._shown.get(netdev, {}))
 
@@ -218,6 +238,15 @@ LinkType = Callable[[str], "int | None"]
 """A netdev's link type (the kernel's ``ARPHRD_*``), None where it cannot be read."""
 
 
+def _link_type_in(netns: str | None) -> LinkType:
+    """Link types as ``netns`` (None: this process's namespace) sees them: a name such as
+    lb0 is the loopback only in the namespace dcb writes in."""
+    if netns is None:
+        return ethtool.link_type
+    opener = partial(netns_socket, netns, socket.AF_INET, socket.SOCK_DGRAM)
+    return partial(ethtool.link_type, open_socket=opener)
+
+
 class NicMap:
     """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
 
@@ -225,9 +254,10 @@ class NicMap:
     ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
     fail, the others are still written and one :class:`DcbError` names every failure.
     The loopback is refused under any name (``ip link set lo name lb0``), by its link
-    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, as this process's network
-    namespace sees it unless given, :func:`netshaper.ethtool.link_type`), read on every
-    apply: it has no NIC, so nothing is run or printed for it.
+    type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, unless given as the
+    backend's network namespace sees it -- ``dcb -n NETNS``'s, else this process's --
+    :func:`netshaper.ethtool.link_type`), read on every apply: it has no NIC, so nothing
+    is run or printed for it.
     """
 
     def __init__(
@@ -241,7 +271,7 @@ class NicMap:
             raise ValueError("NicMap needs at least one netdev")
         self._backend = backend
         self._netdevs = tuple(netdevs)
-        self._link_type = link_type if link_type is not None else ethtool.link_type
+        self._link_type = link_type if link_type is not None else _link_type_in(backend.netns)
 
     @property
     def netdevs(self) -> tuple[str, ...]:

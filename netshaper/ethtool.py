@@ -1,5 +1,6 @@
 """A link's speed (``SIOCETHTOOL``), whether it is up (``SIOCGIFFLAGS``) and its link
-type (``SIOCGIFHWADDR``), as the calling process's network namespace sees them.
+type (``SIOCGIFHWADDR``), as the calling process's network namespace sees them (the link
+type also as another one sees it, on a socket made there).
 
 ``/sys/class/net/IF/speed`` and ``operstate`` describe the interfaces of the namespace that
 mounted /sys, not of the caller's: a daemon started with ``nsenter --net=`` still sees the
@@ -13,6 +14,11 @@ import ctypes
 import fcntl
 import socket
 import struct
+from collections.abc import Callable
+
+SocketOpener = Callable[[], socket.socket]
+"""Makes the datagram socket an ioctl is asked on: its network namespace is the one the
+answer is about."""
 
 SIOCETHTOOL = 0x8946
 SIOCGIFFLAGS = 0x8913
@@ -53,15 +59,22 @@ def link_speed_mbps(iface: str) -> int | None:
     return None if speed in (0, _SPEED_UNKNOWN) else speed
 
 
-def _ifreq_short(iface: str, request: int, layout: str, member: str) -> int | None:
+def _own_socket() -> socket.socket:
+    return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+
+def _ifreq_short(
+    iface: str, request: int, layout: str, member: str, open_socket: SocketOpener = _own_socket
+) -> int | None:
     """The short right after the name in the ``struct ifreq`` the kernel answers to
     ``request`` on ``iface`` (``layout``, with ``member`` its format); None when there is
-    no such interface in this process's network namespace."""
+    no such interface in the namespace of ``open_socket``'s socket (this process's unless
+    given), or that socket cannot be made."""
     name = iface.encode()
     if not name or len(name) >= _IFNAMSIZ:
         return None
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        with open_socket() as sock:
             answer = fcntl.ioctl(sock.fileno(), request, struct.pack(layout, name, 0))
     except OSError:
         return None
@@ -77,9 +90,9 @@ def link_running(iface: str) -> bool | None:
     return None if flags is None else bool(flags & IFF_RUNNING)
 
 
-def link_type(iface: str) -> int | None:
-    """The link type of ``iface`` in this process's network namespace: the kernel's
-    ``ARPHRD_*`` (``dev->type``, what ``ip link`` prints as ``link/ether``,
-    ``link/loopback``), whatever the netdev is named; None when there is no such
-    interface."""
-    return _ifreq_short(iface, SIOCGIFHWADDR, _IFREQ_HWADDR, "=H")
+def link_type(iface: str, open_socket: SocketOpener = _own_socket) -> int | None:
+    """The link type of ``iface`` in this process's network namespace (or in the one
+    ``open_socket`` makes its socket in): the kernel's ``ARPHRD_*`` (``dev->type``, what
+    ``ip link`` prints as ``link/ether``, ``link/loopback``), whatever the netdev is
+    named; None when there is no such interface, or the socket cannot be made."""
+    return _ifreq_short(iface, SIOCGIFHWADDR, _IFREQ_HWADDR, "=H", open_socket)

@@ -505,6 +505,14 @@ class NetlinkTransport(Protocol):
     def close(self) -> None: ...
 
 
+def netns_socket(netns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
+    """A socket made in the network namespace ``/run/netns/NETNS`` (one fork): what the
+    kernel answers on it (an ioctl, a netlink dump) is about that namespace's netdevs. A
+    missing NETNS is an OSError; it is never created."""
+    sock: socket.socket = create_socket(netns, family, kind, proto, flags=0)
+    return sock
+
+
 class _Netlink:
     """One rtnetlink socket: batched requests with per-message acks, and dumps."""
 
@@ -1265,12 +1273,11 @@ class TcNetlink:
                 raise
             # both failures say what the netdev holds now: neither the original nor a
             # root anyone read
-            said = _errname(err.errno) if err.errno else str(err.__cause__ or err)
             raise _reworded(
                 err,
-                f"cannot re-install the original {original.kind} root: {said}, after the"
-                f" read of the root the delete of gpud's left failed"
-                f" ({str(unread).removeprefix(f'{iface}: ')})",
+                f"cannot re-install the original {original.kind} root: {_short(err, iface)};"
+                " gpud's tree is deleted, but the read of the root after the delete failed:"
+                f" {_short(unread, iface)}",
             ) from err
         try:
             root = self.read(iface).root
@@ -1322,6 +1329,13 @@ def _print_change(was: tuple[int, _Fingerprint] | None, index: int, now: _Finger
     if kind != kind_now:
         return f"link type {kind_now}, was {kind}"
     return f"MAC {_mac(mac_now)}, was {_mac(mac)}"
+
+
+def _short(err: TcError, iface: str) -> str:
+    """What the kernel answered, by its short name (``EPERM``), else what ``err`` says."""
+    if err.errno:
+        return _errname(err.errno)
+    return str(err.__cause__ or err).removeprefix(f"{iface}: ")
 
 
 def _reworded(err: TcError, message: str) -> TcError:

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 
 from netshaper.dcb import DcbAppBackend, DcbError, NicMap
+from netshaper.ethtool import link_type
+from netshaper.tc_netlink import netns_socket
 
 pytestmark = [
     pytest.mark.integration,
@@ -80,3 +84,31 @@ def test_the_loopback_renamed_is_refused_by_its_link_type_in_gpuds_namespace(ns:
     # v0 tried: refused by the kernel (no DCB ops on a veth), not left out
     assert "lb0, v0: 2 of 2 netdev(s) not written" in said, said
     assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0" in said
+
+
+def test_the_loopback_renamed_in_dcbs_namespace_is_refused_by_its_link_type_there(
+    ns: str,
+) -> None:
+    """``dcb -n NETNS`` and ``ip -n NETNS link set lo name lb0``: with no ``link_type``
+    given, lb0's link type is read inside NETNS (ARPHRD_LOOPBACK there, no such netdev
+    in gpud's), so dcb is never run for it; v0 is still tried."""
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "name", "lb0"], check=True)
+    argvs: list[list[str]] = []
+
+    def runner(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        argvs.append(argv)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+
+    with pytest.raises(DcbError) as err:
+        NicMap(DcbAppBackend(netns=ns, runner=runner), ["lb0", "v0"]).apply({26: 7})
+    said = str(err.value)
+    assert "lb0, v0: 2 of 2 netdev(s) not written" in said, said
+    assert "lb0: the loopback (ARPHRD_LOOPBACK, type 772), named lb0" in said, said
+    assert argvs == [["dcb", "-n", ns, "-j", "app", "show", "dev", "v0", "dscp-prio"]]
+
+
+def test_a_link_type_asked_of_a_missing_namespace_is_none_and_creates_none() -> None:
+    name = f"gdcbnone{os.getpid()}{uuid.uuid4().hex[:4]}"
+    opener = partial(netns_socket, name, socket.AF_INET, socket.SOCK_DGRAM)
+    assert link_type("lo", open_socket=opener) is None
+    assert not os.path.exists(f"/run/netns/{name}")

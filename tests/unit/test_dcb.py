@@ -12,6 +12,11 @@ from netshaper import dcb
 FAKE_DCB = str(Path(__file__).parents[1] / "fakes" / "dcb")
 
 
+def ether(netdev: str) -> int:
+    """Every netdev an Ethernet port (ARPHRD_ETHER): no read of the host's netdevs."""
+    return 1
+
+
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "state.json").write_text(json.dumps({"eth2": [[26, 1], [48, 6]], "eth3": []}))
@@ -99,14 +104,14 @@ def test_dry_run_prints_changes_only() -> None:
 
 
 def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
-    nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"])
+    nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"], link_type=ether)
     assert nic.apply({26: 7, 48: 6}) == [
         "eth2: DSCP 26 -> prio 7",
         "eth3: DSCP 26 -> prio 7",
         "eth3: DSCP 48 -> prio 6",
     ]
     assert nic.apply({26: 7, 48: 6}) == []
-    broken = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth9", "eth3"])
+    broken = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth9", "eth3"], link_type=ether)
     with pytest.raises(dcb.DcbError, match="eth9: 1 of 2 netdev") as err:
         broken.apply({26: 5})
     assert "eth9: app show failed (exit 1): Attribute read: No such device" in str(err.value)

@@ -85,6 +85,11 @@ class Clock:
         self.stepped += seconds
 
 
+def ether(netdev: str) -> int:
+    """Every netdev an Ethernet port (ARPHRD_ETHER): no read of the host's netdevs."""
+    return 1
+
+
 @pytest.fixture
 def sysfs(tmp_path: Path) -> Path:
     for name, speed in (("eth0", "1000"), ("veth0", "-1")):
@@ -1156,7 +1161,7 @@ def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
     lines: list[str] = []
     # two newcomers tie at rate 0: without grouping each gets its own level
     rig = Rig(tmp_path, sysfs, group_tolerance=0.0)
-    service = rig.with_nic(NicMap(DryRunBackend(lines.append), ["eth2", "eth3"]))
+    service = rig.with_nic(NicMap(DryRunBackend(lines.append), ["eth2", "eth3"], link_type=ether))
     service.tick()
     assert service.settle(5)
     tags = service.tags.allocations()
@@ -2045,7 +2050,7 @@ def test_a_nic_map_changed_outside_gpud_is_written_back(tmp_path: Path, sysfs: P
     lines: list[str] = []
     backend = DryRunBackend(lines.append)
     rig = Rig(tmp_path, sysfs)
-    s = rig.with_nic(NicMap(backend, ["eth2"]))
+    s = rig.with_nic(NicMap(backend, ["eth2"], link_type=ether))
     s.tick()
     assert s.settle(5) and len(lines) == 1
     tag = s.tags.allocations()["a"]
@@ -2073,7 +2078,7 @@ def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
     lines: list[str] = []
     backend = DryRunBackend(lines.append)
     rig = Rig(tmp_path, sysfs)
-    s = rig.with_nic(NicMap(backend, ["eth2"]))
+    s = rig.with_nic(NicMap(backend, ["eth2"], link_type=ether))
     s.tick()
     assert s.settle(5)
     tag = s.tags.allocations()["a"]
