@@ -67,6 +67,7 @@ from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import memory_by_job
 from gpud.jobs.metrics import JobMetrics
+from gpud.jobs.registry import TABLE as JOBS_TABLE
 from gpud.jobs.service import JobService
 from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry
@@ -534,7 +535,9 @@ class Daemon:
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
         close_state_files(state_dir)
         self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time, monotonic=clock)
-        self.store = StateStore(state_dir, clock=clock)  # its refusals' time: gpuctl status
+        # its refusals' time: gpuctl status; the job registry's table, made at the first
+        # start, tells gpud's database from another's
+        self.store = StateStore(state_dir, clock=clock, kept_table=JOBS_TABLE)
         self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
             backend,

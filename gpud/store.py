@@ -147,6 +147,42 @@ def _create(path: Path) -> None:
         os.close(fd)
 
 
+def _check_kept(path: Path, table: str) -> None:
+    """Refuse a database that holds tables, ``table`` not among them (see
+    :class:`StateStore`), before the writer's connection opens it: read through a read-only
+    connection, which reads a ``-wal`` as the writer would but, at its close, never copies it
+    into the database (a read-write connection's last close does, and deletes it), so that
+    a refused database and its ``-wal`` stay as they were found. A file that is missing or
+    that this read cannot open is left to the writer's open, which says why."""
+    try:
+        probe = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=0)
+    except sqlite3.Error:
+        return
+    try:
+        found = sorted(
+            str(row[0])
+            for row in probe.execute(
+                "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
+            )
+        )
+    except sqlite3.Error:
+        return
+    finally:
+        probe.close()
+    if not found or table in found:
+        return
+    tables = f"tables {', '.join(found)}, not {table}, which every one gpud wrote holds"
+    wal = path.with_name(path.name + "-wal")
+    with contextlib.suppress(OSError):
+        if wal.stat().st_size:
+            raise StateError(
+                f"state database {path} reads as another database ({tables}) through "
+                f"{wal}, a write-ahead log another database left: move {wal} aside (neither "
+                "file was changed), then start gpud again"
+            )
+    raise StateError(_unreadable(path, f"{tables}: another program's database?"))
+
+
 class StateStore:
     """A thread-safe handle on ``<state_dir>/state.db``.
 
@@ -163,9 +199,15 @@ class StateStore:
         write_wait_s: float = WRITE_WAIT_S,
         in_use_wait_s: float = _LOCK_WAIT_FLOOR_S,
         clock: Callable[[], float] = time.monotonic,
+        kept_table: str | None = None,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
+        ``kept_table``: a table every database the daemon wrote holds (made at its first
+        start); one that holds tables but not this one is refused, naming the tables it
+        holds: another program's database, or one into which SQLite's open replayed a
+        ``state.db-wal`` left there by another database (a backup restored next to the
+        crashed daemon's log), whose tables would otherwise be made again empty.
         ``busy_timeout_s``: how long the open waits for another process's lock on the file
         before it fails; ``warn_after_s``: when an open that waits for one says so, naming
         the file. ``write_wait_s``: how long a transaction then waits for such a lock
@@ -221,6 +263,8 @@ class StateStore:
         # feature's ensure_schema) wait, as the open did, to the open's deadline; the
         # open's steps pass at once in WAL mode while another process's write holds the lock
         self._starting: tuple[float, float] | None = (deadline, warn_at)
+        if kept_table is not None:
+            _check_kept(self.path, kept_table)
         try:
             _create(self.path)
             self._conn = sqlite3.connect(

@@ -562,6 +562,83 @@ def test_the_daemon_stops_on_a_database_of_an_older_layout(
     assert "Traceback" not in err
 
 
+def _another_databases_wal(state: Path) -> bytes:
+    """Put next to ``state``'s database the write-ahead log another database left (its
+    process killed before a checkpoint, as a backup restored next to a crashed gpud's
+    log finds it); its bytes."""
+    other = sqlite3.connect(state / "other.db", isolation_level=None)
+    other.execute("PRAGMA journal_mode=WAL")
+    other.execute("PRAGMA wal_autocheckpoint=0")
+    other.execute("CREATE TABLE x (a)")
+    other.execute("INSERT INTO x VALUES (1)")
+    log = (state / "other.db-wal").read_bytes()
+    other.close()
+    (state / f"{DB_NAME}-wal").write_bytes(log)
+    return log
+
+
+def _jobs_database(state: Path) -> bytes:
+    """A state database holding gpud's jobs table with one row; its bytes."""
+    store = StateStore(state, kept_table="jobs")
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS jobs (name TEXT PRIMARY KEY)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO jobs VALUES ('train')")
+    store.close()
+    return (state / DB_NAME).read_bytes()
+
+
+def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept(
+    tmp_path: Path,
+) -> None:
+    """SQLite's open reads any ``-wal`` next to the file into it: one of another database
+    made gpud's tables vanish, and the start made them again, empty (every job forgotten),
+    and the close copied it into ``state.db`` for good. Now the start stops naming the log
+    to move aside, and neither file is changed: moved aside, the jobs are all there."""
+    db = _jobs_database(tmp_path)
+    log = _another_databases_wal(tmp_path)
+    wal = tmp_path / f"{DB_NAME}-wal"
+    with pytest.raises(StateError) as caught:
+        StateStore(tmp_path, kept_table="jobs")
+    assert str(caught.value) == (
+        f"state database {tmp_path / DB_NAME} reads as another database (tables x, not jobs,"
+        f" which every one gpud wrote holds) through {wal}, a write-ahead log another"
+        f" database left: move {wal} aside (neither file was changed), then start gpud again"
+    )
+    assert (tmp_path / DB_NAME).read_bytes() == db
+    assert wal.read_bytes() == log
+    wal.rename(tmp_path / "aside.wal")
+    store = StateStore(tmp_path, kept_table="jobs")
+    with store.reading(), store.transaction() as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
+    store.close()
+
+
+def test_another_program_s_database_is_refused_and_a_new_one_taken(tmp_path: Path) -> None:
+    other = sqlite3.connect(tmp_path / DB_NAME)
+    other.execute("CREATE TABLE x (a)")
+    other.commit()
+    other.close()
+    with pytest.raises(StateError, match=r"is unreadable \(tables x, not jobs, which every"):
+        StateStore(tmp_path, kept_table="jobs")
+    StateStore(tmp_path / "new", kept_table="jobs").close()  # no tables yet: a first start
+
+
+def test_the_daemon_stops_on_another_database_s_wal_and_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    _jobs_database(state)
+    _another_databases_wal(state)
+    with short_dir() as run:
+        args = ["--simulate", "H100-SXM5-80GB:1", "--state-dir", str(state), "--run-dir", str(run)]
+        args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"move {state / DB_NAME}-wal aside (neither file was changed)" in err
+    assert "Traceback" not in err
+
+
 def test_a_database_removed_while_open_takes_no_more_changes(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
