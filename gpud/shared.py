@@ -335,15 +335,17 @@ def names_an_event_gpu(gpu: str) -> bool:
 def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
     """Whether an event with ``fields`` is about GPU ``gpu`` (its NVML index, or a GPU or
     MIG device UUID; "": any) and job ``job`` ("": any). A job matches ``job``, or one of
-    the ``names`` an event about many jobs lists (``net.untagged``). An index matches ``gpu``
+    the ``names`` an event about many jobs lists (``net.untagged``), or of the ``jobs`` an
+    event about a device lists (those holding it: ``mps.restart``, ``mps.start_skipped``). An index matches ``gpu``
     (a MIG device's event carries its GPU's index), the GPUs of ``mig.apply``'s ``gpus``
     and those a run's ``gpus`` lists (``job.reserve``, ``job.release``,
     ``admission.start``); a UUID matches any UUID field and the ``devices`` a run reserved.
     Events written before a field was added (an older events.jsonl) match by the fields
     they have."""
     if job and fields.get("job") != job:
-        names = fields.get("names")
-        if not isinstance(names, list | tuple) or job not in names:
+        # net.untagged's `jobs` is a count, not names: only a list of them names a job
+        named = (fields.get("names"), fields.get("jobs"))
+        if not any(isinstance(n, list | tuple) and job in n for n in named):
             return False
     if not gpu:
         return True

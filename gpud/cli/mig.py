@@ -247,8 +247,20 @@ def _say_left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> None:
         print(f"gpuctl: {what}: {gpu}", file=sys.stderr)
 
 
+def _mode_off_from_older_gpud(gpu: pb.MigGpu) -> None:
+    """Read ``gpu``'s absent MIG mode as off where it was read, MIG capable and not faulty:
+    a gpud from before ``mig_current`` and ``mig_pending`` were optional sends MIG off as a
+    plain false, which is not on the wire, and that GPU is not unknown (null) but off."""
+    if gpu.mig_capable and not gpu.fault:
+        for name in ("mig_current", "mig_pending"):
+            if not gpu.HasField(name):
+                setattr(gpu, name, False)
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ShowMig, pb.ShowMigRequest())
+    for gpu in resp.gpus:
+        _mode_off_from_older_gpud(gpu)
     faulty = [
         f"GPU {gpu.index}{f' ({gpu.uuid})' if gpu.uuid else ''}: {gpu.fault}"
         for gpu in resp.gpus

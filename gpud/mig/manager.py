@@ -640,13 +640,15 @@ class MigManager:
         refused (:class:`InvalidArgument` naming ``where``, the GPU and the profile), not
         saved for the reconcile step to fail on once it answers. A GPU lost since before
         gpud started has no UUID read from the driver: with a product an earlier run saw
-        (``last_seen``), its index's newest record (no GPU read now has that UUID) is the
-        GPU it most likely is, as the reconcile step takes it (with no such record it
-        stays unmanaged); with no product seen its layout cannot be checked and its record
-        is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
+        (``last_seen``), the record of the UUID that run read there is its own (a board
+        replaced at that index leaves the old board's record behind, not its own), and
+        where no run saw a UUID there, its index's newest record (no GPU read now has that
+        UUID) is the GPU it most likely is, as the reconcile step takes it (with no such
+        record it stays unmanaged); with no product seen its layout cannot be checked and
+        its record is left as it was. A GPU never read that only a ``device-filter`` may name (its PCI
         device id unknown) keeps its record too, and is told so."""
-        stored = _newest_unread(self._store.desired().values(), {g.uuid for g in ids if g.uuid})
         seen = self._last_seen()
+        stored = _unread_records(self._store.desired(), {g.uuid for g in ids if g.uuid}, seen)
         out: dict[str, tuple[int, DeviceLayout]] = {}
         unchanged: dict[int, str] = {}
         for i in sorted(faulty):
@@ -1840,9 +1842,10 @@ class MigManager:
         ids, faults = self._gpus()
         desired = self._store.desired()
         healthy = [g for g in ids if g.index not in faults]
-        # one never read since gpud started has no UUID: its layout is its index's newest
-        # record's, the one reconcile brings it to once it answers (and an apply replaces)
-        unread = _newest_unread(desired.values(), {g.uuid for g in ids if g.uuid})
+        # one never read since gpud started has no UUID: its layout is the record of the
+        # UUID an earlier run read there, else its index's newest record's (the one
+        # reconcile brings it to once it answers, and an apply replaces)
+        unread = _unread_records(desired, {g.uuid for g in ids if g.uuid}, self._last_seen())
         views = {
             i: faulty_view(
                 ids[i],
@@ -2193,6 +2196,25 @@ def _newest_unread(
             r.gpu_index not in out or r.updated_at >= out[r.gpu_index].updated_at
         ):
             out[r.gpu_index] = r
+    return out
+
+
+def _unread_records(
+    desired: Mapping[str, DesiredRecord], read: Container[str], seen: Mapping[int, SeenIdentity]
+) -> dict[int, DesiredRecord]:
+    """By GPU index, the record of each GPU never read since gpud started: that of the UUID
+    an earlier run read at that index (``seen``; none where no apply recorded that UUID,
+    as for a board replaced there, whose predecessor's record is not its own), else, where
+    no run saw a UUID there (or the one it saw is read now, elsewhere), the index's newest
+    record no GPU read now has (:func:`_newest_unread`)."""
+    out = _newest_unread(desired.values(), read)
+    for i, was in seen.items():
+        if not was.uuid or was.uuid in read:
+            continue
+        if (record := desired.get(was.uuid)) is not None:
+            out[i] = record
+        else:
+            out.pop(i, None)
     return out
 
 

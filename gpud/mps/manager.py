@@ -1573,7 +1573,9 @@ class MpsManager:
         )
         # a `gpuctl run` reserving the device is not told otherwise that its daemon is gone
         lose = (
-            f"; job {jobs[0]} loses MPS until then"
+            "; the jobs holding it were not read"
+            if jobs is None
+            else f"; job {jobs[0]} loses MPS until then"
             if len(jobs) == 1
             else f"; jobs {', '.join(jobs)} lose MPS until then"
         )
@@ -1581,16 +1583,17 @@ class MpsManager:
             "mps.start_skipped",
             f"the MPS control daemon of {_label(target)} ({target.uuid})"
             f" {ran} while GPU {target.gpu} is unhealthy: {target.gpu_unhealthy}; it starts"
-            f" once the GPU is healthy again{lose if jobs else ''}",
+            f" once the GPU is healthy again{lose if jobs != [] else ''}",
             **_where(target),
             reason=target.gpu_unhealthy,
-            jobs=list(jobs),
+            jobs=None if jobs is None else list(jobs),
         )
 
-    def _holding_jobs(self, target: MpsTarget) -> Sequence[str]:
+    def _holding_jobs(self, target: MpsTarget) -> Sequence[str] | None:
         """The jobs holding a reservation on ``target``, as ``gpuctl mps show`` lists them;
-        none when they cannot be read, for whatever reason (a state database unreadable or
-        corrupt, a reservation that does not parse): the skip is said all the same."""
+        None when they cannot be read, for whatever reason (a state database unreadable or
+        corrupt, a reservation that does not parse), not the none of a device no job holds:
+        the event is said all the same, its ``jobs`` null."""
         try:
             return list(self._holding().get(target.uuid, ()))
         except Exception as err:  # whatever it is, the skip is said
@@ -1601,7 +1604,7 @@ class MpsManager:
                 type(err).__name__,
                 err,
             )
-            return []
+            return None
 
     def _end_skip(self, target: MpsTarget, dev: _Device) -> None:
         """A device passed over for its GPU's health (:meth:`_skip_start`) no longer is: its
@@ -1677,7 +1680,9 @@ class MpsManager:
         # and their clients' contexts: nothing else tells a job that its processes lost them
         jobs = self._holding_jobs(target)
         lost = (
-            f"; job {jobs[0]} held the device: its MPS clients lost their server"
+            ""
+            if not jobs
+            else f"; job {jobs[0]} held the device: its MPS clients lost their server"
             if len(jobs) == 1
             else f"; jobs {', '.join(jobs)} held the device: their MPS clients lost their server"
         )
@@ -1685,11 +1690,11 @@ class MpsManager:
             "mps.restart",
             f"restarted the MPS control daemon of {_label(target)} ({target.uuid}, pid {pid})"
             f" with threads {_pct(desired.threads_percent)}, memory {_mem(desired.memory_bytes)}"
-            f"{lost + ' with the daemon before' if jobs else ''}",
+            f"{lost + ' with the daemon before' if lost else ''}",
             **_where(target),
             pid=pid,
             restarts=dev.restarts,
-            jobs=list(jobs),
+            jobs=None if jobs is None else list(jobs),
         )
 
     def _check(

@@ -676,6 +676,30 @@ def test_events_about_a_gpu_or_a_job(
         assert code == 0 and json.loads(out)["events"] == []
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["gpud", "older-gpud"])
+def test_events_about_a_job_include_those_naming_it_among_a_devices_jobs(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, older: bool
+) -> None:
+    """``--job`` keeps the MPS events that name the job among the jobs holding the device
+    (``jobs``: its clients lost their server, or it loses MPS while the GPU is unhealthy),
+    not those naming other jobs; a count of jobs (``net.untagged``) names none."""
+    log = EventLog(None)
+    log.emit("mps.restart", "daemon restarted", gpu=1, uuid="GPU-1", jobs=["a", "b"])
+    log.emit("mps.start_skipped", "job a loses MPS", gpu=1, uuid="GPU-1", jobs=["a"])
+    log.emit("mps.restart", "daemon restarted", gpu=0, uuid="GPU-0", jobs=["c"])
+    log.emit("net.untagged", "3 jobs untagged", jobs=3, names=["c"])
+    events = _OlderEventLog(log) if older else log
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, events=events)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--job", "a")
+        assert code == 0
+        got = [(e["kind"], e["fields"]["gpu"]) for e in json.loads(out)["events"]]
+        assert got == [("mps.restart", 1), ("mps.start_skipped", 1)]
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--job", "c")
+        assert [e["kind"] for e in json.loads(out)["events"]] == ["mps.restart", "net.untagged"]
+
+
 @pytest.mark.parametrize(
     ("argv", "said"),
     [

@@ -1767,6 +1767,49 @@ def test_a_gpu_lost_before_start_takes_the_layout_into_its_newest_record(
     }
 
 
+def replaced_at_1(host: Host, config: MigConfigFile) -> tuple[Daemon, str]:
+    """A node whose GPU 1 an earlier run read as a new board (last seen there) and lost,
+    with an older record left at index 1 by the board it replaced (``GPU-replaced``): a
+    daemon started since, and the new board's UUID."""
+    first = host.start()
+    MigStore(first.store).begin_apply(
+        "all-balanced",
+        {"GPU-replaced": (1, config.layouts("all-balanced", [first.mig.show()[1].identity])[1])},
+        (),
+        ApplyOptions(),
+        0.0,
+        inflight=False,
+    )
+    host.last_seen = {1: seen(first, 1)}
+    first.node.faults.lose(1)
+    return host.start(), host.last_seen[1].uuid
+
+
+def test_a_board_replaced_at_an_index_lost_before_start_shows_no_layout_of_the_old_one(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU lost since before gpud started, whose UUID an earlier run read at its index,
+    is that board: the record an older board at the same index left is not its desired
+    layout (it has none: unmanaged)."""
+    d, _ = replaced_at_1(host, config)
+    lost = d.mig.show()[1]
+    assert lost.fault and not lost.identity.read
+    assert lost.desired is None
+
+
+def test_an_apply_gives_a_board_replaced_at_an_index_not_the_old_ones_record(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that leaves a GPU lost since before start alone does not write its layout
+    into the record of the board an earlier run found replaced at that index: the new
+    board has no record, so it stays unmanaged, and the apply says so."""
+    d, _ = replaced_at_1(host, config)
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert result.gpus[1].detail.endswith("no earlier apply recorded it: unmanaged")
+    assert d.mig.desired()["GPU-replaced"].config_name == "all-balanced"
+
+
 XID_79 = "critical Xid 79 (GPU has fallen off the bus): uncleared"
 
 

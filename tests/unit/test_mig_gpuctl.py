@@ -508,6 +508,34 @@ def test_a_faulty_gpus_mig_mode_is_unknown_in_show_json(
     assert (healthy["mig_current"], healthy["mig_pending"]) == (False, False)
 
 
+class _OlderGpud(MigServicer):
+    """The Mig service of a gpud from before ``mig_current`` and ``mig_pending`` were
+    optional: a plain false of either is not on the wire."""
+
+    async def ShowMig(self, request: pb.ShowMigRequest, context: Any) -> pb.ShowMigResponse:
+        resp = await super().ShowMig(request, context)
+        for gpu in resp.gpus:
+            for name in ("mig_current", "mig_pending"):
+                if not getattr(gpu, name):
+                    gpu.ClearField(name)
+        return resp
+
+
+def test_show_json_against_an_older_gpud_gives_mig_off_as_false(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A gpud not yet restarted onto the new fields sends no MIG mode for a healthy,
+    MIG-capable GPU with MIG off: ``mig show --json`` says false for it, not null (that is
+    a faulty GPU's unknown mode), and a lost GPU's stays null."""
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)], servicer_class=_OlderGpud) as node:
+        node.sim.faults.lose(1)
+        code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    assert code == 11
+    healthy, lost = json.loads(out)["gpus"]
+    assert (healthy["mig_current"], healthy["mig_pending"]) == (False, False)
+    assert lost["fault"] and (lost["mig_current"], lost["mig_pending"]) == (None, None)
+
+
 def test_a_faulty_gpu_shows_the_layout_it_is_to_take(
     capsys: pytest.CaptureFixture[str], node: Node
 ) -> None:

@@ -581,7 +581,8 @@ def test_a_skip_is_said_though_the_jobs_reserving_the_device_cannot_be_read(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A state database that does not read (corrupt) while the skip begins: the skip is
-    said all the same, once, naming no job, and the log says what was not read."""
+    said all the same, once, its ``jobs`` null (not the none of a device no job holds),
+    and the log says what was not read."""
 
     def corrupt() -> dict[str, list[str]]:
         raise sqlite3.DatabaseError("database disk image is malformed")
@@ -592,7 +593,8 @@ def test_a_skip_is_said_though_the_jobs_reserving_the_device_cannot_be_read(
             mgr.reconcile(SICK_1)
             mgr.reconcile(SICK_1)
         (said,) = events.recent(kind_prefix="mps.start_skipped")
-        assert said.fields["gpu"] == 1 and said.fields["jobs"] == []
+        assert said.fields["gpu"] == 1 and said.fields["jobs"] is None
+        assert said.message.endswith("; the jobs holding it were not read")
         assert any(
             gpu_uuid(1) in r.getMessage() and "database disk image is malformed" in r.getMessage()
             for r in caplog.records
