@@ -137,6 +137,10 @@ MIG_STOP_WAIT_S = 20.0
 # SIGTERM/SIGINT, their callers are cut off: gpuctl says the outcome is unknown, and the
 # stop goes on (an apply's plan is kept: the next start finishes it)
 CALL_STOP_WAIT_S = 18.0
+# seconds of the stop budget the calls given up on (or whose callers the API's grace cut
+# off) are waited for once cancelled: they end at their next await, a worker thread's
+# result dropped ("METHOD (its caller gone): cut at the stop")
+CUT_CALLS_WAIT_S = 0.5
 # seconds the whole stop may take: every wait in it (the MIG apply, colo.json, a traffic
 # tick, nft, dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
@@ -1246,9 +1250,16 @@ class Daemon:
                 self._finish_rounds(left(self.cluster.round_stop_wait_s()))
             )
             await self._answer_calls(left(self.call_stop_wait_s), left(self.pass_stop_wait_s))
+            if self.calls.running:
+                # given up on: what runs of them is cancelled now (at its next await), for
+                # the rest of the stop closes what it would reach
+                await self.calls.cut_held(left(CUT_CALLS_WAIT_S))
             await rounds
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
+            # what still runs of a call whose caller the stop cut off (an end taken during
+            # the grace) ends here, not once the event log, the store and the driver closed
+            await self.calls.cut_held(left(CUT_CALLS_WAIT_S))
             # An apply whose client the stop cancelled ends at its next drain poll; one
             # running its steps is let finish, within the unit's TimeoutStopSec, before the
             # driver and the store close under it. Past that, its in-flight plan is kept

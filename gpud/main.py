@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ from gpud.backend.products import PRODUCTS
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission
 from gpud.notify import Notifier
-from gpud.threads import EXIT_GRACE_S
+from gpud.threads import EXIT_GRACE_S, StartTellingExecutor
 
 if TYPE_CHECKING:
     from gpud.backend.port import GpuBackend
@@ -568,7 +567,7 @@ def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
     stuck in a driver call that never returns (a GPU that stopped answering mid-apply) is
     left behind, as the stopped daemon logged (its plan is finished at the next start)."""
     loop = asyncio.new_event_loop()
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=WORKER_PREFIX))
+    loop.set_default_executor(StartTellingExecutor(thread_name_prefix=WORKER_PREFIX))
     try:
         return loop.run_until_complete(run)
     finally:

@@ -22,6 +22,7 @@ run of an apply change nothing and are served throughout, uncounted.
     gate.close()                          # new starts: UNAVAILABLE "gpud is stopping"
     await gate.drained(18.0)              # True: every running one was answered
     gate.cut()                            # (a second SIGTERM) drained() returns at once
+    await gate.cut_held(0.5)              # what still runs is cancelled at its next await
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class CallGate:
         self._idle.set()
         self._cut = asyncio.Event()
         self._closed = False
+        # the changing calls' work that runs on when its caller goes away (interceptors)
+        self._held: set[asyncio.Future[Any]] = set()
 
     @property
     def running(self) -> int:
@@ -95,8 +98,27 @@ class CallGate:
         self._closed = True
 
     def cut(self) -> None:
-        """Stop now: :meth:`drained` no longer waits (a second SIGTERM or SIGINT)."""
+        """Stop now: :meth:`drained` no longer waits (a second SIGTERM or SIGINT); the stop
+        then cuts what still runs (:meth:`cut_held`)."""
         self._cut.set()
+
+    def hold(self, work: asyncio.Future[Any]) -> None:
+        """``work`` (a changing call's, run on should its caller go away) is cancelled by
+        :meth:`cut_held` while it runs."""
+        self._held.add(work)
+        work.add_done_callback(self._held.discard)
+
+    async def cut_held(self, timeout_s: float) -> int:
+        """Once the stop gives up waiting for them: cancel the calls' work still running (at
+        its next ``await``; a worker thread already in the driver ends on its own, its result
+        dropped) and wait up to ``timeout_s`` for it to end, before the event log, the store
+        and the driver close under it. How many were cut."""
+        running = [work for work in self._held if not work.done()]
+        for work in running:
+            work.cancel()
+        if running:
+            await asyncio.wait(running, timeout=max(0.0, timeout_s))
+        return len(running)
 
     @contextlib.contextmanager
     def call(self, method: str, request: Any = None) -> Iterator[None]:

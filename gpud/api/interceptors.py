@@ -13,13 +13,20 @@
 - any other exception is logged with its traceback and ends the call with ``INTERNAL``;
   the daemon keeps serving;
 - a call that changes the node (:func:`gpud.api.gate.call_kind`: a reservation, a queue
-  entry, a job added, MPS limits, a pin, a fault, ...) whose caller goes away mid-way (its
-  deadline passed, ``gpuctl`` cut off, the server stopping) runs to its end all the same:
-  its change, the event that says so and the gate's count of it whole, only its answer
-  unsent. gRPC cancels a handler at its next ``await``, which left the change made by the
-  worker thread without its event (a simulated fault injected, no ``sim.fault`` line) and
-  no longer counted by the gate a stop drains. ``ApplyMig`` is not so held: it asks itself
-  whether its caller still wants it between steps (its plan is kept for the next start).
+  entry, a job added, MPS limits, a pin, a fault, ...) whose caller goes away once its
+  change began on a worker thread (its deadline passed, ``gpuctl`` cut off) runs to its end
+  all the same, within the stop's drain: its change, the event that says so and the gate's
+  count of it whole, only its answer unsent. gRPC cancels a handler at its next ``await``,
+  which left the change made by the worker thread without its event (a simulated fault
+  injected, no ``sim.fault`` line) and no longer counted by the gate a stop drains. One
+  whose change still waits for a free worker of the loop's pool
+  (:class:`gpud.threads.StartTellingExecutor`) is dropped instead: its caller was told it
+  failed, so it is never made. Once the stop gives up on the drain
+  (:meth:`gpud.api.gate.CallGate.cut_held`), or the server's grace ends, what still runs of
+  it is cancelled at its next ``await`` ("METHOD (its caller gone): cut at the stop")
+  before the event log, the store and the driver close. ``ApplyMig`` is not so held: it
+  asks itself whether its caller still wants it between steps (its plan is kept for the
+  next start).
 
 Services registered on :class:`gpud.api.server.ApiServer` get this for free: they raise
 ``InvalidArgument(..., field=...)``, ``NotFound``, ... and never call ``context.abort``
@@ -50,6 +57,7 @@ from gpud.errors import (
     NotLeader,
     classify,
 )
+from gpud.threads import WORK_START, WorkStart
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +141,44 @@ def _runs_whole(method: str, request: Any) -> bool:
     return method != APPLY_MIG and call_kind(method, request) is not None
 
 
-async def _to_its_end(work: Awaitable[Any], method: str) -> Any:
+async def _to_its_end(work: Awaitable[Any], method: str, gate: CallGate | None) -> Any:
     """``work``'s result; should the call be cancelled meanwhile, ``work`` still runs to its
-    end (its error logged as a refusal would be), then the cancellation goes on."""
-    task = asyncio.ensure_future(work)
+    end (its error logged as a refusal would be), then the cancellation goes on, unless:
+
+    - none of it began on a worker thread yet (queued behind busy workers): it is dropped and
+      never runs, as its caller was told it failed;
+    - the stop gives up on it (``gate``'s :meth:`CallGate.cut_held`) or cancels the call again
+      (the server's grace ended): it is cancelled at its next ``await``, "cut at the stop".
+    """
+    start = WorkStart()
+
+    async def run() -> Any:
+        WORK_START.set(start)  # this task's own context: its to_thread calls carry it
+        return await work
+
+    task = asyncio.ensure_future(run())
+    if gate is not None:
+        gate.hold(task)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         if task.done():
+            if task.cancelled():
+                log.warning("%s: cut at the stop", method)
             raise
-        while not task.done():  # cancelled again (a stop's grace ended): still to its end
+        if start.drop():
+            task.cancel()  # nothing of its change began: none of it is made
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({task})
-        err = None if task.cancelled() else task.exception()
+            raise
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()  # cancelled again: the server's grace ended
+        if task.cancelled() or not task.done():
+            log.warning("%s (its caller gone): cut at the stop", method)
+            raise
+        err = task.exception()
         if isinstance(err, GpudError):
             log.info("%s (its caller gone): %s: %s", method, type(err).__name__, err)
         elif err is not None:
@@ -169,7 +202,7 @@ def _wrap_unary_response(
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
                     whole = _runs_whole(method, request)
-                    result = await (_to_its_end(result, method) if whole else result)
+                    result = await (_to_its_end(result, method, gate) if whole else result)
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:

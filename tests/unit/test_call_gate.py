@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -13,6 +16,7 @@ import pytest
 from gpud.api import ApiServer
 from gpud.api.gate import CallGate, call_kind
 from gpud.errors import Unavailable
+from gpud.threads import StartTellingExecutor
 from gpud.v1 import mig_pb2, node_pb2
 from tests.unit.api_support import ServerThread, short_dir
 
@@ -163,3 +167,177 @@ def test_a_change_whose_caller_went_away_midway_runs_to_its_end_and_is_counted_t
             go_on.set()
             assert finished.wait(30)
             assert served.run(gate.drained(30))
+
+
+INJECT = "/gpud.v1.Node/InjectFault"
+
+
+def _inject_handler(inject: Any) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        "gpud.v1.Node",
+        {
+            "InjectFault": grpc.unary_unary_rpc_method_handler(
+                inject,
+                request_deserializer=node_pb2.InjectFaultRequest.FromString,
+                response_serializer=node_pb2.InjectFaultResponse.SerializeToString,
+            )
+        },
+    )
+
+
+def _injecting(channel: grpc.Channel) -> Any:
+    return channel.unary_unary(
+        INJECT,
+        request_serializer=node_pb2.InjectFaultRequest.SerializeToString,
+        response_deserializer=node_pb2.InjectFaultResponse.FromString,
+    )
+
+
+def _until_cancelled(served: ServerThread, gate: CallGate, left: int = 1) -> None:
+    for _ in range(3000):  # until gRPC has cancelled the handler's task (or it ended)
+        if served.run(_cancelling()) or gate.running < left + 1:
+            return
+        time.sleep(0.01)
+    raise AssertionError("gRPC never cancelled the handler")
+
+
+async def _use_pool(pool: StartTellingExecutor) -> None:
+    asyncio.get_running_loop().set_default_executor(pool)
+
+
+def test_a_change_queued_behind_busy_workers_is_never_made_once_its_caller_gave_up() -> None:
+    # One worker, busy with call A's change; call B's change waits for it. B's caller gives
+    # up (its deadline, gpuctl cut off) and is told the call failed: B's change must not be
+    # made later, once A's frees the worker (a reservation said failed yet holding GPUs).
+    a_started, go_on = threading.Event(), threading.Event()
+    b_queued = threading.Event()
+    made: list[int] = []
+
+    def change(gpu: int) -> None:
+        if gpu == 0:
+            a_started.set()
+            go_on.wait(30)
+        made.append(gpu)
+
+    async def inject(request: node_pb2.InjectFaultRequest, context: Any) -> Any:
+        if request.gpu == 1:
+            b_queued.set()  # its to_thread is submitted right after, on this loop turn
+        await asyncio.to_thread(change, request.gpu)
+        return node_pb2.InjectFaultResponse()
+
+    gate = CallGate()
+    pool = StartTellingExecutor(max_workers=1)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        registrar = lambda server: server.add_generic_rpc_handlers(  # noqa: E731
+            (_inject_handler(inject),)
+        )
+        try:
+            with (
+                ServerThread(ApiServer(path, servicers=[registrar], gate=gate)) as served,
+                grpc.insecure_channel(f"unix:{path}") as channel,
+            ):
+                served.run(_use_pool(pool))
+                a = _injecting(channel).future(node_pb2.InjectFaultRequest(gpu=0), timeout=60)
+                assert a_started.wait(30)
+                b = _injecting(channel).future(node_pb2.InjectFaultRequest(gpu=1), timeout=60)
+                assert b_queued.wait(30)
+                b.cancel()
+                _until_cancelled(served, gate)
+                go_on.set()
+                a.result(30)
+                assert served.run(gate.drained(30))
+                pool.submit(lambda: None).result(30)  # one worker: B's would have run first
+                assert made == [0]
+        finally:
+            go_on.set()
+            pool.shutdown(wait=True)
+
+
+@dataclass
+class _Departed:
+    """A changing call whose caller went away while its worker thread runs its change."""
+
+    served: ServerThread
+    gate: CallGate
+    go_on: threading.Event  # its thread ends
+    thread_done: threading.Event
+    finished: threading.Event  # what follows the thread on the loop ran
+
+
+@contextmanager
+def _departed_call() -> Iterator[_Departed]:
+    started, go_on, thread_done, finished = (threading.Event() for _ in range(4))
+    gate = CallGate()
+
+    def change() -> None:
+        started.set()
+        go_on.wait(30)
+        thread_done.set()
+
+    async def inject(request: node_pb2.InjectFaultRequest, context: Any) -> Any:
+        await asyncio.to_thread(change)
+        finished.set()  # what follows it on the loop: its event, the store
+        return node_pb2.InjectFaultResponse()
+
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        registrar = lambda server: server.add_generic_rpc_handlers(  # noqa: E731
+            (_inject_handler(inject),)
+        )
+        with (
+            ServerThread(ApiServer(path, servicers=[registrar], gate=gate)) as served,
+            grpc.insecure_channel(f"unix:{path}") as channel,
+        ):
+            departed = _Departed(served, gate, go_on, thread_done, finished)
+            try:
+                call = _injecting(channel).future(node_pb2.InjectFaultRequest(), timeout=60)
+                assert started.wait(30)
+                call.cancel()
+                _until_cancelled(served, gate, left=0)
+                yield departed
+            finally:
+                departed.go_on.set()
+
+
+def _the_rest_never_ran(departed: _Departed) -> None:
+    departed.go_on.set()
+    assert departed.thread_done.wait(30)
+    departed.served.run(asyncio.sleep(0.01))  # the loop turns its worker's result gets
+    assert not departed.finished.is_set()
+
+
+def test_the_rest_of_a_call_whose_caller_went_away_is_cut_when_the_stop_gives_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The stop's drain gave up on it: what follows its worker thread (its event, the store)
+    # must not run once the event log, the store and the driver close.
+    with _departed_call() as departed:
+        gate, served = departed.gate, departed.served
+        assert gate.running == 1
+        assert served.run(gate.cut_held(30)) == 1
+        assert served.run(gate.drained(30))
+        _the_rest_never_ran(departed)
+    assert "InjectFault (its caller gone): cut at the stop" in caplog.text
+
+
+async def _until_idle(gate: CallGate) -> bool:
+    for _ in range(500):  # until its handler has taken the cancel
+        if gate.running == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def _cancel_again() -> None:
+    for task in asyncio.all_tasks():
+        if task.cancelling():
+            task.cancel()
+
+
+def test_a_call_whose_caller_went_away_is_not_waited_for_once_cancelled_again() -> None:
+    """gRPC cancels its handler again when the server's grace ends."""
+    with _departed_call() as departed:
+        departed.served.run(_cancel_again())
+        assert departed.served.run(_until_idle(departed.gate))
+        _the_rest_never_ran(departed)

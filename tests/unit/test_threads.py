@@ -1,10 +1,25 @@
-"""The event loop's waits: the first of several events, or a timeout."""
+"""The event loop's waits (the first of several events, or a timeout) and its worker pool."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gpud.threads import wait_first
+from gpud.main import serve_until_stopped
+from gpud.threads import WORK_START, WorkStart, wait_first
+
+
+def test_gpuds_loop_says_when_an_api_calls_work_began_on_a_worker() -> None:
+    # what lets a changing call whose caller gave up be dropped while still queued
+    start = WorkStart()
+
+    async def call() -> int:
+        WORK_START.set(start)
+        await asyncio.to_thread(lambda: None)
+        return 0
+
+    assert serve_until_stopped(call()) == 0
+    assert start.begun
+    assert not start.drop()  # begun: it runs to its end
 
 
 async def test_wait_first_ends_at_the_first_event_set_and_leaves_no_wait_behind() -> None:
