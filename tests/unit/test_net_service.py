@@ -407,6 +407,30 @@ def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(
     assert rig.service.view().interfaces[0].enforced
 
 
+def test_a_pass_whose_interface_failed_between_two_repairs_ends_the_tools_run(
+    rig: Rig,
+) -> None:
+    """A repair, then a pass that cannot shape eth0 (its link says a speed out of
+    range for a moment), then a repair: the second is said as one of its own, not as a
+    tool that keeps changing the tree (the failed pass counts as a pass)."""
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    rig.service.tick()
+    speed = rig.sysfs / "class" / "net" / "eth0" / "speed"
+    del rig.tc.states["eth0"]
+    rig.service.tick()  # pass N: repaired
+    speed.write_text("4000000000\n")
+    rig.service.tick()  # pass N+1: no rate to shape eth0 to, an interface error
+    assert "set traffic.link_rates" in rig.service.view().interfaces[0].error
+    speed.write_text("1000\n")
+    del rig.tc.states["eth0"]
+    rig.service.tick()  # pass N+2: repaired again
+    assert rig.tc.states["eth0"].root is not None
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 2, drifts
+    assert all(d.startswith("eth0: restored ") for d in drifts), drifts
+
+
 def test_a_netdev_seen_missing_then_made_again_is_enforced_again_not_drift(rig: Rig) -> None:
     rig.active = {"a"}
     rig.service.tick()
