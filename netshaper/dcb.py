@@ -110,6 +110,10 @@ class MapResult:
     netdev: str
     changed: Mapping[int, int]
 
+    def lines(self) -> list[str]:
+        """One line per entry written (``eth2: DSCP 26 -> prio 7``), for the log."""
+        return [f"{self.netdev}: DSCP {d} -> prio {p}" for d, p in self.changed.items()]
+
 
 class DscpMapBackend(Protocol):
     @property
@@ -277,12 +281,14 @@ class NicMap:
     def netdevs(self) -> tuple[str, ...]:
         return self._netdevs
 
-    def apply(self, dscp_priorities: Mapping[int, int]) -> list[str]:
-        """Write the map; returns one line per changed entry (``eth2: DSCP 26 -> prio 7``)."""
+    def apply(self, dscp_priorities: Mapping[int, int]) -> list[MapResult]:
+        """Write the map; returns what each netdev's APP table did not hold and was
+        written (``dcb app replace``): one :class:`MapResult` per netdev that had any, none
+        when every table held the map already."""
         for d, p in dscp_priorities.items():
             if not (0 <= d <= DSCP_MAX and 0 <= p <= PRIO_MAX):
                 raise ValueError(f"DSCP {d} -> priority {p} is out of range")
-        lines: list[str] = []
+        written: list[MapResult] = []
         failures: list[DcbError] = []
         for netdev in self._netdevs:
             if self._link_type(netdev) == ARPHRD_LOOPBACK:
@@ -301,7 +307,8 @@ class NicMap:
             except DcbError as err:
                 failures.append(err)
                 continue
-            lines += [f"{netdev}: DSCP {d} -> prio {p}" for d, p in result.changed.items()]
+            if result.changed:
+                written.append(result)
         if failures:
             first = failures[0]
             names = ", ".join(f.netdev for f in failures)
@@ -311,4 +318,4 @@ class NicMap:
                 command=first.command,
                 detail=str(first),
             )
-        return lines
+        return written

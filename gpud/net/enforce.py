@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from netshaper import tcplan
+from netshaper.dcb import MapResult
 from netshaper.nftables import CgroupMark, MarkSync
 from netshaper.tc_netlink import TcError
 
@@ -124,8 +125,9 @@ class MarkPort(Protocol):
 
 
 class RdmaPort(Protocol):
-    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[str]:
-        """Make the NIC map each DSCP to its priority; returns what changed, for the log."""
+    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[MapResult]:
+        """Make the NIC map each DSCP to its priority; returns the entries each netdev's
+        APP table did not hold and that were written (``dcb app replace``)."""
         ...
 
 

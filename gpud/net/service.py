@@ -554,7 +554,7 @@ class TrafficService:
         # checks running that wrote the map back (the NIC map's worker's own): an agent
         # that changes it before every check is said twice, not once a check
         self._rdma_drift_run = 0
-        self._rdma_repairs = 0  # checks that wrote it back, said or not
+        self._rdma_repairs = 0  # writes that wrote an agent's change back, said or not
         self._rdma_posted: dict[int, int] | None = None  # as last handed to the worker
         self._rdma_tried_at = float("-inf")
         self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
@@ -2153,10 +2153,14 @@ class TrafficService:
         self._rdma_writer.submit(want)
 
     def _write_rdma(self, want: dict[int, int]) -> None:
-        """The NIC map's worker: one write of ``want`` (``dcb app replace`` per netdev)."""
+        """The NIC map's worker: one write of ``want`` (``dcb app replace`` per netdev).
+
+        An entry written at the priority gpud last wrote for its DSCP was changed outside
+        gpud (``dcb app`` by hand, a DCBX agent): a write-back, counted whatever else the
+        write did. A write with none ends the agent's run, so does one that fails."""
         assert self._rdma is not None
         try:
-            changed = self._rdma.apply(want)
+            written = self._rdma.apply(want)
         except Exception as err:
             message = f"rdma: {err}"
             if message != self._rdma_error:
@@ -2164,20 +2168,27 @@ class TrafficService:
             self._rdma_error = message
             # a check that failed saw nothing of the agent: what it finds after is new
             self._rdma_drift_run = 0
+            # its healthy netdevs were written: only a DSCP it wanted where it was keeps
+            # what gpud last wrote known
+            self._rdma_map = {d: p for d, p in self._rdma_map.items() if want.get(d) == p}
             return
+        changes = [(r.netdev, d, p) for r in written for d, p in r.changed.items()]
+        back = sum(1 for _, d, p in changes if self._rdma_map.get(d) == p)
         was = self._rdma_error
-        drift = want == self._rdma_map and not was
         self._rdma_map, self._rdma_error = want, ""
-        if not changed:
-            self._rdma_drift_run = 0  # the map held as gpud wrote it
+        if back:
+            self._rdma_repairs += 1
+        if was or not back:
+            self._rdma_drift_run = 0  # as gpud wrote it, or after a check that saw nothing
         if was:  # the pair of the net.rdma_error event
             self._events.emit(
                 "net.rdma",
                 f"NIC DSCP -> priority map written on every netdev again (was: {was})"
-                + (f"; {len(changed)} change(s)" if changed else ""),
+                + (f"; {len(changes)} change(s)" if changes else "")
+                + (f", {back} of them changed outside gpud and written back" if back else ""),
             )
-        elif changed and drift:
-            self._rdma_repairs += 1
+            return
+        if back:
             self._rdma_drift_run += 1
             again = (
                 " again on 2 checks running: another agent (a DCBX one, lldpad) keeps"
@@ -2189,11 +2200,13 @@ class TrafficService:
             if self._rdma_drift_run <= 2:
                 self._events.emit(
                     "net.rdma_drift",
-                    f"NIC DSCP -> priority map changed outside gpud{again}: {len(changed)}"
-                    " entr" + ("y" if len(changed) == 1 else "ies") + " written back",
+                    f"NIC DSCP -> priority map changed outside gpud{again}: {back}"
+                    " entr" + ("y" if back == 1 else "ies") + " written back",
                 )
-        elif changed:
-            self._events.emit("net.rdma", f"NIC DSCP -> priority map: {len(changed)} change(s)")
+        if len(changes) > back:
+            self._events.emit(
+                "net.rdma", f"NIC DSCP -> priority map: {len(changes) - back} change(s)"
+            )
 
     def settle(self, timeout: float) -> bool:
         """Wait until the NIC map the last tick wanted is written, or failed; False when

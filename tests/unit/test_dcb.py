@@ -105,7 +105,9 @@ def test_dry_run_prints_changes_only() -> None:
 
 def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
     nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"], link_type=ether)
-    assert nic.apply({26: 7, 48: 6}) == [
+    written = nic.apply({26: 7, 48: 6})
+    assert written == [dcb.MapResult("eth2", {26: 7}), dcb.MapResult("eth3", {26: 7, 48: 6})]
+    assert [line for result in written for line in result.lines()] == [
         "eth2: DSCP 26 -> prio 7",
         "eth3: DSCP 26 -> prio 7",
         "eth3: DSCP 48 -> prio 6",

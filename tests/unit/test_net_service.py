@@ -61,6 +61,7 @@ from tests.unit.store_support import CountingStore
 if TYPE_CHECKING:
     from gpud.jobs.service import JobService, Launch
 from netshaper import tcplan
+from netshaper.dcb import MapResult
 from netshaper.nftables import CgroupMark, MarkSync
 from netshaper.tc_netlink import TcError
 
@@ -404,6 +405,30 @@ def test_a_netdev_made_again_between_two_ticks_is_named_so_not_as_a_change(
     assert "net.interface" not in rig.kinds()
     assert rig.service.view().interfaces[0].repairs == 1
     assert rig.service.view().interfaces[0].enforced
+
+
+def test_a_pass_whose_interface_failed_between_two_repairs_ends_the_tools_run(
+    rig: Rig,
+) -> None:
+    """A repair, then a pass that cannot shape eth0 (its link says a speed out of
+    range for a moment), then a repair: the second is said as one of its own, not as a
+    tool that keeps changing the tree (the failed pass counts as a pass)."""
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    rig.service.tick()
+    speed = rig.sysfs / "class" / "net" / "eth0" / "speed"
+    del rig.tc.states["eth0"]
+    rig.service.tick()  # pass N: repaired
+    speed.write_text("4000000000\n")
+    rig.service.tick()  # pass N+1: no rate to shape eth0 to, an interface error
+    assert "set traffic.link_rates" in rig.service.view().interfaces[0].error
+    speed.write_text("1000\n")
+    del rig.tc.states["eth0"]
+    rig.service.tick()  # pass N+2: repaired again
+    assert rig.tc.states["eth0"].root is not None
+    drifts = [e.message for e in rig.events.recent(100) if e.kind == "net.drift"]
+    assert len(drifts) == 2, drifts
+    assert all(d.startswith("eth0: restored ") for d in drifts), drifts
 
 
 def test_a_netdev_seen_missing_then_made_again_is_enforced_again_not_drift(rig: Rig) -> None:
@@ -1932,12 +1957,12 @@ class _SlowNic:
         self.fail = True
         self.writes: list[dict[int, int]] = []
 
-    def apply(self, dscp_priorities: Mapping[int, int]) -> list[str]:
+    def apply(self, dscp_priorities: Mapping[int, int]) -> list[MapResult]:
         self.release.wait(timeout=30)
         if self.fail:
             raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
         self.writes.append(dict(dscp_priorities))
-        return [f"DSCP {d} -> prio {p}" for d, p in dscp_priorities.items()]
+        return [MapResult("eth2", dict(dscp_priorities))]
 
 
 def _failed_nic_map(rig: Rig) -> tuple[_SlowNic, TrafficService]:
@@ -2112,7 +2137,7 @@ class _BreakableNic:
         self.nic = nic
         self.fail = False
 
-    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[str]:
+    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[MapResult]:
         if self.fail:
             raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
         return self.nic.apply(dscp_priorities)
@@ -2153,13 +2178,81 @@ def test_a_nic_map_check_that_failed_ends_the_agents_run_and_every_write_back_is
         drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
         assert len(drifts) == 3, drifts
         assert "keeps changing" not in drifts[2]
-        assert s.view().rdma_repairs == 4
-        assert show_message(s.view(), rig.clock.t).rdma_repairs == 4
+        (back,) = [e.message for e in rig.events.recent(100, "net.rdma") if "(was: " in e.message]
+        assert back.endswith("; 1 change(s), 1 of them changed outside gpud and written back")
+        assert s.view().rdma_repairs == 5
+        assert show_message(s.view(), rig.clock.t).rdma_repairs == 5
         collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
         collector.add_source(TrafficMetrics(s))
         registry = CollectorRegistry()
         registry.register(collector)
-        assert registry.get_sample_value("gpud_net_rdma_map_repairs_total") == 4
+        assert registry.get_sample_value("gpud_net_rdma_map_repairs_total") == 5
+    finally:
+        s.shutdown()
+
+
+def test_a_nic_map_write_that_only_moved_the_plan_ends_the_agents_run(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """An agent rewrites the map on two checks running (said twice); then a job's level
+    moves and the write finds nothing of the agent's; a later change by an agent is its
+    own, said plainly."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    backend = DryRunBackend(lambda line: None)
+    rig = Rig(tmp_path, sysfs)
+    s = rig.with_nic(NicMap(backend, ["eth2"], link_type=ether))
+    try:
+        s.tick()
+        assert s.settle(5)
+        tag = s.tags.allocations()["a"]
+        for _ in range(2):
+            backend._shown["eth2"][tag] = (3,)
+            rig.clock.t += RDMA_RECHECK_S
+            s.tick()
+            assert s.settle(5)
+        s.pin("a", 3)  # gpud's own entry moves: no agent in this write
+        rig.clock.t += 1
+        s.tick()
+        assert s.settle(5) and backend._shown["eth2"][tag] == (4,)
+        backend._shown["eth2"][tag] = (3,)
+        rig.clock.t += RDMA_RECHECK_S
+        s.tick()
+        assert s.settle(5) and backend._shown["eth2"][tag] == (4,)
+        drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+        assert len(drifts) == 3, drifts
+        assert "keeps changing" not in drifts[2]
+        assert s.view().rdma_repairs == 3
+    finally:
+        s.shutdown()
+
+
+def test_an_agents_entry_written_back_with_a_moved_plan_is_said_and_counted(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """An agent changes job a's entry, and job b's level moves before the next check:
+    the one write puts both right; a's is a write-back (said, counted), b's a change."""
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    backend = DryRunBackend(lambda line: None)
+    rig = Rig(tmp_path, sysfs, group_tolerance=0.0)
+    s = rig.with_nic(NicMap(backend, ["eth2"], link_type=ether))
+    try:
+        s.tick()
+        assert s.settle(5)
+        tags = s.tags.allocations()
+        backend._shown["eth2"][tags["a"]] = (3,)
+        s.pin("b", 3)
+        rig.clock.t += 1
+        s.tick()
+        assert s.settle(5)
+        assert backend._shown["eth2"][tags["a"]] == (7,)
+        assert backend._shown["eth2"][tags["b"]] == (4,)
+        (drift,) = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+        assert drift == "NIC DSCP -> priority map changed outside gpud: 1 entry written back"
+        said = [e.message for e in rig.events.recent(100, "net.rdma") if e.kind == "net.rdma"]
+        assert said[-1] == "NIC DSCP -> priority map: 1 change(s)"
+        assert s.view().rdma_repairs == 1
     finally:
         s.shutdown()
 
