@@ -6,6 +6,7 @@
     ├── StoreRefused               etcd answers but refuses this node's call (login, keys)
     ├── ConfigError                bad config file or flag: names the file and key (exit 2)
     ├── StateError                 the state database cannot be opened or is damaged (exit 1)
+    │   ├── StateDamaged           damaged or not gpud's: no restart mends it (gpud exits 65)
     │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
     │       └── StateInUse         another process holds its lock past the write's wait
     ├── InvalidArgument            a request field is wrong: names the field (exit 2)
@@ -68,6 +69,15 @@ class ConfigError(GpudError):
 
 class StateError(GpudError):
     """The daemon's state database cannot be opened or is damaged; the message names it."""
+
+
+class StateDamaged(StateError):
+    """The state database's content is what SQLite or gpud refuses: damaged (SQLITE_CORRUPT,
+    SQLITE_NOTADB, ``PRAGMA quick_check`` errors, a truncated file), another program's
+    database, one read through another database's ``-wal``, a table without a column gpud
+    declares, a directory in its place. Unlike a full disk or a lock another process holds,
+    no restart mends it: an operator restores the file or moves it aside, so the daemon's
+    start exits 65 (EX_DATAERR), which the unit does not restart."""
 
 
 class StateUnwritable(StateError):

@@ -25,7 +25,7 @@ from gpud import __version__, config, files, logsetup
 from gpud import build as build_id
 from gpud.backend.products import PRODUCTS
 from gpud.dirlock import DirLocks
-from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission
+from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission, StateDamaged
 from gpud.notify import Notifier
 from gpud.threads import EXIT_GRACE_S, StartTellingExecutor
 
@@ -133,6 +133,11 @@ def open_backend(
 # load the driver, mount the library or grant the device nodes.
 EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: no NVML library, or one of another driver version
 EXIT_NO_PERMISSION = 77  # EX_NOPERM: the driver refuses gpud's user
+# A state database damaged or not gpud's (sysexits.h EX_DATAERR): not restarted either, as
+# each start would refuse it again every few seconds; a full disk or another process's lock
+# on it is exit 1, restarted, as either can pass
+EXIT_STATE_DAMAGED = 65
+NOT_RESTARTED = "(gpud is not restarted for this: start it again once mended)"
 # NVML_ERROR_DRIVER_NOT_LOADED: the kernel module may be loaded after gpud starts (a module
 # built at boot, nvidia-persistenced not installed), so that start is tried again
 _DRIVER_NOT_LOADED = 9
@@ -148,14 +153,12 @@ def backend_failure(err: GpudError) -> tuple[str, int]:
         )
     if isinstance(err, DriverNotLoaded):
         return (
-            f"gpud: cannot use the GPUs: {err} (gpud is not restarted for this: start it"
-            " again once mended)",
+            f"gpud: cannot use the GPUs: {err} {NOT_RESTARTED}",
             EXIT_NO_DRIVER,
         )
     if isinstance(err, NoPermission):
         return (
-            f"gpud: cannot use the GPUs: {err} (gpud is not restarted for this: start it"
-            " again once mended)",
+            f"gpud: cannot use the GPUs: {err} {NOT_RESTARTED}",
             EXIT_NO_PERMISSION,
         )
     return f"gpud: cannot open the GPU backend: {err}", 1
@@ -554,6 +557,9 @@ def run(
     except ConfigError as err:  # what the operator must change: no restart mends it
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
+    except StateDamaged as err:
+        print(f"gpud: {err} {NOT_RESTARTED}", file=sys.stderr)
+        return EXIT_STATE_DAMAGED
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1

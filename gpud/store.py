@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from gpud.errors import StateError, StateInUse, StateUnwritable
+from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable
 from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
@@ -39,6 +39,8 @@ _DISK = frozenset({10, 13})
 # SQLITE_BUSY, SQLITE_LOCKED: at open, another process holds the file's lock (a sqlite3
 # shell in exclusive locking mode, a backup tool), past the busy timeout
 _IN_USE = frozenset({5, 6})
+# SQLITE_CORRUPT, SQLITE_NOTADB: at open, the file's content, which no restart mends
+_DAMAGED = frozenset({11, 26})
 # SQLITE_BUSY alone in a transaction: SQLITE_LOCKED there is a conflict within gpud's own
 # connection (a table dropped while a statement reads it), a bug no other process causes
 _BUSY = 5
@@ -96,6 +98,8 @@ def _open_error(path: Path, err: sqlite3.Error) -> StateError:
             f"read and write it and to create files in {path.parent} (owner, mode, a "
             "read-only mount?)"
         )
+    if code in _DAMAGED:
+        return StateDamaged(_unreadable(path, str(err)))
     return StateError(_unreadable(path, str(err)))
 
 
@@ -175,12 +179,12 @@ def _check_kept(path: Path, table: str) -> None:
     wal = path.with_name(path.name + "-wal")
     with contextlib.suppress(OSError):
         if wal.stat().st_size:
-            raise StateError(
+            raise StateDamaged(
                 f"state database {path} reads as another database ({tables}) through "
                 f"{wal}, a write-ahead log another database left: move {wal} aside (neither "
                 "file was changed), then start gpud again"
             )
-    raise StateError(_unreadable(path, f"{tables}: another program's database?"))
+    raise StateDamaged(_unreadable(path, f"{tables}: another program's database?"))
 
 
 class StateStore:
@@ -202,7 +206,8 @@ class StateStore:
         kept_table: str | None = None,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
-        ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
+        ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked; a
+        :class:`StateDamaged` when its content, not the disk or a lock, is the cause.
         ``kept_table``: a table every database the daemon wrote holds (made at its first
         start); one that holds tables but not this one is refused, naming the tables it
         holds: another program's database, or one into which SQLite's open replayed a
@@ -245,11 +250,11 @@ class StateStore:
             # (the first start writes its tables), so this one was truncated
             found = self.path.stat()
             if found.st_size == 0 and stat.S_ISREG(found.st_mode):
-                raise StateError(_unreadable(self.path, "empty: 0 bytes, truncated?"))
+                raise StateDamaged(_unreadable(self.path, "empty: 0 bytes, truncated?"))
             if not stat.S_ISREG(found.st_mode):
                 # SQLite says only "unable to open database file", as for a mode or owner
                 kind = "a directory" if stat.S_ISDIR(found.st_mode) else "not a regular file"
-                raise StateError(
+                raise StateDamaged(
                     f"state database {self.path} is {kind}, not the database file: move it "
                     "aside (a backup restored into it: put its state.db in its place), then "
                     "start gpud again"
@@ -281,7 +286,7 @@ class StateStore:
             raise _open_error(self.path, err) from None
         if damage != ["ok"]:
             self._conn.close()
-            raise StateError(_unreadable(self.path, "; ".join(damage)))
+            raise StateDamaged(_unreadable(self.path, "; ".join(damage)))
         self._file = _file_id(self.path)
         # the write-ahead log: the open (its quick_check) made it, and SQLite keeps it while a
         # connection is open; committed changes live in it until a checkpoint
@@ -397,7 +402,7 @@ class StateStore:
                 for column in [c for c in missing if (name, c) in adding]:
                     conn.execute(f'ALTER TABLE "{name}" ADD COLUMN {adding[(name, column)]}')
                 if missing := [c for c in missing if (name, c) not in adding]:
-                    raise StateError(
+                    raise StateDamaged(
                         _unreadable(
                             self.path,
                             f"table {name} has no column {', '.join(missing)}: "

@@ -35,8 +35,9 @@ def test_unit_has_what_operators_rely_on() -> None:
         "Type=notify",
         "WatchdogSec=",
         "Restart=on-failure",
-        # a config error, no driver or library, no permission: restarting cannot mend them
-        "RestartPreventExitStatus=2 69 77",
+        # a config error, a damaged state database, no driver or library, no permission:
+        # restarting cannot mend them
+        "RestartPreventExitStatus=2 65 69 77",
         "StateDirectory=gpud",
         "RuntimeDirectory=gpud",
         "ExecReload=/bin/kill -HUP $MAINPID",

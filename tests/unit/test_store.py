@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gpud.cli.main import DEFAULT_TIMEOUT
-from gpud.errors import StateError, StateInUse, StateUnwritable, classify
-from gpud.main import main
+from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable, classify
+from gpud.main import EXIT_STATE_DAMAGED, main
 from gpud.store import DB_NAME, StateStore
 from tests.unit.api_support import short_dir
 from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
@@ -401,7 +401,7 @@ def test_a_damaged_header_names_the_file(tmp_path: Path) -> None:
     fill(tmp_path)
     with (tmp_path / DB_NAME).open("r+b") as f:
         f.write(b"not a database at all" * 10)
-    with pytest.raises(StateError, match=rf"{tmp_path / DB_NAME} is unreadable .*move it aside"):
+    with pytest.raises(StateDamaged, match=rf"{tmp_path / DB_NAME} is unreadable .*move it aside"):
         StateStore(tmp_path)
 
 
@@ -410,27 +410,39 @@ def test_a_damaged_page_is_found_at_start(tmp_path: Path) -> None:
     with (tmp_path / DB_NAME).open("r+b") as f:
         f.seek(size // 2)
         f.write(os.urandom(4096))
-    with pytest.raises(StateError, match="is unreadable"):
+    with pytest.raises(StateDamaged, match="is unreadable"):
         StateStore(tmp_path)
 
 
-def test_the_daemon_stops_with_the_reason(
+def restart_prevented() -> list[str]:
+    """The exit statuses after which the shipped unit does not start gpud again."""
+    unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
+    (prevent,) = [ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus=")]
+    return prevent.partition("=")[2].split()
+
+
+def test_a_damaged_database_stops_the_daemon_with_the_reason_and_is_not_restarted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Exit 1 was restarted every few seconds for good, repeating the error: no start reads
+    the file better than the last one did."""
     state = tmp_path / "state"
     state.mkdir()
     (state / DB_NAME).write_bytes(b"garbage" * 1000)
     with short_dir() as run:
         args = ["--simulate", "--state-dir", str(state), "--run-dir", str(run)]
         args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
-        assert main(args) == 1
-    assert f"gpud: state database {state / DB_NAME} is unreadable" in capsys.readouterr().err
+        assert main(args) == EXIT_STATE_DAMAGED == 65  # sysexits.h EX_DATAERR
+    err = capsys.readouterr().err
+    assert f"gpud: state database {state / DB_NAME} is unreadable" in err
+    assert err.rstrip().endswith("(gpud is not restarted for this: start it again once mended)")
+    assert "65" in restart_prevented()
 
 
 def test_an_empty_database_file_is_refused_not_taken_for_a_new_one(tmp_path: Path) -> None:
     fill(tmp_path)
     (tmp_path / DB_NAME).write_bytes(b"")  # truncated
-    with pytest.raises(StateError, match=r"is unreadable \(empty: 0 bytes, truncated\?\)"):
+    with pytest.raises(StateDamaged, match=r"is unreadable \(empty: 0 bytes, truncated\?\)"):
         StateStore(tmp_path)
 
 
@@ -450,7 +462,7 @@ def test_a_directory_in_the_database_s_place_is_named_as_one(tmp_path: Path) -> 
     """Not "gpud's user must be able to read and write it" (owner, mode): nothing of the
     sort would let SQLite open a directory."""
     (tmp_path / DB_NAME).mkdir()  # a backup restored into a directory of that name
-    with pytest.raises(StateError) as caught:
+    with pytest.raises(StateDamaged) as caught:
         StateStore(tmp_path)
     assert str(caught.value) == (
         f"state database {tmp_path / DB_NAME} is a directory, not the database file: move it"
@@ -491,6 +503,7 @@ def test_a_full_or_failing_disk_at_open_is_not_called_damage(
     with pytest.raises(StateError) as caught:
         StateStore(tmp_path)
     text = str(caught.value)
+    assert not isinstance(caught.value, StateDamaged)  # exit 1: restarted, space can be freed
     assert text.startswith(f"cannot open the state database {tmp_path / DB_NAME} ({why})")
     assert f"free space in {tmp_path}" in text
     assert "move it aside" not in text and "unreadable" not in text
@@ -501,7 +514,7 @@ def test_a_table_of_another_layout_is_refused_at_start(tmp_path: Path) -> None:
     store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
     store.close()
     store = StateStore(tmp_path)
-    with pytest.raises(StateError, match=r"table t has no column v, w: written by another gpud"):
+    with pytest.raises(StateDamaged, match=r"table t has no column v, w: written by another gpud"):
         store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT, w)"])
     store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
     store.close()
@@ -556,7 +569,7 @@ def test_the_daemon_stops_on_a_database_of_an_older_layout(
     with short_dir() as run:
         args = ["--simulate", "H100-SXM5-80GB:1", "--state-dir", str(state), "--run-dir", str(run)]
         args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
-        assert main(args) == 1
+        assert main(args) == EXIT_STATE_DAMAGED  # no restart installs the other version
     err = capsys.readouterr().err
     assert f"gpud: state database {state / DB_NAME} is unreadable (table jobs has no column" in err
     assert "Traceback" not in err
@@ -597,7 +610,7 @@ def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept
     db = _jobs_database(tmp_path)
     log = _another_databases_wal(tmp_path)
     wal = tmp_path / f"{DB_NAME}-wal"
-    with pytest.raises(StateError) as caught:
+    with pytest.raises(StateDamaged) as caught:
         StateStore(tmp_path, kept_table="jobs")
     assert str(caught.value) == (
         f"state database {tmp_path / DB_NAME} reads as another database (tables x, not jobs,"
@@ -618,7 +631,7 @@ def test_another_program_s_database_is_refused_and_a_new_one_taken(tmp_path: Pat
     other.execute("CREATE TABLE x (a)")
     other.commit()
     other.close()
-    with pytest.raises(StateError, match=r"is unreadable \(tables x, not jobs, which every"):
+    with pytest.raises(StateDamaged, match=r"is unreadable \(tables x, not jobs, which every"):
         StateStore(tmp_path, kept_table="jobs")
     StateStore(tmp_path / "new", kept_table="jobs").close()  # no tables yet: a first start
 
@@ -633,9 +646,10 @@ def test_the_daemon_stops_on_another_database_s_wal_and_names_it(
     with short_dir() as run:
         args = ["--simulate", "H100-SXM5-80GB:1", "--state-dir", str(state), "--run-dir", str(run)]
         args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
-        assert main(args) == 1
+        assert main(args) == EXIT_STATE_DAMAGED
     err = capsys.readouterr().err
     assert f"move {state / DB_NAME}-wal aside (neither file was changed)" in err
+    assert "not restarted for this" in err and str(EXIT_STATE_DAMAGED) in restart_prevented()
     assert "Traceback" not in err
 
 
@@ -1017,6 +1031,7 @@ def test_a_database_in_use_by_another_process_says_to_stop_it_not_to_move_it(
         holder.execute("COMMIT")
         holder.close()
     text = str(caught.value)
+    assert not isinstance(caught.value, StateDamaged)  # exit 1: restarted, it can let go
     assert text.startswith(f"state database {state / DB_NAME} is in use by another process")
     assert text.endswith("stop it, then start gpud again; nothing was changed")
     assert "move it aside" not in text and "unreadable" not in text
