@@ -207,6 +207,9 @@ class MpsDeviceStatus:
     servers: tuple[int, ...]
     restarts: int
     last_error: str
+    # from set_limits only: whether it changed the threads or memory default the device had
+    # (one its running MPS servers' clients keep till they exit); False in any other status
+    limits_changed: bool = False
 
 
 @dataclass(slots=True)
@@ -557,6 +560,7 @@ class MpsManager:
                 if enabled is not None:
                     new = replace(new, enabled=enabled)
                 self._save_limits(target, new)
+        changed = _client_limits(old) != _client_limits(new)
         if self.enabled and (dev.up or dev.daemon.pid() is None):
             if not self._reconcile_device(
                 target, force_check=True, requested=True, timeout_s=self._request_timeout_s
@@ -565,6 +569,7 @@ class MpsManager:
                 self.status()
                 return replace(
                     self._status(target, self.limits(target.uuid)),
+                    limits_changed=changed,
                     up=False,
                     last_error=f"the MPS control daemon of {_label(target)} is still busy with"
                     f" a command after {self._request_timeout_s:g} s; it gets the limits once"
@@ -573,7 +578,7 @@ class MpsManager:
         else:
             dev.requested = True
         self.status()
-        return self._status(target, self.limits(target.uuid))
+        return replace(self._status(target, self.limits(target.uuid)), limits_changed=changed)
 
     def _refuse_while_limits_wait(self, target: MpsTarget) -> None:
         """A re-created MIG device whose limits wait to be moved to it (:meth:`observe`):
@@ -2419,6 +2424,12 @@ def _where(target: MpsTarget | None, uuid: str = "") -> dict[str, object]:
         if target.gpu_uuid:
             where["gpu_uuid"] = target.gpu_uuid
     return where
+
+
+def _client_limits(limits: MpsLimits) -> tuple[int, int | None]:
+    """The thread percentage and memory limit an MPS client gets under ``limits``: the
+    driver's default of 100 % and a limit set to 100 % are one."""
+    return limits.threads_percent or 100, limits.memory_bytes
 
 
 def _restart_loss(jobs: Sequence[str] | None, servers: Sequence[int]) -> str:
