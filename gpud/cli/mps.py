@@ -167,8 +167,21 @@ def run_set(ctx: Context, args: argparse.Namespace) -> int:
     if args.enabled is not None:
         request.enabled = args.enabled
     resp: pb.SetMpsLimitsResponse = ctx.call(ctx.stub(pb_grpc.MpsStub).SetMpsLimits, request)
-    limits = (args.threads, args.memory, args.clear_threads or None, args.clear_memory or None)
-    kept = kept_by_clients(resp.device) if any(v is not None for v in limits) else ""
+    # a gpud that predates ``limits_changed``: any limit asked for may have changed one
+    changed = (
+        resp.limits_changed
+        if resp.HasField("limits_changed")
+        else any(
+            v is not None
+            for v in (
+                args.threads,
+                args.memory,
+                args.clear_threads or None,
+                args.clear_memory or None,
+            )
+        )
+    )
+    kept = kept_by_clients(resp.device) if changed else ""
     if kept:
         ctx.out.note(kept)
     if ctx.out.json:

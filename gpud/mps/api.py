@@ -164,4 +164,6 @@ class MpsServicer(pb_grpc.MpsServicer):
         seen = self._last_seen().get(status.target.gpu)
         # what runs an earlier version made without a memory limit hold follows the default
         load = self._loads().get(target.uuid)
-        return pb.SetMpsLimitsResponse(device=device_message(status, load, seen))
+        return pb.SetMpsLimitsResponse(
+            device=device_message(status, load, seen), limits_changed=status.limits_changed
+        )

@@ -207,6 +207,9 @@ class MpsDeviceStatus:
     servers: tuple[int, ...]
     restarts: int
     last_error: str
+    # from set_limits only: whether it changed the threads or memory default the device had
+    # (one its running MPS servers' clients keep till they exit); False in any other status
+    limits_changed: bool = False
 
 
 @dataclass(slots=True)
@@ -557,6 +560,7 @@ class MpsManager:
                 if enabled is not None:
                     new = replace(new, enabled=enabled)
                 self._save_limits(target, new)
+        changed = _client_limits(old) != _client_limits(new)
         if self.enabled and (dev.up or dev.daemon.pid() is None):
             if not self._reconcile_device(
                 target, force_check=True, requested=True, timeout_s=self._request_timeout_s
@@ -565,6 +569,7 @@ class MpsManager:
                 self.status()
                 return replace(
                     self._status(target, self.limits(target.uuid)),
+                    limits_changed=changed,
                     up=False,
                     last_error=f"the MPS control daemon of {_label(target)} is still busy with"
                     f" a command after {self._request_timeout_s:g} s; it gets the limits once"
@@ -573,7 +578,7 @@ class MpsManager:
         else:
             dev.requested = True
         self.status()
-        return self._status(target, self.limits(target.uuid))
+        return replace(self._status(target, self.limits(target.uuid)), limits_changed=changed)
 
     def _refuse_while_limits_wait(self, target: MpsTarget) -> None:
         """A re-created MIG device whose limits wait to be moved to it (:meth:`observe`):
@@ -1630,6 +1635,9 @@ class MpsManager:
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
+        # the servers the daemon before was last seen with, read before the new daemon's
+        # (none yet) replace them: what a restart says its clients lost
+        lost_servers = dev.servers if restart else ()
         # the new daemon's PID file exists before its limits are applied: until then a
         # status read in between is not up (it would show the old limits and restart count)
         dev.up = False
@@ -1679,22 +1687,17 @@ class MpsManager:
         # the daemon before (dead, or killed for not answering) took its MPS servers with it,
         # and their clients' contexts: nothing else tells a job that its processes lost them
         jobs = self._holding_jobs(target)
-        lost = (
-            ""
-            if not jobs
-            else f"; job {jobs[0]} held the device: its MPS clients lost their server"
-            if len(jobs) == 1
-            else f"; jobs {', '.join(jobs)} held the device: their MPS clients lost their server"
-        )
+        lost = _restart_loss(jobs, lost_servers)
         self._events.emit(
             "mps.restart",
             f"restarted the MPS control daemon of {_label(target)} ({target.uuid}, pid {pid})"
             f" with threads {_pct(desired.threads_percent)}, memory {_mem(desired.memory_bytes)}"
-            f"{lost + ' with the daemon before' if lost else ''}",
+            f"{lost}",
             **_where(target),
             pid=pid,
             restarts=dev.restarts,
             jobs=None if jobs is None else list(jobs),
+            servers=list(lost_servers),
         )
 
     def _check(
@@ -2421,6 +2424,49 @@ def _where(target: MpsTarget | None, uuid: str = "") -> dict[str, object]:
         if target.gpu_uuid:
             where["gpu_uuid"] = target.gpu_uuid
     return where
+
+
+def _client_limits(limits: MpsLimits) -> tuple[int, int | None]:
+    """The thread percentage and memory limit an MPS client gets under ``limits``: the
+    driver's default of 100 % and a limit set to 100 % are one."""
+    return limits.threads_percent or 100, limits.memory_bytes
+
+
+def _restart_loss(jobs: Sequence[str] | None, servers: Sequence[int]) -> str:
+    """What an ``mps.restart`` message adds on what the daemon before took with it: its MPS
+    servers (the pids its last answer listed), and with them their clients' contexts, or
+    none when no server ran; and the jobs holding the device then (None: not read)."""
+    held = (
+        "the jobs holding the device were not read"
+        if jobs is None
+        else ""
+        if not jobs
+        else f"job {jobs[0]} held the device"
+        if len(jobs) == 1
+        else f"jobs {', '.join(jobs)} held the device"
+    )
+    if not servers:
+        if not held:
+            return ""
+        if jobs is None:
+            return f"; {held}, and no MPS server ran"
+        return f"; {held} with no MPS server running"
+    pids = (
+        f"server (pid {servers[0]})"
+        if len(servers) == 1
+        else f"servers (pids {', '.join(map(str, servers))})"
+    )
+    clients = (
+        "its MPS clients"
+        if jobs is not None and len(jobs) == 1
+        else "their MPS clients"
+        if jobs
+        else "the MPS clients"
+    )
+    lost = f"{clients} lost their {pids} with the daemon before"
+    if jobs is None:
+        return f"; {lost}; {held}"
+    return f"; {held}: {lost}" if jobs else f"; no job held the device: {lost}"
 
 
 def _matches(desired: MpsLimits, threads: float, memory: int | None) -> bool:

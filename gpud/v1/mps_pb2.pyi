@@ -267,17 +267,25 @@ class SetMpsLimitsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEVICE_FIELD_NUMBER: _builtins.int
+    LIMITS_CHANGED_FIELD_NUMBER: _builtins.int
+    limits_changed: _builtins.bool
+    """Whether the threads or memory default changed (clients already connected keep the one
+    before); absent from a gpud that predates it.
+    """
     @_builtins.property
     def device(self) -> Global___MpsDevice: ...
     def __init__(
         self,
         *,
         device: Global___MpsDevice | None = ...,
+        limits_changed: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_limits_changed", b"_limits_changed", "device", b"device", "limits_changed", b"limits_changed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limits_changed", b"_limits_changed", "device", b"device", "limits_changed", b"limits_changed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__limits_changed: _TypeAlias = _typing.Literal["limits_changed"]  # noqa: Y015
+    _WhichOneofArgType__limits_changed: _TypeAlias = _typing.Literal["_limits_changed", b"_limits_changed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limits_changed) -> _WhichOneofReturnType__limits_changed | None: ...
 
 Global___SetMpsLimitsResponse: _TypeAlias = SetMpsLimitsResponse  # noqa: Y015

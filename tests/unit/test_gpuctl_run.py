@@ -44,6 +44,7 @@ from gpud.v1 import (
     colo_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
+    mps_pb2,
     net_pb2,
     net_pb2_grpc,
     queue_pb2,
@@ -88,12 +89,13 @@ def serving(
     mps_on: bool = True,
     control: list[str] | None = None,
     jobs_api: type[JobsServicer] = JobsServicer,
+    mps_api: type[MpsServicer] = MpsServicer,
     gpus: Snapshot = NODE,
     products: dict[int, str] | None = None,
 ) -> Iterator[Node]:
     """The node's MPS and jobs services on a socket, with ``extra`` registrars; ``control``:
-    the MPS control daemon's command (default: the fake); ``jobs_api``: the jobs servicer;
-    ``gpus``: the node's GPUs; ``products``: their product keys (default: none known)."""
+    the MPS control daemon's command (default: the fake); ``jobs_api``, ``mps_api``: the
+    jobs and MPS servicers; ``gpus``: the node's GPUs; ``products``: their product keys (default: none known)."""
     with short_dir() as root:
         mps, store, events = make_manager(root, control, enabled=mps_on)
         socket = root / "gpud.sock"
@@ -103,7 +105,7 @@ def serving(
             server = ApiServer(
                 socket,
                 servicers=[
-                    MpsServicer(mps, loads=jobs.loads).register,
+                    mps_api(mps, loads=jobs.loads).register,
                     jobs_api(jobs).register,
                     *extra,
                 ],
@@ -216,6 +218,53 @@ def test_a_limit_changed_under_connected_clients_says_they_keep_theirs(
     # enabling changes no limit: nothing to say
     assert node.ctl("mps", "set", "--gpu", "1", "--enable") == 0
     assert "keep" not in capsys.readouterr().err
+
+
+def test_a_set_that_changes_no_limit_says_nothing_of_running_clients(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Limits asked for that the device already has (the same threads, 100 % for the
+    default, a memory limit cleared where none is) change nothing for the clients that run:
+    ``gpuctl mps set`` says nothing of them, and says it again once a limit changes."""
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "40") == 0
+    node.mps.start_server("1", os.getuid())
+    capsys.readouterr()
+    for same in (["--threads", "40"], ["--clear-memory"], ["--threads", "40", "--enable"]):
+        assert node.ctl("mps", "set", "--gpu", "1", *same) == 0
+        assert "keep" not in capsys.readouterr().err, same
+    assert node.ctl("--json", "mps", "set", "--gpu", "1", "--threads", "40") == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["limits_changed"] is False and not answer.get("notes")
+    assert node.ctl("mps", "set", "--gpu", "1", "--clear-threads") == 0
+    assert "keep the limits they connected with" in capsys.readouterr().err
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "100") == 0
+    assert "keep" not in capsys.readouterr().err
+
+
+class Predates(MpsServicer):
+    """A gpud from before ``limits_changed``: its answer to a set has none."""
+
+    async def SetMpsLimits(
+        self, request: mps_pb2.SetMpsLimitsRequest, context: Any
+    ) -> mps_pb2.SetMpsLimitsResponse:
+        answer = await super().SetMpsLimits(request, context)
+        answer.ClearField("limits_changed")
+        return answer
+
+
+def test_a_gpud_that_does_not_say_whether_a_limit_changed_gets_the_note_for_any_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Against a gpud that does not answer ``limits_changed``, any limit asked for may
+    have changed one: servers running, the note is said, as that gpud's own gpuctl did."""
+    with serving(mps_api=Predates) as n:
+        assert n.ctl("mps", "set", "--gpu", "1", "--threads", "40") == 0
+        (server,) = n.mps.start_server("1", os.getuid())
+        capsys.readouterr()
+        assert n.ctl("mps", "set", "--gpu", "1", "--threads", "40") == 0
+        assert f"MPS server {server} that run now keep" in capsys.readouterr().err
+        assert n.ctl("mps", "set", "--gpu", "1", "--enable") == 0
+        assert "keep" not in capsys.readouterr().err
 
 
 def held_by_server(node: Node, uuid: str, server: int) -> dict[str, object]:

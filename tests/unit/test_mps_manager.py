@@ -969,29 +969,82 @@ def test_a_killed_daemon_is_restarted_with_the_same_limits(root: Path) -> None:
         store.close()
 
 
+def kill_daemons(mgr: MpsManager) -> None:
+    """SIGKILL every control daemon, behind the manager's back."""
+    for status in mgr.status():
+        assert status.pid is not None
+        os.kill(status.pid, signal.SIGKILL)
+        wait_dead(status.pid)
+
+
 def test_a_daemon_killed_behind_gpuds_back_is_restarted_naming_the_jobs_it_served(
     root: Path,
 ) -> None:
-    """A control daemon killed with its MPS servers (and their clients) under a job: the
-    restart names the jobs holding the device, whose clients lost their server, as a skipped
-    start does; one on a device no job holds names none."""
+    """A control daemon killed with its MPS server (and its clients) under a job: the
+    restart names the jobs holding the device and the server pid its clients lost, as a
+    skipped start names the jobs; one on a device no job holds, with no server, names none."""
     mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(0): ["train-7"]})
     try:
         mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
-        pids = [s.pid for s in mgr.status()]
-        for pid in pids:
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            wait_dead(pid)
+        (server,) = mgr.start_server("0", os.getuid())
+        kill_daemons(mgr)
         mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
         said = {e.fields["gpu"]: e for e in events.recent(kind_prefix="mps.restart")}
         assert said[0].fields["jobs"] == ["train-7"]
+        assert said[0].fields["servers"] == [server]
         assert said[0].message.endswith(
-            "; job train-7 held the device: its MPS clients lost their server with the"
-            " daemon before"
+            f"; job train-7 held the device: its MPS clients lost their server (pid {server})"
+            " with the daemon before"
         )
-        assert said[1].fields["jobs"] == []
+        assert said[1].fields["jobs"] == [] and said[1].fields["servers"] == []
         assert said[1].message.endswith("memory unlimited")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_restart_under_a_job_that_ran_no_mps_server_says_no_client_lost_one(
+    root: Path,
+) -> None:
+    """A job holds the device but none of its processes connected (so no MPS server ran):
+    the daemon's restart says so, and not that its clients lost their server."""
+    mgr, store, events = make_manager(root, holding=lambda: {gpu_uuid(0): ["train-7", "eval"]})
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        kill_daemons(mgr)
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        (said,) = events.recent(kind_prefix="mps.restart")
+        assert said.fields["jobs"] == ["train-7", "eval"] and said.fields["servers"] == []
+        assert said.message.endswith(
+            "memory unlimited; jobs train-7, eval held the device with no MPS server running"
+        )
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_restart_is_said_though_the_jobs_holding_the_device_cannot_be_read(
+    root: Path,
+) -> None:
+    """A state database that does not read as a daemon with a server is restarted: the
+    restart still names the server its clients lost, its ``jobs`` null (not the none of
+    an unheld device), and says the jobs were not read."""
+
+    def corrupt() -> dict[str, list[str]]:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    mgr, store, events = make_manager(root, holding=corrupt)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        (server,) = mgr.start_server("0", os.getuid())
+        kill_daemons(mgr)
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        (said,) = events.recent(kind_prefix="mps.restart")
+        assert said.fields["jobs"] is None and said.fields["servers"] == [server]
+        assert said.message.endswith(
+            f"; the MPS clients lost their server (pid {server}) with the daemon before;"
+            " the jobs holding the device were not read"
+        )
     finally:
         mgr.stop()
         store.close()
