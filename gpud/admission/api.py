@@ -27,7 +27,7 @@ from gpud.admission.service import (
     request_of,
 )
 from gpud.api.access import ReportTokens
-from gpud.api.validate import int_range, non_empty, optional, optional_pid
+from gpud.api.validate import int_range, non_empty, optional, optional_pid, request_id
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.env import REPORT_TOKEN_VAR
@@ -76,6 +76,7 @@ def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
         client_priority=optional(request, "client_priority"),
         holder_pid=optional_pid(request, "holder_pid"),
         holder_pid_namespace=optional(request, "holder_pid_namespace"),
+        request_id=request_id(request.request_id),
     )
 
 

@@ -61,7 +61,13 @@ from gpud.histogram import Histogram
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
-from gpud.jobs.service import JobService, NotPlacedOn, RunRequest, unhealthy_text
+from gpud.jobs.service import (
+    JobService,
+    NotPlacedOn,
+    RunRequest,
+    request_arguments,
+    unhealthy_text,
+)
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
@@ -86,7 +92,9 @@ SCHEMA = (
         changed_at REAL NOT NULL,
         left_why TEXT,
         holder_uid INTEGER,
-        left_by TEXT
+        left_by TEXT,
+        request_id TEXT,
+        asked TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -110,7 +118,7 @@ SCHEMA = (
 # Columns added since the first version of these tables: an older state.db gets them at start.
 ADDED = {
     "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at", "holder_uid"),
-    "admission_queue": ("left_why", "holder_uid", "left_by"),
+    "admission_queue": ("left_why", "holder_uid", "left_by", "request_id", "asked"),
 }
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
@@ -467,15 +475,54 @@ class AdmissionService:
 
     # -- API ------------------------------------------------------------------------------
     def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
+        """Queue ``request``; its entry as it is now. With a ``request.request_id``, an entry
+        kept for that id (queued, or ended less than DONE_KEEP_S ago) is answered as it is
+        now, nothing queued again: the same call tried again after its answer was lost. The
+        same id with other fields (or another ``keep_unfeasible``) is refused
+        (FailedPrecondition naming the id)."""
         if not self.config.enabled:
             raise FailedPrecondition(OFF)
-        entry_id = self._enqueue(self._jobs.resolved(request), keep_unfeasible=keep_unfeasible)
+        asked = json.dumps(
+            {"request": request_arguments(request), "keep_unfeasible": keep_unfeasible},
+            sort_keys=True,
+        )
+        entry_id = self._enqueue(
+            self._jobs.resolved(request), keep_unfeasible=keep_unfeasible, asked=asked
+        )
         self.tick()
         return self.view(entry_id)
 
-    def _enqueue(self, request: RunRequest, *, keep_unfeasible: bool) -> str:
+    def _queued_for(self, request_id: str, asked: str) -> str | None:
+        """The id of the entry kept for the caller's ``request_id``, asked as ``asked``;
+        None when none is kept."""
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT id, job, asked FROM admission_queue WHERE request_id = ? ORDER BY seq",
+                (request_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        if row["asked"] != asked:
+            raise FailedPrecondition(
+                f"request id {request_id!r} was given to queue entry {row['id']} of job"
+                f" {row['job']} with other fields: a new entry needs a new request id"
+            )
+        log.info(
+            "job %s: queue entry %s asked again with request id %s: answered as kept",
+            row["job"],
+            row["id"],
+            request_id,
+        )
+        return str(row["id"])
+
+    def _enqueue(self, request: RunRequest, *, keep_unfeasible: bool, asked: str) -> str:
         """:meth:`enqueue` up to the entry kept; its id."""
         with self._jobs.locked():
+            if (
+                request.request_id
+                and (kept := self._queued_for(request.request_id, asked)) is not None
+            ):
+                return kept
             # A new job is registered in its entry's transaction: a crash or a refusal
             # before then leaves no job behind.
             job, new = self._jobs.job_for(request)
@@ -497,6 +544,7 @@ class AdmissionService:
                 )
             stored = replace(
                 request,
+                request_id="",  # its entry's: the reservation it starts is the queue's
                 devices=spec.devices,
                 mig_profile=spec.mig_profile,
                 gpu_count=spec.gpu_count,
@@ -532,8 +580,8 @@ class AdmissionService:
                     job = self._jobs.registry.add(job)
                 conn.execute(
                     "INSERT INTO admission_queue (id, job, request, holder_pid, holder_start,"
-                    " holder_uid, enqueued_at, quote_s, state, changed_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " holder_uid, enqueued_at, quote_s, state, changed_at, request_id, asked)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         entry_id,
                         job.name,
@@ -545,6 +593,8 @@ class AdmissionService:
                         quote if quote is not None and math.isfinite(quote) else None,
                         QUEUED,
                         now,
+                        request.request_id or None,
+                        asked if request.request_id else None,
                     ),
                 )
         if new:

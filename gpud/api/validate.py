@@ -148,6 +148,20 @@ def non_empty(value: str, *, field: str, max_len: int = 256) -> str:
     return value
 
 
+# A caller's request id (ReserveRequest.request_id): a uuid4 is 36 characters.
+MAX_REQUEST_ID = 128
+
+
+def request_id(value: str, *, field: str = "request_id") -> str:
+    """A caller's request id: empty (none), or up to :data:`MAX_REQUEST_ID` printable ASCII
+    characters; it is kept in the state database and said in refusals and logs."""
+    if len(value) > MAX_REQUEST_ID:
+        raise InvalidArgument(f"longer than {MAX_REQUEST_ID} characters", field=field)
+    if not all(" " < c <= "~" for c in value):
+        raise InvalidArgument("printable ASCII without spaces only (a uuid4, for one)", field=field)
+    return value
+
+
 def optional(message: Any, field: str) -> Any:
     """A proto3 ``optional`` field's value, or None when the request does not set it."""
     return getattr(message, field) if message.HasField(field) else None

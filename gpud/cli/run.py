@@ -72,6 +72,7 @@ import secrets
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +151,9 @@ RELEASE_WAIT_S = 60.0
 # while gpud is away is a refused connect() on a local socket)
 RELEASE_RETRY_S = 0.25
 RELEASE_RETRY_MAX_S = 2.0
+# How many times in all `gpuctl run` asks gpud for a reservation whose answer did not come
+# (each with the same request id, which gpud reserves once)
+RESERVE_TRIES = 3
 # How long a stopped `gpuctl run` waits for gpud to take back its wait or reservation on
 # the way out: whoever stopped it waits for it to end, and gpud drops them by itself anyway.
 LEAVE_TIMEOUT_S = 2.0
@@ -293,9 +297,55 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
         holder_pid=os.getpid(),
         # in a container, gpud numbers this process otherwise: it finds it by both
         holder_pid_namespace=own_namespace(),
+        # this reservation's own: a try again after a lost answer gets the one gpud made
+        request_id=str(uuid.uuid4()),
     )
     fill_placement(request, args)
     return request
+
+
+def asked_once(
+    ctx: Context,
+    method: Callable[[Context], Any],
+    request: pb.ReserveRequest,
+    stop: _Stop,
+    *,
+    message: object | None = None,
+) -> Any:
+    """``method(ctx)`` (a stub's method on the channel open then) called
+    with ``message`` (default ``request``), asked again (up to RESERVE_TRIES in all,
+    RELEASE_RETRY_S apart, until a signal) when no answer came (past ``--timeout``, or gpud
+    went away or was not there): gpud keeps ``request.request_id`` with the reservation or
+    queue entry it made and answers a try again with it, so a first try whose answer was
+    lost is not done twice. A try with no answer after the last is said as gpud's error;
+    what it may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
+    exits."""
+    tries = 1
+    while True:
+        try:
+            # The stub is taken for each try: a wait through a gpud restart has closed the
+            # channel it started on.
+            return ctx.call(method(ctx), request if message is None else message)
+        except CliError as err:
+            if err.exit_code != EXIT_NOT_RUNNING or tries == RESERVE_TRIES or stop.is_set():
+                raise
+            tries += 1
+            print(
+                f"gpuctl: {err}; asking again as request {request.request_id} (gpud does it once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            ctx.close()  # a fresh channel: gpud may have restarted
+            if stop.wait_until(time.monotonic() + RELEASE_RETRY_S):
+                raise
+
+
+def _reserve(ctx: Context) -> Any:
+    return ctx.stub(pb_grpc.JobsStub).Reserve
+
+
+def _enqueue(ctx: Context) -> Any:
+    return ctx.stub(queue_pb2_grpc.QueueStub).Enqueue
 
 
 NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would not help
@@ -389,9 +439,9 @@ def _reserve_advised(
         if not advise(ctx, args, request, stop, notes):
             return None
         try:
-            # The stub is taken after the advice: a wait through a gpud restart has
-            # closed the channel it started on.
-            resp: pb.ReserveResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Reserve, request)
+            # after the advice: a wait through a gpud restart has closed the channel it
+            # started on, and reserve() takes its stub on the channel open then
+            resp: pb.ReserveResponse = asked_once(ctx, _reserve, request, stop)
             _say(notes)
             return resp
         except CliError as err:
@@ -1033,8 +1083,9 @@ def wait_in_queue(
     holder judged gone). ``why``: why it could not start at once, said once when it joins the queue,
     after ``notes`` (why co-location's advice was not followed). ``clock``: what the pace of
     the questions (POLL_S apart at least) is measured by."""
-    queue = ctx.stub(queue_pb2_grpc.QueueStub)
-    entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
+    entry: queue_pb2.QueueEntry = asked_once(
+        ctx, _enqueue, request, stop, message=queue_pb2.EnqueueRequest(request=request)
+    )
     if not stop.is_set():  # else it leaves at once: why it was placed so matters no more
         _say(notes or [])
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():

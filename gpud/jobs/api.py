@@ -17,7 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 from gpud.api.access import ReportTokens
-from gpud.api.validate import int_range, non_negative_seconds, optional, optional_pid
+from gpud.api.validate import (
+    int_range,
+    non_negative_seconds,
+    optional,
+    optional_pid,
+    request_id,
+)
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
@@ -209,6 +215,7 @@ class JobsServicer(pb_grpc.JobsServicer):
                     holder_pid_namespace=optional(request, "holder_pid_namespace"),
                     advised_devices=tuple(request.advised_devices),
                     advised_threads_percent=optional(request, "advised_threads_percent"),
+                    request_id=request_id(request.request_id),
                 )
             )
             return pb.ReserveResponse(

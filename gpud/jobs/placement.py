@@ -52,12 +52,33 @@ SCHEMA = (
         created_at REAL NOT NULL,
         default_memory TEXT,
         report_token TEXT,
-        holder_uid INTEGER
+        holder_uid INTEGER,
+        request_id TEXT,
+        request TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS job_reservations_job ON job_reservations (job)",
 )
 # columns of job_reservations that earlier versions lack: NULL in their rows
-ADDED = {"job_reservations": ("default_memory", "report_token", "holder_uid")}
+ADDED = {
+    "job_reservations": (
+        "default_memory",
+        "report_token",
+        "holder_uid",
+        "request_id",
+        "request",
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """The caller's request id of a reservation and what it was made for: ``arguments``,
+    the request's fields as the jobs service compares them, and ``created_job``, whether
+    that reservation registered its job (what the first answer said)."""
+
+    request_id: str
+    arguments: str
+    created_job: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,11 +319,13 @@ class Reservations:
         holder_pid: int | None,
         defaults: Mapping[str, int] | None = None,
         holder_uid: int | None = None,
+        asked: Asked | None = None,
     ) -> Reservation:
         """``defaults``: without ``memory_bytes``, the MPS default memory limit of each
         device that has one, as placement counted it (it is counted so until it ends).
         ``holder_uid``: the holder's real UID as placement read it; None reads it now from
-        ``/proc/<holder_pid>/status`` (unknown without a holder)."""
+        ``/proc/<holder_pid>/status`` (unknown without a holder). ``asked``: the caller's
+        request id, kept with the row for :meth:`asked` while it is held."""
         rid = secrets.token_hex(6)
         token = secrets.token_urlsafe()
         recorded = None if memory_bytes is not None else dict(defaults or {})
@@ -314,7 +337,8 @@ class Reservations:
             conn.execute(
                 "INSERT INTO job_reservations (id, job, devices, threads_percent, memory_bytes,"
                 " client_priority, holder_pid, holder_start, created_at, default_memory,"
-                " report_token, holder_uid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " report_token, holder_uid, request_id, request)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rid,
                     job,
@@ -328,6 +352,8 @@ class Reservations:
                     None if recorded is None else json.dumps(recorded, sort_keys=True),
                     token,
                     holder_uid,
+                    None if asked is None else asked.request_id,
+                    None if asked is None else _asked_json(asked),
                 ),
             )
         return Reservation(
@@ -350,6 +376,21 @@ class Reservations:
         if row is None:
             raise NotFound(f"no reservation {rid!r}")
         return _reservation(row)
+
+    def asked(self, request_id: str) -> tuple[Reservation, Asked] | None:
+        """The reservation held that was made for the caller's ``request_id``, with what
+        it was asked for; None when none held now was (never made, or released since)."""
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT * FROM job_reservations WHERE request_id = ? ORDER BY created_at",
+                (request_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        stored = json.loads(row["request"])
+        return _reservation(row), Asked(
+            request_id, str(stored["arguments"]), bool(stored["created_job"])
+        )
 
     def held(self, job: str | None = None) -> list[Reservation]:
         """The reservations held (of ``job``, where given), oldest first, read through
@@ -407,6 +448,12 @@ class Reservations:
                 conn.execute("DELETE FROM job_reservations WHERE id = ?", (row["id"],))
                 gone.append(_reservation(row))
         return gone
+
+
+def _asked_json(asked: Asked) -> str:
+    return json.dumps(
+        {"arguments": asked.arguments, "created_job": asked.created_job}, sort_keys=True
+    )
 
 
 def _defaults(recorded: Mapping[str, int]) -> tuple[tuple[str, int], ...]:

@@ -5,13 +5,14 @@ memory and their MPS daemons).
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import (
+    Asked,
     DeviceLoad,
     Reservation,
     Reservations,
@@ -69,6 +71,17 @@ class RunRequest:
     # names a place or a thread share. Never registered with the job.
     advised_devices: tuple[str, ...] = ()
     advised_threads_percent: int | None = None
+    # The caller's id for this reservation: a repeat with the same id is answered with the
+    # reservation it made, not made again (:meth:`JobService.reserve`). "": none.
+    request_id: str = ""
+
+
+def request_arguments(request: RunRequest) -> str:
+    """``request``'s fields but its id, as a repeat of it must give them again: the same
+    text for the same fields, whatever the order they were given in."""
+    fields = asdict(replace(request, request_id=""))
+    del fields["request_id"]
+    return json.dumps(fields, sort_keys=True)
 
 
 # Called inside the transaction that adds ("reserve") or removes ("release") a reservation,
@@ -533,7 +546,17 @@ class JobService:
     ) -> Launch:
         """Register the job if new, place it, record the reservation (unless ``preview``),
         and return the environment to launch it with. Unless ``admitted`` (started by the
-        admission queue itself), the :attr:`gate` decides where it may start."""
+        admission queue itself), the :attr:`gate` decides where it may start.
+
+        With a ``request_id``, a reservation held that was made for it is answered as it was
+        then (nothing is placed, registered or said again): the same call tried again after
+        its answer was lost. Asked with other fields, it is refused (FailedPrecondition
+        naming the id)."""
+        asked = (
+            None
+            if preview or admitted or not request.request_id
+            else Asked(request.request_id, request_arguments(request), False)
+        )
         request = self.resolved(request)
         # A new job is registered in its first reservation's transaction: a crash or a
         # refusal before then leaves no job behind. With traffic on it is tagged before
@@ -547,6 +570,8 @@ class JobService:
                 self.job_for(request)  # a request refused as such is not tagged
                 self.ensure_tag(request.job)  # none left: refused before it holds anything
             with self._lock:
+                if asked is not None and (done := self._made_for(asked)) is not None:
+                    return done
                 job, registered = self.job_for(request)
                 # what was asked: the history's request (co-location's advice places this
                 # run only, on a device no replay or other node has)
@@ -592,6 +617,7 @@ class JobService:
                             holder_pid=request.holder_pid,
                             defaults=defaults,
                             holder_uid=uid,
+                            asked=None if asked is None else replace(asked, created_job=registered),
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)
@@ -608,6 +634,28 @@ class JobService:
                     )
             env = self.env_for(reservation)  # its tag still kept, if a new job's
         return Launch(job, reservation, env, registered)
+
+    def _made_for(self, asked: Asked) -> Launch | None:
+        """What the reservation held that was made for ``asked.request_id`` answered,
+        with the environment it has now; None when none held was made for it."""
+        found = self.reservations.asked(asked.request_id)
+        if found is None:
+            return None
+        reservation, first = found
+        if first.arguments != asked.arguments:
+            raise FailedPrecondition(
+                f"request id {asked.request_id!r} was given to reservation {reservation.id}"
+                f" of job {reservation.job} with other fields: a new reservation needs a new"
+                " request id"
+            )
+        log.info(
+            "job %s: reservation %s asked again with request id %s: answered as made",
+            reservation.job,
+            reservation.id,
+            asked.request_id,
+        )
+        job = self.registry.get(reservation.job)
+        return Launch(job, reservation, self.env_for(reservation), first.created_job)
 
     def gpu_indexes(self, devices: Sequence[str]) -> list[int]:
         """The NVML indexes of the GPUs ``devices`` (GPU or MIG device UUIDs) are on, as

@@ -393,6 +393,7 @@ class ReserveRequest(_message.Message):
     ADVISED_DEVICES_FIELD_NUMBER: _builtins.int
     ADVISED_THREADS_PERCENT_FIELD_NUMBER: _builtins.int
     HOLDER_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: Global___JobKind.ValueType
     """for a new job (default training); must match an existing one"""
@@ -411,6 +412,15 @@ class ReserveRequest(_message.Message):
     the reservation by the process that PID names there (found by /proc/<pid>/status
     NSpid), and the reservation shows gpud's PID of it; FAILED_PRECONDITION when gpud
     sees no such process. Unset: holder_pid is taken as gpud numbers processes.
+    """
+    request_id: _builtins.str
+    """The caller's id for this reservation (up to 128 printable ASCII characters; gpuctl run
+    makes a uuid4 for each run and sends it again when it asks again): a Reserve whose
+    answer was lost (its deadline passed, its connection dropped) is asked again with the
+    same id and the same fields, and gpud answers the reservation it made then rather than
+    making another. Kept with the reservation in the state database (through a gpud
+    restart) while the reservation is held; once it is released the id is forgotten.
+    The same id with other fields: FAILED_PRECONDITION naming the id. Empty: none.
     """
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -437,10 +447,11 @@ class ReserveRequest(_message.Message):
         advised_devices: _abc.Iterable[_builtins.str] | None = ...,
         advised_threads_percent: _builtins.int | None = ...,
         holder_pid_namespace: _builtins.int | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_devices", b"advised_devices", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_devices", b"advised_devices", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "request_id", b"request_id", "threads_percent", b"threads_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__advised_threads_percent: _TypeAlias = _typing.Literal["advised_threads_percent"]  # noqa: Y015
     _WhichOneofArgType__advised_threads_percent: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent"]  # noqa: Y015

@@ -2507,3 +2507,45 @@ def test_a_run_held_back_is_not_said_to_need_the_devices_of_a_lost_gpu(
         )
     finally:
         node.store.close()
+
+
+def test_an_enqueue_asked_again_with_its_request_id_is_one_entry_through_a_restart(
+    node: Node,
+) -> None:
+    """A caller whose answer was lost asks again with the same request id and fields: it
+    gets the entry it was queued as, through a gpud restart and once that entry started,
+    and nothing more is queued; another id is another entry."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    ask = replace(whole("b"), request_id="q-1")
+    first = node.admission.enqueue(ask).entry
+    again = node.admission.enqueue(ask).entry
+    assert again.id == first.id and again.state == QUEUED
+    assert [e.id for e in node.admission.entries()] == [first.id]
+    assert len(node.events.recent(kind_prefix="admission.queue")) == 1
+    node = node.restart()
+    assert node.admission.enqueue(ask).entry.id == first.id
+    node.jobs.release(a.id)
+    node.admission.tick()
+    started = node.admission.enqueue(ask)
+    assert started.entry.id == first.id and started.entry.state == STARTED
+    assert [r.job for r in node.jobs.reservations.held()] == ["b"]
+    assert node.admission.entries() == []
+    other = node.admission.enqueue(replace(ask, request_id="q-2")).entry
+    assert other.id != first.id
+    node.store.close()
+
+
+def test_a_request_id_queued_again_with_other_fields_is_refused_naming_it(node: Node) -> None:
+    node.jobs.reserve(whole("a", 2))
+    first = node.admission.enqueue(replace(whole("b"), request_id="q-1")).entry
+    with pytest.raises(FailedPrecondition, match=r"request id 'q-1' was given to queue entry"):
+        node.admission.enqueue(replace(whole("b", 2), request_id="q-1"))
+    with pytest.raises(FailedPrecondition, match=r"request id 'q-1'"):
+        node.admission.enqueue(replace(whole("b"), request_id="q-1"), keep_unfeasible=True)
+    assert [e.id for e in node.admission.entries()] == [first.id]
+
+
+def test_an_enqueue_with_a_request_id_that_could_not_be_kept_is_refused(node: Node) -> None:
+    request = jobs_pb2.ReserveRequest(job="b", gpu_count=1, request_id="no spaces")
+    with pytest.raises(InvalidArgument, match=r"^request_id: "):
+        run_request(request)

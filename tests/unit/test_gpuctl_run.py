@@ -3347,3 +3347,107 @@ def test_a_signal_while_the_command_is_held_gives_the_reservation_back_without_a
     assert got == 130, err
     assert "job h3 stopped (SIGTERM) before its command started" in err
     assert asked_after == []
+
+
+class AnswersFirstReserveTooLate(JobsServicer):
+    """Reserves as gpud does, but holds the answer to the first Reserve until its caller's
+    deadline has passed: the reservation is made and its answer lost. ``held``: how many
+    reservations were held after each Reserve; ``asked``: each Reserve's request id."""
+
+    held: ClassVar[list[int]] = []
+    asked: ClassVar[list[str]] = []
+
+    async def Reserve(
+        self, request: jobs_pb2.ReserveRequest, context: Any
+    ) -> jobs_pb2.ReserveResponse:
+        answer = await super().Reserve(request, context)
+        self.held.append(len(self._service.reservations.held()))
+        self.asked.append(request.request_id)
+        if len(self.asked) == 1:
+            while (left := context.time_remaining()) is not None and left > 0:
+                await asyncio.sleep(0.02)
+        return answer
+
+
+def test_a_reserve_whose_answer_came_past_its_deadline_is_asked_again_and_made_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpud reserved, but gpuctl's deadline passed before the answer came: gpuctl asks
+    again with the same request id and runs on the reservation gpud made the first time,
+    with no second one held."""
+    AnswersFirstReserveTooLate.held.clear()
+    AnswersFirstReserveTooLate.asked.clear()
+    out = tmp_path / "child.json"
+    with serving(jobs_api=AnswersFirstReserveTooLate) as n:
+        code = gpuctl(
+            ["--socket", str(n.socket), "--timeout", "1",
+             "run", "--job", "t", "--gpus", "1", "--memory", "20GiB",
+             "--", sys.executable, "-c", CHILD, str(out), "0"],
+            env={},
+        )  # fmt: skip
+        assert code == 0
+        assert n.jobs.reservations.held() == []
+    first, again = AnswersFirstReserveTooLate.asked
+    assert first == again and len(first) == 36  # a uuid4
+    assert AnswersFirstReserveTooLate.held == [1, 1]
+    err = capsys.readouterr().err
+    assert f"did not answer within 1 s on {n.socket}" in err
+    assert f"asking again as request {first}" in err
+    assert json.loads(out.read_text())["env"]["GPUD_JOB"] == "t"
+
+
+def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queued_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud queued the run, but gpuctl's deadline passed before the answer came: gpuctl
+    asks again with the same request id and is answered with that entry (started by then,
+    as the devices it waited for freed meanwhile), with no second one queued."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import _Stop, wait_in_queue
+    from gpud.config import AdmissionConfig
+    from gpud.jobs.service import RunRequest
+
+    asked: list[str] = []
+
+    class AnswersFirstEnqueueTooLate(QueueServicer):
+        async def Enqueue(self, request: queue_pb2.EnqueueRequest, context: Any) -> Any:
+            asked.append(request.request.request_id)
+            if len(asked) == 2:  # the devices it waits for free before the try again
+                self._service._jobs.release(held.reservation.id)
+                self._service.tick()
+            answer = await super().Enqueue(request, context)
+            if len(asked) == 1:
+                while (left := context.time_remaining()) is not None and left > 0:
+                    await asyncio.sleep(0.02)
+            return answer
+
+        async def GetEntry(self, request: queue_pb2.GetEntryRequest, context: Any) -> Any:
+            stop.set(signal.SIGTERM)  # an entry still queued: not the one that started
+            return await super().GetEntry(request, context)
+
+    queue = AnswersFirstEnqueueTooLate(cast(AdmissionService, None))
+    stop = _Stop()
+    with serving(queue.register) as n:
+        svc = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        queue._service = svc
+        held = n.jobs.reserve(RunRequest(job="a", gpu_count=1, memory_bytes=60 * GIB))
+        ctx = Context(socket_path=n.socket, timeout=1.0, output=Output(json_output=False))
+        request = jobs_pb2.ReserveRequest(
+            job="b", gpu_count=1, memory_limit_bytes=60 * GIB, request_id="q-1"
+        )
+        try:
+            entry = wait_in_queue(ctx, request, stop)
+        finally:
+            ctx.close()
+            stop.close()
+        assert entry is not None and entry.state == queue_pb2.ENTRY_STATE_STARTED
+        (row,) = svc.entries(state=None)
+        assert row.id == entry.id
+        assert [r.job for r in n.jobs.reservations.held()] == ["b"]
+    assert asked == ["q-1", "q-1"]
+    assert "asking again as request q-1" in capsys.readouterr().err

@@ -1307,3 +1307,103 @@ def test_stopping_what_a_run_left_sends_sigkill_at_once_when_hurried(tmp_path: P
     assert terminated == killed == [41]
     assert sent == [(41, signal.SIGTERM), (41, signal.SIGKILL)]
     assert now[0] < 1.0
+
+
+def _started(store: StateStore, run_dir: Path, events: EventLog | None = None) -> JobService:
+    mps = MpsManager(store, EventLog(None), run_dir, FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    return JobService(store, events or EventLog(None), mps, socket_path=Path("/run/gpud/gpud.sock"))
+
+
+def test_a_reserve_asked_again_with_its_request_id_is_answered_as_first_not_made_twice(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """A caller whose answer was lost asks again with the same request id and fields: it
+    gets the reservation, environment and new-job flag of the first answer, and nothing
+    more is reserved, registered or said."""
+    events = EventLog(None)
+    service = _started(store, tmp_path / "run", events)
+    ask = RunRequest("train-a", gpu_count=1, memory_bytes=10 * GIB, request_id="r-1")
+    first = service.reserve(ask)
+    again = service.reserve(ask)
+    assert again.reservation == first.reservation and again.env == first.env
+    assert again.created_job and first.created_job
+    assert [r.id for r in service.reservations.held()] == [first.reservation.id]
+    assert [e.kind for e in events.recent()].count("job.reserve") == 1
+    # another id is another reservation, as is a call with none
+    other = service.reserve(replace(ask, request_id="r-2"))
+    plain = service.reserve(replace(ask, request_id=""))
+    assert len({first.reservation.id, other.reservation.id, plain.reservation.id}) == 3
+    assert not other.created_job
+
+
+def test_a_request_id_given_again_with_other_fields_is_refused_naming_it(
+    service: JobService,
+) -> None:
+    first = service.reserve(RunRequest("train-a", memory_bytes=10 * GIB, request_id="r-1"))
+    with pytest.raises(FailedPrecondition, match=r"request id 'r-1' was given to reservation"):
+        service.reserve(RunRequest("train-a", memory_bytes=20 * GIB, request_id="r-1"))
+    assert [r.id for r in service.reservations.held()] == [first.reservation.id]
+
+
+def test_a_request_id_is_kept_through_a_restart_and_forgotten_once_released(
+    tmp_path: Path,
+) -> None:
+    ask = RunRequest("train-a", gpu_count=1, request_id="r-1")
+    store = StateStore(tmp_path / "state")
+    first = _started(store, tmp_path / "run").reserve(ask)
+    store.close()
+    store = StateStore(tmp_path / "state")
+    try:
+        service = _started(store, tmp_path / "run")
+        again = service.reserve(ask)
+        assert again.reservation == first.reservation and again.created_job
+        assert len(service.reservations.held()) == 1
+        service.release(first.reservation.id)
+        later = service.reserve(ask)  # the id went with its reservation
+        assert later.reservation.id != first.reservation.id and not later.created_job
+    finally:
+        store.close()
+
+
+def test_reservations_of_an_earlier_version_are_kept_and_take_request_ids(
+    tmp_path: Path,
+) -> None:
+    """A state database whose job_reservations has no request columns gets them, its rows
+    kept (with no request id)."""
+    store = StateStore(tmp_path / "state")
+    with store.transaction() as conn:
+        conn.execute(
+            """CREATE TABLE job_reservations (id TEXT PRIMARY KEY, job TEXT NOT NULL,
+            devices TEXT NOT NULL, threads_percent INTEGER, memory_bytes INTEGER,
+            client_priority INTEGER NOT NULL, holder_pid INTEGER, holder_start INTEGER,
+            created_at REAL NOT NULL, default_memory TEXT, report_token TEXT,
+            holder_uid INTEGER)"""
+        )
+        conn.execute(
+            "INSERT INTO job_reservations (id, job, devices, client_priority, created_at)"
+            " VALUES ('old', 'train-a', ?, 1, 1.0)",
+            (f'["{gpu_uuid(1)}"]',),
+        )
+    store.close()
+    store = StateStore(tmp_path / "state")
+    try:
+        reservations = Reservations(store)
+        assert [r.id for r in reservations.held()] == ["old"]
+        assert reservations.asked("r-1") is None
+        with store.read() as conn:
+            row = conn.execute("SELECT request_id, request FROM job_reservations").fetchone()
+        assert tuple(row) == (None, None)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "tab\there", "é"])
+def test_a_request_id_that_could_not_be_kept_is_refused_naming_the_field(
+    service: JobService, bad: str
+) -> None:
+    servicer = JobsServicer(service)
+    request = jobs_pb2.ReserveRequest(job="train-a", request_id=bad)
+    with pytest.raises(InvalidArgument, match=r"^request_id: "):
+        asyncio.run(servicer.Reserve(request, None))
+    assert service.reservations.held() == []
