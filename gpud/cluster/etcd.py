@@ -369,6 +369,18 @@ class EtcdClient:
         # the highest compact_revision a watch was cancelled with, guarded by _lock
         self._compacted = 0
 
+    def _read_at(self, result: Mapping[str, Any]) -> int:
+        """The store's revision in ``result``'s header (0 where it carried none),
+        forgetting a compaction recorded past it: etcd's revisions start again at 1 once
+        its data is wiped or restored from an older snapshot, and a watch from the old
+        compaction would wait for revisions the store has not reached."""
+        revision = _header_revision(result)
+        if revision:
+            with self._lock:
+                if revision < self._compacted:
+                    self._compacted = 0
+        return revision
+
     @property
     def timeout_s(self) -> float:
         return self._settings.timeout_s
@@ -377,7 +389,9 @@ class EtcdClient:
     def compacted_revision(self) -> int:
         """The revision etcd was last seen compacted to (``etcdctl compact REV``, its
         auto-compaction): the ``compact_revision`` etcd cancelled a watch from an earlier
-        revision with; 0 before any. A watch starting at it or later is served."""
+        revision with; 0 before any, and again once a read's answer says a store
+        revision below it (etcd wiped or restored from an older snapshot). A watch
+        starting at it or later is served."""
         with self._lock:
             return self._compacted
 
@@ -773,7 +787,8 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         result = self._post("/kv/range", {"key": _b64(key)})
         kvs = result.get("kvs") or []
-        return _key_value(kvs[0], _header_revision(result)) if kvs else None
+        read = self._read_at(result)  # an absent key's answer carries it too
+        return _key_value(kvs[0], read) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: kv.value for key, kv in self.get_prefix_kvs(prefix).items()}
@@ -782,7 +797,7 @@ class EtcdClient:
         """Every key under ``prefix`` with its value, revisions and lease."""
         raw = prefix.encode()
         result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        read = _header_revision(result)
+        read = self._read_at(result)
         return {_unb64(kv["key"]).decode(): _key_value(kv, read) for kv in result.get("kvs") or []}
 
     def create(self, key: str, value: str, lease: int) -> int | None:

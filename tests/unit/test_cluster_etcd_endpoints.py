@@ -816,3 +816,22 @@ def test_a_watch_cancelled_for_a_compaction_records_the_revision_compacted_to(
     assert client.compacted_revision == 0
     assert client.wait_for_change("/c/leader", 11, 1.0)
     assert client.compacted_revision == 51
+
+
+def test_a_compaction_recorded_is_forgotten_once_a_read_says_the_store_is_behind_it(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """etcd wiped, or restored from an older snapshot, since a watch was cancelled for a
+    compaction: its revisions start again at 1, and a read's header below the compaction
+    recorded forgets it (a watch from there would wait for revisions not reached); a
+    read past it keeps it."""
+    cancelled = {"result": {"canceled": True, "compact_revision": "51"}}
+    answers = Answers({**ETCD, "/v3/watch": (200, json.dumps(cancelled))})
+    answers.by_path["/v3/kv/range"] = (200, json.dumps({"header": {"revision": "60"}}))
+    client = _client(_endpoint(servers, answers))
+    assert client.wait_for_change("/c/leader", 11, 1.0)
+    assert client.get("/c/leader") is None
+    assert client.compacted_revision == 51
+    answers.by_path["/v3/kv/range"] = (200, json.dumps({"header": {"revision": "7"}}))
+    assert client.get_prefix_kvs("/c/") == {}
+    assert client.compacted_revision == 0
