@@ -262,7 +262,8 @@ def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     if not resp.leader:
         none = [f"leader:      none known, epoch {resp.epoch}"]
         if resp.stepped_down:  # the detail says etcd's failure since, not this
-            none.append(f"step down:   this node led epoch {resp.epoch}: {resp.stepped_down}")
+            # past tense, and no wider than the other labels ("stepped down:" is 13)
+            none.append(f"stood down:  this node led epoch {resp.epoch}: {resp.stepped_down}")
         return none
     leader = f"{resp.leader} at {resp.leader_address}" if resp.leader_address else resp.leader
     # the leader key's lease, hex as etcdctl prints it (etcdctl lease timetolive ID): the

@@ -115,8 +115,13 @@ def _watched_from(kv: KeyValue, compacted: int) -> int:
     cancelled at once, and the step it ends would read and watch it again, without
     pause, until the leader changes. Where the read's answer carried no revision (a
     proxy that strips etcd's header), the watch starts no earlier than the revision
-    etcd was last seen ``compacted`` to, which etcd still serves."""
-    return max(kv.mod_revision, kv.read_revision, compacted - 1)
+    etcd was last seen ``compacted`` to, which etcd still serves. A read that carried
+    one is never passed by ``compacted``: an etcd wiped or restored from an older
+    snapshot starts its revisions again at 1, below a compaction seen before, and a
+    watch from past its own revision would wait for revisions it has not reached."""
+    if kv.read_revision:
+        return max(kv.mod_revision, kv.read_revision)
+    return max(kv.mod_revision, compacted - 1)
 
 
 class EtcdElection:

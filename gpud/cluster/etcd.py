@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from gpud.errors import ConfigError, GpudError, StoreFull, StoreRefused, Unavailable
@@ -109,21 +109,26 @@ class _NotEtcd(Unavailable):
     redirected it to anything but etcd's answer."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """How one endpoint failed a request, as a call says it: ``unreachable`` (``said``
+    names the endpoint and why) and ``refused`` go on to the next endpoint, as does
+    ``wrong`` (it answered, but not as etcd); ``final`` is raised at once as ``error``,
+    as no other endpoint would serve it either (etcd refused the login, a NOSPACE)."""
+
+    kind: Literal["unreachable", "refused", "wrong", "final"]
+    said: str
+    error: type[GpudError] = StoreRefused
+
+
 class _AwaitedLoginFailed(Exception):
-    """A login at an endpoint that this thread waited for, another thread's, failed or
-    was still under way when this call's timeout ran out: this call takes ``said`` as
-    that endpoint's failure and goes on to the next endpoint, unreachable or refused as
-    the login was."""
+    """A login at an endpoint failed, or was still under way when this call's timeout
+    ran out: raised in the thread that logged in and in each thread that waited for that
+    login, which all take its ``failure`` alike (the same words, the same next step)."""
 
-    def __init__(self, said: str, *, unreachable: bool = False) -> None:
-        super().__init__(said)
-        self.said = said
-        self.unreachable = unreachable
-
-    def again(self) -> _AwaitedLoginFailed:
-        """The same failure for another waiting thread (an exception raised in two
-        threads at once would share one traceback)."""
-        return _AwaitedLoginFailed(self.said, unreachable=self.unreachable)
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.said)
+        self.failure = failure
 
 
 def _etcd_version(body: str) -> str:
@@ -365,9 +370,21 @@ class EtcdClient:
         # last failed one failed, guarded by _lock: a thread that waited for a login tells
         # by the count whether the one it awaited ended, and takes its failure
         self._logins_ended = [0 for _ in self._clients]
-        self._login_failed: dict[int, _AwaitedLoginFailed] = {}
+        self._login_failed: dict[int, _Failure] = {}
         # the highest compact_revision a watch was cancelled with, guarded by _lock
         self._compacted = 0
+
+    def _read_at(self, result: Mapping[str, Any]) -> int:
+        """The store's revision in ``result``'s header (0 where it carried none),
+        forgetting a compaction recorded past it: etcd's revisions start again at 1 once
+        its data is wiped or restored from an older snapshot, and a watch from the old
+        compaction would wait for revisions the store has not reached."""
+        revision = _header_revision(result)
+        if revision:
+            with self._lock:
+                if revision < self._compacted:
+                    self._compacted = 0
+        return revision
 
     @property
     def timeout_s(self) -> float:
@@ -377,7 +394,9 @@ class EtcdClient:
     def compacted_revision(self) -> int:
         """The revision etcd was last seen compacted to (``etcdctl compact REV``, its
         auto-compaction): the ``compact_revision`` etcd cancelled a watch from an earlier
-        revision with; 0 before any. A watch starting at it or later is served."""
+        revision with; 0 before any, and again once a read's answer says a store
+        revision below it (etcd wiped or restored from an older snapshot). A watch
+        starting at it or later is served."""
         with self._lock:
             return self._compacted
 
@@ -396,7 +415,6 @@ class EtcdClient:
         for i in range(len(self._clients)):
             index = (start + i) % len(self._clients)
             client = self._clients[index]
-            endpoint = self._settings.endpoints[index]
             request = VERSION_PATH  # get_url asks the endpoint's version the first time
             fresh = False
             try:
@@ -414,61 +432,19 @@ class EtcdClient:
                     fresh = self._authenticate(index, client)
                     request = path
                     result = client.post(url, data=json.dumps(body), headers=self._token(index))
-            except _AwaitedLoginFailed as err:
-                last = err
-                if err.unreachable:
-                    unreachable.append(f"{endpoint} ({err.said})")
+            except Exception as err:
+                failure = self._failure(err, index, request, fresh)
+                if failure is None:
+                    raise
+                if failure.kind == "final":
+                    raise failure.error(failure.said) from err
+                if failure.kind == "wrong":
+                    wrong.append(failure.said)
                 else:
-                    refused.append(err.said)
-                continue
-            except _NotEtcd as err:
-                self._say_not_etcd(endpoint, str(err))
-                wrong.append(str(err))
-                continue
-            except self._not_json as err:
-                # a 200 whose body is no JSON (requests' error is an OSError too, and would
-                # read as unreachable): etcd's gateway answers every API path in JSON
-                not_etcd = _said_200_not_etcd(endpoint, request, err.doc)
-                self._say_not_etcd(endpoint, not_etcd)
-                wrong.append(not_etcd)
-                continue
-            except self._unreachable as err:
-                last = err
-                unreachable.append(f"{endpoint} ({self._why_unreachable(err)})")
-                continue
-            except self._refused as err:
-                not_etcd = _not_etcd(err, endpoint, request)
-                if not_etcd:  # the next endpoint may be etcd
-                    self._say_not_etcd(endpoint, not_etcd)
-                    wrong.append(not_etcd)
-                    continue
-                said = _refusal(err)
-                if self._token_unseen(index, said):
-                    with self._lock:
-                        # each later call meets it too: the mark keeps its login's time
-                        if fresh or index not in self._token_lost:
-                            self._token_lost[index] = self._clock()
                     last = err
-                    refused.append(self._said_token_lost(endpoint, request, said))
-                    continue
-                if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
-                    # a login again did not mend it here (a token store of its own, a
-                    # proxy): another endpoint may take this node's token
-                    if fresh and INVALID_TOKEN in said:
-                        with self._lock:
-                            self._token_refused[index] = self._clock()
-                    last = err
-                    refused.append(f"etcd refused {request} at {endpoint}: {said}")
-                    continue
-                login = self._login_refusal(said)
-                if login:
-                    raise StoreRefused(login) from err
-                if "database space exceeded" in said:
-                    # the alarm is the cluster's: no other endpoint takes the write either
-                    raise StoreFull(f"etcd refused {path}: {NOSPACE_ADVICE} ({said})") from err
-                if _gateway_body(err) is None:  # a proxy's words, or another server's
-                    said = f"{said} (answered by {endpoint} without etcd's error body)"
-                raise StoreRefused(f"etcd refused {request}: {said}") from err
+                    into = unreachable if failure.kind == "unreachable" else refused
+                    into.append(failure.said)
+                continue
             with self._lock:
                 self._token_lost.pop(index, None)
                 self._token_refused.pop(index, None)
@@ -485,6 +461,58 @@ class EtcdClient:
         # overloaded, a blackholed route) times out, and the last alone would hide the other
         said = f"etcd unreachable at {', '.join(unreachable)}"
         raise Unavailable("; ".join([said, *wrong])) from last
+
+    def _failure(
+        self, err: BaseException, index: int, request: str, fresh: bool
+    ) -> _Failure | None:
+        """How endpoint ``index`` failed ``request`` (:data:`VERSION_PATH`,
+        ``/auth/authenticate`` or the v3 path) with ``err``, or None for an error of this
+        process's own (raised as it is). ``fresh``: the call's login has just given the
+        token ``request`` carried."""
+        endpoint = self._settings.endpoints[index]
+        if isinstance(err, _AwaitedLoginFailed):
+            return err.failure
+        if isinstance(err, _NotEtcd):
+            self._say_not_etcd(endpoint, str(err))
+            return _Failure("wrong", str(err))
+        if isinstance(err, self._not_json):
+            # a 200 whose body is no JSON (requests' error is an OSError too, and would
+            # read as unreachable): etcd's gateway answers every API path in JSON
+            not_etcd = _said_200_not_etcd(endpoint, request, err.doc)
+            self._say_not_etcd(endpoint, not_etcd)
+            return _Failure("wrong", not_etcd)
+        if isinstance(err, self._unreachable):
+            return _Failure("unreachable", f"{endpoint} ({self._why_unreachable(err)})")
+        if not isinstance(err, self._refused):
+            return None
+        not_etcd = _not_etcd(err, endpoint, request)
+        if not_etcd:  # the next endpoint may be etcd
+            self._say_not_etcd(endpoint, not_etcd)
+            return _Failure("wrong", not_etcd)
+        said = _refusal(err)
+        if self._token_unseen(index, said):
+            with self._lock:
+                # each later call meets it too: the mark keeps its login's time
+                if fresh or index not in self._token_lost:
+                    self._token_lost[index] = self._clock()
+            return _Failure("refused", self._said_token_lost(endpoint, request, said))
+        if self._settings.username and any(w in said for w in _LOGIN_AGAIN):
+            # a login again did not mend it here (a token store of its own, a proxy):
+            # another endpoint may take this node's token
+            if fresh and INVALID_TOKEN in said:
+                with self._lock:
+                    self._token_refused[index] = self._clock()
+            return _Failure("refused", f"etcd refused {request} at {endpoint}: {said}")
+        login = self._login_refusal(said)
+        if login:
+            return _Failure("final", login)
+        if "database space exceeded" in said:
+            # the alarm is the cluster's: no other endpoint takes the write either
+            advice = f"etcd refused {request}: {NOSPACE_ADVICE} ({said})"
+            return _Failure("final", advice, StoreFull)
+        if _gateway_body(err) is None:  # a proxy's words, or another server's
+            said = f"{said} (answered by {endpoint} without etcd's error body)"
+        return _Failure("final", f"etcd refused {request}: {said}")
 
     def _why_unreachable(self, err: BaseException) -> str:
         """Why one endpoint gave no answer, in the kernel's words where it said any
@@ -629,9 +657,11 @@ class EtcdClient:
 
         A thread that waits for another's login waits no longer than
         ``cluster.etcd_timeout_s``, and takes that login's failure as its own
-        (:class:`_AwaitedLoginFailed`) rather than logging in again: etcd sees one login
-        per endpoint however many threads met it, and a hung etcd costs each of them one
-        timeout, not one per thread queued ahead of it."""
+        (:class:`_AwaitedLoginFailed`) rather than logging in again, said in the same
+        words and met the same way as by the thread that logged in (the next endpoint
+        after one unreachable or answering not as etcd, a refused login raised at once):
+        etcd sees one login per endpoint however many threads met it, and a hung etcd
+        costs each of them one timeout, not one per thread queued ahead of it."""
         if not self._settings.username:
             return False
         with self._lock:
@@ -643,10 +673,8 @@ class EtcdClient:
         waited = not logging_in.acquire(blocking=False)
         if waited and not logging_in.acquire(timeout=self._settings.timeout_s):
             endpoint = self._settings.endpoints[index]
-            raise _AwaitedLoginFailed(
-                f"login at {endpoint} still under way after {self._settings.timeout_s:g} s",
-                unreachable=True,
-            )
+            said = f"login at {endpoint} still under way after {self._settings.timeout_s:g} s"
+            raise _AwaitedLoginFailed(_Failure("unreachable", f"{endpoint} ({said})"))
         try:
             with self._lock:
                 if index in self._authenticated:
@@ -655,31 +683,32 @@ class EtcdClient:
                     return waited
                 failed = self._login_failed.get(index)
                 if failed is not None and self._logins_ended[index] != awaited:
-                    raise failed.again()
+                    # a new exception per thread: one raised in two at once would
+                    # share one traceback
+                    raise _AwaitedLoginFailed(failed)
             try:
                 return self._login(index, client)
             except BaseException as err:
-                self._login_ended(index, self._awaited_failure(index, err))
-                raise
+                failure = self._login_failure(index, err)
+                if failure is None:
+                    endpoint = self._settings.endpoints[index]
+                    said = f"the login failed: {type(err).__name__} {_clipped(str(err))}"
+                    self._login_ended(index, _Failure("unreachable", f"{endpoint} ({said})"))
+                    raise
+                self._login_ended(index, failure)
+                raise _AwaitedLoginFailed(failure) from err
         finally:
             logging_in.release()
 
-    def _awaited_failure(self, index: int, err: BaseException) -> _AwaitedLoginFailed:
-        """The failure of a login at endpoint ``index``, as the threads that waited for it
-        take it: unreachable with the reason this call gives, or refused with etcd's
-        words (or the setting to mend, where they name the login)."""
-        endpoint = self._settings.endpoints[index]
-        if isinstance(err, self._unreachable) and not isinstance(err, self._not_json):
-            return _AwaitedLoginFailed(self._why_unreachable(err), unreachable=True)
-        if isinstance(err, self._refused) and not isinstance(err, _NotEtcd):
-            said = _refusal(err)
-            return _AwaitedLoginFailed(
-                self._login_refusal(said)
-                or f"etcd refused /auth/authenticate at {endpoint}: {said}"
-            )
-        return _AwaitedLoginFailed(f"the login at {endpoint} failed: {err}")
+    def _login_failure(self, index: int, err: BaseException) -> _Failure | None:
+        """How the login at endpoint ``index`` failed with ``err``, said alike by this
+        thread and those that waited for it; None for an error of this process's own,
+        raised as it is here (the waiters say it as the login failing)."""
+        if isinstance(err, StoreRefused):  # answered without a token: no etcd's login
+            return _Failure("final", str(err))
+        return self._failure(err, index, "/auth/authenticate", fresh=False)
 
-    def _login_ended(self, index: int, failed: _AwaitedLoginFailed) -> None:
+    def _login_ended(self, index: int, failed: _Failure) -> None:
         with self._lock:
             self._logins_ended[index] += 1
             self._login_failed[index] = failed
@@ -773,7 +802,8 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         result = self._post("/kv/range", {"key": _b64(key)})
         kvs = result.get("kvs") or []
-        return _key_value(kvs[0], _header_revision(result)) if kvs else None
+        read = self._read_at(result)  # an absent key's answer carries it too
+        return _key_value(kvs[0], read) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: kv.value for key, kv in self.get_prefix_kvs(prefix).items()}
@@ -782,7 +812,7 @@ class EtcdClient:
         """Every key under ``prefix`` with its value, revisions and lease."""
         raw = prefix.encode()
         result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        read = _header_revision(result)
+        read = self._read_at(result)
         return {_unb64(kv["key"]).decode(): _key_value(kv, read) for kv in result.get("kvs") or []}
 
     def create(self, key: str, value: str, lease: int) -> int | None:

@@ -28,6 +28,7 @@ class CompactedEtcd(SuspendingWatch):
         self.headerless = headerless
         self.compacted = 0
         self.cancelled = 0
+        self.watched_after: list[int] = []  # each watch's after_revision
 
     def write_elsewhere_and_compact(self, writes: int) -> None:
         self.revision += writes
@@ -40,6 +41,7 @@ class CompactedEtcd(SuspendingWatch):
         return dataclasses.replace(kv, read_revision=self.revision)
 
     def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        self.watched_after.append(after_revision)
         if after_revision + 1 < self.compacted:  # etcd keeps the revision compacted to
             self.cancelled += 1
             self.compacted_revision = self.compacted
@@ -105,3 +107,23 @@ def test_a_read_without_a_revision_is_watched_from_the_compaction_a_watch_was_ca
     election._wait(election.interval_s)
     assert etcd.cancelled == 1
     assert now.now >= start + election.interval_s
+
+
+def test_a_follower_of_an_etcd_wiped_since_a_compaction_watches_from_the_store_it_reads() -> None:
+    """etcd compacted to 1000, then its data wiped (or restored from an older snapshot):
+    revisions start again at 1, and the leader key read at 11 is watched from there, not
+    from past the old compaction, where no change would be seen until the store passed
+    it."""
+    now = Clock()
+    stop = threading.Event()
+    etcd = CompactedEtcd(now, stop)
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    leader = EtcdElection(client, node="n0", address="n0:1", prefix="/c", ttl_s=300, clock=now)
+    leader.step()
+    etcd.revision = 11
+    etcd.compacted_revision = 1000  # seen before the wipe
+    follower = EtcdElection(client, node="n1", address="n1:1", prefix="/c", ttl_s=300, clock=now)
+    follower.step()
+    assert follower.state().leader == "n0"
+    follower._wait(follower.interval_s)
+    assert etcd.watched_after and max(etcd.watched_after) <= 11, etcd.watched_after

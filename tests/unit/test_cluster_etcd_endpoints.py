@@ -11,6 +11,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -793,16 +794,24 @@ def test_threads_queued_behind_a_hung_login_take_its_failure_without_logging_in_
             client.get("/x")
         failures.append(str(unreachable.value))
 
+    def timed() -> None:
+        start = time.monotonic()
+        call()
+        lasted.append(time.monotonic() - start)
+
+    lasted: list[float] = []
     try:
-        _at_once(4, call)
+        _at_once(4, timed)
     finally:
         etcd.released.set()
-    said = {
-        f"etcd unreachable at {endpoint} (no answer within 0.5 s, cluster.etcd_timeout_s)",
-        f"etcd unreachable at {endpoint} (login at {endpoint} still under way after 0.5 s)",
-    }
-    assert len(failures) == 4 and set(failures) <= said, failures
+    no_answer = f"etcd unreachable at {endpoint} (no answer within 0.5 s, cluster.etcd_timeout_s)"
+    # a thread that waited on the login out to its own timeout, or saw it fail first
+    under_way = f"etcd unreachable at {endpoint} (login at {endpoint} still under way after 0.5 s)"
+    assert len(failures) == 4 and no_answer in failures, failures
+    assert set(failures) <= {no_answer, under_way}, failures
     assert etcd.hung == 1
+    # one timeout each, not one per thread queued ahead: 4 would pass 2 s
+    assert max(lasted) < 5 * settings.timeout_s, lasted
 
 
 def test_a_watch_cancelled_for_a_compaction_records_the_revision_compacted_to(
@@ -816,3 +825,129 @@ def test_a_watch_cancelled_for_a_compaction_records_the_revision_compacted_to(
     assert client.compacted_revision == 0
     assert client.wait_for_change("/c/leader", 11, 1.0)
     assert client.compacted_revision == 51
+
+
+def test_a_compaction_recorded_is_forgotten_once_a_read_says_the_store_is_behind_it(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """etcd wiped, or restored from an older snapshot, since a watch was cancelled for a
+    compaction: its revisions start again at 1, and a read's header below the compaction
+    recorded forgets it (a watch from there would wait for revisions not reached); a
+    read past it keeps it."""
+    cancelled = {"result": {"canceled": True, "compact_revision": "51"}}
+    answers = Answers({**ETCD, "/v3/watch": (200, json.dumps(cancelled))})
+    answers.by_path["/v3/kv/range"] = (200, json.dumps({"header": {"revision": "60"}}))
+    client = _client(_endpoint(servers, answers))
+    assert client.wait_for_change("/c/leader", 11, 1.0)
+    assert client.get("/c/leader") is None
+    assert client.compacted_revision == 51
+    answers.by_path["/v3/kv/range"] = (200, json.dumps({"header": {"revision": "7"}}))
+    assert client.get_prefix_kvs("/c/") == {}
+    assert client.compacted_revision == 0
+
+
+class QueuedLogin:
+    """An endpoint's login lock that counts the threads queued on it: a login held until
+    ``threads`` wait behind it is awaited by each of them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued = threading.Condition()
+        self.waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking:
+            with self.queued:
+                self.waiting += 1
+                self.queued.notify_all()
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def until_queued(self, threads: int) -> None:
+        with self.queued:
+            self.queued.wait_for(lambda: self.waiting >= threads, timeout=10.0)
+
+
+@dataclass
+class QueuedLoginEtcd(AuthEtcd):
+    """An endpoint whose login is answered ``login`` once three other threads wait for
+    it."""
+
+    login: tuple[int, str] = (200, "")
+    queue: QueuedLogin = field(default_factory=QueuedLogin)
+
+    def __call__(self, path: str, request: bytes, token: str) -> tuple[int, str]:
+        if path != "/v3/auth/authenticate":
+            return super().__call__(path, request, token)
+        self.logins += 1
+        self.queue.until_queued(3)
+        return self.login
+
+
+def _four_at_once_behind_one_login(
+    endpoints: tuple[str, ...], etcd: QueuedLoginEtcd
+) -> list[BaseException]:
+    """What each of four calls at once raises, three of them queued behind the one login
+    at the first endpoint."""
+    settings = EtcdSettings(endpoints=endpoints, username="gpud", password="pw", timeout_s=10.0)
+    client = EtcdClient(settings)
+    client._logging_in[0] = etcd.queue  # type: ignore[assignment]  # counts who waits
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        with pytest.raises(Exception) as failed:
+            client.get("/x")
+        raised.append(failed.value)
+
+    _at_once(4, call)
+    return raised
+
+
+@pytest.mark.parametrize(
+    ("login", "said"),
+    [
+        ((404, "404 page not found\n"), "'Not Found'"),
+        (
+            (200, "<html><body>Sign in</body></html>"),
+            "HTTP 200 '<html><body>Sign in</body></html>'",
+        ),
+    ],
+    ids=["not-found", "a-page"],
+)
+def test_threads_queued_behind_a_login_answered_not_as_etcd_say_so_as_its_thread_does(
+    servers: list[http.server.ThreadingHTTPServer], login: tuple[int, str], said: str
+) -> None:
+    """A login answered by another service (a 404, a web page): each thread that waited
+    for it says the endpoint answered not as etcd, naming the setting, as the one that
+    logged in does, not that etcd refused it."""
+    etcd = QueuedLoginEtcd(login=login)
+    endpoint = _endpoint(servers, etcd)
+    raised = _four_at_once_behind_one_login((endpoint,), etcd)
+    assert {type(e) for e in raised} == {Unavailable}, raised
+    assert {str(e) for e in raised} == {
+        f"etcd unreachable: {endpoint} answered /auth/authenticate with {said}, not as "
+        "etcd's client API: is it etcd's client port (2379 by default; 2380 is the peer "
+        "port)? check cluster.etcd_endpoints"
+    }
+    assert etcd.logins == 1
+
+
+def test_threads_queued_behind_a_login_etcd_refused_raise_its_refusal_at_once(
+    servers: list[http.server.ThreadingHTTPServer],
+) -> None:
+    """A wrong password with two endpoints: the thread that logged in and each one that
+    waited for it say etcd refused the login, naming the settings, without a login at
+    the next endpoint (a raft write and a bcrypt on every etcd member)."""
+    refusal = _etcd_error("etcdserver: authentication failed, invalid user ID or password")
+    etcd, etcd2 = QueuedLoginEtcd(login=refusal), AuthEtcd()
+    endpoints = (_endpoint(servers, etcd), _endpoint(servers, etcd2))
+    raised = _four_at_once_behind_one_login(endpoints, etcd)
+    assert {type(e) for e in raised} == {StoreRefused}, raised
+    assert {str(e) for e in raised} == {
+        "etcd refused the login of user 'gpud' (etcdserver: authentication failed, invalid "
+        "user ID or password): check cluster.etcd_username and the password in "
+        "cluster.etcd_password_file"
+    }
+    assert (etcd.logins, etcd2.logins) == (1, 0)

@@ -83,7 +83,7 @@ def test_status_of_a_former_leader_cut_off_from_etcd_says_why_it_stepped_down(
     out = capsys.readouterr().out
     assert "leader:      none known, epoch 12\n" in out
     assert (
-        "step down:   this node led epoch 12: cannot reach etcd before the lease could expire:"
+        "stood down:  this node led epoch 12: cannot reach etcd before the lease could expire:"
         f" {DOWN}\n" in out
     )
     assert f"detail:      {DOWN}\n" in out
