@@ -621,6 +621,19 @@ def _jobs_database(state: Path) -> bytes:
     return (state / DB_NAME).read_bytes()
 
 
+def _kept_and_whole_once_moved_aside(state: Path, db: bytes, log: bytes) -> None:
+    """The refused database and its -wal are as they were; with the -wal moved aside, the
+    database opens holding its job."""
+    wal = state / f"{DB_NAME}-wal"
+    assert (state / DB_NAME).read_bytes() == db
+    assert wal.read_bytes() == log
+    wal.rename(state.parent / f"{state.name}-aside.wal")
+    store = StateStore(state, known_tables=GPUD)
+    with store.reading(), store.transaction() as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
+    store.close()
+
+
 def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept(
     tmp_path: Path,
 ) -> None:
@@ -641,13 +654,7 @@ def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept
         f" gpud again; if it is still refused, restore {tmp_path / DB_NAME} from a backup or"
         " move it aside too"
     )
-    assert (tmp_path / DB_NAME).read_bytes() == db
-    assert wal.read_bytes() == log
-    wal.rename(tmp_path / "aside.wal")
-    store = StateStore(tmp_path, known_tables=GPUD)
-    with store.reading(), store.transaction() as conn:
-        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
-    store.close()
+    _kept_and_whole_once_moved_aside(tmp_path, db, log)
 
 
 def test_another_program_s_database_is_refused_and_a_new_one_taken(tmp_path: Path) -> None:
@@ -758,13 +765,7 @@ def test_a_wal_that_damages_the_database_is_refused_before_it_is_copied_into_it(
         StateStore(state, known_tables=GPUD)
     assert f"as read through {wal}" in str(caught.value)
     assert f"move {wal} aside (the database's contents are unchanged)" in str(caught.value)
-    assert (state / DB_NAME).read_bytes() == db
-    assert wal.read_bytes() == log
-    wal.rename(tmp_path / "aside.wal")
-    store = StateStore(state, known_tables=GPUD)
-    with store.reading(), store.transaction() as conn:
-        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
-    store.close()
+    _kept_and_whole_once_moved_aside(state, db, log)
 
 
 def test_the_daemon_stops_on_another_database_s_wal_and_names_it(
