@@ -262,9 +262,9 @@ class StateStore:
         :data:`APPLICATION_ID` in the store's first transaction) is another program's, or,
         not set (a file of an earlier gpud), it holds tables, none of these. So another
         program's database, or one into which SQLite's open replayed another program's WAL
-        (``state.db-wal``, a backup restored next to the crashed daemon's log), is not
-        written to: its tables made again empty, its pages checkpointed into the file at the
-        close. A 0-byte file with no ``-wal`` is a first start cut short before its first
+        (``state.db-wal``, a backup restored next to the crashed daemon's log), is never
+        opened for writing (which would make gpud's tables again, empty, and at its close
+        checkpoint the foreign pages into the file for good). A 0-byte file with no ``-wal`` is a first start cut short before its first
         commit (power lost): a new database; one with a ``-wal`` was truncated, refused.
         ``busy_timeout_s``: how long the open waits for another process's lock on the file
         before it fails; ``warn_after_s``: when an open that waits for one says so, naming
