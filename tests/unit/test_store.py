@@ -714,6 +714,9 @@ def test_gpud_killed_mid_run_after_a_first_start_cut_short_serves_at_each_restar
             with running_tool(argv, began=".*serving gRPC on"):
                 assert (state / f"{DB_NAME}-wal").stat().st_size > 0
     assert _application_id(state) == APPLICATION_ID
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        made = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert made - {"sqlite_sequence"} <= GPUD  # each table a start makes is known as gpud's
 
 
 def test_a_new_database_is_stamped_gpud_s_before_any_table_is_made(tmp_path: Path) -> None:
