@@ -36,6 +36,7 @@ from gpud import build as build_id
 from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.passes import PassRunner
+from gpud.admission.service import SCHEMA as ADMISSION_SCHEMA
 from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.access import ReportTokens
 from gpud.api.gate import CallGate
@@ -67,15 +68,19 @@ from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import memory_by_job
 from gpud.jobs.metrics import JobMetrics
-from gpud.jobs.registry import TABLE as JOBS_TABLE
+from gpud.jobs.placement import SCHEMA as PLACEMENT_SCHEMA
+from gpud.jobs.registry import SCHEMA as JOBS_SCHEMA
 from gpud.jobs.service import JobService
+from gpud.jobs.stops import SCHEMA as STOPS_SCHEMA
 from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry
 from gpud.metrics_http import METRICS_POLL_S, start_metrics_server, stop_metrics_server
 from gpud.mig.api import MigServicer
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
+from gpud.mig.store import SCHEMA as MIG_SCHEMA
 from gpud.mps.api import MpsServicer
+from gpud.mps.manager import SCHEMA as MPS_SCHEMA
 from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
 from gpud.net.api import NetServicer
@@ -83,11 +88,14 @@ from gpud.net.cgroups import JobCgroups
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.port import TrafficSummary
 from gpud.net.service import leveller_config
+from gpud.net.shaped import SCHEMA as SHAPED_SCHEMA
+from gpud.net.tagstore import SCHEMA as TAGS_SCHEMA
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
 from gpud.reach import reach_warnings
-from gpud.store import DB_NAME, StateStore, worst_refusals_s
+from gpud.store import DB_NAME, StateStore, declared_tables, worst_refusals_s
 from gpud.telemetry.sampler import Sampler, tick_bound_s
+from gpud.telemetry.seen import SCHEMA as SEEN_SCHEMA
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.seen import identity as seen_identity
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
@@ -101,6 +109,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# every table gpud's features make in the state database: a first start cut short (killed,
+# power lost) commits some of them, each in a transaction of its own, so a database an
+# earlier gpud wrote (no application_id) holds one or more of them, any of them
+STATE_TABLES = declared_tables(
+    SEEN_SCHEMA,
+    MPS_SCHEMA,
+    STOPS_SCHEMA,
+    JOBS_SCHEMA,
+    PLACEMENT_SCHEMA,
+    ADMISSION_SCHEMA,
+    MIG_SCHEMA,
+    TAGS_SCHEMA,
+    SHAPED_SCHEMA,
+)
 
 # Changing these needs a restart; a reload that changes them says so and keeps the old value.
 RESTART_KEYS = (
@@ -539,9 +562,9 @@ class Daemon:
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
         close_state_files(state_dir)
         self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time, monotonic=clock)
-        # its refusals' time: gpuctl status; the job registry's table, made at the first
-        # start, tells gpud's database from another's
-        self.store = StateStore(state_dir, clock=clock, kept_table=JOBS_TABLE)
+        # its refusals' time: gpuctl status; gpud's tables tell an earlier gpud's database
+        # (not stamped with gpud's application_id) from another program's
+        self.store = StateStore(state_dir, clock=clock, known_tables=STATE_TABLES)
         self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
             backend,

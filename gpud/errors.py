@@ -5,7 +5,7 @@
     GpudError                      (exit 1, gRPC INTERNAL)
     ├── StoreRefused               etcd answers but refuses this node's call (login, keys)
     ├── ConfigError                bad config file or flag: names the file and key (exit 2)
-    ├── StateError                 the state database cannot be opened or is damaged (exit 1)
+    ├── StateError                 the state database cannot be opened now: lock, disk (exit 1)
     │   ├── StateDamaged           damaged or not gpud's: no restart mends it (gpud exits 65)
     │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
     │       └── StateInUse         another process holds its lock past the write's wait

@@ -15,7 +15,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -24,6 +24,10 @@ from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable
 from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
+# PRAGMA application_id of every state database gpud writes ("GPUD" in ASCII), set in its
+# first transaction, before any table: it tells gpud's file from another program's however
+# few of gpud's tables a first start that was cut short committed
+APPLICATION_ID = 0x47505544
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,17 @@ def _declared(statements: Sequence[str]) -> dict[str, dict[str, sqlite3.Row]]:
         declared.close()
 
 
+def declared_tables(*schemas: Sequence[str]) -> frozenset[str]:
+    """The names of the tables ``schemas``' statements create (as :meth:`StateStore.ensure_schema`
+    runs them)."""
+    return frozenset(
+        name
+        for statements in schemas
+        for name in _declared(statements)
+        if not name.startswith("sqlite_")  # SQLite's own (AUTOINCREMENT's sqlite_sequence)
+    )
+
+
 def _addable(tables: Mapping[str, Mapping[str, sqlite3.Row]], table: str, column: str) -> str:
     """The ``ADD COLUMN`` definition of ``table.column``: the declared name and type. Only a
     nullable column can be added to rows that exist (they get NULL)."""
@@ -151,40 +166,72 @@ def _create(path: Path) -> None:
         os.close(fd)
 
 
-def _check_kept(path: Path, table: str) -> None:
-    """Refuse a database that holds tables, ``table`` not among them (see
-    :class:`StateStore`), before the writer's connection opens it: read through a read-only
-    connection, which reads a ``-wal`` as the writer would but, at its close, never copies it
-    into the database (a read-write connection's last close does, and deletes it), so that
-    a refused database and its ``-wal`` stay as they were found. A file that is missing or
-    that this read cannot open is left to the writer's open, which says why."""
+def _wal_beside(path: Path) -> Path | None:
+    """``path``'s ``-wal`` when it holds frames: SQLite's open reads it into the database,
+    whichever database wrote it."""
+    wal = path.with_name(path.name + "-wal")
     try:
-        probe = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=0)
+        return wal if wal.stat().st_size else None
+    except OSError:
+        return None
+
+
+def _refuse_found(path: Path, why: str) -> NoReturn:
+    """Refuse the database for ``why`` (what the read-only probe found), saying to move a
+    non-empty ``-wal`` aside too: it may be what made it so (another database's log, or
+    one that rewrote its pages), and it is read into any database put in its place."""
+    wal = _wal_beside(path)
+    if wal is None:
+        raise StateDamaged(_unreadable(path, why))
+    raise StateDamaged(
+        f"state database {path} is unreadable ({why}) as read through {wal}, a write-ahead "
+        f"log next to it (another database's?): move {wal} aside (the database's contents "
+        f"are unchanged), then start gpud again; if it is still refused, restore {path} "
+        "from a backup or move it aside too"
+    )
+
+
+def _check_ours(path: Path, known: Collection[str]) -> None:
+    """Refuse a database that is not gpud's or is damaged (see :class:`StateStore`) before
+    the writer's connection opens it: read through a read-only connection, which reads a
+    ``-wal`` as the writer would but, at its close, never copies it into the database (a
+    read-write connection's last close does, and deletes it), so that the database's
+    contents stay as they were found (SQLite may leave an empty ``-wal`` and a ``-shm``
+    next to it). gpud's: its ``PRAGMA application_id`` is :data:`APPLICATION_ID`; or, not
+    set (a file of an earlier gpud, or no table yet), it holds no tables or one of
+    ``known``. A file that is missing or that this read cannot open or read (another
+    process's lock) is left to the writer's open, which says why."""
+    try:
+        probe = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=0)
     except sqlite3.Error:
         return
     try:
+        application_id = int(probe.execute("PRAGMA application_id").fetchone()[0])
         found = sorted(
             str(row[0])
             for row in probe.execute(
                 "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
             )
         )
-    except sqlite3.Error:
-        return
+        damage = [" ".join(str(row[0]).split()) for row in probe.execute("PRAGMA quick_check(5)")]
+    except sqlite3.Error as err:
+        if getattr(err, "sqlite_errorcode", 0) & 0xFF not in _DAMAGED:
+            return
+        _refuse_found(path, str(err))
     finally:
         probe.close()
-    if not found or table in found:
-        return
-    tables = f"tables {', '.join(found)}, not {table}, which every one gpud wrote holds"
-    wal = path.with_name(path.name + "-wal")
-    with contextlib.suppress(OSError):
-        if wal.stat().st_size:
-            raise StateDamaged(
-                f"state database {path} reads as another database ({tables}) through "
-                f"{wal}, a write-ahead log another database left: move {wal} aside (neither "
-                "file was changed), then start gpud again"
-            )
-    raise StateDamaged(_unreadable(path, f"{tables}: another program's database?"))
+    if damage != ["ok"]:
+        _refuse_found(path, "; ".join(damage))
+    if application_id not in (0, APPLICATION_ID):
+        _refuse_found(
+            path,
+            f"application_id {application_id:#x}, not gpud's {APPLICATION_ID:#x}: another "
+            "program's database?",
+        )
+    if application_id == 0 and found and not set(found) & set(known):
+        _refuse_found(
+            path, f"tables {', '.join(found)}, none of gpud's: another program's database?"
+        )
 
 
 class StateStore:
@@ -203,16 +250,22 @@ class StateStore:
         write_wait_s: float = WRITE_WAIT_S,
         in_use_wait_s: float = _LOCK_WAIT_FLOOR_S,
         clock: Callable[[], float] = time.monotonic,
-        kept_table: str | None = None,
+        known_tables: Collection[str] | None = None,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked; a
         :class:`StateDamaged` when its content, not the disk or a lock, is the cause.
-        ``kept_table``: a table every database the daemon wrote holds (made at its first
-        start); one that holds tables but not this one is refused, naming the tables it
-        holds: another program's database, or one into which SQLite's open replayed a
-        ``state.db-wal`` left there by another database (a backup restored next to the
-        crashed daemon's log), whose tables would otherwise be made again empty.
+        ``known_tables``: the tables the daemon makes; given, the file is read first
+        through a read-only connection (its ``-wal`` too, copied into nothing) and refused,
+        before a connection that writes opens it, when ``PRAGMA quick_check`` finds it
+        damaged, or it is not gpud's: its ``PRAGMA application_id`` (set to
+        :data:`APPLICATION_ID` in the store's first transaction) is another program's, or,
+        not set (a file of an earlier gpud), it holds tables, none of these. So another
+        program's database, or one into which SQLite's open replayed another program's WAL
+        (``state.db-wal``, a backup restored next to the crashed daemon's log), is never
+        opened for writing (which would make gpud's tables again, empty, and at its close
+        checkpoint the foreign pages into the file for good). A 0-byte file with no ``-wal`` is a first start cut short before its first
+        commit (power lost): a new database; one with a ``-wal`` was truncated, refused.
         ``busy_timeout_s``: how long the open waits for another process's lock on the file
         before it fails; ``warn_after_s``: when an open that waits for one says so, naming
         the file. ``write_wait_s``: how long a transaction then waits for such a lock
@@ -246,10 +299,13 @@ class StateStore:
         # for good, until the restart
         self._gone: tuple[str, float] | None = None
         with contextlib.suppress(OSError):
-            # SQLite takes an empty file for a new database: one gpud wrote is never empty
-            # (the first start writes its tables), so this one was truncated
+            # SQLite takes an empty file for a new database. gpud's first start makes the
+            # file, then commits (fsync) its first transaction: a power loss between the two
+            # leaves it empty, with no -wal; one gpud wrote is never empty, so an empty one
+            # next to a -wal was truncated
             found = self.path.stat()
-            if found.st_size == 0 and stat.S_ISREG(found.st_mode):
+            wal = self.path.with_name(self.path.name + "-wal")
+            if found.st_size == 0 and stat.S_ISREG(found.st_mode) and wal.exists():
                 raise StateDamaged(_unreadable(self.path, "empty: 0 bytes, truncated?"))
             if not stat.S_ISREG(found.st_mode):
                 # SQLite says only "unable to open database file", as for a mode or owner
@@ -268,8 +324,8 @@ class StateStore:
         # feature's ensure_schema) wait, as the open did, to the open's deadline; the
         # open's steps pass at once in WAL mode while another process's write holds the lock
         self._starting: tuple[float, float] | None = (deadline, warn_at)
-        if kept_table is not None:
-            _check_kept(self.path, kept_table)
+        if known_tables is not None:
+            _check_ours(self.path, known_tables)
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
@@ -333,11 +389,20 @@ class StateStore:
         return worst_refusals_s(writes, self._write_wait_s, self._in_use_wait_s)
 
     def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
-        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings."""
+        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings;
+        a sound file whose ``application_id`` is not set is stamped gpud's
+        (:data:`APPLICATION_ID`), in a transaction of its own before any feature's table."""
         for statement in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
             self._open_step(self._conn, f"PRAGMA {statement}", deadline, warn_at)
         checked = self._open_step(self._conn, "PRAGMA quick_check(5)", deadline, warn_at)
-        return [" ".join(str(row[0]).split()) for row in checked]
+        damage = [" ".join(str(row[0]).split()) for row in checked]
+        if damage == ["ok"]:
+            (stamp,) = self._open_step(self._conn, "PRAGMA application_id", deadline, warn_at)
+            if not stamp[0]:
+                self._open_step(
+                    self._conn, f"PRAGMA application_id = {APPLICATION_ID}", deadline, warn_at
+                )
+        return damage
 
     def _open_step(
         self, conn: sqlite3.Connection, statement: str, deadline: float, warn_at: float

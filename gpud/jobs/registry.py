@@ -24,9 +24,6 @@ from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
 
-# the registry's table: made at a node's first start, so every state database gpud wrote
-# holds it (StateStore's kept_table)
-TABLE = "jobs"
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS jobs (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -15,11 +16,15 @@ from typing import Any
 import pytest
 
 from gpud.cli.main import DEFAULT_TIMEOUT
+from gpud.daemon import STATE_TABLES as GPUD
 from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable, classify
 from gpud.main import EXIT_STATE_DAMAGED, main
-from gpud.store import DB_NAME, StateStore
+from gpud.mps.manager import SCHEMA as MPS_SCHEMA
+from gpud.store import APPLICATION_ID, DB_NAME, StateStore
+from gpud.telemetry.seen import SCHEMA as SEEN_SCHEMA
 from tests.unit.api_support import short_dir
 from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
+from tests.unit.tool_support import running_tool
 
 
 def fill(state: Path) -> int:
@@ -439,11 +444,27 @@ def test_a_damaged_database_stops_the_daemon_with_the_reason_and_is_not_restarte
     assert "65" in restart_prevented()
 
 
-def test_an_empty_database_file_is_refused_not_taken_for_a_new_one(tmp_path: Path) -> None:
+def test_an_empty_database_file_next_to_a_wal_is_refused_not_taken_for_a_new_one(
+    tmp_path: Path,
+) -> None:
     fill(tmp_path)
+    (tmp_path / f"{DB_NAME}-wal").write_bytes(b"")
     (tmp_path / DB_NAME).write_bytes(b"")  # truncated
     with pytest.raises(StateDamaged, match=r"is unreadable \(empty: 0 bytes, truncated\?\)"):
-        StateStore(tmp_path)
+        StateStore(tmp_path, known_tables=GPUD)
+
+
+def test_an_empty_database_file_alone_is_a_first_start_cut_short_and_taken_as_new(
+    tmp_path: Path,
+) -> None:
+    """gpud's first start makes the file, then commits its first transaction: a power loss
+    between the two left it empty, with no -wal, and every later start was refused (exit
+    65, not restarted)."""
+    (tmp_path / DB_NAME).write_bytes(b"")
+    store = StateStore(tmp_path, known_tables=GPUD)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS jobs (name TEXT PRIMARY KEY)"])
+    store.close()
+    assert _application_id(tmp_path) == APPLICATION_ID
 
 
 def test_a_database_that_cannot_be_opened_says_so_not_that_it_is_damaged(
@@ -592,12 +613,25 @@ def _another_databases_wal(state: Path) -> bytes:
 
 def _jobs_database(state: Path) -> bytes:
     """A state database holding gpud's jobs table with one row; its bytes."""
-    store = StateStore(state, kept_table="jobs")
+    store = StateStore(state, known_tables=GPUD)
     store.ensure_schema(["CREATE TABLE IF NOT EXISTS jobs (name TEXT PRIMARY KEY)"])
     with store.transaction() as conn:
         conn.execute("INSERT INTO jobs VALUES ('train')")
     store.close()
     return (state / DB_NAME).read_bytes()
+
+
+def _kept_and_whole_once_moved_aside(state: Path, db: bytes, log: bytes) -> None:
+    """The refused database and its -wal are as they were; with the -wal moved aside, the
+    database opens holding its job."""
+    wal = state / f"{DB_NAME}-wal"
+    assert (state / DB_NAME).read_bytes() == db
+    assert wal.read_bytes() == log
+    wal.rename(state.parent / f"{state.name}-aside.wal")
+    store = StateStore(state, known_tables=GPUD)
+    with store.reading(), store.transaction() as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
+    store.close()
 
 
 def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept(
@@ -606,24 +640,21 @@ def test_another_database_s_wal_next_to_the_state_is_refused_and_both_files_kept
     """SQLite's open reads any ``-wal`` next to the file into it: one of another database
     made gpud's tables vanish, and the start made them again, empty (every job forgotten),
     and the close copied it into ``state.db`` for good. Now the start stops naming the log
-    to move aside, and neither file is changed: moved aside, the jobs are all there."""
+    to move aside, and the database's contents are unchanged: moved aside, the jobs are all
+    there."""
     db = _jobs_database(tmp_path)
     log = _another_databases_wal(tmp_path)
     wal = tmp_path / f"{DB_NAME}-wal"
     with pytest.raises(StateDamaged) as caught:
-        StateStore(tmp_path, kept_table="jobs")
+        StateStore(tmp_path, known_tables=GPUD)
     assert str(caught.value) == (
-        f"state database {tmp_path / DB_NAME} reads as another database (tables x, not jobs,"
-        f" which every one gpud wrote holds) through {wal}, a write-ahead log another"
-        f" database left: move {wal} aside (neither file was changed), then start gpud again"
+        f"state database {tmp_path / DB_NAME} is unreadable (tables x, none of gpud's: another"
+        f" program's database?) as read through {wal}, a write-ahead log next to it (another"
+        f" database's?): move {wal} aside (the database's contents are unchanged), then start"
+        f" gpud again; if it is still refused, restore {tmp_path / DB_NAME} from a backup or"
+        " move it aside too"
     )
-    assert (tmp_path / DB_NAME).read_bytes() == db
-    assert wal.read_bytes() == log
-    wal.rename(tmp_path / "aside.wal")
-    store = StateStore(tmp_path, kept_table="jobs")
-    with store.reading(), store.transaction() as conn:
-        assert [r[0] for r in conn.execute("SELECT name FROM jobs")] == ["train"]
-    store.close()
+    _kept_and_whole_once_moved_aside(tmp_path, db, log)
 
 
 def test_another_program_s_database_is_refused_and_a_new_one_taken(tmp_path: Path) -> None:
@@ -631,9 +662,113 @@ def test_another_program_s_database_is_refused_and_a_new_one_taken(tmp_path: Pat
     other.execute("CREATE TABLE x (a)")
     other.commit()
     other.close()
-    with pytest.raises(StateDamaged, match=r"is unreadable \(tables x, not jobs, which every"):
-        StateStore(tmp_path, kept_table="jobs")
-    StateStore(tmp_path / "new", kept_table="jobs").close()  # no tables yet: a first start
+    with pytest.raises(
+        StateDamaged,
+        match=r"is unreadable \(tables x, none of gpud's: another program's database\?\)",
+    ):
+        StateStore(tmp_path, known_tables=GPUD)
+    StateStore(tmp_path / "new", known_tables=GPUD).close()  # no tables yet: a first start
+
+
+def _application_id(state: Path) -> int:
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        return int(conn.execute("PRAGMA application_id").fetchone()[0])
+
+
+@pytest.mark.parametrize(
+    "committed", [["gpu_seen"], ["gpu_seen", "mps_limits", "mps_mig_limits", "mps_daemons"]]
+)
+def test_an_earlier_gpud_s_first_start_cut_short_before_the_jobs_table_is_taken_as_gpuds(
+    tmp_path: Path, committed: list[str]
+) -> None:
+    """The first start commits its tables one feature at a time (gpu_seen, the mps_*
+    tables, job_run_stops, then jobs): killed between two, a database without jobs was
+    refused at every later start as another program's (exit 65, not restarted)."""
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:  # no application_id
+        for table in committed:
+            conn.execute(f"CREATE TABLE {table} (k)")
+        conn.commit()
+    store = StateStore(tmp_path, known_tables=GPUD)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS jobs (name TEXT PRIMARY KEY)"])
+    store.close()
+    assert _application_id(tmp_path) == APPLICATION_ID  # and stamped gpud's from now on
+
+
+def test_gpud_killed_mid_run_after_a_first_start_cut_short_serves_at_each_restart(
+    tmp_path: Path,
+) -> None:
+    """A real ``gpud --simulate`` on the database a first start killed after gpu_seen and
+    the mps_* tables left (refused before, exit 65, for good), killed again (SIGKILL) while
+    its -wal holds what it committed, then started again: it serves each time."""
+    state = tmp_path / "state"
+    state.mkdir()
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:  # no application_id
+        for statement in (*SEEN_SCHEMA, *MPS_SCHEMA):
+            conn.execute(statement)
+        conn.commit()
+    with short_dir() as run:
+        argv = ["-m", "gpud.main", "--simulate", "H100-SXM5-80GB:1", "--state-dir", str(state)]
+        argv += ["--run-dir", str(run), "--socket", str(run / "gpud.sock")]
+        argv += ["--metrics-address", "127.0.0.1:0"]
+        for _ in range(2):  # each ends in SIGKILL, at the end of running_tool
+            with running_tool(argv, began=".*serving gRPC on"):
+                assert (state / f"{DB_NAME}-wal").stat().st_size > 0
+    assert _application_id(state) == APPLICATION_ID
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        made = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert made - {"sqlite_sequence"} <= GPUD  # each table a start makes is known as gpud's
+
+
+def test_a_new_database_is_stamped_gpud_s_before_any_table_is_made(tmp_path: Path) -> None:
+    StateStore(tmp_path, known_tables=GPUD).close()  # killed before the first table
+    assert _application_id(tmp_path) == APPLICATION_ID
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:
+        conn.execute("CREATE TABLE x (a)")  # not one of gpud's: a stamped file is gpud's
+        conn.commit()
+    StateStore(tmp_path, known_tables=GPUD).close()
+
+
+def test_a_database_stamped_by_another_program_is_refused_whatever_its_tables(
+    tmp_path: Path,
+) -> None:
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:
+        conn.execute("PRAGMA application_id = 1234")
+        conn.execute("CREATE TABLE jobs (name TEXT PRIMARY KEY)")
+        conn.commit()
+    with pytest.raises(StateDamaged) as caught:
+        StateStore(tmp_path, known_tables=GPUD)
+    assert str(caught.value).startswith(
+        f"state database {tmp_path / DB_NAME} is unreadable (application_id 0x4d2, not"
+        f" gpud's {APPLICATION_ID:#x}: another program's database?)"
+    )
+
+
+def test_a_wal_that_damages_the_database_is_refused_before_it_is_copied_into_it(
+    tmp_path: Path,
+) -> None:
+    """A foreign -wal that leaves page 1 (the schema) alone: jobs is still seen, the
+    writer's quick_check found the damage, and its close copied the foreign pages into
+    state.db for good and deleted the -wal. Now the read-only probe's quick_check refuses
+    it first: moved aside, the jobs are all there."""
+    db = _jobs_database(tmp_path / "state")
+    other = sqlite3.connect(tmp_path / "other.db", isolation_level=None)
+    other.execute("PRAGMA journal_mode=WAL")
+    # as many pages as state.db, page 2 an index where state.db has the jobs table
+    other.execute("CREATE TABLE y (a PRIMARY KEY, b) WITHOUT ROWID")
+    other.execute("CREATE TABLE z (a)")
+    other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    other.execute("PRAGMA wal_autocheckpoint=0")
+    other.execute("INSERT INTO y VALUES (1, 2)")  # one frame: page 2
+    log = (tmp_path / "other.db-wal").read_bytes()
+    other.close()
+    state = tmp_path / "state"
+    wal = state / f"{DB_NAME}-wal"
+    wal.write_bytes(log)
+    with pytest.raises(StateDamaged) as caught:
+        StateStore(state, known_tables=GPUD)
+    assert f"as read through {wal}" in str(caught.value)
+    assert f"move {wal} aside (the database's contents are unchanged)" in str(caught.value)
+    _kept_and_whole_once_moved_aside(state, db, log)
 
 
 def test_the_daemon_stops_on_another_database_s_wal_and_names_it(
@@ -648,7 +783,7 @@ def test_the_daemon_stops_on_another_database_s_wal_and_names_it(
         args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
         assert main(args) == EXIT_STATE_DAMAGED
     err = capsys.readouterr().err
-    assert f"move {state / DB_NAME}-wal aside (neither file was changed)" in err
+    assert f"move {state / DB_NAME}-wal aside (the database's contents are unchanged)" in err
     assert "not restarted for this" in err and str(EXIT_STATE_DAMAGED) in restart_prevented()
     assert "Traceback" not in err
 
