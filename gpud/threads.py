@@ -5,6 +5,7 @@ the first of several events."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import threading
@@ -20,25 +21,58 @@ EXIT_GRACE_S = 1.0
 
 
 class WorkStart:
-    """Whether a call's work began on a thread. Its work waits in :class:`StartTellingExecutor`'s
-    queue once :meth:`queued`; :meth:`begin` (the worker, as it takes the work) and
-    :meth:`drop` (the loop, its caller gone) race under a lock, and only the first wins.
-    Work handed to any other pool or thread is taken as begun: nothing says when it does."""
+    """Whether a held API call's work began, and the threads that run it.
+
+    The call may be dropped (:meth:`drop`, its caller gone) only while none of it ran: its
+    first step on the loop ended (:meth:`first_step_over`) with its one change handed to the
+    loop's pool (:class:`StartTellingExecutor`) and still queued behind busy workers. Any
+    other first wait (another pool, a daemon thread of its own, a sleep) or a second step
+    makes it begun: a step of it may have run, so it runs to its end. The loop-side code of
+    its first step, up to its first ``await``, is taken to change nothing. :meth:`begin`
+    (the worker, as it takes the work) and :meth:`drop` (the loop) race under a lock, and only
+    the first wins. Only the call's own task (:meth:`own`) queues droppable work: a task it
+    starts carries :data:`WORK_START` too, but its work is never skipped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queued = False
         self._begun = False
         self._dropped = False
+        self._first_step_over = False
+        self._owner: asyncio.Task[Any] | None = None
+        self._threads: list[Future[Any]] = []
 
     @property
     def begun(self) -> bool:
         with self._lock:
             return self._begun
 
-    def queued(self) -> None:
+    def own(self) -> None:
+        """The running task is the call's own: only its work may be dropped."""
+        self._owner = asyncio.current_task()
+
+    def owned_here(self) -> bool:
+        """Whether the caller runs in the call's own task (False on a worker thread)."""
+        try:
+            return self._owner is not None and asyncio.current_task() is self._owner
+        except RuntimeError:  # no loop in this thread: a worker that submits more
+            return False
+
+    def first_step_over(self) -> None:
+        """The call's task ended its first step: work handed on from now is after one."""
         with self._lock:
-            self._queued = True
+            self._first_step_over = True
+            if not self._queued:
+                self._begun = not self._dropped
+
+    def queued(self) -> bool:
+        """Its work was queued for a worker: True while it may still be dropped."""
+        with self._lock:
+            if self._first_step_over:
+                self._begun = not self._dropped
+            else:
+                self._queued = True
+            return not self._begun
 
     def begin(self) -> bool:
         """The work may run: False once :meth:`drop` won (the thread must not run it)."""
@@ -55,6 +89,19 @@ class WorkStart:
                 self._dropped = True
             return self._dropped
 
+    def running_on(self, thread: Future[Any]) -> None:
+        """``thread`` (a worker's or a daemon thread's) runs some of the call's work."""
+        with self._lock:
+            self._threads = [t for t in self._threads if not t.done()]
+            self._threads.append(thread)
+
+    def threads(self) -> list[Future[Any]]:
+        """The call's work still running (or queued) on threads: what a stop waits for
+        before the store and the driver close under it."""
+        with self._lock:
+            self._threads = [t for t in self._threads if not t.done()]
+            return list(self._threads)
+
 
 # the call whose work the loop hands to a thread now (None outside a held API call):
 # asyncio.to_thread submits from the awaiting task's context, so the pool reads it there
@@ -64,22 +111,31 @@ WORK_START: contextvars.ContextVar[WorkStart | None] = contextvars.ContextVar(
 
 
 class StartTellingExecutor(ThreadPoolExecutor):
-    """The loop's worker pool: work submitted under a :data:`WORK_START` marks it begun as a
-    worker takes it, and is skipped (never run) when the call dropped it while it queued
-    behind busy workers."""
+    """The loop's worker pool: work a held call's own task submits under a
+    :data:`WORK_START` marks it begun as a worker takes it, and is skipped (never run) when
+    the call dropped it while it queued behind busy workers. Its tasks' work is only
+    recorded, so that a stop waits for it."""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         start = WORK_START.get()
         if start is None:
             return super().submit(fn, *args, **kwargs)
-        start.queued()
+        if not start.owned_here():
+            start.begin()
+            future = super().submit(fn, *args, **kwargs)
+        elif start.queued():
 
-        def run() -> T:
-            if not start.begin():
-                raise asyncio.CancelledError  # its caller went away before a worker was free
-            return fn(*args, **kwargs)
+            def run() -> T:
+                if not start.begin():
+                    # its caller went away before a worker was free
+                    raise concurrent.futures.CancelledError
+                return fn(*args, **kwargs)
 
-        return super().submit(run)
+            future = super().submit(run)
+        else:
+            future = super().submit(fn, *args, **kwargs)
+        start.running_on(future)
+        return future
 
 
 async def on_daemon_thread(fn: Callable[[], T]) -> T:
@@ -89,8 +145,10 @@ async def on_daemon_thread(fn: Callable[[], T]) -> T:
     would otherwise wait for at exit, past the stop's budget (and systemd's SIGKILL)."""
     loop = asyncio.get_running_loop()
     start = WORK_START.get()
+    ended: Future[None] = Future()
     if start is not None:
         start.begin()  # its thread starts now, not behind others
+        start.running_on(ended)
     done: asyncio.Future[T] = loop.create_future()
 
     def settle(result: T | None, err: BaseException | None) -> None:
@@ -108,6 +166,7 @@ async def on_daemon_thread(fn: Callable[[], T]) -> T:
             result = fn()
         except BaseException as exc:
             err = exc
+        ended.set_result(None)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle, result, err)
 

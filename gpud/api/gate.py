@@ -28,6 +28,7 @@ run of an apply change nothing and are served throughout, uncounted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal
@@ -58,6 +59,10 @@ STARTS: Final = frozenset(
 ENDS: Final = frozenset({"/gpud.v1.Jobs/Release", "/gpud.v1.Queue/Leave"})
 
 Kind = Literal["starts", "ends"] | None
+# how often cut_held looks whether the cut calls' threads ended
+THREAD_POLL_S: Final = 0.01
+# a held call's work still on threads (gpud.threads.WorkStart.threads)
+Threads = Callable[[], "list[concurrent.futures.Future[Any]]"]
 
 
 def call_kind(method: str, request: Any) -> Kind:
@@ -83,8 +88,11 @@ class CallGate:
         self._idle.set()
         self._cut = asyncio.Event()
         self._closed = False
-        # the changing calls' work that runs on when its caller goes away (interceptors)
-        self._held: set[asyncio.Future[Any]] = set()
+        # the changing calls' work that runs on when its caller goes away (interceptors),
+        # each with what says which of its threads still run
+        self._held: dict[asyncio.Future[Any], Threads] = {}
+        # those of calls ended (cut) while a thread of theirs still ran
+        self._left: list[Threads] = []
 
     @property
     def running(self) -> int:
@@ -102,22 +110,38 @@ class CallGate:
         then cuts what still runs (:meth:`cut_held`)."""
         self._cut.set()
 
-    def hold(self, work: asyncio.Future[Any]) -> None:
+    def hold(self, work: asyncio.Future[Any], threads: Threads = list) -> None:
         """``work`` (a changing call's, run on should its caller go away) is cancelled by
-        :meth:`cut_held` while it runs."""
-        self._held.add(work)
-        work.add_done_callback(self._held.discard)
+        :meth:`cut_held` while it runs; ``threads()``: its work still on threads (a worker
+        in ``service.release()``, the driver), which cancelling ``work`` does not end."""
+        self._held[work] = threads
+
+        def ended(work: asyncio.Future[Any]) -> None:
+            if threads():
+                self._left.append(threads)
+            self._held.pop(work, None)
+
+        work.add_done_callback(ended)
 
     async def cut_held(self, timeout_s: float) -> int:
         """Once the stop gives up waiting for them: cancel the calls' work still running (at
-        its next ``await``; a worker thread already in the driver ends on its own, its result
-        dropped) and wait up to ``timeout_s`` for it to end, before the event log, the store
-        and the driver close under it. How many were cut."""
+        its next ``await``) and wait up to ``timeout_s`` for it to end, and for its threads
+        (a worker thread already in the driver or the store, which a cancel does not stop),
+        before the event log, the store and the driver close under it. How many were cut."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_s)
         running = [work for work in self._held if not work.done()]
         for work in running:
             work.cancel()
         if running:
             await asyncio.wait(running, timeout=max(0.0, timeout_s))
+        self._left = [threads for threads in self._left if threads()]
+        # polled, not awaited through wrap_future: a thread that ends after the loop closed
+        # leaves no callback (nor an unretrieved error) behind
+        while loop.time() < deadline and any(
+            threads() for threads in [*self._left, *self._held.values()]
+        ):
+            await asyncio.sleep(THREAD_POLL_S)
         return len(running)
 
     @contextlib.contextmanager

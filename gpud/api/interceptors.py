@@ -19,12 +19,15 @@
   count of it whole, only its answer unsent. gRPC cancels a handler at its next ``await``,
   which left the change made by the worker thread without its event (a simulated fault
   injected, no ``sim.fault`` line) and no longer counted by the gate a stop drains. One
-  whose change still waits for a free worker of the loop's pool
-  (:class:`gpud.threads.StartTellingExecutor`) is dropped instead: its caller was told it
-  failed, so it is never made. Once the stop gives up on the drain
+  none of which ran yet, its one change still waiting for a free worker of the loop's pool
+  (:class:`gpud.threads.StartTellingExecutor`, :class:`gpud.threads.WorkStart`), is dropped
+  instead ("METHOD (its caller gone): dropped while queued for a worker: not made (gpu=1)"):
+  its caller was told it failed, so it is never made. Once the stop gives up on the drain
   (:meth:`gpud.api.gate.CallGate.cut_held`), or the server's grace ends, what still runs of
-  it is cancelled at its next ``await`` ("METHOD (its caller gone): cut at the stop")
-  before the event log, the store and the driver close. ``ApplyMig`` is not so held: it
+  it is cancelled at its next ``await`` ("METHOD (its caller gone): cut at the stop
+  (gpu=1)"; "METHOD: cut at the stop (...)" for a call whose caller still waited), and its
+  worker threads are waited for, within that wait, before the event log, the store and the
+  driver close. ``ApplyMig`` is not so held: it
   asks itself whether its caller still wants it between steps (its plan is kept for the
   next start).
 
@@ -141,42 +144,74 @@ def _runs_whole(method: str, request: Any) -> bool:
     return method != APPLY_MIG and call_kind(method, request) is not None
 
 
-async def _to_its_end(work: Awaitable[Any], method: str, gate: CallGate | None) -> Any:
+# the request fields a "cut at the stop" line names the call by (a nested message, AddJob's
+# job or Enqueue's request, by its own)
+_NAMED_BY = ("gpu", "gpu_uuid", "device", "job", "name", "reservation_id", "id", "pid", "request")
+
+
+def _named(request: Any) -> str:
+    """``gpu=1 job=train``: what the request names, for the log lines of a call held on."""
+    fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
+    parts: list[str] = []
+    for name in _NAMED_BY:
+        if name not in fields:
+            continue
+        value = getattr(request, name)
+        if hasattr(value, "DESCRIPTOR"):
+            parts.append(_named(value))
+        elif value or (name == "gpu" and isinstance(value, int)):
+            parts.append(f"{name}={value}")
+    return " ".join(part for part in parts if part)
+
+
+async def _to_its_end(
+    work: Awaitable[Any], method: str, gate: CallGate | None, request: Any = None
+) -> Any:
     """``work``'s result; should the call be cancelled meanwhile, ``work`` still runs to its
     end (its error logged as a refusal would be), then the cancellation goes on, unless:
 
-    - none of it began on a worker thread yet (queued behind busy workers): it is dropped and
-      never runs, as its caller was told it failed;
+    - none of it ran yet (its one change queued behind busy workers, :class:`WorkStart`): it
+      is dropped and never runs, as its caller was told it failed;
     - the stop gives up on it (``gate``'s :meth:`CallGate.cut_held`) or cancels the call again
       (the server's grace ended): it is cancelled at its next ``await``, "cut at the stop".
     """
     start = WorkStart()
+    named = _named(request)
+    named = f" ({named})" if named else ""
 
     async def run() -> Any:
         WORK_START.set(start)  # this task's own context: its to_thread calls carry it
+        start.own()
+        # runs once this first step reached its first await, before its next step
+        asyncio.get_running_loop().call_soon(start.first_step_over)
         return await work
 
     task = asyncio.ensure_future(run())
     if gate is not None:
-        gate.hold(task)
+        gate.hold(task, start.threads)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         if task.done():
             if task.cancelled():
-                log.warning("%s: cut at the stop", method)
+                log.warning("%s: cut at the stop%s", method, named)
             raise
         if start.drop():
             task.cancel()  # nothing of its change began: none of it is made
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({task})
+            log.info(
+                "%s (its caller gone): dropped while queued for a worker: not made%s",
+                method,
+                named,
+            )
             raise
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:
             task.cancel()  # cancelled again: the server's grace ended
         if task.cancelled() or not task.done():
-            log.warning("%s (its caller gone): cut at the stop", method)
+            log.warning("%s (its caller gone): cut at the stop%s", method, named)
             raise
         err = task.exception()
         if isinstance(err, GpudError):
@@ -202,7 +237,7 @@ def _wrap_unary_response(
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
                     whole = _runs_whole(method, request)
-                    result = await (_to_its_end(result, method, gate) if whole else result)
+                    result = await (_to_its_end(result, method, gate, request) if whole else result)
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +17,9 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.api.gate import CallGate, call_kind
+from gpud.api.interceptors import _to_its_end
 from gpud.errors import Unavailable
-from gpud.threads import StartTellingExecutor
+from gpud.threads import StartTellingExecutor, WorkStart
 from gpud.v1 import mig_pb2, node_pb2
 from tests.unit.api_support import ServerThread, short_dir
 
@@ -205,10 +208,13 @@ async def _use_pool(pool: StartTellingExecutor) -> None:
     asyncio.get_running_loop().set_default_executor(pool)
 
 
-def test_a_change_queued_behind_busy_workers_is_never_made_once_its_caller_gave_up() -> None:
+def test_a_change_queued_behind_busy_workers_is_never_made_once_its_caller_gave_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # One worker, busy with call A's change; call B's change waits for it. B's caller gives
     # up (its deadline, gpuctl cut off) and is told the call failed: B's change must not be
     # made later, once A's frees the worker (a reservation said failed yet holding GPUs).
+    caplog.set_level(logging.INFO, logger="gpud.api.interceptors")
     a_started, go_on = threading.Event(), threading.Event()
     b_queued = threading.Event()
     made: list[int] = []
@@ -249,6 +255,8 @@ def test_a_change_queued_behind_busy_workers_is_never_made_once_its_caller_gave_
                 assert served.run(gate.drained(30))
                 pool.submit(lambda: None).result(30)  # one worker: B's would have run first
                 assert made == [0]
+                dropped = "InjectFault (its caller gone): dropped while queued for a worker"
+                assert f"{dropped}: not made (gpu=1)" in caplog.text
         finally:
             go_on.set()
             pool.shutdown(wait=True)
@@ -318,7 +326,7 @@ def test_the_rest_of_a_call_whose_caller_went_away_is_cut_when_the_stop_gives_up
         assert served.run(gate.cut_held(30)) == 1
         assert served.run(gate.drained(30))
         _the_rest_never_ran(departed)
-    assert "InjectFault (its caller gone): cut at the stop" in caplog.text
+    assert "InjectFault (its caller gone): cut at the stop (gpu=0)" in caplog.text
 
 
 async def _until_idle(gate: CallGate) -> bool:
@@ -341,3 +349,157 @@ def test_a_call_whose_caller_went_away_is_not_waited_for_once_cancelled_again() 
         departed.served.run(_cancel_again())
         assert departed.served.run(_until_idle(departed.gate))
         _the_rest_never_ran(departed)
+
+
+class _Pool(StartTellingExecutor):
+    """The loop's pool, one worker, saying when work was handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = threading.Event()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        future = super().submit(fn, *args, **kwargs)
+        self.submitted.set()
+        return future
+
+
+@contextmanager
+def _one_busy_worker() -> Iterator[tuple[_Pool, threading.Event]]:
+    """The loop's pool, its one worker busy until the event is set."""
+    pool = _Pool()
+    free = threading.Event()
+    asyncio.get_running_loop().set_default_executor(pool)
+    pool.submit(free.wait, 30)
+    pool.submitted.clear()
+    try:
+        yield pool, free
+    finally:
+        free.set()
+        pool.shutdown(wait=True)
+
+
+async def _until(pool: _Pool) -> None:
+    for _ in range(3000):  # until the call handed its step to the pool
+        if pool.submitted.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the call never reached the pool")
+
+
+async def test_a_call_whose_first_step_ran_elsewhere_is_run_whole_once_its_caller_went_away() -> (
+    None
+):
+    # its first step on a pool of its own, its second queued behind the loop's busy worker:
+    # dropped there, the first step's change stood without the rest (half-made)
+    made: list[str] = []
+    loop = asyncio.get_running_loop()
+    with _one_busy_worker() as (pool, free), ThreadPoolExecutor(1) as own:
+
+        async def call() -> None:
+            await loop.run_in_executor(own, made.append, "first")
+            await asyncio.to_thread(made.append, "second")
+
+        held = asyncio.create_task(_to_its_end(call(), INJECT, None))
+        await _until(pool)
+        held.cancel()
+        await asyncio.sleep(0)
+        free.set()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+    assert made == ["first", "second"]
+
+
+async def test_a_task_a_dropped_call_started_still_gets_its_worker_steps_run() -> None:
+    # the task carries the call's context: its steps were skipped, each one CancelledError
+    made: list[str] = []
+    later = asyncio.Event()
+    background: list[asyncio.Task[None]] = []
+
+    async def in_background() -> None:
+        await later.wait()
+        await asyncio.to_thread(made.append, "background")
+
+    with _one_busy_worker() as (pool, free):
+
+        async def call() -> None:
+            background.append(asyncio.create_task(in_background()))
+            await asyncio.to_thread(made.append, "call")
+
+        held = asyncio.create_task(_to_its_end(call(), INJECT, None))
+        await _until(pool)
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        free.set()
+        later.set()
+        await background[0]
+        pool.submit(lambda: None).result(30)  # one worker: the call's would have run first
+    assert made == ["background"]
+
+
+async def test_a_stop_that_cuts_a_call_waits_for_its_worker_thread_before_the_store_closes() -> (
+    None
+):
+    # the cancel ends the call's task at once; its worker thread, in service.release() or
+    # the driver, goes on, and the store closed under it
+    gate = CallGate()
+    started, go_on, ended = (threading.Event() for _ in range(3))
+
+    def step() -> None:
+        started.set()
+        go_on.wait(30)
+        ended.set()
+
+    async def call() -> None:
+        await asyncio.to_thread(step)
+
+    pool = StartTellingExecutor(max_workers=1)
+    asyncio.get_running_loop().set_default_executor(pool)
+    try:
+        held = asyncio.create_task(_to_its_end(call(), INJECT, gate))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        held.cancel()  # its caller went away: held on
+        await asyncio.sleep(0)
+        cut = asyncio.create_task(gate.cut_held(30))
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not cut.done()  # the thread still runs
+        go_on.set()
+        assert await cut == 1
+        assert ended.is_set()
+    finally:
+        go_on.set()
+        pool.shutdown(wait=True)
+
+
+def _race(start: WorkStart) -> dict[str, bool]:
+    """A worker's begin and the loop's drop, let go at once on two threads."""
+    results: dict[str, bool] = {}
+    go = threading.Barrier(2)
+
+    def side(name: str, act: Any) -> None:
+        go.wait(5)
+        results[name] = act()
+
+    threads = [
+        threading.Thread(target=side, args=("begin", start.begin)),
+        threading.Thread(target=side, args=("drop", start.drop)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return results
+
+
+def test_a_worker_taking_the_work_and_the_loop_dropping_it_never_both_win() -> None:
+    for _ in range(500):
+        start = WorkStart()
+        start.queued()  # behind busy workers
+        results = _race(start)
+        assert results["begin"] != results["drop"]
+        assert start.begun == results["begin"]

@@ -58,6 +58,7 @@ from gpud.main import (
     lock_dirs,
     mps_control_command,
     open_backend,
+    serve_until_stopped,
 )
 from gpud.metrics import build_registry
 from gpud.metrics_http import METRICS_POLL_S
@@ -1012,8 +1013,6 @@ def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -
     """A GPU that stops answering mid-apply leaves a worker thread in a driver call that
     may never return: the daemon stops without it (and says so), and so must the process,
     not wait for the thread at the event loop's close or at interpreter exit."""
-    from gpud.main import serve_until_stopped
-
     release = threading.Event()
     cancelled: list[bool] = []
 
@@ -2306,3 +2305,55 @@ def test_a_run_that_ended_before_colocation_read_it_leaves_its_gpu_to_the_next(
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_a_changing_call_stuck_in_its_worker_step_is_cut_at_the_stop_before_the_store_closes(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An XID injected whose simulated driver call hangs past the calls' share of the stop:
+    the stop cuts the call ("cut at the stop", naming its GPU) before the store closes, and
+    what follows its worker step (its ``sim.fault.xid`` event) never runs, even once the
+    driver call returns."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    assert d.sim is not None
+    d.call_stop_wait_s = 0.3
+    started, go_on, step_done = (threading.Event() for _ in range(3))
+
+    def stuck_xid(gpu: int, code: int) -> None:
+        started.set()
+        go_on.wait(60)
+        step_done.set()
+
+    d.sim.faults.xid = stuck_xid  # type: ignore[method-assign]
+    at_close: list[bool] = []
+    store_close = d.store.close
+
+    def close_store(wait_s: float | None = None) -> None:
+        at_close.append("InjectFault: cut at the stop (gpu=0)" in caplog.text)
+        store_close(wait_s=wait_s)
+
+    d.store.close = close_store  # type: ignore[method-assign,assignment]
+
+    async def scenario() -> int:
+        run = await _started(d)
+        async with grpc.aio.insecure_channel(f"unix:{d.config.socket_path}") as ch:
+            call = asyncio.ensure_future(
+                node_pb2_grpc.NodeStub(ch).InjectFault(
+                    node_pb2.InjectFaultRequest(gpu=0, kind=node_pb2.FAULT_KIND_XID, xid=79)
+                )
+            )
+            assert await asyncio.to_thread(started.wait, 30)
+            d.request_stop()
+            code = await asyncio.wait_for(run, timeout=20)  # a hang guard
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call
+        return code
+
+    caplog.set_level(logging.WARNING)
+    try:
+        assert serve_until_stopped(scenario()) == 0
+    finally:
+        go_on.set()
+    assert step_done.wait(30)
+    assert at_close == [True]
+    assert not d.events.recent(kind_prefix="sim.fault")
