@@ -30,7 +30,7 @@ import logging
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -47,9 +47,23 @@ DEFAULT_LEVEL_PRIOS = (7, 6, 5, 4, 3, 2, 1, 0)  # level 0 (highest) -> NIC prior
 
 class DcbError(Exception):
     """Reading or writing one netdev's APP table failed. ``netdev``, ``command`` (the
-    argv, as a string) and ``detail`` (what dcb said) name it."""
+    argv, as a string) and ``detail`` (what dcb said) name it.
 
-    def __init__(self, netdev: str, message: str, *, command: str = "", detail: str = "") -> None:
+    From :meth:`NicMap.apply`: ``failed`` names each netdev whose table was not written
+    (its ``dcb`` failed, or it is the loopback) and ``written`` holds what the others'
+    tables did not hold and were written, as :meth:`NicMap.apply` returns it. From one
+    backend, ``failed`` is ``(netdev,)`` and ``written`` empty."""
+
+    def __init__(
+        self,
+        netdev: str,
+        message: str,
+        *,
+        command: str = "",
+        detail: str = "",
+        failed: Sequence[str] = (),
+        written: Sequence[MapResult] = (),
+    ) -> None:
         text = f"{netdev}: {message}"
         if detail:
             text += f": {detail}"
@@ -57,6 +71,8 @@ class DcbError(Exception):
         self.netdev = netdev
         self.command = command
         self.detail = detail
+        self.failed = tuple(failed) or (netdev,)
+        self.written = tuple(written)
 
 
 def dscp_prio_map(
@@ -105,14 +121,28 @@ def replace_args(netdev: str, changes: Mapping[int, int]) -> list[str]:
 
 @dataclass(frozen=True)
 class MapResult:
-    """What one apply did on one netdev: the entries written (DSCP -> priority)."""
+    """What one apply did on one netdev: the entries written (DSCP -> priority), and
+    what the APP table held for each of them before (``before``: DSCP -> the priorities
+    ``dcb app show`` listed; a DSCP it did not list is absent)."""
 
     netdev: str
     changed: Mapping[int, int]
+    before: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        """One line per entry written (``eth2: DSCP 26 -> prio 7``), for the log."""
-        return [f"{self.netdev}: DSCP {d} -> prio {p}" for d, p in self.changed.items()]
+        """One line per entry written (``eth2: DSCP 26 -> prio 7 (was 3)``), for the log."""
+        return [
+            f"{self.netdev}: DSCP {d} -> prio {p} (was "
+            + (",".join(map(str, self.before[d])) if self.before.get(d) else "none")
+            + ")"
+            for d, p in self.changed.items()
+        ]
+
+
+def _held(
+    current: Mapping[int, tuple[int, ...]], changes: Mapping[int, int]
+) -> dict[int, tuple[int, ...]]:
+    return {d: current[d] for d in changes if current.get(d)}
 
 
 class DscpMapBackend(Protocol):
@@ -207,10 +237,11 @@ class DcbAppBackend:
 
     def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult:
         """Replace only the entries that differ; one ``dcb`` run, none when all match."""
-        changes = map_changes(self.current(netdev), want)
+        current = self.current(netdev)
+        changes = map_changes(current, want)
         if changes:
             self._call(netdev, replace_args(netdev, changes))
-        return MapResult(netdev, changes)
+        return MapResult(netdev, changes, _held(current, changes))
 
 
 class DryRunBackend:
@@ -230,12 +261,13 @@ class DryRunBackend:
         return dict(self._shown.get(netdev, {}))
 
     def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult:
-        changes = map_changes(self.current(netdev), want)
+        current = self.current(netdev)
+        changes = map_changes(current, want)
         if changes:
             self._write(" ".join([self._dcb, *replace_args(netdev, changes)]))
             shown = self._shown.setdefault(netdev, {})
             shown.update({d: (p,) for d, p in changes.items()})
-        return MapResult(netdev, changes)
+        return MapResult(netdev, changes, _held(current, changes))
 
 
 LinkType = Callable[[str], "int | None"]
@@ -317,5 +349,7 @@ class NicMap:
                 f"{len(failures)} of {len(self._netdevs)} netdev(s) not written",
                 command=first.command,
                 detail=str(first),
+                failed=[f.netdev for f in failures],
+                written=written,
             )
         return written

@@ -138,12 +138,12 @@ class TrafficMetrics:
             "1 when the NIC DSCP -> priority map (traffic.rdma_backend) is written on every"
             " netdev; 0 while one is not (gpuctl net show names it).",
         )
-        # an agent rewriting the map before every check is said twice (net.rdma_drift),
+        # an agent rewriting the map before every write is said twice (net.rdma_drift),
         # then only counted here
         rdma_repairs = CounterMetricFamily(
             "gpud_net_rdma_map_repairs",
-            "Checks that found the NIC DSCP -> priority map changed outside gpud and wrote"
-            " it back.",
+            "Writes of the NIC DSCP -> priority map that found an entry changed outside gpud"
+            " and wrote it back.",
         )
         if view.rdma_backend != "none":
             rdma.add_metric([], 0.0 if view.rdma_error else 1.0)

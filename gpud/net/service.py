@@ -79,6 +79,7 @@ from gpud.shared import (
     format_number,
 )
 from netshaper import tcplan
+from netshaper.dcb import DcbError, MapResult
 from netshaper.ethtool import link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.nftables import DEFAULT_TABLE, FAMILY
@@ -358,6 +359,49 @@ def _plus(a: TrafficCounters, b: TrafficCounters) -> TrafficCounters:
     return TrafficCounters(a.bytes + b.bytes, a.packets + b.packets, a.drops + b.drops)
 
 
+class _WrittenNicMap:
+    """What gpud last wrote in each netdev's APP table, to tell a change another tool
+    made (``dcb app`` by hand, a DCBX agent) from gpud's own and from a table lost with
+    its netdev (a driver reset, a VF re-created: back with an empty table)."""
+
+    def __init__(self) -> None:
+        self._every: dict[int, int] = {}  # on each netdev not apart
+        # netdevs a write failed on since the last that held there: what of gpud's is
+        # still known on each (``dcb`` may have written or not, the netdev may have gone)
+        self._apart: dict[str, dict[int, int]] = {}
+        self._all_apart = False  # a write failed without saying on which netdevs
+
+    def write_backs(self, results: Iterable[MapResult]) -> int:
+        """The entries of ``results`` that held, before the write, another priority than
+        gpud last wrote for their DSCP, whatever gpud wants there now. An entry absent
+        from a netdev a write failed on since is its lost table, not another tool's."""
+        count = 0
+        for r in results:
+            apart = self._all_apart or r.netdev in self._apart
+            known = self._apart.get(r.netdev, self._every)
+            for dscp in r.changed:
+                last, held = known.get(dscp), tuple(r.before.get(dscp, ()))
+                if last is not None and held != (last,) and (held or not apart):
+                    count += 1
+        return count
+
+    def wrote(self, want: Mapping[int, int], failed: Iterable[str] | None = ()) -> None:
+        """``want`` is in force on every netdev but ``failed`` (None: not said which)."""
+        if failed is None:
+            self._every = _kept(self._every, want)
+            self._apart = {n: _kept(m, want) for n, m in self._apart.items()}
+            self._all_apart = True
+            return
+        self._apart = {n: _kept(self._apart.get(n, self._every), want) for n in failed}
+        self._every, self._all_apart = dict(want), False
+
+
+def _kept(known: Mapping[int, int], want: Mapping[int, int]) -> dict[int, int]:
+    # a write that failed may or may not have changed an entry it moved: only one it
+    # wanted where it was is still known as gpud's
+    return {d: p for d, p in known.items() if want.get(d) == p}
+
+
 @dataclass(frozen=True)
 class NetView:
     """Everything ``gpuctl net show`` prints."""
@@ -384,8 +428,9 @@ class NetView:
     marking: bool = True
     """``traffic.marking``: whether gpud marks packets by cgroup at all."""
     rdma_repairs: int = 0
-    """Checks that found the NIC DSCP -> priority map changed outside gpud (``dcb app``
-    showing another priority on a DSCP gpud wrote) and wrote it back."""
+    """Writes of the NIC DSCP -> priority map that found an entry changed outside gpud
+    (``dcb app show`` listing another priority, or none, on a DSCP gpud wrote on that
+    netdev) and wrote it back."""
     gap_spacings: float = 20.0
     """How many of its usual spacings a job goes without progress before it is stopped
     (``traffic.progress_gap_spacings``)."""
@@ -550,9 +595,9 @@ class TrafficService:
         self._marking_error = marking_error
         self._marking_ok = False
         self._rdma_error = rdma_error
-        self._rdma_map: dict[int, int] = {}  # as last written
-        # checks running that wrote the map back (the NIC map's worker's own): an agent
-        # that changes it before every check is said twice, not once a check
+        self._rdma_map = _WrittenNicMap()
+        # writes running that wrote the map back (the NIC map's worker's own): an agent
+        # that changes it before every check is said twice, not once a write
         self._rdma_drift_run = 0
         self._rdma_repairs = 0  # writes that wrote an agent's change back, said or not
         self._rdma_posted: dict[int, int] | None = None  # as last handed to the worker
@@ -2155,44 +2200,51 @@ class TrafficService:
     def _write_rdma(self, want: dict[int, int]) -> None:
         """The NIC map's worker: one write of ``want`` (``dcb app replace`` per netdev).
 
-        An entry written at the priority gpud last wrote for its DSCP was changed outside
-        gpud (``dcb app`` by hand, a DCBX agent): a write-back, counted whatever else the
-        write did. A write with none ends the agent's run, so does one that fails."""
+        An entry that held, before the write, another priority than gpud last wrote on
+        that netdev was changed outside gpud (``dcb app`` by hand, a DCBX agent): a
+        write-back, counted whatever else the write did, and on the netdevs written when
+        others failed. An entry missing from a netdev a write failed on since went with
+        its table (the netdev reset or re-created), not with another tool. A write with
+        no write-back ends the agent's run, so does one that fails."""
         assert self._rdma is not None
         try:
-            written = self._rdma.apply(want)
+            written: Sequence[MapResult] = self._rdma.apply(want)
         except Exception as err:
+            done = err.written if isinstance(err, DcbError) else ()
+            self._log_rdma(done)
+            if self._rdma_map.write_backs(done):
+                self._rdma_repairs += 1
+            self._rdma_map.wrote(want, err.failed if isinstance(err, DcbError) else None)
             message = f"rdma: {err}"
             if message != self._rdma_error:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
-            # a check that failed saw nothing of the agent: what it finds after is new
+            # a write that failed saw nothing of the agent on some netdev: what it
+            # finds after is new
             self._rdma_drift_run = 0
-            # its healthy netdevs were written: only a DSCP it wanted where it was keeps
-            # what gpud last wrote known
-            self._rdma_map = {d: p for d, p in self._rdma_map.items() if want.get(d) == p}
             return
-        changes = [(r.netdev, d, p) for r in written for d, p in r.changed.items()]
-        back = sum(1 for _, d, p in changes if self._rdma_map.get(d) == p)
-        was = self._rdma_error
-        self._rdma_map, self._rdma_error = want, ""
+        self._log_rdma(written)
+        changes = sum(len(r.changed) for r in written)
+        back = self._rdma_map.write_backs(written)
+        self._rdma_map.wrote(want)
+        was, self._rdma_error = self._rdma_error, ""
         if back:
             self._rdma_repairs += 1
         if was or not back:
-            self._rdma_drift_run = 0  # as gpud wrote it, or after a check that saw nothing
+            self._rdma_drift_run = 0  # as gpud wrote it, or after a write that saw nothing
         if was:  # the pair of the net.rdma_error event
             self._events.emit(
                 "net.rdma",
                 f"NIC DSCP -> priority map written on every netdev again (was: {was})"
-                + (f"; {len(changes)} change(s)" if changes else "")
+                + (f"; {changes} change(s)" if changes else "")
                 + (f", {back} of them changed outside gpud and written back" if back else ""),
             )
             return
         if back:
             self._rdma_drift_run += 1
             again = (
-                " again on 2 checks running: another agent (a DCBX one, lldpad) keeps"
-                " changing it; gpud writes it back on every check, said again once a check"
+                " again on 2 writes running: another agent (a DCBX one, lldpad) keeps"
+                " changing it; gpud writes it back each time, said again once a write"
                 " finds it as gpud wrote it"
                 if self._rdma_drift_run == 2
                 else ""
@@ -2203,10 +2255,14 @@ class TrafficService:
                     f"NIC DSCP -> priority map changed outside gpud{again}: {back}"
                     " entr" + ("y" if back == 1 else "ies") + " written back",
                 )
-        if len(changes) > back:
-            self._events.emit(
-                "net.rdma", f"NIC DSCP -> priority map: {len(changes) - back} change(s)"
-            )
+        if changes > back:
+            self._events.emit("net.rdma", f"NIC DSCP -> priority map: {changes - back} change(s)")
+
+    @staticmethod
+    def _log_rdma(written: Iterable[MapResult]) -> None:
+        for result in written:
+            for line in result.lines():
+                log.info("rdma: %s", line)
 
     def settle(self, timeout: float) -> bool:
         """Wait until the NIC map the last tick wanted is written, or failed; False when

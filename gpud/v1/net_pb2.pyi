@@ -432,7 +432,9 @@ class ShowNetResponse(_message.Message):
     (traffic.progress_gap_spacings)
     """
     rdma_repairs: _builtins.int
-    """checks that found the NIC DSCP -> priority map changed outside gpud and wrote it back"""
+    """writes of the NIC DSCP -> priority map that found an entry changed outside gpud and
+    wrote it back
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetJob]: ...
     @_builtins.property

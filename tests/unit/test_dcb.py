@@ -106,11 +106,14 @@ def test_dry_run_prints_changes_only() -> None:
 def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
     nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"], link_type=ether)
     written = nic.apply({26: 7, 48: 6})
-    assert written == [dcb.MapResult("eth2", {26: 7}), dcb.MapResult("eth3", {26: 7, 48: 6})]
+    assert written == [
+        dcb.MapResult("eth2", {26: 7}, {26: (1,)}),
+        dcb.MapResult("eth3", {26: 7, 48: 6}),
+    ]
     assert [line for result in written for line in result.lines()] == [
-        "eth2: DSCP 26 -> prio 7",
-        "eth3: DSCP 26 -> prio 7",
-        "eth3: DSCP 48 -> prio 6",
+        "eth2: DSCP 26 -> prio 7 (was 1)",
+        "eth3: DSCP 26 -> prio 7 (was none)",
+        "eth3: DSCP 48 -> prio 6 (was none)",
     ]
     assert nic.apply({26: 7, 48: 6}) == []
     broken = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth9", "eth3"], link_type=ether)
@@ -118,6 +121,8 @@ def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
         broken.apply({26: 5})
     assert "eth9: app show failed (exit 1): Attribute read: No such device" in str(err.value)
     assert table(fake, "eth3") == [[26, 5], [48, 6]]  # the healthy netdev was still written
+    assert err.value.failed == ("eth9",)
+    assert err.value.written == (dcb.MapResult("eth3", {26: 5}, {26: (7,)}),)
     with pytest.raises(ValueError, match="DSCP 64"):
         nic.apply({64: 1})
 

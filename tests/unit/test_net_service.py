@@ -2121,9 +2121,9 @@ def test_a_nic_map_another_agent_changes_before_every_check_is_said_twice(
     drifts = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
     assert len(drifts) == 2, drifts
     assert drifts[1] == (
-        "NIC DSCP -> priority map changed outside gpud again on 2 checks running: another"
-        " agent (a DCBX one, lldpad) keeps changing it; gpud writes it back on every"
-        " check, said again once a check finds it as gpud wrote it: 1 entry written back"
+        "NIC DSCP -> priority map changed outside gpud again on 2 writes running: another"
+        " agent (a DCBX one, lldpad) keeps changing it; gpud writes it back each time,"
+        " said again once a write finds it as gpud wrote it: 1 entry written back"
     )
     check(agent=False)
     check(agent=True)
@@ -2255,6 +2255,176 @@ def test_an_agents_entry_written_back_with_a_moved_plan_is_said_and_counted(
         assert s.view().rdma_repairs == 1
     finally:
         s.shutdown()
+
+
+class _Eth3Fails:
+    """``dcb`` as the dry run prints it, whose writes on eth3 fail while ``fail`` is set
+    (after the kernel took them, with ``took_it``: ``dcb`` timed out past its write)."""
+
+    def __init__(self) -> None:
+        from netshaper.dcb import DryRunBackend
+
+        self.dry = DryRunBackend(lambda line: None)
+        self.fail = False
+        self.took_it = False
+
+    @property
+    def netns(self) -> str | None:
+        return None
+
+    def current(self, netdev: str) -> dict[int, tuple[int, ...]]:
+        return self.dry.current(netdev)
+
+    def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult:
+        from netshaper.dcb import DcbError
+
+        if netdev == "eth3" and self.fail:
+            if self.took_it:
+                self.dry.apply(netdev, want)
+            raise DcbError(netdev, "app replace failed (exit 1)", detail="No such device")
+        return self.dry.apply(netdev, want)
+
+    def table(self, netdev: str) -> dict[int, tuple[int, ...]]:
+        return self.dry._shown.setdefault(netdev, {})
+
+
+@contextlib.contextmanager
+def _written_on_eth2_and_eth3(
+    rig: Rig, jobs: Sequence[str] = ("a", "b")
+) -> Iterator[tuple[_Eth3Fails, TrafficService]]:
+    """A service that wrote the map of ``jobs`` (all in use) on eth2 and eth3."""
+    from netshaper.dcb import NicMap
+
+    backend = _Eth3Fails()
+    s = rig.with_nic(NicMap(backend, ["eth2", "eth3"], link_type=ether))
+    rig.jobs, rig.active = list(jobs), set(jobs)
+    try:
+        s.tick()
+        assert s.settle(5)
+        yield backend, s
+    finally:
+        s.shutdown()
+
+
+def _write(rig: Rig, s: TrafficService, after: float = RDMA_RECHECK_S) -> None:
+    rig.clock.t += after
+    s.tick()
+    assert s.settle(5)
+
+
+def _written_with_no_write_back(rig: Rig, s: TrafficService) -> None:
+    """The last write held everywhere, and no write counted or said a change outside gpud."""
+    assert s.view().rdma_error == ""
+    assert s.view().rdma_repairs == 0
+    assert [e.message for e in rig.events.recent(100) if "outside gpud" in e.message] == []
+
+
+@pytest.mark.parametrize("took_it", [False, True])
+def test_a_level_back_after_a_move_that_failed_on_one_netdev_is_no_write_back(
+    tmp_path: Path, sysfs: Path, took_it: bool
+) -> None:
+    """a at 7 on eth2 and eth3; a move to 5 is written on eth2 and fails on eth3 (before
+    or after its kernel took it); a back at 7: gpud's own moves, no tool's change."""
+    rig = Rig(tmp_path, sysfs)
+    with _written_on_eth2_and_eth3(rig) as (backend, s):
+        tag = s.tags.allocations()["a"]
+        backend.fail, backend.took_it = True, took_it
+        s.pin("a", 2)
+        _write(rig, s, 1)
+        assert "eth3" in s.view().rdma_error
+        assert backend.table("eth2")[tag] == (5,)
+        backend.fail = False
+        s.pin("a", 0)
+        _write(rig, s, 1)
+        assert backend.table("eth2")[tag] == backend.table("eth3")[tag] == (7,)
+        _written_with_no_write_back(rig, s)
+
+
+def test_a_tag_let_go_while_one_netdev_failed_and_reused_is_no_write_back(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """a's DSCP at 7; a goes and the write of the map without it fails on eth3; an agent
+    puts its own priority on that DSCP; c gets the DSCP at 7: gpud let go of the entry,
+    what the agent put there is not a change to gpud's."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="26")  # one DSCP: c gets the one a had
+    with _written_on_eth2_and_eth3(rig, ["a"]) as (backend, s):
+        tag = s.tags.allocations()["a"]
+        backend.fail = True
+        rig.jobs, rig.active = [], set()
+        _write(rig, s, 1)
+        assert "eth3" in s.view().rdma_error
+        backend.table("eth2")[tag] = backend.table("eth3")[tag] = (3,)
+        backend.fail = False
+        rig.jobs, rig.active = ["c"], {"c"}
+        _write(rig, s, RDMA_RETRY_S)
+        assert s.tags.allocations()["c"] == tag
+        assert backend.table("eth2")[tag] == backend.table("eth3")[tag] == (7,)
+        _written_with_no_write_back(rig, s)
+
+
+def test_a_netdev_back_with_an_empty_table_is_written_not_counted_as_a_write_back(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """eth3 goes (its write fails) and comes back with an empty APP table (a driver reset,
+    its VF re-created): its entries are written again as changes, no tool's."""
+    rig = Rig(tmp_path, sysfs)
+    with _written_on_eth2_and_eth3(rig) as (backend, s):
+        tags = s.tags.allocations()
+        backend.fail = True  # eth3 gone, with its table
+        backend.table("eth3").clear()
+        _write(rig, s)
+        assert "eth3" in s.view().rdma_error
+        backend.fail = False
+        _write(rig, s, RDMA_RETRY_S)
+        _written_with_no_write_back(rig, s)
+        assert backend.table("eth3") == {tags["a"]: (7,), tags["b"]: (6,)}
+        (back,) = [e.message for e in rig.events.recent(100, "net.rdma") if "(was: " in e.message]
+        assert back.endswith("; 2 change(s)")
+        backend.table("eth3").clear()  # gone from a netdev with no failure since: a tool's
+        _write(rig, s)
+        assert s.view().rdma_repairs == 1
+
+
+def test_an_agents_change_is_written_back_on_the_netdevs_written_while_one_fails(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """eth3 goes with its table; an agent changes eth2 before the write that fails on
+    eth3, and again before the one that writes eth3 back: both are write-backs, eth3's
+    lost entries are not."""
+    rig = Rig(tmp_path, sysfs)
+    with _written_on_eth2_and_eth3(rig) as (backend, s):
+        tags = s.tags.allocations()
+        backend.fail = True  # eth3 gone, with its table
+        backend.table("eth3").clear()
+        backend.table("eth2")[tags["a"]] = (3,)
+        _write(rig, s)
+        assert "eth3" in s.view().rdma_error
+        assert backend.table("eth2")[tags["a"]] == (7,)
+        assert s.view().rdma_repairs == 1
+        backend.fail = False
+        backend.table("eth2")[tags["b"]] = (3,)
+        _write(rig, s, RDMA_RETRY_S)
+        assert s.view().rdma_error == ""
+        (back,) = [e.message for e in rig.events.recent(100, "net.rdma") if "(was: " in e.message]
+        assert back.endswith("; 3 change(s), 1 of them changed outside gpud and written back")
+        assert s.view().rdma_repairs == 2
+
+
+def test_an_agents_entry_gpud_moves_in_the_same_write_is_a_write_back(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """a at 7; an agent sets a's DSCP on eth2 to 3; a's level moves (5) before the next
+    check: the write puts gpud's 5 over the agent's 3, still a change outside gpud."""
+    rig = Rig(tmp_path, sysfs)
+    with _written_on_eth2_and_eth3(rig) as (backend, s):
+        tag = s.tags.allocations()["a"]
+        backend.table("eth2")[tag] = (3,)
+        s.pin("a", 2)
+        _write(rig, s, 1)
+        assert backend.table("eth2")[tag] == backend.table("eth3")[tag] == (5,)
+        (drift,) = [e.message for e in rig.events.recent(100, "net.rdma_drift")]
+        assert drift == "NIC DSCP -> priority map changed outside gpud: 1 entry written back"
+        assert s.view().rdma_repairs == 1
 
 
 @pytest.mark.parametrize(
