@@ -847,7 +847,7 @@ class Daemon:
         self, what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None
     ) -> None:
         if what == "reserve":
-            self.colo.reservation_made(reservation.job, reservation.created_at)
+            self.colo.reservation_made(reservation.job, reservation.created_at, reservation.devices)
 
     def _colo_running(self) -> list[RunningJob]:
         """Jobs holding reservations, placed on GPU indices, with their attributed memory."""
