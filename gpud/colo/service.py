@@ -2736,9 +2736,10 @@ class ColoService:
         releases between two questions, and no list of reservations ever shows it, so its
         place would otherwise bar the next run, of its job too, for :data:`PROMISE_S`.
 
-        Lock order: called inside the store's write transaction, it takes no lock of the
-        loop's (which a planning pass holds through its event writes): it is queued, and
-        the loop reads it at its next question."""
+        Lock order: called once the store committed the reservation, under the jobs
+        service's placement lock, it takes no lock of the loop's (which a planning pass
+        holds through its event writes): it is queued, and the loop reads it under its own
+        lock at its next question. So a Reserve never waits on a planning pass."""
         self._made.append((job, at, tuple(devices)))
 
     def _keep_promise_of(self, job: str, stamp: float, devices: Collection[str] = ()) -> None:

@@ -7036,10 +7036,8 @@ def test_a_reservation_of_one_of_two_runs_of_a_job_stands_for_the_place_on_its_o
     assert (other.gpu, other.reason) == (2, "GPU 2 is free: exclusive")
 
 
-def test_a_reservation_told_inside_the_stores_transaction_waits_for_no_planning_pass(
-    tmp_path: Path,
-) -> None:
-    """The jobs service tells of a reservation while it holds SQLite's write lock: the
+def test_a_reservation_told_to_the_loop_waits_for_no_planning_pass(tmp_path: Path) -> None:
+    """The jobs service tells of a reservation while it holds its placement lock: the
     loop takes it without its own lock, which a planning pass holds through its event
     writes, so a Reserve never waits on a pass; the next question counts it."""
     clock = Clock()
