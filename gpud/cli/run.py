@@ -1179,7 +1179,7 @@ def _stop_leftovers(
     print(
         f"gpuctl: {len(left)} process(es) of job {job} outlived its command "
         f"(pid {', '.join(map(str, left[:8]))}{', ...' if len(left) > 8 else ''}): "
-        f"SIGTERM, and SIGKILL after {grace_s:g} s",
+        f"SIGTERM, and SIGKILL {'at once' if hurry.is_set() else f'after {grace_s:g} s'}",
         file=sys.stderr,
     )
     _, killed = leftovers.stop(

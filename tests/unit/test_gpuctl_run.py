@@ -1018,6 +1018,7 @@ def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_term_timeout_later
             os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
     assert run.returncode == 128 + signal.SIGKILL and not outlived, err
     assert "did not end 500 ms after SIGTERM: SIGKILL (--term-timeout)" in err
+    assert "outlived its command" in err and "SIGTERM, and SIGKILL at once" in err
     # the loop's own sleep may be left too, as the shell was killed mid-way
     assert re.search(r"killed [12] process\(es\) of job j", err), err
     assert ends == [RunEnd(EndCause.EXITED, exit_signal=signal.SIGKILL)]
