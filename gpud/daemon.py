@@ -103,9 +103,7 @@ from gpud.threads import EXIT_GRACE_S, on_daemon_thread, wait_first
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode, Workload
-    from gpud.jobs.ends import RunEnd
     from gpud.jobs.placement import Reservation
-    from gpud.jobs.registry import JobSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -666,7 +664,7 @@ class Daemon:
         self.jobs.add_freed_hook(self.colo.reservations_freed)
         # a place advice promised a run is its run's once it reserves, should the run
         # end before the loop reads the reservations (a command that fails at once)
-        self.jobs.add_observer(self._colo_reserved)
+        self.jobs.add_reserved_hook(self._colo_reserved)
         self.jobs.set_waiting(self.colo.waiting_kind)
         for source in (
             MigMetrics(self.mig),
@@ -873,11 +871,8 @@ class Daemon:
         self._colo_last = now
         await asyncio.to_thread(self.colo.tick, self.sampler.latest())
 
-    def _colo_reserved(
-        self, what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None
-    ) -> None:
-        if what == "reserve":
-            self.colo.reservation_made(reservation.job, reservation.created_at)
+    def _colo_reserved(self, reservation: Reservation) -> None:
+        self.colo.reservation_made(reservation.job, reservation.created_at, reservation.devices)
 
     def _colo_running(self) -> list[RunningJob]:
         """Jobs holding reservations, placed on GPU indices, with their attributed memory."""

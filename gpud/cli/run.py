@@ -15,8 +15,9 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 ``GPUD_REPORT_TOKEN`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to it (not a Ctrl-C or Ctrl-\\
 on the terminal, which reaches the command directly; one gpuctl was started ignoring,
-``nohup``'s SIGHUP, stays ignored, by the command too; a command still running
-``--kill-after`` seconds after a SIGTERM passed on gets SIGKILL, said), and when it ends stops what it
+``nohup``'s SIGHUP, stays ignored, by the command too; with ``--term-timeout``, a command
+still running that many seconds after a SIGTERM passed on gets SIGKILL, said; without, it
+takes as long as it needs), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds, or at once on a signal
 since the command ended: every process whose environment carries the run's ``GPUD_RUN``),
 releases the reservation, telling gpud how the
@@ -92,6 +93,7 @@ from gpud.cli.context import (
     number,
     shown_word,
 )
+from gpud.cli.context import seconds as duration
 from gpud.cli.jobs import (
     add_placement_options,
     fill_placement,
@@ -262,8 +264,15 @@ def register(subparsers: Subparsers) -> None:
         default=KILL_AFTER_S,
         metavar="SECONDS",
         help="once the command exits, processes it left running get SIGTERM, and SIGKILL "
-        "this many seconds later; a command still running this long after a SIGTERM "
-        f"gpuctl passed on gets SIGKILL (default {KILL_AFTER_S:g})",
+        f"this many seconds later (default {KILL_AFTER_S:g})",
+    )
+    run.add_argument(
+        "--term-timeout",
+        type=duration(86400),
+        default=None,
+        metavar="SECONDS",
+        help="a command still running this many seconds after a SIGTERM gpuctl passed on "
+        "gets SIGKILL (default: none, it takes as long as it needs)",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run, **{STDERR_MAY_GO: True})
@@ -813,7 +822,7 @@ def _run(
             stop,
             after=after,
             json_errors=ctx.out.json,
-            kill_after=args.kill_after,
+            term_timeout=args.term_timeout,
         )
         return exit_status(returncode)
     except NotStarted as err:
@@ -1221,7 +1230,7 @@ def _stop_leftovers(
     print(
         f"gpuctl: {len(left)} process(es) of job {job} outlived its command "
         f"(pid {', '.join(map(str, left[:8]))}{', ...' if len(left) > 8 else ''}): "
-        f"SIGTERM, and SIGKILL after {grace_s:g} s",
+        f"SIGTERM, and SIGKILL {'at once' if hurry.is_set() else f'after {grace_s:g} s'}",
         file=sys.stderr,
     )
     _, killed = leftovers.stop(
@@ -1275,7 +1284,7 @@ def _launch(
     after: _Stop | None = None,
     json_errors: bool = False,
     popen: Callable[..., subprocess.Popen[bytes]] | None = None,
-    kill_after: float | None = None,
+    term_timeout: float | None = None,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
@@ -1293,9 +1302,10 @@ def _launch(
     document of gpuctl's errors; one that cannot even be started (no fork: EAGAIN, ENOMEM)
     exits 127 as well, the signals then going to ``after`` at once, unless ``stop`` took
     one before the fork failed: that signal stopped the run (NotStarted). ``popen``: what
-    starts it (``subprocess.Popen``). ``kill_after``: a command still running this many
-    seconds after a SIGTERM was passed on to it gets SIGKILL, said on stderr (None: never):
-    whoever stopped gpuctl waits for it to end."""
+    starts it (``subprocess.Popen``). ``term_timeout``: a command still running this many
+    seconds after a SIGTERM was passed on to it gets SIGKILL, said on stderr, and ``after``
+    is set, so that what it left gets SIGKILL without a grace of its own (None: never; it
+    handles the SIGTERM for as long as it takes, whoever stopped gpuctl waiting for it)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -1370,26 +1380,34 @@ def _launch(
             os.close(gate_w)
 
     ended = False  # the command ended: its PID, not reaped yet, is still its own
-    # SIGKILL for a command that outlives a SIGTERM passed on by kill_after: a stop request
-    # (systemd's, a batch system's) must end, as `gpuctl jobs rm --force` ends a run
+    # SIGKILL for a command that outlives a SIGTERM passed on by term_timeout: a stop
+    # request (systemd's, a batch system's) with a bound of its own
     killer: threading.Timer | None = None
-    # held from the timer's check to its kill, and by the main thread from the command's
-    # end to its reaping: never a kill of a PID reused since
+    # held from the timer's check to its kill and its line, and by the main thread from the
+    # command's end to its reaping: never a kill of a PID reused since, nor a line after the
+    # release's
     reaping = threading.Lock()
 
     def kill_if_running() -> None:
         with reaping:
             if ended:
                 return
-            with contextlib.suppress(ProcessLookupError):
+            try:
+                # an exit the main thread has not taken yet: nothing to kill, nothing to say
+                if os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                    return
                 os.kill(child.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):  # a stderr gone loses the line, not the kill
-            print(
-                f"gpuctl: the command (pid {child.pid}) did not end {seconds(kill_after or 0)}"
-                " after SIGTERM: SIGKILL (--kill-after)",
-                file=sys.stderr,
-                flush=True,
-            )
+            except (ChildProcessError, ProcessLookupError):
+                return
+            if after is not None:  # spent the patience of whoever stopped gpuctl
+                after.set(signal.SIGTERM)
+            with contextlib.suppress(OSError):  # a stderr gone loses the line, not the kill
+                print(
+                    f"gpuctl: the command (pid {child.pid}) did not end "
+                    f"{seconds(term_timeout or 0)} after SIGTERM: SIGKILL (--term-timeout)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def pass_on(signum: int) -> None:
         nonlocal killer
@@ -1398,8 +1416,8 @@ def _launch(
         # no child
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
-        if signum == signal.SIGTERM and kill_after is not None and killer is None:
-            killer = threading.Timer(kill_after, kill_if_running)
+        if signum == signal.SIGTERM and term_timeout is not None and killer is None:
+            killer = threading.Timer(term_timeout, kill_if_running)
             killer.daemon = True
             killer.start()
 
@@ -1433,6 +1451,7 @@ def _launch(
     finally:
         if killer is not None:
             killer.cancel()
+            killer.join()  # one that fired has said so before anything after the end
         if after is None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

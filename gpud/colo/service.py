@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -931,6 +931,9 @@ class ColoService:
         # (job, waiter id) -> the place advice gave a run that reserves it (``reserving``):
         # two runs of one job are two places
         self._promised: dict[tuple[str, str], _Promise] = {}
+        # (job, stamp, devices) of reservations made since the last question: a deque, as
+        # the jobs service appends from inside its write transaction without the lock
+        self._made: deque[tuple[str, float, tuple[str, ...]]] = deque()
         # job -> when `gpuctl jobs rm` removed it while a run of it waited (--force) or was
         # dropped, and whether forced: that run's next question is answered NotFound (kept
         # DROPPED_KEEP_S, in the order removed)
@@ -2724,21 +2727,25 @@ class ColoService:
             *at,
         )
 
-    def reservation_made(self, job: str, at: float) -> None:
-        """A reservation of ``job`` was made, stamped ``at`` (Unix time, as
-        :attr:`RunningJob.reserved_at`): the jobs service tells it as it reserves. It
-        stands for the earliest place promised to a run of the job before then, as a
-        reservation read from ``running`` does: a run whose command ended at once (not
-        found, a quick exit) reserves and releases between two questions, and no list of
-        reservations ever shows it, so its place would otherwise bar the next run, of its
-        job too, for :data:`PROMISE_S`."""
-        with self._lock:
-            self._keep_promise_of(job, at)
+    def reservation_made(self, job: str, at: float, devices: Sequence[str] = ()) -> None:
+        """A reservation of ``job`` was made on ``devices`` (GPU or MIG UUIDs), stamped
+        ``at`` (Unix time, as :attr:`RunningJob.reserved_at`): the jobs service tells it as
+        it reserves. It stands for the place promised to a run of the job before then on
+        one of ``devices``, else for the earliest, as a reservation read from ``running``
+        does: a run whose command ended at once (not found, a quick exit) reserves and
+        releases between two questions, and no list of reservations ever shows it, so its
+        place would otherwise bar the next run, of its job too, for :data:`PROMISE_S`.
 
-    def _keep_promise_of(self, job: str, stamp: float) -> None:
-        """Have the reservation of ``job`` stamped ``stamp`` stand for the earliest open
-        place promised to it before then, unless it stands for one already. Under the
-        lock."""
+        Lock order: called once the store committed the reservation, under the jobs
+        service's placement lock, it takes no lock of the loop's (which a planning pass
+        holds through its event writes): it is queued, and the loop reads it under its own
+        lock at its next question. So a Reserve never waits on a planning pass."""
+        self._made.append((job, at, tuple(devices)))
+
+    def _keep_promise_of(self, job: str, stamp: float, devices: Collection[str] = ()) -> None:
+        """Have the reservation of ``job`` stamped ``stamp`` on ``devices`` stand for the
+        open place promised to it before then on one of those devices, else for the
+        earliest, unless it stands for one already. Under the lock."""
         if any(n == job and p.shown == stamp for (n, _), p in self._promised.items()):
             return
         open_ = [
@@ -2746,8 +2753,9 @@ class ColoService:
             for (n, _), p in self._promised.items()
             if n == job and p.shown is None and p.wall <= stamp
         ]
-        if open_:
-            min(open_, key=lambda p: p.wall).shown = stamp
+        there = [p for p in open_ if p.place.device in devices]
+        if there or open_:
+            min(there or open_, key=lambda p: p.wall).shown = stamp
 
     def _promises(
         self, job: str, wid: str, running: Sequence[RunningJob], now: float
@@ -2760,11 +2768,17 @@ class ColoService:
         already is given a second place); a run whose reservation was refused holds its
         place :data:`PROMISE_S` at most. Under the lock."""
         self._promised = {k: p for k, p in self._promised.items() if now - p.at <= PROMISE_S}
-        # one stamp a reservation: a job on several devices is listed once a device
-        for name, stamp in sorted(
-            {(r.name, r.reserved_at) for r in running if r.reserved_at is not None}
-        ):
-            self._keep_promise_of(name, stamp)
+        # each reservation once, with all its devices: those told as made (drained here,
+        # under the lock), and those listed (a job on several devices once a device)
+        made: dict[tuple[str, float], set[str]] = {}
+        while self._made:
+            told, at, where = self._made.popleft()
+            made.setdefault((told, at), set()).update(where)
+        for r in running:
+            if r.reserved_at is not None:
+                made.setdefault((r.name, r.reserved_at), set()).add(r.device)
+        for (name, stamp), devices in sorted(made.items(), key=lambda m: m[0]):
+            self._keep_promise_of(name, stamp, devices)
         return [
             (name if name != job else f"{job} ({w})", p.place)
             for (name, w), p in self._promised.items()

@@ -109,6 +109,9 @@ Gate = Callable[[JobSpec, int | None], tuple[str, ...] | None]
 # thread: the admission queue starts what fits now rather than at its next tick. What it
 # raises is logged, never the caller's: the change is kept, and the tick tries again.
 FreedHook = Callable[[], None]
+# Called once a reservation is committed (never when the commit failed: it was never made),
+# under the placement lock, outside the transaction: it must not wait on a lock of its own.
+ReservedHook = Callable[[Reservation], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,7 @@ class JobService:
         self._removal_hooks: list[RemovalHook] = []
         self._late_ends: list[LateEnd] = []
         self._freed_hooks: list[FreedHook] = []
+        self._reserved_hooks: list[ReservedHook] = []
         self._waiting_kind: Callable[[str], str | None] = lambda job: None
         self.gate: Gate | None = None
         # a job that can never start here, refused as such where no gate runs (a preview)
@@ -198,6 +202,9 @@ class JobService:
 
     def add_freed_hook(self, hook: FreedHook) -> None:
         self._freed_hooks.append(hook)
+
+    def add_reserved_hook(self, hook: ReservedHook) -> None:
+        self._reserved_hooks.append(hook)
 
     def _freed(self) -> None:
         for hook in self._freed_hooks:
@@ -621,6 +628,8 @@ class JobService:
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)
+                    for hook in self._reserved_hooks:
+                        hook(reservation)
                     if registered:
                         self.say_added(job)
                     self._events.emit(

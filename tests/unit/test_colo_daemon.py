@@ -7012,3 +7012,45 @@ def test_a_run_that_reserved_and_ended_between_two_questions_holds_no_place(
     # a reservation made before a place was promised stands for none
     svc.reservation_made("sweep", clock.t - 1)
     assert svc.advise("other", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
+
+
+def test_a_reservation_of_one_of_two_runs_of_a_job_stands_for_the_place_on_its_own_gpu(
+    tmp_path: Path,
+) -> None:
+    """Two runs of one job were given GPUs 1 and 2; the second reserves GPU 2 and ends
+    before the next question. Its reservation stands for its own place, not the first
+    run's (the earliest): GPU 2 is free again, GPU 1 still held for the first run. Taken
+    for the first run's, GPU 1 was told free to another job, and GPU 2 stayed held for a
+    run that had ended."""
+    clock = Clock()
+    jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(n=3, used_gib=0)}
+    a = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    clock.t += 1
+    b = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (a.gpu, b.gpu) == (1, 2)
+    svc.reservation_made("sweep", clock.t, [b.device])  # and released before the next question
+    clock.t += 1
+    other = svc.advise("other", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (other.gpu, other.reason) == (2, "GPU 2 is free: exclusive")
+
+
+def test_a_reservation_told_to_the_loop_waits_for_no_planning_pass(tmp_path: Path) -> None:
+    """The jobs service tells of a reservation while it holds its placement lock: the
+    loop takes it without its own lock, which a planning pass holds through its event
+    writes, so a Reserve never waits on a pass; the next question counts it."""
+    clock = Clock()
+    svc = promising_loop(tmp_path, [RunningJob("big", "training", 0, memory_bytes=30 * GIB)], clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    assert svc.advise("sweep", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    told = threading.Thread(target=svc.reservation_made, args=("sweep", clock.t, ()))
+    with svc._lock:  # a planning pass under way
+        told.start()
+        told.join(timeout=30)  # a hang guard only
+        taken = not told.is_alive()
+    told.join()
+    assert taken
+    clock.t += 1
+    again = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (again.gpu, again.reason) == (1, "GPU 1 is free: exclusive")

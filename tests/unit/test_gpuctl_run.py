@@ -1018,34 +1018,58 @@ def test_a_signal_once_the_command_ended_cuts_the_wait_for_what_it_left_and_rele
     assert node.jobs.reservations.held() == []
 
 
-def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_kill_after_later(
-    node: Node, tmp_path: Path
+@pytest.mark.parametrize("options", [(), ("--kill-after", "0")])
+def test_a_command_that_cleans_up_on_a_sigterm_passed_on_ends_with_its_own_status(
+    node: Node, tmp_path: Path, options: tuple[str, ...]
 ) -> None:
-    """A SIGTERM sent to gpuctl (systemd's stop, a batch system's) is passed on to the
-    command; one that ignores it gets SIGKILL ``--kill-after`` seconds later, said on
-    stderr, and gpuctl releases the reservation with that end and exits 137. gpuctl waited
-    for it for as long as it ran."""
+    """A SIGTERM sent to gpuctl is passed on, and the command handles it for as long as it
+    takes (a checkpoint): ``--kill-after`` bounds only what it leaves running once it has
+    exited. gpuctl exits with the command's own status and releases with it. With
+    ``--kill-after 0`` the command got SIGKILL as soon as the SIGTERM was passed on."""
     ends: list[RunEnd | None] = []
     node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
     started = tmp_path / "started"
-    script = f"trap '' TERM; echo $$ > {started}; while :; do sleep 0.05; done"
+    script = f"trap 'sleep 0.3; exit 7' TERM; echo $$ > {started}; while :; do sleep 0.05; done"
     run = gpuctl_process(
-        node, "run", "--job", "j", "--gpus", "1", "--kill-after", "0.5", "--", "sh", "-c", script
+        node, "run", "--job", "j", "--gpus", "1", *options, "--", "sh", "-c", script
     )
+    err = terminated_once_started(run, started)
+    assert run.returncode == 7, err
+    assert "SIGKILL" not in err
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=7)]
+    assert node.jobs.reservations.held() == []
+
+
+def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_term_timeout_later(
+    node: Node, tmp_path: Path
+) -> None:
+    """A SIGTERM sent to gpuctl (systemd's stop, a batch system's) is passed on to the
+    command; with ``--term-timeout``, one that ignores it gets SIGKILL that many seconds
+    later, said on stderr, what it left running gets SIGKILL at once (the stop's patience
+    is spent: no ``--kill-after`` grace again), and gpuctl releases the reservation with
+    that end and exits 137."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    started, left = tmp_path / "started", tmp_path / "left"
+    script = (
+        f"sh -c 'trap \"\" TERM; echo $$ > {left}; exec sleep 301' & "
+        f"trap '' TERM; while [ ! -s {left} ]; do sleep 0.05; done; echo $$ > {started}; "
+        "while :; do sleep 0.05; done"
+    )
+    # a grace for what it leaves that no test waits out: gpuctl ending says it was cut
+    argv = ("--term-timeout", "0.5", "--kill-after", "3600", "--", "sh", "-c", script)
+    run = gpuctl_process(node, "run", "--job", "j", "--gpus", "1", *argv)
     try:
-        while not started.exists() or not started.read_text().strip():
-            assert run.poll() is None, ended(run)
-            time.sleep(0.01)
-        run.send_signal(signal.SIGTERM)
-        _, err = run.communicate(timeout=60)  # a hang guard only
+        err = terminated_once_started(run, started)
+        outlived = alive(int(left.read_text()))
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
-        if alive(int(started.read_text())):
-            os.kill(int(started.read_text()), signal.SIGKILL)  # so that no failure leaves it
-    assert run.returncode == 128 + signal.SIGKILL, err
-    assert "did not end 500 ms after SIGTERM: SIGKILL (--kill-after)" in err
+        if left.exists() and alive(int(left.read_text())):
+            os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 128 + signal.SIGKILL and not outlived, err
+    assert "did not end 500 ms after SIGTERM: SIGKILL (--term-timeout)" in err
+    assert "outlived its command" in err and "SIGTERM, and SIGKILL at once" in err
+    # the loop's own sleep may be left too, as the shell was killed mid-way
+    assert re.search(r"killed [12] process\(es\) of job j", err), err
     assert ends == [RunEnd(EndCause.EXITED, exit_signal=signal.SIGKILL)]
     assert node.jobs.reservations.held() == []
 
@@ -1082,6 +1106,24 @@ def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     assert run.returncode == 5 and not outlived
     assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
     assert node.jobs.reservations.held() == []
+
+
+def terminated_once_started(run: subprocess.Popen[str], started: Path) -> str:
+    """Send ``run`` SIGTERM once its command has written its PID to ``started``; what it
+    said on stderr by its end (killed after 120 s: a hang guard only), the command killed
+    too should it still run then, so that no failure leaves it."""
+    try:
+        while not started.exists() or not started.read_text().strip():
+            assert run.poll() is None, ended(run)
+            time.sleep(0.01)
+        run.send_signal(signal.SIGTERM)
+        return run.communicate(timeout=120)[1]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        if started.exists() and started.read_text().strip() and alive(int(started.read_text())):
+            os.kill(int(started.read_text()), signal.SIGKILL)
 
 
 def ended(run: subprocess.Popen[str]) -> str:

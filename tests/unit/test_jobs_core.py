@@ -551,6 +551,27 @@ def test_a_removal_within_an_open_transaction_is_refused(
     assert service.registry.names() == [] and let_go == ["train-b"]
 
 
+def test_a_reservation_is_told_to_its_reserved_hooks_only_once_committed(
+    service: JobService, store: StateStore
+) -> None:
+    """The co-location loop hears of a reservation only once the store has committed it,
+    outside the write transaction (its lock is never taken while SQLite's write lock is
+    held); one rolled back was never made, and no hook hears of it."""
+    told: list[tuple[str, bool]] = []
+    service.add_reserved_hook(lambda r: told.append((r.job, store.in_transaction())))
+
+    def refuse(what: str, reservation: Reservation, spec: JobSpec, end: object) -> None:
+        if reservation.job == "rolled-back":
+            raise RuntimeError("rolled back")
+
+    service.add_observer(refuse)
+    with pytest.raises(RuntimeError, match="rolled back"):
+        service.reserve(RunRequest("rolled-back", JobKind.TRAINING))
+    assert told == [] and service.reservations.held() == []
+    service.reserve(RunRequest("kept", JobKind.TRAINING))
+    assert told == [("kept", False)]
+
+
 def test_run_registers_reserves_and_refuses_oversubscription(service: JobService) -> None:
     launch = service.reserve(
         RunRequest("infer-a", JobKind.INFERENCE, mig_profile="3g.40gb", memory_bytes=30 * GIB)
