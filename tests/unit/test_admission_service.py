@@ -1568,6 +1568,37 @@ def test_a_queued_run_pinned_to_the_last_uuid_of_a_gpu_never_read_is_refused_as_
         store.close()
 
 
+def test_a_run_that_outlasts_the_history_bound_keeps_its_row_and_its_end(
+    tmp_path: Path,
+) -> None:
+    """``admission.history_keep`` at its least (100) and a service running while 101 short
+    runs come and go: the service's row was pruned as it ran (``gpuctl jobs history`` lost
+    it, its end was never kept, the quotes no longer counted its class on its GPU). It
+    stays while it runs, the ended rows before the bound go, and its end is kept."""
+    node = make_node(tmp_path, Clock(), config=AdmissionConfig(history_keep=100))
+    try:
+        service = node.jobs.reserve(whole("service")).reservation
+        for i in range(101):
+            run = node.jobs.reserve(whole(f"short{i}")).reservation
+            node.clock.now += 1.0
+            node.jobs.release(run.id)
+            node.admission.tick()
+        kept = [h.job for h in node.admission.history()]
+        assert kept[0] == "service" and "short0" not in kept and len(kept) == 101
+        node.admission.quote_error()  # the kept history brought up to date
+        assert node.admission._mirror.running() == {service.id: "1 GPU 60GiB"}
+        node.admission.config = replace(node.admission.config, history_keep=1000)
+        node.clock.now += 1.0
+        node.jobs.release(service.id)
+        (ended,) = [h for h in node.admission.history() if h.job == "service"]
+        assert ended.ended_at == node.clock.now and ended.end_cause == "released"
+        node.admission.config = replace(node.admission.config, history_keep=100)
+        node.admission.tick()  # ended, past the bound: pruned as the oldest
+        assert node.admission.history()[0].job == "short1"
+    finally:
+        node.store.close()
+
+
 def test_a_wall_clock_stepped_back_shows_no_negative_wait(node: Node) -> None:
     """The wall clock steps back an hour while a job is queued: the queue shows it waiting
     0 s (not -3600), and its history row starts no earlier than it was queued."""
