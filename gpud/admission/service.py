@@ -1031,7 +1031,10 @@ class AdmissionService:
                 demands=self._demands,
             )
             by_id = {e.id: e for e in queued}
-            self._start_failures = {i: w for i, w in self._start_failures.items() if i in by_id}
+            # why a start failed holds for the entries tried again now; one the pass no
+            # longer places waits for what holds its devices, which WHY NOT says instead
+            placed = {s.id for s in result.starts}
+            self._start_failures = {i: w for i, w in self._start_failures.items() if i in placed}
             for s in result.starts:
                 self._start(by_id[s.id], s.devices, backfilled=s.backfilled)
             self._account(now, len(queued) - len(result.starts))

@@ -590,6 +590,44 @@ def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees
     assert started.entry.state == STARTED and started.env["GPUD_DSCP"] == "10"
 
 
+class FailsAdmittedOnce(JobService):
+    """Its next start from the queue fails, as one does when the GPU it was placed on is
+    lost between the pass and the reservation."""
+
+    failures = 0
+
+    def reserve(self, request: RunRequest, **kwargs: Any) -> Any:
+        if kwargs.get("admitted") and FailsAdmittedOnce.failures:
+            FailsAdmittedOnce.failures -= 1
+            raise FailedPrecondition("GPU 1 unhealthy: GPU lost (memory)")
+        return super().reserve(request, **kwargs)
+
+
+def test_a_failed_start_is_no_longer_said_once_the_entry_waits_for_something_else(
+    tmp_path: Path,
+) -> None:
+    """A queued job's start failed (its GPU was lost as it started); then another job took
+    that GPU. `gpuctl queue` went on saying `could not start: GPU 1 unhealthy` for as long as
+    it waited; it says what holds its devices now."""
+    node = make_node(tmp_path, Clock(), jobs_type=FailsAdmittedOnce)
+    try:
+        node.jobs.reserve(whole("a"))
+        b = node.jobs.reserve(whole("b")).reservation
+        entry = node.admission.enqueue(whole("c")).entry
+        FailsAdmittedOnce.failures = 1
+        node.jobs.release(b.id)  # the pass places c on GPU 1, and its start fails
+        assert node.admission.view(entry.id).waiting_on == (
+            "could not start: GPU 1 unhealthy: GPU lost (memory)"
+        )
+        node.jobs.reserve(whole("d"), admitted=True)  # started as the queue starts one
+        node.admission.tick()
+        waiting = node.admission.view(entry.id).waiting_on
+        assert "could not start" not in waiting and "reserved by" in waiting
+    finally:
+        FailsAdmittedOnce.failures = 0
+        node.store.close()
+
+
 def store_once(node: Node) -> None:
     """What `gpuctl mps set` does next while it holds the MPS manager's lock."""
     with node.store.transaction():
