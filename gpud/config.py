@@ -113,7 +113,8 @@ class AdmissionConfig:
     max_queue: int = ranged(1000, 1, 100_000)  # queued jobs at most
     # job history the quotes are estimated from
     history_window_s: float = ranged(7 * 86400.0, 60.0, 366 * 86400.0)
-    history_keep: int = ranged(100_000, 100, 10_000_000)  # job history rows kept
+    # job history rows kept: the newest, and those of runs still running
+    history_keep: int = ranged(100_000, 100, 10_000_000)
     mig_config: Path | None = None  # mig-parted file whose configs are offered as remedies
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import sqlite3
 from collections.abc import Callable, Iterator
+from itertools import islice
 
 from gpud.admission.estimate import Record
 from gpud.admission.model import Request
@@ -17,13 +18,15 @@ COLUMNS = (
 )
 CHUNK = 500  # row ids asked at once (SQLite's bound parameters)
 LOG_KEEP = 10_000  # changes kept for changes_since: past them, the rows are read again
+PRUNE_PROBE = 64  # ended rows looked up at once for whether the bound pruned them
 
 
 class HistoryMirror:
     """``job_history``'s rows as :class:`Record` and request, oldest first. Rows change
     after they are added only while they may still end (or, for a run removed while it
     ran, end again when its ``gpuctl run`` reports): those are read again at each
-    :meth:`refresh`, with the rows added since; rows pruned leave. Where any of that
+    :meth:`refresh`, with the rows added since; rows pruned leave (the ended ones past the
+    bound, oldest first, from among the runs still running, which stay). Where any of that
     changed, a count that then disagrees with the table's reads it all again."""
 
     def __init__(self, decode: Callable[[str], Request], *, removed: str) -> None:
@@ -49,7 +52,8 @@ class HistoryMirror:
 
     def refresh(self, conn: sqlite3.Connection) -> None:
         # MIN(id) costs a lookup, COUNT(*) a scan of the table: counted only once
-        # something changed (rows leave the table only when pruned, oldest first)
+        # something changed (rows leave the table only when pruned: the ended ones, oldest
+        # first, and the rows before the first left)
         (low,) = conn.execute("SELECT MIN(id) FROM job_history").fetchone()
         changed = self.version == 0
         if len(self._log) > LOG_KEEP:
@@ -58,12 +62,11 @@ class HistoryMirror:
             first = next(iter(self._rows))
             if low is not None and first >= low:
                 break
-            record, request = self._rows.pop(first)
-            self._unqueue(record.queued_at)
-            self._open.discard(first)
-            self._running.pop(first, None)
+            self._pruned(first)
             changed = True
-            self._log.append((self.version + 1, record, None, request))
+        # runs still running are kept past the bound (they have yet to end there): the
+        # ended rows before them are pruned, oldest first, and leave from among them
+        changed = self._pop_ended_pruned(conn) or changed
         still = sorted(self._open)  # before the rows added since, read whole below
         read = self.reads
         for row in conn.execute(  # row by row: the first holds every run
@@ -96,6 +99,34 @@ class HistoryMirror:
             for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
                 self._keep(row, log=False)
         self.version += 1
+
+    def _pruned(self, row_id: int) -> None:
+        """Row ``row_id`` left the table: it leaves the kept rows, and the log says so."""
+        record, request = self._rows.pop(row_id)
+        self._unqueue(record.queued_at)
+        self._open.discard(row_id)
+        self._running.pop(row_id, None)
+        self._log.append((self.version + 1, record, None, request))
+
+    def _pop_ended_pruned(self, conn: sqlite3.Connection) -> bool:
+        """Take out the ended rows pruned from among the rows still running: the ended rows
+        kept here, oldest first, up to the first the table still has (the pruned ones come
+        first: the bound prunes ended rows in row order). Whether any left."""
+        popped = False
+        while True:
+            ids = list(islice((i for i in self._rows if i not in self._open), PRUNE_PROBE))
+            if not ids:
+                return popped
+            marks = ", ".join("?" * len(ids))
+            there = {
+                row[0]
+                for row in conn.execute(f"SELECT id FROM job_history WHERE id IN ({marks})", ids)
+            }
+            for row_id in ids:
+                if row_id in there:
+                    return popped
+                self._pruned(row_id)
+                popped = True
 
     def _forget(self, base: int) -> None:
         """The table changed otherwise than gpud changes it (or the log grew long): who asks

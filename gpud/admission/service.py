@@ -10,9 +10,10 @@ Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
 - ``job_history``: one row per reservation: when it was asked for, started, ended, the
   quote it was given, and how it ended (its command's exit status, or what released it:
   :class:`~gpud.jobs.ends.EndCause`). The quotes are estimated from it; ``gpuctl jobs
-  history --json`` exports it. A run ``gpuctl jobs rm --force`` removed ends at the
-  removal until its ``gpuctl run`` reports the command's exit (``reported_at``): the row
-  then ends there, as the run did.
+  history --json`` exports it. ``admission.history_keep`` bounds it: the ended rows past the
+  newest that many go, oldest first; a run still running keeps its row however old. A run
+  ``gpuctl jobs rm --force`` removed ends at the removal until its ``gpuctl run`` reports
+  the command's exit (``reported_at``): the row then ends there, as the run did.
 
 Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
 still waits if starting it could delay the head of the queue.
@@ -1080,7 +1081,10 @@ class AdmissionService:
                 demands=self._demands,
             )
             by_id = {e.id: e for e in queued}
-            self._start_failures = {i: w for i, w in self._start_failures.items() if i in by_id}
+            # why a start failed holds for the entries tried again now; one the pass no
+            # longer places waits for what holds its devices, which WHY NOT says instead
+            placed = {s.id for s in result.starts}
+            self._start_failures = {i: w for i, w in self._start_failures.items() if i in placed}
             for s in result.starts:
                 self._start(by_id[s.id], s.devices, backfilled=s.backfilled)
             self._account(now, len(queued) - len(result.starts))
@@ -1220,8 +1224,11 @@ class AdmissionService:
                 "DELETE FROM admission_queue WHERE state != ? AND changed_at < ?",
                 (QUEUED, now - DONE_KEEP_S),
             )
+            # a run still running keeps its row, however old: its end is yet to be kept
+            # there, and the quotes count what it holds by its class
             conn.execute(
-                "DELETE FROM job_history WHERE id <= (SELECT MAX(id) FROM job_history) - ?",
+                "DELETE FROM job_history WHERE id <= (SELECT MAX(id) FROM job_history) - ?"
+                " AND ended_at IS NOT NULL",
                 (self.config.history_keep,),
             )
 

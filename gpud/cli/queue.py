@@ -2,7 +2,7 @@
 
 ::
 
-    gpuctl queue                 position, id, job, user (of its waiting gpuctl run),
+    gpuctl queue [ls]            position, id, job, user (of its waiting gpuctl run),
                                  request, time waited, quote; unfeasible
                                  last; then the runs waiting for co-location (outside the
                                  queue: no position, no quote), with their ids
@@ -21,7 +21,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from gpud.cli.context import CliError, Context, Subparsers, given
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given
 from gpud.cli.output import message_to_dict, seconds
 from gpud.errors import ERROR_TABLE, FailedPrecondition
 from gpud.shared import WAITING_ON_COLOCATION, started_not_left
@@ -56,7 +56,17 @@ def register(subparsers: Subparsers) -> None:
         metavar="ID",
         help="take this entry out of the queue, or this run out of its wait for co-location",
     )
-    queue.set_defaults(run=run_queue)
+    queue.set_defaults(run=run_queue, queue_command=None)
+    # `gpuctl queue ls`, as `gpuctl jobs ls`: the listing, which plain `gpuctl queue` shows
+    commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND")
+    ls = commands.add_parser("ls", help="the queue's entries (the default)")
+    ls.add_argument(
+        "--explain",
+        action="store_true",
+        default=argparse.SUPPRESS,  # given before `ls`, it holds
+        help="the queueing model of each request class",
+    )
+    ls.set_defaults(run=run_queue)
 
 
 def quote_text(entry: pb.QueueEntry) -> str:
@@ -139,6 +149,8 @@ def left_out_lines(classes: Sequence[pb.ClassModel]) -> list[str]:
 
 def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.QueueStub)
+    if args.leave is not None and args.queue_command == "ls":
+        raise CliError("--leave takes an entry out and lists nothing: drop ls", EXIT_USAGE)
     if args.leave is not None:  # an empty ID is an error to report, not the listing
         left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
         if left.state == pb.ENTRY_STATE_STARTED:  # a gpud before the one that refuses it

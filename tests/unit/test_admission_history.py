@@ -42,6 +42,7 @@ steps = st.one_of(
     ),
     st.tuples(st.just("end"), st.integers(0, 50), times, st.booleans()),
     st.tuples(st.just("prune"), st.integers(1, 5)),
+    st.tuples(st.just("bound"), st.integers(0, 6)),  # admission.history_keep's prune
     st.tuples(st.just("clock"), st.floats(-3000.0, 6000.0, allow_nan=False)),
     st.tuples(st.just("window"), st.sampled_from([600.0, 3600.0, 86400.0])),
     st.tuples(st.just("ask"), st.integers(0, len(REQUESTS) - 1)),
@@ -100,6 +101,9 @@ def apply(node: Node, step: tuple[object, ...], serial: list[int]) -> None:
                     " (SELECT id FROM job_history ORDER BY id LIMIT ?)",
                     (count,),
                 )
+        case ("bound", int(keep)):
+            node.admission.config = replace(node.admission.config, history_keep=keep)
+            node.admission._prune(now)
         case ("clock", float(delta)):
             node.clock.now += delta
         case ("window", float(window_s)):
@@ -179,6 +183,29 @@ def test_a_second_quote_reads_only_the_rows_that_changed(tmp_path: Path) -> None
     assert node.admission.explain() == fresh(node)
     # the row added, and the three runs still running that were not pruned
     assert mirror.reads == first + 5 * 4 + 1 + 3 and len(mirror) == 198
+    node.store.close()
+
+
+def test_ended_rows_pruned_behind_a_running_run_leave_the_kept_history_in_place(
+    tmp_path: Path,
+) -> None:
+    """The history bound prunes the ended rows past it and keeps the runs still running,
+    however old: the rows pruned behind such a run leave the kept history by themselves,
+    neither kept on (as the oldest row is still there) nor read again with all the rest."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    apply(node, ("add", 0, 30.0, 900.0, None, None), serial)  # runs on, the oldest
+    for i in range(200):
+        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0, None), serial)
+    node.admission.explain()
+    mirror = node.admission._mirror
+    first = mirror.reads
+    apply(node, ("add", 0, 10.0, 20.0, 5.0, None), serial)
+    apply(node, ("bound", 150), serial)
+    node.clock.now += 1.0
+    assert node.admission.explain() == fresh(node)
+    assert len(mirror) == 151 and mirror.reads == first + 1 + 1  # the row added, the run
+    assert [h.job for h in node.admission.history()][:2] == ["j1", "j53"]
     node.store.close()
 
 

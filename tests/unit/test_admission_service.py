@@ -590,6 +590,44 @@ def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees
     assert started.entry.state == STARTED and started.env["GPUD_DSCP"] == "10"
 
 
+class FailsAdmittedOnce(JobService):
+    """Its next start from the queue fails, as one does when the GPU it was placed on is
+    lost between the pass and the reservation."""
+
+    failures = 0
+
+    def reserve(self, request: RunRequest, **kwargs: Any) -> Any:
+        if kwargs.get("admitted") and FailsAdmittedOnce.failures:
+            FailsAdmittedOnce.failures -= 1
+            raise FailedPrecondition("GPU 1 unhealthy: GPU lost (memory)")
+        return super().reserve(request, **kwargs)
+
+
+def test_a_failed_start_is_no_longer_said_once_the_entry_waits_for_something_else(
+    tmp_path: Path,
+) -> None:
+    """A queued job's start failed (its GPU was lost as it started); then another job took
+    that GPU. `gpuctl queue` went on saying `could not start: GPU 1 unhealthy` for as long as
+    it waited; it says what holds its devices now."""
+    node = make_node(tmp_path, Clock(), jobs_type=FailsAdmittedOnce)
+    try:
+        node.jobs.reserve(whole("a"))
+        b = node.jobs.reserve(whole("b")).reservation
+        entry = node.admission.enqueue(whole("c")).entry
+        FailsAdmittedOnce.failures = 1
+        node.jobs.release(b.id)  # the pass places c on GPU 1, and its start fails
+        assert node.admission.view(entry.id).waiting_on == (
+            "could not start: GPU 1 unhealthy: GPU lost (memory)"
+        )
+        node.jobs.reserve(whole("d"), admitted=True)  # started as the queue starts one
+        node.admission.tick()
+        waiting = node.admission.view(entry.id).waiting_on
+        assert "could not start" not in waiting and "reserved by" in waiting
+    finally:
+        FailsAdmittedOnce.failures = 0
+        node.store.close()
+
+
 def store_once(node: Node) -> None:
     """What `gpuctl mps set` does next while it holds the MPS manager's lock."""
     with node.store.transaction():
@@ -1566,6 +1604,37 @@ def test_a_queued_run_pinned_to_the_last_uuid_of_a_gpu_never_read_is_refused_as_
         assert kept.entry.state == QUEUED
     finally:
         store.close()
+
+
+def test_a_run_that_outlasts_the_history_bound_keeps_its_row_and_its_end(
+    tmp_path: Path,
+) -> None:
+    """``admission.history_keep`` at its least (100) and a service running while 101 short
+    runs come and go: the service's row was pruned as it ran (``gpuctl jobs history`` lost
+    it, its end was never kept, the quotes no longer counted its class on its GPU). It
+    stays while it runs, the ended rows before the bound go, and its end is kept."""
+    node = make_node(tmp_path, Clock(), config=AdmissionConfig(history_keep=100))
+    try:
+        service = node.jobs.reserve(whole("service")).reservation
+        for i in range(101):
+            run = node.jobs.reserve(whole(f"short{i}")).reservation
+            node.clock.now += 1.0
+            node.jobs.release(run.id)
+            node.admission.tick()
+        kept = [h.job for h in node.admission.history()]
+        assert kept[0] == "service" and "short0" not in kept and len(kept) == 101
+        node.admission.quote_error()  # the kept history brought up to date
+        assert node.admission._mirror.running() == {service.id: "1 GPU 60GiB"}
+        node.admission.config = replace(node.admission.config, history_keep=1000)
+        node.clock.now += 1.0
+        node.jobs.release(service.id)
+        (ended,) = [h for h in node.admission.history() if h.job == "service"]
+        assert ended.ended_at == node.clock.now and ended.end_cause == "released"
+        node.admission.config = replace(node.admission.config, history_keep=100)
+        node.admission.tick()  # ended, past the bound: pruned as the oldest
+        assert node.admission.history()[0].job == "short1"
+    finally:
+        node.store.close()
 
 
 def test_a_wall_clock_stepped_back_shows_no_negative_wait(node: Node) -> None:

@@ -926,6 +926,7 @@ class LeaveOnly(queue_pb2_grpc.QueueServicer):
 
     def __init__(self) -> None:
         self.listed = 0
+        self.explained = 0
 
     async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
         if not request.id:
@@ -936,6 +937,7 @@ class LeaveOnly(queue_pb2_grpc.QueueServicer):
         self, request: queue_pb2.ListQueueRequest, context: Any
     ) -> queue_pb2.ListQueueResponse:
         self.listed += 1
+        self.explained += request.explain
         return queue_pb2.ListQueueResponse()
 
     def register(self, server: Any) -> None:
@@ -951,6 +953,24 @@ def test_leaving_the_queue_with_an_empty_id_is_refused_not_a_listing(
         assert queue.listed == 0
         # refused before it is sent, as a usage error
         assert "argument --leave: give an entry id" in capsys.readouterr().err
+
+
+def test_gpuctl_queue_ls_lists_the_queue_as_gpuctl_jobs_ls_lists_the_jobs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpuctl queue ls` was refused (`unrecognized arguments: ls`, exit 2) where `gpuctl
+    jobs ls` lists: it lists the queue as `gpuctl queue` does, with --explain either side."""
+    queue = LeaveOnly()
+    with serving(queue.register) as n:
+        assert n.ctl("queue", "ls") == 0
+        assert n.ctl("queue", "ls", "--explain") == 0
+        assert n.ctl("queue", "--explain", "ls") == 0
+        assert (queue.listed, queue.explained) == (3, 2)
+        assert capsys.readouterr().out.startswith("POS  ID  JOB")
+        # a leave lists nothing: asked for both, neither is done
+        assert n.ctl("queue", "--leave", "abc", "ls") == 2
+        assert queue.listed == 3
+        assert "--leave takes an entry out and lists nothing" in capsys.readouterr().err
 
 
 def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
