@@ -43,7 +43,15 @@ ranks' ``Progress`` are inert (no thread, no socket; ``active=True`` makes one r
 
 A process forked from one that reports (PyTorch DataLoader workers, ``multiprocessing`` with
 the fork start method) holds an inert copy: its steps are not sent (the parent sends its
-own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports.
+own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports:
+a ``Progress`` imports gRPC and makes its channel (which connects at its first call) in the
+thread that makes it, never in its sender thread, so a fork at any moment leaves the child
+a whole gRPC to make its own with.
+
+The reports of the last ``flush_interval_s`` are sent by :meth:`Progress.close`, which the
+interpreter's exit runs (waiting at most a second or two for a gpud that is away); a process
+that ends without running exit handlers (``os._exit``, SIGKILL, a signal it does not handle)
+loses them, and gpud learns its count from the next report of the job.
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
@@ -176,6 +184,12 @@ class Progress:
         if not self.active:
             self._stop.set()  # another rank reports: steps are counted, never sent
             return
+        # The channel (it connects at the first call) is made here, in the caller's thread,
+        # before the sender starts: that imports all of gRPC the sender uses. A sender that
+        # imported it at its first send raced the program's own imports (a half-imported
+        # grpc killed the thread), and a fork meanwhile (a DataLoader worker) left the
+        # child's grpc half-imported for good: a Progress made there never sent.
+        self._channel = _grpc_modules()[0].insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._thread.start()
         atexit.register(self.close)
         _live.add(self)
@@ -390,10 +404,7 @@ class Progress:
         self.dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
 
     def _send(self) -> None:
-        import grpc
-
-        from gpud.v1 import net_pb2, net_pb2_grpc
-
+        grpc, net_pb2, net_pb2_grpc = _grpc_modules()
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         stub = net_pb2_grpc.NetStub(self._channel)
@@ -437,6 +448,17 @@ class Progress:
         if message != self.last_error:
             log.warning("gpud rejected progress reports of %s: %s", self.job, message)
         self.last_error = message
+
+
+def _grpc_modules() -> tuple[Any, Any, Any]:
+    """``grpc`` and the generated ``gpud.v1.net_pb2`` and ``net_pb2_grpc``, imported on
+    first use: a job that makes no active ``Progress`` (a rank that does not report) never
+    loads them."""
+    import grpc
+
+    from gpud.v1 import net_pb2, net_pb2_grpc
+
+    return grpc, net_pb2, net_pb2_grpc
 
 
 def token_metadata(token: str | None = None) -> tuple[tuple[str, str], ...] | None:
