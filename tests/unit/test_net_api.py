@@ -8,9 +8,6 @@ import os
 import pwd
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +30,7 @@ from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
-from tests.unit.api_support import ServerThread, short_dir
+from tests.unit.api_support import ServerThread, fork_mid_grpc_import, short_dir
 from tests.unit.other_user import as_nobody, needs_root
 
 
@@ -197,66 +194,18 @@ def test_a_forked_child_exits_without_waiting_for_the_parent_and_sends_nothing(
     assert p.sent == 6 and node.service.accepted_reports == 6  # the children sent none
 
 
-# A training program in a fresh interpreter whose Progress has not imported gRPC yet: the
-# parent's sender thread is held inside grpc's import (a meta path finder) while the program
-# forks a worker, which makes its own Progress and reports.
-_FORK_MID_IMPORT = textwrap.dedent(
-    """
-    import os, signal, sys, threading, time
-
-    sock, parent = sys.argv[1], os.getpid()
-    inside, gate = threading.Event(), threading.Event()
-
-
-    class HoldTheSendersImport:
-        def find_spec(self, name, path=None, target=None):
-            sender = threading.current_thread() is not threading.main_thread()
-            if name.startswith("grpc.") and sender and os.getpid() == parent:
-                inside.set()
-                gate.wait()
-            return None
-
-
-    sys.meta_path.insert(0, HoldTheSendersImport())
-    from gpud.client import Progress
-
-    assert "grpc" not in sys.modules, "grpc imported before the Progress"
-    p = Progress("train-a", socket=sock, flush_interval_s=0.01)
-    p.step()
-    while not inside.is_set() and not p.flush(0.05):  # its sender imports grpc, or has sent
-        pass
-    pid = os.fork()
-    if pid == 0:
-        q = Progress("train-a", socket=sock, flush_interval_s=0.01)
-        q.step()
-        os._exit(0 if q.flush(5) and q.sent == 1 else 1)
-    gate.set()
-    for _ in range(3000):  # a hang guard: a child stuck in an import is killed
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            sys.exit(os.waitstatus_to_exitcode(status))
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    sys.exit(3)
-    """
-)
-
-
 def test_a_worker_forked_while_the_parent_first_sends_reports_with_its_own_progress(
     node: Node, sock: Path
 ) -> None:
     # A DataLoader worker forked as the parent's sender made its first call: had the sender
     # been importing gRPC then, the child would hold grpc half-imported for good and its own
     # Progress's sender would die on it, reporting nothing.
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, "-c", _FORK_MID_IMPORT, str(sock)],
-        check=False,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    run = fork_mid_grpc_import(
+        sock,
+        make='p = gpud.client.Progress("train-a", socket=sock, flush_interval_s=0.01); p.step()',
+        sent="p.flush(0.05)",
+        child='q = gpud.client.Progress("train-a", socket=sock, flush_interval_s=0.01); q.step();'
+        " os._exit(0 if q.flush(5) and q.sent == 1 else 1)",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert node.service.accepted_reports == 2  # the parent's step and the worker's
