@@ -33,7 +33,10 @@ within ``call_timeout_s`` (overloaded, stopped in a debugger) is said apart: ``g
 /run/gpud/gpud.sock did not answer within 2 s (call_timeout_s) since ...``. A socket closed to
 the job's user (not root, not in gpud's ``api.socket_group``) is said as such: ``permission
 denied on gpud's socket /run/gpud/gpud.sock to uid 1001 (run the job as root or as a member
-of gpud's api.socket_group) since ...``.
+of gpud's api.socket_group) since ...``. A socket path that holds a regular file or a
+directory (``$GPUD_SOCKET`` set wrong) is said with it: ``gpud unreachable at /tmp/gpud (a
+regular file, not a socket: $GPUD_SOCKET or socket= names gpud's socket, api.socket in its
+configuration) since ...``.
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -66,6 +69,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -179,6 +183,9 @@ class Progress:
         # (else gpud was unreachable)
         self._slow = False
         self._denied = False
+        # what the socket's path holds where it is no socket (a regular file): said with
+        # the unreachable gpud, as the path, not gpud, is then what is wrong
+        self._not_socket = ""
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
@@ -304,6 +311,7 @@ class Progress:
         refused = self._connect_error()
         self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and refused is None
         self._denied = isinstance(refused, PermissionError)
+        self._not_socket = _not_a_socket(self.target) if refused is not None else ""
         why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
         return (
             f"{self._failing(since)} ({self._since(since):.0f} s){why}:"
@@ -323,9 +331,15 @@ class Progress:
         if self._slow:
             within = f"did not answer within {self._timeout:g} s (call_timeout_s)"
             return f"gpud at {self._where} {within} {'from' if was else 'since'} {_local(since)}"
+        where = self._where
+        if self._not_socket:
+            where += (
+                f" ({self._not_socket}, not a socket: ${SOCKET_VAR} or socket= names"
+                " gpud's socket, api.socket in its configuration)"
+            )
         if was:
-            return f"gpud was unreachable at {self._where} from {_local(since)}"
-        return f"gpud unreachable at {self._where} since {_local(since)}"
+            return f"gpud was unreachable at {where} from {_local(since)}"
+        return f"gpud unreachable at {where} since {_local(since)}"
 
     def _since(self, since: float) -> float:
         """Seconds from ``since`` to now, at least 0: the wall clock may have stepped back."""
@@ -341,9 +355,7 @@ class Progress:
 
         target = self.target
         try:
-            if target.startswith("unix:"):
-                path = target.removeprefix("unix:")
-                path = "/" + path.lstrip("/") if path.startswith("//") else path
+            if (path := _unix_path(target)) is not None:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                     sock.settimeout(_PROBE_S)
                     sock.connect(path)
@@ -466,6 +478,32 @@ def token_metadata(token: str | None = None) -> tuple[tuple[str, str], ...] | No
     without one (a job started by other means reports on the socket only)."""
     token = token if token is not None else os.environ.get(TOKEN_VAR, "")
     return ((TOKEN_KEY, token),) if token else None
+
+
+def _unix_path(target: str) -> str | None:
+    """The socket's path of a ``unix:`` gRPC target (``unix:PATH``, ``unix:///PATH``); None
+    for another (TCP) target."""
+    if not target.startswith("unix:"):
+        return None
+    path = target.removeprefix("unix:")
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def _not_a_socket(target: str) -> str:
+    """What the path of a ``unix:`` ``target`` is where it exists and is no socket (``a
+    regular file``, ``a directory``, ``a file``), else "" (a socket, nothing there, a TCP
+    target): a connect() to it is refused as if no gpud listened."""
+    if (path := _unix_path(target)) is None:
+        return ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISSOCK(mode):
+        return ""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a directory" if stat.S_ISDIR(mode) else "a file"
 
 
 def _local(at: float) -> str:

@@ -319,6 +319,30 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.sent == 10 and p.dropped == 15
 
 
+def _said_while_unreachable(path: Path) -> str:
+    """Progress's last_error once a try to reach gpud at ``path`` failed."""
+    tries = Tries()
+    p = Progress("train-a", socket=path, call_timeout_s=0.3, wait=tries.wait)
+    try:
+        p.step()
+        tries.until_said(lambda: "reports buffered" in p.last_error)
+        return p.last_error
+    finally:
+        p.close()
+
+
+def test_last_error_says_the_socket_path_names_a_file_that_is_no_socket(tmp_path: Path) -> None:
+    """$GPUD_SOCKET set to a regular file or a directory by mistake: connect() is refused
+    as if gpud were down, and last_error says what the path holds instead."""
+    for path, kind in ((tmp_path / "gpud.sock", "a regular file"), (tmp_path, "a directory")):
+        path.touch()
+        said = _said_while_unreachable(path)
+        assert said.startswith(
+            f"gpud unreachable at {path} ({kind}, not a socket: $GPUD_SOCKET or socket= names"
+            " gpud's socket, api.socket in its configuration) since "
+        ), said
+
+
 def test_a_flush_returns_only_once_the_try_that_sent_the_reports_has_counted_them(
     node: Node,
 ) -> None:
