@@ -126,6 +126,16 @@ class _Channel:
             )
         return self._stub
 
+    def load(self) -> None:
+        """Import all of gRPC that the calls use (making a channel imports the rest; it
+        connects only at its first call), in the thread that asks, and forget the channel:
+        the calls make their own."""
+        import grpc
+
+        from gpud.v1 import colo_pb2, colo_pb2_grpc  # noqa: F401
+
+        grpc.insecure_channel(f"unix://{self._socket}").close()
+
     def forget(self) -> None:
         """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
         self._stub = None
@@ -339,7 +349,9 @@ class Latency:
     every live ``Latency`` is closed (waiting :data:`CALL_TIMEOUT_S` for all of them, also
     where their calls are made on the exiting thread: see :meth:`call_timeout`); call
     :meth:`close` before then to wait longer. A forked child starts with nothing of the
-    parent's: no batch, no reports waiting, no thread, locks and gRPC channel anew."""
+    parent's: no batch, no reports waiting, no thread, locks and gRPC channel anew (gRPC
+    itself is loaded when the ``Latency`` is made, on the thread that makes it, never by a
+    sender thread: a fork during that import would leave it half-loaded in the child)."""
 
     def __init__(
         self,
@@ -397,6 +409,11 @@ class Latency:
         self._max_pending = max_pending
         self._senders = 0  # sender threads started: each one's number
         self._fresh()
+        if send is None:
+            # gRPC loaded here, in the caller's thread, not by the sender at its first call:
+            # a fork meanwhile (a pre-forking server's worker) would leave the child's grpc
+            # half-imported for good, and every report of the child's would be dropped
+            self._channel.load()
         _LIVE.add(self)
 
     def _fresh(self) -> None:

@@ -33,7 +33,10 @@ within ``call_timeout_s`` (overloaded, stopped in a debugger) is said apart: ``g
 /run/gpud/gpud.sock did not answer within 2 s (call_timeout_s) since ...``. A socket closed to
 the job's user (not root, not in gpud's ``api.socket_group``) is said as such: ``permission
 denied on gpud's socket /run/gpud/gpud.sock to uid 1001 (run the job as root or as a member
-of gpud's api.socket_group) since ...``.
+of gpud's api.socket_group) since ...``. A socket path that holds a regular file or a
+directory (``$GPUD_SOCKET`` set wrong) is said with it: ``gpud unreachable at /tmp/gpud (a
+regular file, not a socket: $GPUD_SOCKET or socket= names gpud's socket, api.socket in its
+configuration) since ...``.
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -43,7 +46,15 @@ ranks' ``Progress`` are inert (no thread, no socket; ``active=True`` makes one r
 
 A process forked from one that reports (PyTorch DataLoader workers, ``multiprocessing`` with
 the fork start method) holds an inert copy: its steps are not sent (the parent sends its
-own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports.
+own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports:
+a ``Progress`` imports gRPC and makes its channel (which connects at its first call) in the
+thread that makes it, never in its sender thread, so a fork at any moment leaves the child
+a whole gRPC to make its own with.
+
+The reports of the last ``flush_interval_s`` are sent by :meth:`Progress.close`, which the
+interpreter's exit runs (waiting at most a second or two for a gpud that is away); a process
+that ends without running exit handlers (``os._exit``, SIGKILL, a signal it does not handle)
+loses them, and gpud learns its count from the next report of the job.
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
@@ -58,6 +69,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -171,11 +183,20 @@ class Progress:
         # (else gpud was unreachable)
         self._slow = False
         self._denied = False
+        # what the socket's path holds where it is no socket (a regular file): said with
+        # the unreachable gpud, as the path, not gpud, is then what is wrong
+        self._not_socket = ""
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
             self._stop.set()  # another rank reports: steps are counted, never sent
             return
+        # The channel (it connects at the first call) is made here, in the caller's thread,
+        # before the sender starts: that imports all of gRPC the sender uses. A sender that
+        # imported it at its first send raced the program's own imports (a half-imported
+        # grpc killed the thread), and a fork meanwhile (a DataLoader worker) left the
+        # child's grpc half-imported for good: a Progress made there never sent.
+        self._channel = _grpc_modules()[0].insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._thread.start()
         atexit.register(self.close)
         _live.add(self)
@@ -290,6 +311,7 @@ class Progress:
         refused = self._connect_error()
         self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and refused is None
         self._denied = isinstance(refused, PermissionError)
+        self._not_socket = _not_a_socket(self.target) if refused is not None else ""
         why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
         return (
             f"{self._failing(since)} ({self._since(since):.0f} s){why}:"
@@ -309,9 +331,15 @@ class Progress:
         if self._slow:
             within = f"did not answer within {self._timeout:g} s (call_timeout_s)"
             return f"gpud at {self._where} {within} {'from' if was else 'since'} {_local(since)}"
+        where = self._where
+        if self._not_socket:
+            where += (
+                f" ({self._not_socket}, not a socket: ${SOCKET_VAR} or socket= names"
+                " gpud's socket, api.socket in its configuration)"
+            )
         if was:
-            return f"gpud was unreachable at {self._where} from {_local(since)}"
-        return f"gpud unreachable at {self._where} since {_local(since)}"
+            return f"gpud was unreachable at {where} from {_local(since)}"
+        return f"gpud unreachable at {where} since {_local(since)}"
 
     def _since(self, since: float) -> float:
         """Seconds from ``since`` to now, at least 0: the wall clock may have stepped back."""
@@ -327,9 +355,7 @@ class Progress:
 
         target = self.target
         try:
-            if target.startswith("unix:"):
-                path = target.removeprefix("unix:")
-                path = "/" + path.lstrip("/") if path.startswith("//") else path
+            if (path := _unix_path(target)) is not None:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                     sock.settimeout(_PROBE_S)
                     sock.connect(path)
@@ -390,10 +416,7 @@ class Progress:
         self.dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
 
     def _send(self) -> None:
-        import grpc
-
-        from gpud.v1 import net_pb2, net_pb2_grpc
-
+        grpc, net_pb2, net_pb2_grpc = _grpc_modules()
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         stub = net_pb2_grpc.NetStub(self._channel)
@@ -439,11 +462,48 @@ class Progress:
         self.last_error = message
 
 
+def _grpc_modules() -> tuple[Any, Any, Any]:
+    """``grpc`` and the generated ``gpud.v1.net_pb2`` and ``net_pb2_grpc``, imported on
+    first use: a job that makes no active ``Progress`` (a rank that does not report) never
+    loads them."""
+    import grpc
+
+    from gpud.v1 import net_pb2, net_pb2_grpc
+
+    return grpc, net_pb2, net_pb2_grpc
+
+
 def token_metadata(token: str | None = None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata that carries ``token`` (default: ``$GPUD_REPORT_TOKEN``); None
     without one (a job started by other means reports on the socket only)."""
     token = token if token is not None else os.environ.get(TOKEN_VAR, "")
     return ((TOKEN_KEY, token),) if token else None
+
+
+def _unix_path(target: str) -> str | None:
+    """The socket's path of a ``unix:`` gRPC target (``unix:PATH``, ``unix:///PATH``); None
+    for another (TCP) target."""
+    if not target.startswith("unix:"):
+        return None
+    path = target.removeprefix("unix:")
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def _not_a_socket(target: str) -> str:
+    """What the path of a ``unix:`` ``target`` is where it exists and is no socket (``a
+    regular file``, ``a directory``, ``a file``), else "" (a socket, nothing there, a TCP
+    target): a connect() to it is refused as if no gpud listened."""
+    if (path := _unix_path(target)) is None:
+        return ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISSOCK(mode):
+        return ""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a directory" if stat.S_ISDIR(mode) else "a file"
 
 
 def _local(at: float) -> str:

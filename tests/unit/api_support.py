@@ -5,6 +5,8 @@ clients such as gpuctl can call it from the test's thread)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -255,3 +257,61 @@ class ServerThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
+
+
+# A client's program in a fresh interpreter (gRPC not imported yet): the client's sender
+# thread is held inside grpc's import (a meta path finder) while the program forks a worker,
+# whose exit code says whether it reported (an exit of 3: it hung, killed by the guard).
+_FORK_MID_GRPC_IMPORT = """
+import os, signal, sys, threading, time
+
+sock, parent = sys.argv[1], os.getpid()
+inside, gate = threading.Event(), threading.Event()
+
+
+class HoldTheSendersImport:
+    def find_spec(self, name, path=None, target=None):
+        sender = threading.current_thread() is not threading.main_thread()
+        if name.startswith("grpc.") and sender and os.getpid() == parent:
+            inside.set()
+            gate.wait()
+        return None
+
+
+sys.meta_path.insert(0, HoldTheSendersImport())
+import gpud.client
+
+assert "grpc" not in sys.modules, "grpc imported before the client"
+%(make)s
+while not inside.is_set() and not (%(sent)s):  # its sender imports grpc, or has sent
+    pass
+pid = os.fork()
+if pid == 0:
+    %(child)s
+gate.set()
+for _ in range(3000):  # a hang guard: a child stuck in an import is killed
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.01)
+os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+sys.exit(3)
+"""
+
+
+def fork_mid_grpc_import(
+    sock: Path, *, make: str, sent: str, child: str
+) -> subprocess.CompletedProcess[str]:
+    """A program that runs ``make`` (a client talking to gpud at ``sock``), waits until
+    its sender thread is inside grpc's import or ``sent`` holds, forks, and runs
+    ``child`` (one line that exits: 0 when the worker reported) in the worker."""
+    script = _FORK_MID_GRPC_IMPORT % {"make": make, "sent": sent, "child": child}
+    return subprocess.run(
+        [sys.executable, "-c", script, str(sock)],
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -2346,6 +2346,34 @@ def test_a_forked_server_worker_reports_through_a_sender_thread_of_its_own() -> 
     assert sent == [f"{os.getpid()} 1", f"{child} 1"]
 
 
+def test_a_worker_forked_while_the_servers_latency_first_sends_reports_through_grpc(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A pre-forking server's worker forked as the parent's sender made its first call:
+    had the sender been importing gRPC then, the worker's grpc would stay half-imported
+    and every report of the worker's would be dropped."""
+    from gpud.api import ApiServer
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, fork_mid_grpc_import, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(
+            ApiServer(path, servicers=[ColoServicer(svc, snapshots=lambda: snap).register])
+        ):
+            run = fork_mid_grpc_import(
+                path,
+                make='lat = gpud.client.Latency("chat", socket=sock, flush_every_s=0)'
+                "; lat.observe(0.01)",
+                sent="lat.flush(timeout=0.05)",
+                child="lat.observe(0.02);"
+                " os._exit(0 if lat.close(timeout=10) and lat.dropped == 0 else 1)",
+            )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_reports_a_service_made_are_sent_at_exit_without_a_close(tmp_path: Path) -> None:
     """A service that exits without close() still has its reports sent: the interpreter's
     exit closes every live Latency."""

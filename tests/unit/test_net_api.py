@@ -30,7 +30,7 @@ from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
-from tests.unit.api_support import ServerThread, short_dir
+from tests.unit.api_support import ServerThread, fork_mid_grpc_import, short_dir
 from tests.unit.other_user import as_nobody, needs_root
 
 
@@ -194,6 +194,23 @@ def test_a_forked_child_exits_without_waiting_for_the_parent_and_sends_nothing(
     assert p.sent == 6 and node.service.accepted_reports == 6  # the children sent none
 
 
+def test_a_worker_forked_while_the_parent_first_sends_reports_with_its_own_progress(
+    node: Node, sock: Path
+) -> None:
+    # A DataLoader worker forked as the parent's sender made its first call: had the sender
+    # been importing gRPC then, the child would hold grpc half-imported for good and its own
+    # Progress's sender would die on it, reporting nothing.
+    run = fork_mid_grpc_import(
+        sock,
+        make='p = gpud.client.Progress("train-a", socket=sock, flush_interval_s=0.01); p.step()',
+        sent="p.flush(0.05)",
+        child='q = gpud.client.Progress("train-a", socket=sock, flush_interval_s=0.01); q.step();'
+        " os._exit(0 if q.flush(5) and q.sent == 1 else 1)",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert node.service.accepted_reports == 2  # the parent's step and the worker's
+
+
 def test_steps_from_several_threads_never_report_going_backwards(node: Node, sock: Path) -> None:
     # step() from two threads: one reads the count, the other steps and appends before the
     # first appends its (lower) count; gpud refuses a count lower than the session's last
@@ -300,6 +317,30 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.last_error.startswith(f"gpud was unreachable at {path} from ")
     assert p.last_error.endswith(": 15 reports dropped meanwhile")
     assert p.sent == 10 and p.dropped == 15
+
+
+def _said_while_unreachable(path: Path) -> str:
+    """Progress's last_error once a try to reach gpud at ``path`` failed."""
+    tries = Tries()
+    p = Progress("train-a", socket=path, call_timeout_s=0.3, wait=tries.wait)
+    try:
+        p.step()
+        tries.until_said(lambda: "reports buffered" in p.last_error)
+        return p.last_error
+    finally:
+        p.close()
+
+
+def test_last_error_says_the_socket_path_names_a_file_that_is_no_socket(tmp_path: Path) -> None:
+    """$GPUD_SOCKET set to a regular file or a directory by mistake: connect() is refused
+    as if gpud were down, and last_error says what the path holds instead."""
+    for path, kind in ((tmp_path / "gpud.sock", "a regular file"), (tmp_path, "a directory")):
+        path.touch()
+        said = _said_while_unreachable(path)
+        assert said.startswith(
+            f"gpud unreachable at {path} ({kind}, not a socket: $GPUD_SOCKET or socket= names"
+            " gpud's socket, api.socket in its configuration) since "
+        ), said
 
 
 def test_a_flush_returns_only_once_the_try_that_sent_the_reports_has_counted_them(
