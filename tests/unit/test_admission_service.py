@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sqlite3
@@ -26,6 +27,7 @@ from gpud.admission.service import (
     AdmissionService,
     HistoryRow,
     mig_file_layouts,
+    run_request_from_json,
     run_request_to_json,
 )
 from gpud.cli.jobs import queued_line
@@ -2545,7 +2547,24 @@ def test_a_request_id_queued_again_with_other_fields_is_refused_naming_it(node: 
     assert [e.id for e in node.admission.entries()] == [first.id]
 
 
+def test_a_stored_request_leaves_its_request_id_to_its_own_column() -> None:
+    """admission_queue.request and job_history.request hold no request id: a gpud from
+    before request ids, started on the same state.db, builds its RunRequest from every key
+    of the stored JSON."""
+    stored = json.loads(run_request_to_json(replace(whole("b"), request_id="q-1")))
+    assert "request_id" not in stored
+    assert run_request_from_json(json.dumps(stored)) == whole("b")
+
+
+def test_a_stored_request_with_a_field_this_gpud_lacks_is_read_without_it() -> None:
+    """A row a newer gpud wrote (before a downgrade) carries a key this one has no field
+    for: the request is read with the rest."""
+    stored = json.loads(run_request_to_json(whole("b")))
+    stored["from_a_newer_gpud"] = 1
+    assert run_request_from_json(json.dumps(stored)) == whole("b")
+
+
 def test_an_enqueue_with_a_request_id_that_could_not_be_kept_is_refused(node: Node) -> None:
     request = jobs_pb2.ReserveRequest(job="b", gpu_count=1, request_id="no spaces")
-    with pytest.raises(InvalidArgument, match=r"^request_id: "):
+    with pytest.raises(InvalidArgument, match=r"^request\.request_id: "):
         run_request(request)
