@@ -2537,6 +2537,35 @@ def test_an_enqueue_asked_again_with_its_request_id_is_one_entry_through_a_resta
     node.store.close()
 
 
+# the queue as the version before request ids declared it
+QUEUE_BEFORE_REQUEST_IDS = SCHEMA[0].replace(",\n        request_id TEXT,\n        asked TEXT", "")
+assert SCHEMA[0] != QUEUE_BEFORE_REQUEST_IDS
+
+
+def test_a_queue_from_before_request_ids_keeps_its_entries_and_takes_ids(tmp_path: Path) -> None:
+    """A state.db whose admission_queue has no request_id or asked column: its entries
+    stay queued, and an Enqueue asked again with its request id is one entry."""
+    store = StateStore(tmp_path / "state")
+    with store.transaction() as conn:
+        conn.execute(QUEUE_BEFORE_REQUEST_IDS)
+        conn.execute(
+            "INSERT INTO admission_queue (id, job, request, enqueued_at, state, changed_at)"
+            " VALUES ('e0', 'waits', ?, 990, 'queued', 990)",
+            # never fits: it stays queued
+            (run_request_to_json(RunRequest(job="waits", gpu_count=1, memory_bytes=1 << 62)),),
+        )
+    store.close()
+    node = make_node(tmp_path, Clock())
+    try:
+        node.jobs.reserve(whole("a", 2))
+        ask = replace(whole("b"), request_id="q-1")
+        first = node.admission.enqueue(ask).entry
+        assert node.admission.enqueue(ask).entry.id == first.id
+        assert [e.id for e in node.admission.entries()] == ["e0", first.id]
+    finally:
+        node.store.close()
+
+
 def test_a_request_id_queued_again_with_other_fields_is_refused_naming_it(node: Node) -> None:
     node.jobs.reserve(whole("a", 2))
     first = node.admission.enqueue(replace(whole("b"), request_id="q-1")).entry
