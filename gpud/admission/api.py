@@ -63,7 +63,8 @@ _STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
 
 
 def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
-    int_range(len(request.devices), 0, MAX_DEVICES, field="devices")
+    # the fields of EnqueueRequest.request, named as the caller set them
+    int_range(len(request.devices), 0, MAX_DEVICES, field="request.devices")
     return RunRequest(
         job=check_name(request.job),
         kind=kind_from_pb(request.kind),
@@ -76,7 +77,7 @@ def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
         client_priority=optional(request, "client_priority"),
         holder_pid=optional_pid(request, "holder_pid"),
         holder_pid_namespace=optional(request, "holder_pid_namespace"),
-        request_id=request_id(request.request_id),
+        request_id=request_id(request.request_id, field="request.request_id"),
     )
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from gpud.admission.classes import ClassView, ClassViews
@@ -232,15 +232,28 @@ def request_of(r: RunRequest | JobSpec) -> Request:
     )
 
 
+# Kept in its own column (admission_queue.request_id), never in the stored request: a gpud
+# from before request ids, started on this database, reads each stored request back as a
+# RunRequest of its own fields.
+_NOT_STORED = ("request_id",)
+_STORED_FIELDS = frozenset(f.name for f in fields(RunRequest))
+
+
 def run_request_to_json(r: RunRequest) -> str:
+    """``r`` as admission_queue.request and job_history.request keep it: its fields but
+    the request id."""
     data = asdict(r)
+    for name in _NOT_STORED:
+        del data[name]
     data["kind"] = r.kind.value if r.kind is not None else None
     data["devices"] = list(r.devices)
     return json.dumps(data, sort_keys=True)
 
 
 def run_request_from_json(text: str) -> RunRequest:
-    data = json.loads(text)
+    """A stored request (:func:`run_request_to_json`) read back; a key this gpud has no
+    field for (written by a newer gpud before a downgrade) is left out."""
+    data = {k: v for k, v in json.loads(text).items() if k in _STORED_FIELDS}
     data["kind"] = JobKind(data["kind"]) if data.get("kind") else None
     data["devices"] = tuple(data.get("devices", ()))
     data["advised_devices"] = tuple(data.get("advised_devices", ()))

@@ -211,7 +211,10 @@ class CliError(Exception):
     daemon's error class (``gpud.errors``) when the daemon raised it; ``status``, the gRPC
     status code name of the failed call (``NOT_FOUND``), or of the class of failure that
     ``exit_code`` means when gpuctl found it itself; ``deadline_s``, the seconds gpud did
-    not answer within, when that was the failure."""
+    not answer within, when that was the failure; ``unanswered``, whether the call may have
+    reached a gpud that sent no answer (past its deadline, gone during the call, or closing
+    gpuctl's connection as it stopped): what it asked for may have been done. A refusal
+    gpud sent, or a socket nothing listened on, is not unanswered."""
 
     def __init__(
         self,
@@ -221,12 +224,14 @@ class CliError(Exception):
         error: str = "",
         status: str = "",
         deadline_s: float | None = None,
+        unanswered: bool = False,
     ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.error = error
         self.status = status or _STATUS_BY_EXIT.get(exit_code, _STATUS_BY_EXIT[1])
         self.deadline_s = deadline_s
+        self.unanswered = unanswered
 
     def to_json(self, message: str | None = None) -> dict[str, object]:
         """What ``--json`` prints on stderr for it: ``{"error": {...}}``, the message as
@@ -453,6 +458,7 @@ class Context:
                 " stopped or restarted, so whether what this command asks for was done is"
                 " unknown; see `systemctl status gpud`, then check before repeating it",
                 EXIT_NOT_RUNNING,
+                unanswered=True,
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             bound = self.timeout if timeout is None else timeout
@@ -463,6 +469,7 @@ class Context:
                 EXIT_NOT_RUNNING,
                 status=code.name,
                 deadline_s=bound,
+                unanswered=True,
             )
         if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, or an older gpud
             details += (
@@ -495,6 +502,7 @@ class Context:
                 f" answering ({details}): it stopped or restarted just now; nothing was sent;"
                 " see `systemctl status gpud`",
                 EXIT_NOT_RUNNING,
+                unanswered=True,
             )
         if any(w in last_error for w in _QUEUE_FULL):
             return CliError(

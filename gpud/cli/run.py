@@ -156,6 +156,9 @@ RELEASE_RETRY_MAX_S = 2.0
 # How many times in all `gpuctl run` asks gpud for a reservation whose answer did not come
 # (each with the same request id, which gpud reserves once)
 RESERVE_TRIES = 3
+# How long after a Reserve or Enqueue got no answer `gpuctl run` keeps asking a gpud that
+# is not running: a restart in progress (RestartSec=2s in gpud.service, then its start)
+RESERVE_RESTART_WAIT_S = 30.0
 # How long a stopped `gpuctl run` waits for gpud to take back its wait or reservation on
 # the way out: whoever stopped it waits for it to end, and gpud drops them by itself anyway.
 LEAVE_TIMEOUT_S = 2.0
@@ -320,33 +323,68 @@ def asked_once(
     stop: _Stop,
     *,
     message: object | None = None,
+    restart_wait_s: float = RESERVE_RESTART_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Any:
     """``method(ctx)`` (a stub's method on the channel open then) called
-    with ``message`` (default ``request``), asked again (up to RESERVE_TRIES in all,
-    RELEASE_RETRY_S apart, until a signal) when no answer came (past ``--timeout``, or gpud
-    went away or was not there): gpud keeps ``request.request_id`` with the reservation or
-    queue entry it made and answers a try again with it, so a first try whose answer was
-    lost is not done twice. A try with no answer after the last is said as gpud's error;
-    what it may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
+    with ``message`` (default ``request``), asked again when a try may have reached gpud
+    and no answer came (:attr:`CliError.unanswered`: past ``--timeout``, gpud went away
+    during the call or closed the connection as it stopped), up to RESERVE_TRIES such tries
+    in all: gpud keeps ``request.request_id`` with the reservation or queue entry it made
+    and answers a try again with it, so a first try whose answer was lost is not done
+    twice. After such a try, a gpud not running (restarting) is asked again RELEASE_RETRY_S
+    later, then less often (up to RELEASE_RETRY_MAX_S), for up to ``restart_wait_s`` after
+    that try (by ``clock``); a signal (``stop``) ends the asking. A refusal gpud sent (its
+    own UNAVAILABLE: starting, stopping, its database full) and a gpud not running at the
+    first try are raised at once. The last failure is raised as gpud's error; what a try
+    may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
     exits."""
     tries = 1
+    away_since: float | None = None  # when a try that may have reached gpud got no answer
+    interval = RELEASE_RETRY_S
+    waiting = False  # said that it waits for gpud to be back
     while True:
         try:
             # The stub is taken for each try: a wait through a gpud restart has closed the
             # channel it started on.
             return ctx.call(method(ctx), request if message is None else message)
         except CliError as err:
-            if err.exit_code != EXIT_NOT_RUNNING or tries == RESERVE_TRIES or stop.is_set():
+            if stop.is_set():
                 raise
-            tries += 1
-            print(
-                f"gpuctl: {err}; asking again as request {request.request_id} (gpud does it once)",
-                file=sys.stderr,
-                flush=True,
-            )
+            if err.unanswered:
+                if tries == RESERVE_TRIES:
+                    raise
+                tries += 1
+                away_since, interval, waiting = clock(), RELEASE_RETRY_S, False
+                _asking_again(err, request.request_id, "(gpud does it once)")
+            elif (
+                away_since is None
+                or err.exit_code != EXIT_NOT_RUNNING
+                or err.error  # gpud's own refusal: it runs, and said no
+                or clock() - away_since >= restart_wait_s
+            ):
+                raise
+            elif not waiting:
+                waiting = True
+                _asking_again(
+                    err,
+                    request.request_id,
+                    f"while it restarts, for up to {restart_wait_s:g} s (Ctrl-C stops)",
+                )
             ctx.close()  # a fresh channel: gpud may have restarted
-            if stop.wait_until(time.monotonic() + RELEASE_RETRY_S):
+            if stop.wait_until(clock() + interval, clock):
                 raise
+            interval = min(RELEASE_RETRY_MAX_S, interval * 2)
+
+
+def _asking_again(err: CliError, request_id: str, how: str) -> None:
+    """Says on stderr why a Reserve or Enqueue is asked again, in a sentence of its own
+    after ``err``'s."""
+    print(
+        f"gpuctl: {str(err).rstrip('.')}. Asking again as request {request_id} {how}.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _reserve(ctx: Context) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sqlite3
@@ -26,6 +27,7 @@ from gpud.admission.service import (
     AdmissionService,
     HistoryRow,
     mig_file_layouts,
+    run_request_from_json,
     run_request_to_json,
 )
 from gpud.cli.jobs import queued_line
@@ -2604,6 +2606,35 @@ def test_an_enqueue_asked_again_with_its_request_id_is_one_entry_through_a_resta
     node.store.close()
 
 
+# the queue as the version before request ids declared it
+QUEUE_BEFORE_REQUEST_IDS = SCHEMA[0].replace(",\n        request_id TEXT,\n        asked TEXT", "")
+assert SCHEMA[0] != QUEUE_BEFORE_REQUEST_IDS
+
+
+def test_a_queue_from_before_request_ids_keeps_its_entries_and_takes_ids(tmp_path: Path) -> None:
+    """A state.db whose admission_queue has no request_id or asked column: its entries
+    stay queued, and an Enqueue asked again with its request id is one entry."""
+    store = StateStore(tmp_path / "state")
+    with store.transaction() as conn:
+        conn.execute(QUEUE_BEFORE_REQUEST_IDS)
+        conn.execute(
+            "INSERT INTO admission_queue (id, job, request, enqueued_at, state, changed_at)"
+            " VALUES ('e0', 'waits', ?, 990, 'queued', 990)",
+            # never fits: it stays queued
+            (run_request_to_json(RunRequest(job="waits", gpu_count=1, memory_bytes=1 << 62)),),
+        )
+    store.close()
+    node = make_node(tmp_path, Clock())
+    try:
+        node.jobs.reserve(whole("a", 2))
+        ask = replace(whole("b"), request_id="q-1")
+        first = node.admission.enqueue(ask).entry
+        assert node.admission.enqueue(ask).entry.id == first.id
+        assert [e.id for e in node.admission.entries()] == ["e0", first.id]
+    finally:
+        node.store.close()
+
+
 def test_a_request_id_queued_again_with_other_fields_is_refused_naming_it(node: Node) -> None:
     node.jobs.reserve(whole("a", 2))
     first = node.admission.enqueue(replace(whole("b"), request_id="q-1")).entry
@@ -2614,7 +2645,24 @@ def test_a_request_id_queued_again_with_other_fields_is_refused_naming_it(node: 
     assert [e.id for e in node.admission.entries()] == [first.id]
 
 
+def test_a_stored_request_leaves_its_request_id_to_its_own_column() -> None:
+    """admission_queue.request and job_history.request hold no request id: a gpud from
+    before request ids, started on the same state.db, builds its RunRequest from every key
+    of the stored JSON."""
+    stored = json.loads(run_request_to_json(replace(whole("b"), request_id="q-1")))
+    assert "request_id" not in stored
+    assert run_request_from_json(json.dumps(stored)) == whole("b")
+
+
+def test_a_stored_request_with_a_field_this_gpud_lacks_is_read_without_it() -> None:
+    """A row a newer gpud wrote (before a downgrade) carries a key this one has no field
+    for: the request is read with the rest."""
+    stored = json.loads(run_request_to_json(whole("b")))
+    stored["from_a_newer_gpud"] = 1
+    assert run_request_from_json(json.dumps(stored)) == whole("b")
+
+
 def test_an_enqueue_with_a_request_id_that_could_not_be_kept_is_refused(node: Node) -> None:
     request = jobs_pb2.ReserveRequest(job="b", gpu_count=1, request_id="no spaces")
-    with pytest.raises(InvalidArgument, match=r"^request_id: "):
+    with pytest.raises(InvalidArgument, match=r"^request\.request_id: "):
         run_request(request)

@@ -1388,36 +1388,50 @@ class _RpcError(grpc.RpcError):
 
 
 @pytest.mark.parametrize(
-    ("error", "exit_code", "words"),
+    ("error", "exit_code", "words", "unanswered"),
     [
-        (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "went away during the"),
+        (
+            _RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"),
+            3,
+            "went away during the",
+            True,
+        ),
         (
             _RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"),
             3,
             "systemctl start gpud",
+            False,
         ),
-        (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s"),
+        (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s", True),
         (
             _RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
             9,
             "UNIMPLEMENTED: Method not found!: the server on /run/gpud/gpud.sock does not serve"
             " this call: it is not gpud, or a gpud older than this gpuctl",
+            False,
         ),
-        (_RpcError(grpc.StatusCode.PERMISSION_DENIED, "no"), 77, "no"),
+        (_RpcError(grpc.StatusCode.PERMISSION_DENIED, "no"), 77, "no", False),
         (
             _RpcError(grpc.StatusCode.UNAVAILABLE, "GPU 3 lost", (("gpud-exit-code", "10"),)),
             10,
             "GPU 3 lost",
+            False,
         ),
-        (_RpcError(grpc.StatusCode.DATA_LOSS, "?"), 1, "DATA_LOSS"),
+        (_RpcError(grpc.StatusCode.DATA_LOSS, "?"), 1, "DATA_LOSS", False),
     ],
 )
-def test_grpc_errors_become_exit_codes(error: _RpcError, exit_code: int, words: str) -> None:
+def test_grpc_errors_become_exit_codes(
+    error: _RpcError, exit_code: int, words: str, unanswered: bool
+) -> None:
+    """``unanswered``: only a call gpud may have taken and not answered (gone during it,
+    past its deadline) is one a retry with a request id may repeat; a refusal gpud sent
+    (its exit code in the metadata) and a gpud not reached are not."""
     ctx = Context(
         socket_path=Path("/run/gpud/gpud.sock"), timeout=2.0, output=Output(json_output=False)
     )
     err = ctx.translate(error)
     assert err.exit_code == exit_code and words in str(err)
+    assert err.unanswered is unanswered
 
 
 def test_json_of_plain_values_holding_messages() -> None:
@@ -1593,6 +1607,7 @@ def test_a_gpud_killed_with_gpuctls_connection_queued_is_said_to_have_closed_it_
     )
     assert last_error in str(closed)
     assert "it stopped or restarted just now; nothing was sent" in str(closed)
+    assert closed.unanswered  # gpud restarting: a request id's try again is answered once
     assert "busy" not in str(closed) and "retry" not in str(closed)
 
 

@@ -16,18 +16,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import grpc
 import pytest
 
 from gpud.api import ApiServer
+from gpud.cli.context import CliError
 from gpud.cli.main import main as gpuctl
 from gpud.cli.run import RELEASE_RETRY_S, _Stop
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
-from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound, StateUnwritable
+from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound, StateUnwritable, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
@@ -3426,9 +3427,14 @@ class AnswersFirstReserveTooLate(JobsServicer):
         self.held.append(len(self._service.reservations.held()))
         self.asked.append(request.request_id)
         if len(self.asked) == 1:
-            while (left := context.time_remaining()) is not None and left > 0:
-                await asyncio.sleep(0.02)
+            await held_past_deadline(context)
         return answer
+
+
+async def held_past_deadline(context: Any) -> None:
+    """Returns once the caller's deadline has passed: an answer sent then is lost."""
+    while (left := context.time_remaining()) is not None and left > 0:
+        await asyncio.sleep(0.02)
 
 
 def test_a_reserve_whose_answer_came_past_its_deadline_is_asked_again_and_made_once(
@@ -3454,7 +3460,7 @@ def test_a_reserve_whose_answer_came_past_its_deadline_is_asked_again_and_made_o
     assert AnswersFirstReserveTooLate.held == [1, 1]
     err = capsys.readouterr().err
     assert f"did not answer within 1 s on {n.socket}" in err
-    assert f"asking again as request {first}" in err
+    assert f"). Asking again as request {first} (gpud does it once)." in err
     assert json.loads(out.read_text())["env"]["GPUD_JOB"] == "t"
 
 
@@ -3484,8 +3490,7 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
                 self._service.tick()
             answer = await super().Enqueue(request, context)
             if len(asked) == 1:
-                while (left := context.time_remaining()) is not None and left > 0:
-                    await asyncio.sleep(0.02)
+                await held_past_deadline(context)
             return answer
 
         async def GetEntry(self, request: queue_pb2.GetEntryRequest, context: Any) -> Any:
@@ -3512,4 +3517,136 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
         assert row.id == entry.id
         assert [r.job for r in n.jobs.reservations.held()] == ["b"]
     assert asked == ["q-1", "q-1"]
-    assert "asking again as request q-1" in capsys.readouterr().err
+    assert ". Asking again as request q-1 (gpud does it once)." in capsys.readouterr().err
+
+
+class RefusesReserveUnavailable(JobsServicer):
+    """gpud refusing every Reserve as UNAVAILABLE (starting: no GPU seen yet), as it does
+    before its first sample; ``asked``: how many Reserves came."""
+
+    asked: ClassVar[list[str]] = []
+
+    async def Reserve(
+        self, request: jobs_pb2.ReserveRequest, context: Any
+    ) -> jobs_pb2.ReserveResponse:
+        self.asked.append(request.request_id)
+        raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
+
+
+def test_a_reserve_gpud_refused_as_unavailable_is_asked_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud answered (it is starting): its refusal is said as it is, not asked again."""
+    RefusesReserveUnavailable.asked.clear()
+    with serving(jobs_api=RefusesReserveUnavailable) as n:
+        code = n.ctl("run", "--job", "t", "--gpus", "1", "--", "true")
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert len(RefusesReserveUnavailable.asked) == 1
+    assert "no GPU seen yet" in err and "Asking again" not in err
+
+
+def test_a_run_on_a_socket_nothing_listens_on_says_it_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No gpud at the socket: nothing was asked, so nothing is asked again; one line."""
+    code = gpuctl(
+        ["--socket", str(tmp_path / "none.sock"), "run", "--job", "t", "--gpus", "1", "--", "true"],
+        env={},
+    )
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.count("gpud is not running") == 1, err
+    assert "Asking again" not in err
+
+
+@dataclass
+class AwayThenBack:
+    """A Context whose calls fail as ``failures`` says, one a call, then answer ``"made"``:
+    gpud going away during a call, then not running while it restarts, then back."""
+
+    failures: list[CliError]
+    calls: int = 0
+    closed: int = 0
+
+    def call(self, method: Any, request: object, *, timeout: float | None = None) -> Any:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "made"
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def went_away() -> CliError:
+    return CliError("gpud on S went away during the call (Socket closed)", 3, unanswered=True)
+
+
+def not_running() -> CliError:
+    return CliError("gpud is not running: nothing listens on S.", 3)
+
+
+def test_a_reserve_that_went_away_is_asked_again_once_gpud_is_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The first try reached gpud, which went away during it; gpud is not running for the
+    next two (restarting), and the one after is answered: gpud gives it the reservation
+    that request id made, if any."""
+    from gpud.cli.context import Context
+    from gpud.cli.run import asked_once
+
+    ctx = AwayThenBack([went_away(), not_running(), not_running()])
+    stop = _Stop()
+    try:
+        got = asked_once(
+            cast(Context, ctx), lambda c: None, jobs_pb2.ReserveRequest(request_id="r-1"), stop
+        )
+    finally:
+        stop.close()
+    assert (got, ctx.calls, ctx.closed) == ("made", 4, 3)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "gpuctl: gpud on S went away during the call (Socket closed). Asking again as"
+        " request r-1 (gpud does it once).",
+        "gpuctl: gpud is not running: nothing listens on S. Asking again as request r-1"
+        " while it restarts, for up to 30 s (Ctrl-C stops).",
+    ]
+
+
+def test_a_gpud_still_away_past_the_restart_wait_is_said_as_not_running() -> None:
+    from gpud.cli.context import Context
+    from gpud.cli.run import asked_once
+
+    ctx = AwayThenBack([went_away(), not_running(), not_running()])
+    stop = _Stop()
+    try:
+        with pytest.raises(CliError, match="gpud is not running"):
+            asked_once(
+                cast(Context, ctx),
+                lambda c: None,
+                jobs_pb2.ReserveRequest(request_id="r-1"),
+                stop,
+                restart_wait_s=0,
+            )
+    finally:
+        stop.close()
+    assert ctx.calls == 2
+
+
+def test_gpud_refusing_a_try_again_is_said_as_its_refusal() -> None:
+    """Back after a restart, gpud refuses (still starting): that is its answer."""
+    from gpud.cli.context import Context
+    from gpud.cli.run import asked_once
+
+    refused = CliError("no GPU seen yet", 3, error="Unavailable")
+    ctx = AwayThenBack([went_away(), refused, not_running()])
+    stop = _Stop()
+    try:
+        with pytest.raises(CliError) as raised:
+            asked_once(
+                cast(Context, ctx), lambda c: None, jobs_pb2.ReserveRequest(request_id="r"), stop
+            )
+    finally:
+        stop.close()
+    assert raised.value is refused and ctx.calls == 2
