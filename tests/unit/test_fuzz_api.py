@@ -81,8 +81,10 @@ def test_a_watch_that_matches_nothing_yet_answers_once_set_up_and_a_refused_one_
     def watch(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         if refused:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu: expected a GPU index")
-        context.send_initial_metadata((("gpud-watching", "1"),))
+        # before the metadata: the caller may cancel as soon as it has it, and a callback
+        # added to an ended call is never run
         context.add_callback(ended.set)
+        context.send_initial_metadata((("gpud-watching", "1"),))
         ended.wait()  # no event ever matches
         yield b""
 
