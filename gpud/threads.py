@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -28,7 +29,10 @@ class WorkStart:
     loop's pool (:class:`StartTellingExecutor`) and still queued behind busy workers. Any
     other first wait (another pool, a daemon thread of its own, a sleep) or a second step
     makes it begun: a step of it may have run, so it runs to its end. The loop-side code of
-    its first step, up to its first ``await``, is taken to change nothing. :meth:`begin`
+    its first step, up to its first suspension (not its first ``await``: awaiting a lock no
+    one holds, or a coroutine that does not wait, goes on in the same step), is taken to
+    change nothing, so a held servicer's first step hands its change on at once
+    (``asyncio.to_thread``, :func:`on_daemon_thread`). :meth:`begin`
     (the worker, as it takes the work) and :meth:`drop` (the loop) race under a lock, and only
     the first wins. Only the call's own task (:meth:`own`) queues droppable work: a task it
     starts carries :data:`WORK_START` too, but its work is never skipped."""
@@ -39,7 +43,9 @@ class WorkStart:
         self._begun = False
         self._dropped = False
         self._first_step_over = False
-        self._owner: asyncio.Task[Any] | None = None
+        # weak: the task's context holds this (WORK_START), and a cycle would keep each
+        # changing call's task, its request and its frames until the cyclic collector ran
+        self._owner: weakref.ref[asyncio.Task[Any]] | None = None
         self._threads: list[Future[Any]] = []
 
     @property
@@ -49,12 +55,13 @@ class WorkStart:
 
     def own(self) -> None:
         """The running task is the call's own: only its work may be dropped."""
-        self._owner = asyncio.current_task()
+        task = asyncio.current_task()
+        self._owner = None if task is None else weakref.ref(task)
 
     def owned_here(self) -> bool:
         """Whether the caller runs in the call's own task (False on a worker thread)."""
         try:
-            return self._owner is not None and asyncio.current_task() is self._owner
+            return self._owner is not None and asyncio.current_task() is self._owner()
         except RuntimeError:  # no loop in this thread: a worker that submits more
             return False
 
@@ -66,8 +73,11 @@ class WorkStart:
                 self._begun = not self._dropped
 
     def queued(self) -> bool:
-        """Its work was queued for a worker: True while it may still be dropped."""
+        """Its work was queued for a worker: True while it may still be dropped (False
+        once dropped: what the task hands on after, its cleanup, runs)."""
         with self._lock:
+            if self._dropped:
+                return False
             if self._first_step_over:
                 self._begun = not self._dropped
             else:
@@ -138,11 +148,14 @@ class StartTellingExecutor(ThreadPoolExecutor):
         return future
 
 
-async def on_daemon_thread(fn: Callable[[], T]) -> T:
+async def on_daemon_thread(
+    fn: Callable[[], T], spawn: Callable[..., threading.Thread] = threading.Thread
+) -> T:
     """``fn()`` on a daemon thread of its own, awaited. Not the loop's executor: for calls
     that may hang in a program gpud runs (``nft``, ``dcb``, a control daemon) or in the
     driver (a GPU that starts hanging mid-command under a MIG apply), which ``asyncio.run``
-    would otherwise wait for at exit, past the stop's budget (and systemd's SIGKILL)."""
+    would otherwise wait for at exit, past the stop's budget (and systemd's SIGKILL).
+    ``spawn`` makes the thread (``threading.Thread``)."""
     loop = asyncio.get_running_loop()
     start = WORK_START.get()
     ended: Future[None] = Future()
@@ -170,9 +183,12 @@ async def on_daemon_thread(fn: Callable[[], T]) -> T:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle, result, err)
 
-    threading.Thread(
-        target=call, name=f"gpud:{getattr(fn, '__qualname__', 'call')}", daemon=True
-    ).start()
+    try:
+        spawn(target=call, name=f"gpud:{getattr(fn, '__qualname__', 'call')}", daemon=True).start()
+    except BaseException:
+        # no thread (the process is out of threads): a stop must not wait for one
+        ended.set_result(None)
+        raise
     return await done
 
 

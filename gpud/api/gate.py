@@ -93,6 +93,9 @@ class CallGate:
         self._held: dict[asyncio.Future[Any], Threads] = {}
         # those of calls ended (cut) while a thread of theirs still ran
         self._left: list[Threads] = []
+        # those a cut_held waited for to its deadline: a later one (the stop's second) does
+        # not wait for them again, so a hung driver call holds the stop up once
+        self._waited: list[Threads] = []
 
     @property
     def running(self) -> int:
@@ -114,6 +117,9 @@ class CallGate:
         """``work`` (a changing call's, run on should its caller go away) is cancelled by
         :meth:`cut_held` while it runs; ``threads()``: its work still on threads (a worker
         in ``service.release()``, the driver), which cancelling ``work`` does not end."""
+        # a thread that never ends (a hung driver call) is not looked at again and again,
+        # nor are the many that ended since, over gpud's uptime
+        self._left = [left for left in self._left if left()]
         self._held[work] = threads
 
         def ended(work: asyncio.Future[Any]) -> None:
@@ -127,7 +133,8 @@ class CallGate:
         """Once the stop gives up waiting for them: cancel the calls' work still running (at
         its next ``await``) and wait up to ``timeout_s`` for it to end, and for its threads
         (a worker thread already in the driver or the store, which a cancel does not stop),
-        before the event log, the store and the driver close under it. How many were cut."""
+        before the event log, the store and the driver close under it. Threads an earlier
+        call waited for to its end are not waited for again. How many were cut."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout_s)
         running = [work for work in self._held if not work.done()]
@@ -136,12 +143,16 @@ class CallGate:
         if running:
             await asyncio.wait(running, timeout=max(0.0, timeout_s))
         self._left = [threads for threads in self._left if threads()]
+        waiting = [
+            threads
+            for threads in [*self._left, *self._held.values()]
+            if threads not in self._waited
+        ]
         # polled, not awaited through wrap_future: a thread that ends after the loop closed
         # leaves no callback (nor an unretrieved error) behind
-        while loop.time() < deadline and any(
-            threads() for threads in [*self._left, *self._held.values()]
-        ):
+        while loop.time() < deadline and any(threads() for threads in waiting):
             await asyncio.sleep(THREAD_POLL_S)
+        self._waited += [threads for threads in waiting if threads()]
         return len(running)
 
     @contextlib.contextmanager

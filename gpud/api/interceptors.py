@@ -149,6 +149,20 @@ def _runs_whole(method: str, request: Any) -> bool:
 _NAMED_BY = ("gpu", "gpu_uuid", "device", "job", "name", "reservation_id", "id", "pid", "request")
 
 
+# how long a named value gets in those lines: a caller's string is theirs to make long
+_NAMED_MAX = 64
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a log line shows it: as it is if plain and short, else quoted with its
+    line breaks and other unprintables escaped (never a second, forged line), clipped."""
+    text = str(value)
+    if len(text) <= _NAMED_MAX and text.isascii() and text.isprintable() and " " not in text:
+        return text
+    shown = ascii(value) if isinstance(value, str) else ascii(text)
+    return shown if len(shown) <= _NAMED_MAX else shown[: _NAMED_MAX - 1] + "…"
+
+
 def _named(request: Any) -> str:
     """``gpu=1 job=train``: what the request names, for the log lines of a call held on."""
     fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
@@ -160,7 +174,7 @@ def _named(request: Any) -> str:
         if hasattr(value, "DESCRIPTOR"):
             parts.append(_named(value))
         elif value or (name == "gpu" and isinstance(value, int)):
-            parts.append(f"{name}={value}")
+            parts.append(f"{name}={_shown(value)}")
     return " ".join(part for part in parts if part)
 
 
@@ -176,8 +190,10 @@ async def _to_its_end(
       (the server's grace ended): it is cancelled at its next ``await``, "cut at the stop".
     """
     start = WorkStart()
-    named = _named(request)
-    named = f" ({named})" if named else ""
+
+    def named() -> str:  # only for the lines below: most calls end without one
+        what = _named(request)
+        return f" ({what})" if what else ""
 
     async def run() -> Any:
         WORK_START.set(start)  # this task's own context: its to_thread calls carry it
@@ -194,7 +210,7 @@ async def _to_its_end(
     except asyncio.CancelledError:
         if task.done():
             if task.cancelled():
-                log.warning("%s: cut at the stop%s", method, named)
+                log.warning("%s: cut at the stop%s", method, named())
             raise
         if start.drop():
             task.cancel()  # nothing of its change began: none of it is made
@@ -203,7 +219,7 @@ async def _to_its_end(
             log.info(
                 "%s (its caller gone): dropped while queued for a worker: not made%s",
                 method,
-                named,
+                named(),
             )
             raise
         try:
@@ -211,7 +227,7 @@ async def _to_its_end(
         except asyncio.CancelledError:
             task.cancel()  # cancelled again: the server's grace ended
         if task.cancelled() or not task.done():
-            log.warning("%s (its caller gone): cut at the stop%s", method, named)
+            log.warning("%s (its caller gone): cut at the stop%s", method, named())
             raise
         err = task.exception()
         if isinstance(err, GpudError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +19,10 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.api.gate import CallGate, call_kind
-from gpud.api.interceptors import _to_its_end
+from gpud.api.interceptors import _named, _to_its_end
 from gpud.errors import Unavailable
-from gpud.threads import StartTellingExecutor, WorkStart
-from gpud.v1 import mig_pb2, node_pb2
+from gpud.threads import WORK_START, StartTellingExecutor, WorkStart, on_daemon_thread
+from gpud.v1 import jobs_pb2, mig_pb2, node_pb2
 from tests.unit.api_support import ServerThread, short_dir
 
 APPLY = "/gpud.v1.Mig/ApplyMig"
@@ -503,3 +505,117 @@ def test_a_worker_taking_the_work_and_the_loop_dropping_it_never_both_win() -> N
         results = _race(start)
         assert results["begin"] != results["drop"]
         assert start.begun == results["begin"]
+
+
+class _Stuck:
+    """A held call's threads, one stuck in the driver: counts how often a stop looks."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self.thread: Future[None] = Future()
+
+    def __call__(self) -> list[Future[Any]]:
+        self.looks += 1
+        return [] if self.thread.done() else [self.thread]
+
+
+async def test_the_stops_two_cuts_wait_for_a_hung_worker_thread_once() -> None:
+    # the second cut (after the API stopped) polled the same stuck thread to its own
+    # deadline again: a hung driver call held the stop up twice CUT_CALLS_WAIT_S
+    gate = CallGate()
+    stuck = _Stuck()
+    work = asyncio.ensure_future(asyncio.Event().wait())
+    gate.hold(work, stuck)
+    assert await gate.cut_held(0.05) == 1
+    looked = stuck.looks
+    assert await gate.cut_held(0.2) == 0
+    assert stuck.looks <= looked + 1  # looked at, not polled to its deadline again
+
+
+async def test_a_second_cut_still_waits_for_the_threads_of_a_call_it_cut_itself() -> None:
+    gate = CallGate()
+    first, second = _Stuck(), _Stuck()
+    gate.hold(asyncio.ensure_future(asyncio.Event().wait()), first)
+    await gate.cut_held(0.02)
+    gate.hold(asyncio.ensure_future(asyncio.Event().wait()), second)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, second.thread.set_result, None)
+    assert await gate.cut_held(30) == 1
+    assert second.thread.done()
+
+
+async def test_threads_of_calls_long_ended_are_not_kept_for_the_stop() -> None:
+    gate = CallGate()
+    for _ in range(3):
+        left = _Stuck()
+        work = asyncio.ensure_future(asyncio.sleep(0))
+        gate.hold(work, left)
+        await work
+        await asyncio.sleep(0)  # its done callback
+        left.thread.set_result(None)  # its worker thread ended since
+    gate.hold(asyncio.ensure_future(asyncio.sleep(0)), list)
+    assert gate._left == []
+
+
+async def test_a_daemon_thread_that_never_started_is_not_waited_for_at_the_stop() -> None:
+    def no_thread(**_: Any) -> threading.Thread:
+        raise RuntimeError("can't start new thread")
+
+    start = WorkStart()
+    WORK_START.set(start)
+    with pytest.raises(RuntimeError):
+        await on_daemon_thread(lambda: None, spawn=no_thread)
+    assert start.threads() == []
+
+
+async def test_a_finished_calls_work_start_is_freed_without_the_cycle_collector() -> None:
+    # its task's context held it, and it held the task: each changing call's task, request
+    # and frames stayed until the cyclic collector ran
+    seen: list[weakref.ref[WorkStart]] = []
+
+    async def call() -> None:
+        start = WORK_START.get()
+        assert start is not None
+        seen.append(weakref.ref(start))
+        await asyncio.to_thread(lambda: None)
+
+    gc.collect()
+    gc.disable()
+    try:
+        await _to_its_end(call(), INJECT, None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen[0]() is None
+    finally:
+        gc.enable()
+
+
+def test_a_callers_string_in_a_cut_line_is_escaped_and_clipped() -> None:
+    forged = "a\n2026-12-07 16:00:00 gpud: fake " + "x" * 4000
+    named = _named(jobs_pb2.ReserveRequest(job=forged))
+    assert "\n" not in named
+    assert named.startswith("job='a\\n2026")
+    assert len(named) <= len("job=") + 64 and named.endswith("…")
+    assert _named(jobs_pb2.ReserveRequest(job="train")) == "job=train"
+
+
+async def test_a_dropped_calls_own_cleanup_still_runs() -> None:
+    # its change was dropped while queued; its finally's undo, handed on after, was skipped
+    made: list[str] = []
+    with _one_busy_worker() as (pool, free):
+
+        async def call() -> None:
+            try:
+                await asyncio.to_thread(made.append, "change")
+            finally:
+                await asyncio.to_thread(made.append, "undo")
+
+        held = asyncio.create_task(_to_its_end(call(), INJECT, None))
+        await _until(pool)
+        held.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        free.set()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+    assert made == ["undo"]
