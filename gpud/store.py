@@ -24,10 +24,14 @@ from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable
 from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
-# PRAGMA application_id of every state database gpud writes ("GPUD" in ASCII), set in its
-# first transaction, before any table: it tells gpud's file from another program's however
-# few of gpud's tables a first start that was cut short committed
+# PRAGMA application_id of every state database gpud writes ("GPUD" in ASCII), set in a new
+# one's first transaction, before any table (in an earlier gpud's, once its tables passed
+# the schema checks): it tells gpud's file from another program's however few of gpud's
+# tables a first start that was cut short committed
 APPLICATION_ID = 0x47505544
+# the size of a write-ahead log's header: a -wal no larger holds no frames (a read of the
+# database leaves an empty one)
+_WAL_HEADER = 32
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +180,14 @@ def _wal_beside(path: Path) -> Path | None:
         return None
 
 
+def _wal_size(wal: Path) -> int:
+    """``wal``'s size in bytes; 0 when there is none."""
+    try:
+        return wal.stat().st_size
+    except OSError:
+        return 0
+
+
 def _refuse_found(path: Path, why: str) -> NoReturn:
     """Refuse the database for ``why`` (what the read-only probe found), saying to move a
     non-empty ``-wal`` aside too: it may be what made it so (another database's log, or
@@ -191,7 +203,19 @@ def _refuse_found(path: Path, why: str) -> NoReturn:
     )
 
 
-def _check_ours(path: Path, known: Collection[str]) -> None:
+def _tables(
+    conn: sqlite3.Connection, step: Callable[[sqlite3.Connection, str], list[sqlite3.Row]]
+) -> list[str]:
+    """The names of ``conn``'s tables (SQLite's own left out), sorted."""
+    query = "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
+    return sorted(str(row[0]) for row in step(conn, query))
+
+
+def _check_ours(
+    path: Path,
+    known: Collection[str],
+    step: Callable[[sqlite3.Connection, str], list[sqlite3.Row]],
+) -> bool:
     """Refuse a database that is not gpud's or is damaged (see :class:`StateStore`) before
     the writer's connection opens it: read through a read-only connection, which reads a
     ``-wal`` as the writer would but, at its close, never copies it into the database (a
@@ -199,24 +223,26 @@ def _check_ours(path: Path, known: Collection[str]) -> None:
     contents stay as they were found (SQLite may leave an empty ``-wal`` and a ``-shm``
     next to it). gpud's: its ``PRAGMA application_id`` is :data:`APPLICATION_ID`; or, not
     set (a file of an earlier gpud, or no table yet), it holds no tables or one of
-    ``known``. A file that is missing or that this read cannot open or read (another
-    process's lock) is left to the writer's open, which says why."""
+    ``known``. ``step`` runs each statement within the open's deadline: another process's
+    lock on the file (SQLITE_BUSY) is waited for, said once, and past the deadline refuses
+    the start, so that a file never goes unchecked to the writer (which would stamp
+    another program's database gpud's once the lock is let go). True when the file was
+    read and found sound; False when it is missing or this read cannot open it (left to
+    the writer's open, which says why)."""
     try:
         probe = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=0)
     except sqlite3.Error:
-        return
+        return False
     try:
-        application_id = int(probe.execute("PRAGMA application_id").fetchone()[0])
-        found = sorted(
-            str(row[0])
-            for row in probe.execute(
-                "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
-            )
-        )
-        damage = [" ".join(str(row[0]).split()) for row in probe.execute("PRAGMA quick_check(5)")]
+        (application_id,) = (int(row[0]) for row in step(probe, "PRAGMA application_id"))
+        found = _tables(probe, step)
+        damage = [" ".join(str(row[0]).split()) for row in step(probe, "PRAGMA quick_check(5)")]
     except sqlite3.Error as err:
-        if getattr(err, "sqlite_errorcode", 0) & 0xFF not in _DAMAGED:
-            return
+        code = getattr(err, "sqlite_errorcode", 0) & 0xFF
+        if code in _IN_USE:
+            raise _open_error(path, err) from None
+        if code not in _DAMAGED:
+            return False
         _refuse_found(path, str(err))
     finally:
         probe.close()
@@ -232,6 +258,7 @@ def _check_ours(path: Path, known: Collection[str]) -> None:
         _refuse_found(
             path, f"tables {', '.join(found)}, none of gpud's: another program's database?"
         )
+    return True
 
 
 class StateStore:
@@ -264,8 +291,12 @@ class StateStore:
         program's database, or one into which SQLite's open replayed another program's WAL
         (``state.db-wal``, a backup restored next to the crashed daemon's log), is never
         opened for writing (which would make gpud's tables again, empty, and at its close
-        checkpoint the foreign pages into the file for good). A 0-byte file with no ``-wal`` is a first start cut short before its first
-        commit (power lost): a new database; one with a ``-wal`` was truncated, refused.
+        checkpoint the foreign pages into the file for good). A 0-byte file whose ``-wal``
+        holds no frames (none, or the empty one a read leaves) is a first start cut short
+        before its first commit (power lost): a new database; one whose ``-wal`` holds
+        frames was truncated, refused. The file is stamped gpud's (``application_id``) at
+        the open only when it holds no tables yet; one of an earlier gpud, by
+        :meth:`mark_ours` once the daemon's tables were all found as declared.
         ``busy_timeout_s``: how long the open waits for another process's lock on the file
         before it fails; ``warn_after_s``: when an open that waits for one says so, naming
         the file. ``write_wait_s``: how long a transaction then waits for such a lock
@@ -301,11 +332,13 @@ class StateStore:
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database. gpud's first start makes the
             # file, then commits (fsync) its first transaction: a power loss between the two
-            # leaves it empty, with no -wal; one gpud wrote is never empty, so an empty one
-            # next to a -wal was truncated
+            # leaves it empty, with no -wal, or the empty one a read of it left (a WAL's
+            # header is 32 bytes, frames follow); one gpud wrote is never empty, so an empty
+            # one next to a -wal that holds frames was truncated
             found = self.path.stat()
             wal = self.path.with_name(self.path.name + "-wal")
-            if found.st_size == 0 and stat.S_ISREG(found.st_mode) and wal.exists():
+            framed = _wal_size(wal) > _WAL_HEADER
+            if found.st_size == 0 and stat.S_ISREG(found.st_mode) and framed:
                 raise StateDamaged(_unreadable(self.path, "empty: 0 bytes, truncated?"))
             if not stat.S_ISREG(found.st_mode):
                 # SQLite says only "unable to open database file", as for a mode or owner
@@ -324,8 +357,13 @@ class StateStore:
         # feature's ensure_schema) wait, as the open did, to the open's deadline; the
         # open's steps pass at once in WAL mode while another process's write holds the lock
         self._starting: tuple[float, float] | None = (deadline, warn_at)
-        if known_tables is not None:
-            _check_ours(self.path, known_tables)
+        # whether the read-only probe found the file sound: the writer's quick_check,
+        # which reads every page again, is then skipped
+        checked = known_tables is not None and _check_ours(
+            self.path,
+            known_tables,
+            lambda conn, statement: self._open_step(conn, statement, deadline, warn_at),
+        )
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
@@ -335,7 +373,7 @@ class StateStore:
             raise _open_error(self.path, err) from None
         try:
             self._conn.row_factory = sqlite3.Row
-            damage = self._first_steps(deadline, warn_at)
+            damage = self._first_steps(deadline, warn_at, checked=checked)
             self._set_busy_timeout(round(write_wait_s * 1000))
         except sqlite3.Error as err:
             self._conn.close()
@@ -388,21 +426,37 @@ class StateStore:
         fsync holds them without bound)."""
         return worst_refusals_s(writes, self._write_wait_s, self._in_use_wait_s)
 
-    def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
-        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings;
-        a sound file whose ``application_id`` is not set is stamped gpud's
-        (:data:`APPLICATION_ID`), in a transaction of its own before any feature's table."""
+    def _first_steps(self, deadline: float, warn_at: float, *, checked: bool) -> list[str]:
+        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings
+        (``["ok"]`` unread when the probe ``checked`` the file); a sound file that holds no
+        tables and whose ``application_id`` is not set (a new database) is stamped gpud's
+        (:data:`APPLICATION_ID`), in a transaction of its own before any feature's table.
+        One with tables is stamped by :meth:`mark_ours`: stamped before the schema checks,
+        another program's file with a table of one of gpud's names would be taken as gpud's
+        for good, however its columns then refused it."""
+
+        def step(statement: str) -> list[sqlite3.Row]:
+            return self._open_step(self._conn, statement, deadline, warn_at)
+
         for statement in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
-            self._open_step(self._conn, f"PRAGMA {statement}", deadline, warn_at)
-        checked = self._open_step(self._conn, "PRAGMA quick_check(5)", deadline, warn_at)
-        damage = [" ".join(str(row[0]).split()) for row in checked]
+            step(f"PRAGMA {statement}")
+        damage = ["ok"]
+        if not checked:
+            damage = [" ".join(str(row[0]).split()) for row in step("PRAGMA quick_check(5)")]
         if damage == ["ok"]:
-            (stamp,) = self._open_step(self._conn, "PRAGMA application_id", deadline, warn_at)
-            if not stamp[0]:
-                self._open_step(
-                    self._conn, f"PRAGMA application_id = {APPLICATION_ID}", deadline, warn_at
-                )
+            (stamp,) = step("PRAGMA application_id")
+            if not stamp[0] and not _tables(self._conn, lambda _, query: step(query)):
+                step(f"PRAGMA application_id = {APPLICATION_ID}")
         return damage
+
+    def mark_ours(self) -> None:
+        """Stamp the file gpud's (``PRAGMA application_id`` = :data:`APPLICATION_ID`) when
+        it is not yet: the daemon calls it once every feature's :meth:`ensure_schema`
+        passed, so that a database of an earlier gpud (tables, no stamp) is known as gpud's
+        from then on, and another program's, refused by a schema check, never is."""
+        with self.transaction() as conn:
+            if not conn.execute("PRAGMA application_id").fetchone()[0]:
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
 
     def _open_step(
         self, conn: sqlite3.Connection, statement: str, deadline: float, warn_at: float
@@ -435,7 +489,8 @@ class StateStore:
         (the store's clock) at most: SQLite's busy timeout, which counts per statement."""
         left_ms = max(0, round((until - self._clock()) * 1000))
         conn.execute(f"PRAGMA busy_timeout = {left_ms}")
-        if conn is self._conn:
+        # the read-only check's connection runs before the writer's is opened
+        if conn is getattr(self, "_conn", None):
             self._busy_ms = left_ms
 
     def _set_busy_timeout(self, ms: int) -> None:

@@ -18,6 +18,7 @@ import pytest
 from gpud.cli.main import DEFAULT_TIMEOUT
 from gpud.daemon import STATE_TABLES as GPUD
 from gpud.errors import StateDamaged, StateError, StateInUse, StateUnwritable, classify
+from gpud.jobs.registry import SCHEMA as JOBS_SCHEMA
 from gpud.main import EXIT_STATE_DAMAGED, main
 from gpud.mps.manager import SCHEMA as MPS_SCHEMA
 from gpud.store import APPLICATION_ID, DB_NAME, StateStore
@@ -448,10 +449,22 @@ def test_an_empty_database_file_next_to_a_wal_is_refused_not_taken_for_a_new_one
     tmp_path: Path,
 ) -> None:
     fill(tmp_path)
-    (tmp_path / f"{DB_NAME}-wal").write_bytes(b"")
+    _another_databases_wal(tmp_path)  # frames, as gpud's -wal holds after its first commit
     (tmp_path / DB_NAME).write_bytes(b"")  # truncated
     with pytest.raises(StateDamaged, match=r"is unreadable \(empty: 0 bytes, truncated\?\)"):
         StateStore(tmp_path, known_tables=GPUD)
+
+
+def test_an_empty_database_file_next_to_the_empty_wal_a_read_left_is_taken_as_new(
+    tmp_path: Path,
+) -> None:
+    """A read of the new, empty file (the start's read-only check) leaves an empty -wal
+    next to it: a first start cut short before its first commit then left both, and was
+    refused as truncated at every later start."""
+    (tmp_path / DB_NAME).write_bytes(b"")
+    (tmp_path / f"{DB_NAME}-wal").write_bytes(b"")
+    StateStore(tmp_path, known_tables=GPUD).close()
+    assert _application_id(tmp_path) == APPLICATION_ID
 
 
 def test_an_empty_database_file_alone_is_a_first_start_cut_short_and_taken_as_new(
@@ -690,8 +703,84 @@ def test_an_earlier_gpud_s_first_start_cut_short_before_the_jobs_table_is_taken_
         conn.commit()
     store = StateStore(tmp_path, known_tables=GPUD)
     store.ensure_schema(["CREATE TABLE IF NOT EXISTS jobs (name TEXT PRIMARY KEY)"])
+    assert _application_id(tmp_path) == 0  # not before its tables were all checked
+    store.mark_ours()
     store.close()
     assert _application_id(tmp_path) == APPLICATION_ID  # and stamped gpud's from now on
+
+
+def test_another_program_s_table_of_a_name_gpud_uses_is_refused_and_never_stamped(
+    tmp_path: Path,
+) -> None:
+    """Another program's database with a jobs table of its own columns passed the check
+    of table names and was stamped gpud's before the schema check refused it: from the
+    next start on it was taken as gpud's."""
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:  # no application_id
+        conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, cmd TEXT)")
+        conn.commit()
+    store = StateStore(tmp_path, known_tables=GPUD)
+    try:
+        with pytest.raises(StateDamaged, match="table jobs has no column client_priority"):
+            store.ensure_schema(JOBS_SCHEMA)
+    finally:
+        store.close()
+    assert _application_id(tmp_path) == 0
+
+
+def test_another_program_s_database_locked_during_the_check_is_checked_once_let_go(
+    tmp_path: Path,
+) -> None:
+    """Another program's database whose lock was held as the start read it (a sqlite3
+    shell's exclusive transaction) went unchecked to the writer, which waited for the
+    lock, then stamped it gpud's: refused never again."""
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:
+        conn.execute("CREATE TABLE x (a)")
+        conn.commit()
+    holder = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    with (
+        LetGoWhenSaid(holder).listening() as said,
+        pytest.raises(StateDamaged, match=r"tables x, none of gpud's"),
+    ):
+        StateStore(tmp_path, known_tables=GPUD, warn_after_s=0)
+    assert said.said and "is in use by another process" in said.said[0]
+    assert _application_id(tmp_path) == 0
+
+
+def test_a_database_locked_past_the_open_s_wait_is_refused_as_in_use_unchecked_unstamped(
+    tmp_path: Path,
+) -> None:
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:
+        conn.execute("CREATE TABLE x (a)")
+        conn.commit()
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)) as holder:
+        holder.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(StateError, match="is in use by another process"):
+            StateStore(tmp_path, known_tables=GPUD, busy_timeout_s=0)
+    assert _application_id(tmp_path) == 0
+
+
+class _Statements(StateStore):
+    """The state database, keeping each statement of its open and whether the writer's
+    connection ran it."""
+
+    def __init__(self, state: Path, **kwargs: Any) -> None:
+        self.ran: list[tuple[bool, str]] = []
+        super().__init__(state, **kwargs)
+
+    def _open_step(
+        self, conn: sqlite3.Connection, statement: str, deadline: float, warn_at: float
+    ) -> list[sqlite3.Row]:
+        self.ran.append((conn is getattr(self, "_conn", None), statement))
+        return super()._open_step(conn, statement, deadline, warn_at)
+
+
+def test_a_start_reads_the_database_through_for_damage_once(tmp_path: Path) -> None:
+    _jobs_database(tmp_path)
+    store = _Statements(tmp_path, known_tables=GPUD)
+    store.close()
+    checks = [(writer, s) for writer, s in store.ran if s.startswith("PRAGMA quick_check")]
+    assert checks == [(False, "PRAGMA quick_check(5)")]  # the read-only check's, not the writer's
 
 
 def test_gpud_killed_mid_run_after_a_first_start_cut_short_serves_at_each_restart(
