@@ -316,6 +316,13 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     return request
 
 
+class StoppedAsking(Exception):
+    """A signal (``stop``) ended the asking again of :func:`asked_once` after a try that may
+    have reached gpud: the run stops before its command started, as on a signal in any
+    other wait before it (what such a try made names this gpuctl as its holder, and gpud
+    lets it go once gpuctl exits)."""
+
+
 def asked_once(
     ctx: Context,
     method: Callable[[Context], Any],
@@ -338,7 +345,7 @@ def asked_once(
     own UNAVAILABLE: starting, stopping, its database full) and a gpud not running at the
     first try are raised at once. The last failure is raised as gpud's error; what a try
     may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
-    exits."""
+    exits. :class:`StoppedAsking` when a signal ends the asking again."""
     tries = 1
     away_since: float | None = None  # when a try that may have reached gpud got no answer
     interval = RELEASE_RETRY_S
@@ -350,6 +357,8 @@ def asked_once(
             return ctx.call(method(ctx), request if message is None else message)
         except CliError as err:
             if stop.is_set():
+                if away_since is not None:  # asking again: not this try's error to say
+                    raise StoppedAsking from err
                 raise
             if err.unanswered:
                 if tries == RESERVE_TRIES:
@@ -373,7 +382,7 @@ def asked_once(
                 )
             ctx.close()  # a fresh channel: gpud may have restarted
             if stop.wait_until(clock() + interval, clock):
-                raise
+                raise StoppedAsking from err
             interval = min(RELEASE_RETRY_MAX_S, interval * 2)
 
 
@@ -787,6 +796,8 @@ def _run(
             list(resp.reservation.devices),
             dict(resp.env),
         )
+    except StoppedAsking:
+        return _stopped(args.job, stop.signum)
     except CliError as err:
         if err.exit_code != EXIT_TAKEN or args.no_wait:
             raise
@@ -794,6 +805,8 @@ def _run(
             return _stopped(args.job, stop.signum)
         try:
             entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err), notes=notes)
+        except StoppedAsking:
+            return _stopped(args.job, stop.signum)
         except CliError as queue_err:
             refused = not isinstance(queue_err, TakenOut)  # by the Enqueue, not once waiting
             if refused and (

@@ -3614,6 +3614,76 @@ def test_a_reserve_that_went_away_is_asked_again_once_gpud_is_back(
     ]
 
 
+def test_a_signal_while_gpud_restarts_ends_the_asking_as_stopped() -> None:
+    """SIGTERM during the wait for gpud to be back (asking again as the same request id):
+    the asking ends as a stop, not as gpud's absence (exit 3) from the try before it."""
+    from gpud.cli.context import Context
+    from gpud.cli.run import StoppedAsking, asked_once
+
+    ctx = AwayThenBack([went_away(), not_running(), not_running()])
+    stop = _Stop()
+    ticks = iter(range(1000))
+
+    def clock() -> float:
+        # the wait reads the clock: the signal lands once it has begun
+        t = float(next(ticks))
+        if t >= 3:
+            stop.set(signal.SIGTERM)
+        return t
+
+    try:
+        with pytest.raises(StoppedAsking):
+            asked_once(
+                cast(Context, ctx),
+                lambda c: None,
+                jobs_pb2.ReserveRequest(request_id="r-1"),
+                stop,
+                clock=clock,
+            )
+    finally:
+        stop.close()
+    assert ctx.calls == 2
+
+
+@dataclass
+class StoppedWhileAway(AwayThenBack):
+    """As AwayThenBack, but SIGTERM lands during the try after gpud went away."""
+
+    stop: _Stop | None = None
+
+    def call(self, method: Any, request: object, *, timeout: float | None = None) -> Any:
+        if self.calls == 1 and self.stop is not None:
+            self.stop.set(signal.SIGTERM)
+        return super().call(method, request, timeout=timeout)
+
+    def stub(self, stub_class: Any) -> Any:
+        return type("Stub", (), {"Reserve": None})()
+
+
+def test_a_run_stopped_while_gpud_restarts_says_it_stopped_before_its_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpuctl run` asking its Reserve again while gpud restarts is sent SIGTERM: it ends
+    as a run stopped before its command started (exit 130, as README says), not with
+    exit 3, gpud not running."""
+    from gpud.cli.context import Context
+    from gpud.cli.main import build_parser
+    from gpud.cli.run import _run
+
+    args = build_parser().parse_args(["run", "--job", "t", "--gpus", "1", "--", "true"])
+    stop, after = _Stop(), _Stop()
+    ctx = StoppedWhileAway([went_away(), not_running()], stop=stop)
+    try:
+        code = _run(cast(Context, ctx), args, ["true"], stop, after)
+    finally:
+        stop.close()
+        after.close()
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "job t stopped (SIGTERM) before its command started" in err, err
+    assert ctx.calls == 2
+
+
 def test_a_gpud_still_away_past_the_restart_wait_is_said_as_not_running() -> None:
     from gpud.cli.context import Context
     from gpud.cli.run import asked_once
