@@ -89,11 +89,11 @@ from gpud.cli.context import (
     CliError,
     Context,
     Subparsers,
+    described,
     given,
     number,
     shown_word,
 )
-from gpud.cli.context import seconds as duration
 from gpud.cli.jobs import (
     add_placement_options,
     fill_placement,
@@ -145,6 +145,8 @@ _STATUS_BY_GATE_EXIT = {
     EXIT_GATE_CLOSED: "ABORTED",
 }
 KILL_AFTER_S = 10.0
+# the shortest --term-timeout: a bound a stop request could mean (and a line can say)
+TERM_TIMEOUT_MIN_S = 0.01
 # How long `gpuctl run` keeps trying to tell a gpud that is away how its command ended:
 # systemd starts a failed gpud again after RestartSec=2s (gpud.service), and gpud answers
 # within seconds of starting; a `systemctl restart` waits for the old one to stop first.
@@ -271,11 +273,15 @@ def register(subparsers: Subparsers) -> None:
     )
     run.add_argument(
         "--term-timeout",
-        type=duration(86400),
+        type=described(
+            number(TERM_TIMEOUT_MIN_S, 86400),
+            f"a number of seconds ({TERM_TIMEOUT_MIN_S:g} <= s <= 86400)",
+        ),
         default=None,
         metavar="SECONDS",
         help="a command still running this many seconds after a SIGTERM gpuctl passed on "
-        "gets SIGKILL (default: none, it takes as long as it needs)",
+        f"gets SIGKILL ({TERM_TIMEOUT_MIN_S:g} to 86400; default: none, it takes as long as "
+        "it needs)",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run, **{STDERR_MAY_GO: True})

@@ -1095,6 +1095,28 @@ def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_term_timeout_later
     assert node.jobs.reservations.held() == []
 
 
+@pytest.mark.parametrize("given", ["1e-300", "0.001", "0"])
+def test_a_term_timeout_too_short_to_mean_a_bound_is_refused_naming_the_flag_and_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    """A --term-timeout under 10 ms would be said as "0 ms" once it killed: refused before
+    anything is asked of gpud, naming the flag and the range it takes."""
+    socket = str(tmp_path / "none.sock")
+    argv = ["--socket", socket, "run", "--job", "t", "--term-timeout", given, "--", "true"]
+    code = gpuctl(argv, env={})
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--term-timeout: {given!r} is not a number of seconds (0.01 <= s <= 86400)" in err
+    assert "gpud is not running" not in err
+
+
+def test_the_shortest_term_timeout_is_taken() -> None:
+    from gpud.cli.main import build_parser
+
+    args = build_parser().parse_args(["run", "--job", "t", "--term-timeout", "0.01", "--", "x"])
+    assert args.term_timeout == 0.01
+
+
 def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     node: Node, tmp_path: Path
 ) -> None:
