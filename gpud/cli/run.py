@@ -89,11 +89,11 @@ from gpud.cli.context import (
     CliError,
     Context,
     Subparsers,
+    described,
     given,
     number,
     shown_word,
 )
-from gpud.cli.context import seconds as duration
 from gpud.cli.jobs import (
     add_placement_options,
     fill_placement,
@@ -145,6 +145,8 @@ _STATUS_BY_GATE_EXIT = {
     EXIT_GATE_CLOSED: "ABORTED",
 }
 KILL_AFTER_S = 10.0
+# the shortest --term-timeout: a bound a stop request could mean (and a line can say)
+TERM_TIMEOUT_MIN_S = 0.01
 # How long `gpuctl run` keeps trying to tell a gpud that is away how its command ended:
 # systemd starts a failed gpud again after RestartSec=2s (gpud.service), and gpud answers
 # within seconds of starting; a `systemctl restart` waits for the old one to stop first.
@@ -271,11 +273,15 @@ def register(subparsers: Subparsers) -> None:
     )
     run.add_argument(
         "--term-timeout",
-        type=duration(86400),
+        type=described(
+            number(TERM_TIMEOUT_MIN_S, 86400),
+            f"a number of seconds ({TERM_TIMEOUT_MIN_S:g} <= s <= 86400)",
+        ),
         default=None,
         metavar="SECONDS",
         help="a command still running this many seconds after a SIGTERM gpuctl passed on "
-        "gets SIGKILL (default: none, it takes as long as it needs)",
+        f"gets SIGKILL ({TERM_TIMEOUT_MIN_S:g} to 86400; default: none, it takes as long as "
+        "it needs)",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run, **{STDERR_MAY_GO: True})
@@ -316,6 +322,13 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     return request
 
 
+class StoppedAsking(Exception):
+    """A signal (``stop``) ended the asking again of :func:`asked_once` after a try that may
+    have reached gpud: the run stops before its command started, as on a signal in any
+    other wait before it (what such a try made names this gpuctl as its holder, and gpud
+    lets it go once gpuctl exits)."""
+
+
 def asked_once(
     ctx: Context,
     method: Callable[[Context], Any],
@@ -338,7 +351,7 @@ def asked_once(
     own UNAVAILABLE: starting, stopping, its database full) and a gpud not running at the
     first try are raised at once. The last failure is raised as gpud's error; what a try
     may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
-    exits."""
+    exits. :class:`StoppedAsking` when a signal ends the asking again."""
     tries = 1
     away_since: float | None = None  # when a try that may have reached gpud got no answer
     interval = RELEASE_RETRY_S
@@ -350,6 +363,8 @@ def asked_once(
             return ctx.call(method(ctx), request if message is None else message)
         except CliError as err:
             if stop.is_set():
+                if away_since is not None:  # asking again: not this try's error to say
+                    raise StoppedAsking from err
                 raise
             if err.unanswered:
                 if tries == RESERVE_TRIES:
@@ -373,7 +388,7 @@ def asked_once(
                 )
             ctx.close()  # a fresh channel: gpud may have restarted
             if stop.wait_until(clock() + interval, clock):
-                raise
+                raise StoppedAsking from err
             interval = min(RELEASE_RETRY_MAX_S, interval * 2)
 
 
@@ -787,6 +802,8 @@ def _run(
             list(resp.reservation.devices),
             dict(resp.env),
         )
+    except StoppedAsking:
+        return _stopped(args.job, stop.signum)
     except CliError as err:
         if err.exit_code != EXIT_TAKEN or args.no_wait:
             raise
@@ -794,6 +811,8 @@ def _run(
             return _stopped(args.job, stop.signum)
         try:
             entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err), notes=notes)
+        except StoppedAsking:
+            return _stopped(args.job, stop.signum)
         except CliError as queue_err:
             refused = not isinstance(queue_err, TakenOut)  # by the Enqueue, not once waiting
             if refused and (

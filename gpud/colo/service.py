@@ -2739,7 +2739,24 @@ class ColoService:
         Lock order: called once the store committed the reservation, under the jobs
         service's placement lock, it takes no lock of the loop's (which a planning pass
         holds through its event writes): it is queued, and the loop reads it under its own
-        lock at its next question. So a Reserve never waits on a planning pass."""
+        lock at its next question. So a Reserve never waits on a planning pass.
+
+        A notice can only stand for a promise made before it (the promise is recorded
+        before the advice is answered), so none is queued while none is open or the loop
+        is off: with no run asking for advice (pinned runs, queue starts) the queue would
+        otherwise grow by one a reservation. Notices stamped over :data:`PROMISE_S` ago
+        are dropped: a promise they could stand for has lapsed."""
+        # unlocked reads: a dict or config swapped whole is read whole
+        if not self.config.enabled or not self._promised:
+            return
+        stale = self._wall() - PROMISE_S
+        try:
+            # only this thread (under the jobs service's placement lock) appends; a
+            # question may drain the queue between the look and the pop
+            while self._made and self._made[0][1] < stale:
+                self._made.popleft()
+        except IndexError:
+            pass
         self._made.append((job, at, tuple(devices)))
 
     def _keep_promise_of(self, job: str, stamp: float, devices: Collection[str] = ()) -> None:

@@ -110,7 +110,8 @@ Gate = Callable[[JobSpec, int | None], tuple[str, ...] | None]
 # raises is logged, never the caller's: the change is kept, and the tick tries again.
 FreedHook = Callable[[], None]
 # Called once a reservation is committed (never when the commit failed: it was never made),
-# under the placement lock, outside the transaction: it must not wait on a lock of its own.
+# under the placement lock, outside the transaction: it must not wait on a lock of its own,
+# and must not raise (what it raises is logged: the reservation stands and is answered).
 ReservedHook = Callable[[Reservation], None]
 
 
@@ -205,6 +206,13 @@ class JobService:
 
     def add_reserved_hook(self, hook: ReservedHook) -> None:
         self._reserved_hooks.append(hook)
+
+    def _reserved(self, reservation: Reservation) -> None:
+        for hook in self._reserved_hooks:
+            try:
+                hook(reservation)
+            except Exception:  # committed: the run is answered its reservation
+                log.exception("job %s: after reservation %s", reservation.job, reservation.id)
 
     def _freed(self) -> None:
         for hook in self._freed_hooks:
@@ -628,8 +636,7 @@ class JobService:
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)
-                    for hook in self._reserved_hooks:
-                        hook(reservation)
+                    self._reserved(reservation)
                     if registered:
                         self.say_added(job)
                     self._events.emit(

@@ -7082,3 +7082,30 @@ def test_a_reservation_told_to_the_loop_waits_for_no_planning_pass(tmp_path: Pat
     clock.t += 1
     again = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
     assert (again.gpu, again.reason) == (1, "GPU 1 is free: exclusive")
+
+
+def test_reservations_no_run_asks_about_keep_the_notice_queue_near_empty(
+    tmp_path: Path,
+) -> None:
+    """Pinned runs and queue starts reserve without asking for advice: their notices stand
+    for no promise, and the loop keeps none of them; once a run was promised a place, the
+    notices kept are only those of the last PROMISE_S, and still count for it."""
+    clock = Clock()
+    svc = promising_loop(tmp_path, [RunningJob("big", "training", 0, memory_bytes=30 * GIB)], clock)
+    for _ in range(300):
+        svc.reservation_made("pinned", clock.t, ["GPU-x"])
+        clock.t += 1
+    assert len(svc._made) == 0
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    assert svc.advise("sweep", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    for _ in range(300):
+        clock.t += 1
+        svc.reservation_made("pinned", clock.t, ["GPU-x"])
+    assert len(svc._made) <= PROMISE_S + 1
+    svc.reservation_made("sweep", clock.t)  # the promise lapsed: nothing to stand for
+    again = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert (again.gpu, again.reason) == (1, "GPU 1 is free: exclusive")
+    svc.reservation_made("sweep", clock.t)  # and released before the next question
+    clock.t += 1
+    assert svc.advise("other", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    assert len(svc._made) == 0

@@ -1095,6 +1095,28 @@ def test_a_command_that_ignores_a_sigterm_passed_on_is_killed_term_timeout_later
     assert node.jobs.reservations.held() == []
 
 
+@pytest.mark.parametrize("given", ["1e-300", "0.001", "0"])
+def test_a_term_timeout_too_short_to_mean_a_bound_is_refused_naming_the_flag_and_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    """A --term-timeout under 10 ms would be said as "0 ms" once it killed: refused before
+    anything is asked of gpud, naming the flag and the range it takes."""
+    socket = str(tmp_path / "none.sock")
+    argv = ["--socket", socket, "run", "--job", "t", "--term-timeout", given, "--", "true"]
+    code = gpuctl(argv, env={})
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--term-timeout: {given!r} is not a number of seconds (0.01 <= s <= 86400)" in err
+    assert "gpud is not running" not in err
+
+
+def test_the_shortest_term_timeout_is_taken() -> None:
+    from gpud.cli.main import build_parser
+
+    args = build_parser().parse_args(["run", "--job", "t", "--term-timeout", "0.01", "--", "x"])
+    assert args.term_timeout == 0.01
+
+
 def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     node: Node, tmp_path: Path
 ) -> None:
@@ -3612,6 +3634,76 @@ def test_a_reserve_that_went_away_is_asked_again_once_gpud_is_back(
         "gpuctl: gpud is not running: nothing listens on S. Asking again as request r-1"
         " while it restarts, for up to 30 s (Ctrl-C stops).",
     ]
+
+
+def test_a_signal_while_gpud_restarts_ends_the_asking_as_stopped() -> None:
+    """SIGTERM during the wait for gpud to be back (asking again as the same request id):
+    the asking ends as a stop, not as gpud's absence (exit 3) from the try before it."""
+    from gpud.cli.context import Context
+    from gpud.cli.run import StoppedAsking, asked_once
+
+    ctx = AwayThenBack([went_away(), not_running(), not_running()])
+    stop = _Stop()
+    ticks = iter(range(1000))
+
+    def clock() -> float:
+        # the wait reads the clock: the signal lands once it has begun
+        t = float(next(ticks))
+        if t >= 3:
+            stop.set(signal.SIGTERM)
+        return t
+
+    try:
+        with pytest.raises(StoppedAsking):
+            asked_once(
+                cast(Context, ctx),
+                lambda c: None,
+                jobs_pb2.ReserveRequest(request_id="r-1"),
+                stop,
+                clock=clock,
+            )
+    finally:
+        stop.close()
+    assert ctx.calls == 2
+
+
+@dataclass
+class StoppedWhileAway(AwayThenBack):
+    """As AwayThenBack, but SIGTERM lands during the try after gpud went away."""
+
+    stop: _Stop | None = None
+
+    def call(self, method: Any, request: object, *, timeout: float | None = None) -> Any:
+        if self.calls == 1 and self.stop is not None:
+            self.stop.set(signal.SIGTERM)
+        return super().call(method, request, timeout=timeout)
+
+    def stub(self, stub_class: Any) -> Any:
+        return type("Stub", (), {"Reserve": None})()
+
+
+def test_a_run_stopped_while_gpud_restarts_says_it_stopped_before_its_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpuctl run` asking its Reserve again while gpud restarts is sent SIGTERM: it ends
+    as a run stopped before its command started (exit 130, as README says), not with
+    exit 3, gpud not running."""
+    from gpud.cli.context import Context
+    from gpud.cli.main import build_parser
+    from gpud.cli.run import _run
+
+    args = build_parser().parse_args(["run", "--job", "t", "--gpus", "1", "--", "true"])
+    stop, after = _Stop(), _Stop()
+    ctx = StoppedWhileAway([went_away(), not_running()], stop=stop)
+    try:
+        code = _run(cast(Context, ctx), args, ["true"], stop, after)
+    finally:
+        stop.close()
+        after.close()
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "job t stopped (SIGTERM) before its command started" in err, err
+    assert ctx.calls == 2
 
 
 def test_a_gpud_still_away_past_the_restart_wait_is_said_as_not_running() -> None:

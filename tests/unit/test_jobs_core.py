@@ -1428,3 +1428,21 @@ def test_a_request_id_that_could_not_be_kept_is_refused_naming_the_field(
     with pytest.raises(InvalidArgument, match=r"^request_id: "):
         asyncio.run(servicer.Reserve(request, None))
     assert service.reservations.held() == []
+
+
+def test_a_reserved_hook_that_raises_fails_no_committed_reservation(
+    service: JobService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reservation is committed before its hooks hear of it: one hook that raises is
+    logged, the hooks after it still hear, and the run is answered the reservation it holds."""
+    told: list[str] = []
+
+    def broken(reservation: Reservation) -> None:
+        raise RuntimeError("hook broke")
+
+    service.add_reserved_hook(broken)
+    service.add_reserved_hook(lambda r: told.append(r.job))
+    launch = service.reserve(RunRequest("kept", JobKind.TRAINING))
+    assert [r.id for r in service.reservations.held()] == [launch.reservation.id]
+    assert told == ["kept"]
+    assert "job kept: after reservation" in caplog.text and "hook broke" in caplog.text
