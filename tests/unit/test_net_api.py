@@ -211,6 +211,23 @@ def test_a_worker_forked_while_the_parent_first_sends_reports_with_its_own_progr
     assert node.service.accepted_reports == 2  # the parent's step and the worker's
 
 
+def test_a_worker_forked_while_another_thread_imports_grpc_gets_an_inert_progress(
+    sock: Path,
+) -> None:
+    # A DataLoader worker forked while a thread of the program (not the Progress's) was
+    # inside grpc's import: the worker's import of grpc would wait for good on that module's
+    # lock, which no thread of the worker holds; its Progress is inert and says why instead.
+    run = fork_mid_grpc_import(
+        sock,
+        make='threading.Thread(target=lambda: __import__("grpc"), daemon=True).start()',
+        sent="False",
+        child='q = gpud.client.Progress("train-a", socket=sock); q.step(); q.close();'
+        ' os._exit(0 if q.last_error.startswith("gRPC was half-imported at a fork (grpc,")'
+        " and threading.active_count() == 1 else 1)",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_steps_from_several_threads_never_report_going_backwards(node: Node, sock: Path) -> None:
     # step() from two threads: one reads the count, the other steps and appends before the
     # first appends its (lower) count; gpud refuses a count lower than the session's last
