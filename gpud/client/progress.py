@@ -36,7 +36,8 @@ denied on gpud's socket /run/gpud/gpud.sock to uid 1001 (run the job as root or 
 of gpud's api.socket_group) since ...``. A socket path that holds a regular file or a
 directory (``$GPUD_SOCKET`` set wrong) is said with it: ``gpud unreachable at /tmp/gpud (a
 regular file, not a socket: $GPUD_SOCKET or socket= names gpud's socket, api.socket in its
-configuration) since ...``.
+configuration) since ...`` (``target=`` named instead where one was given; ``a component of
+the path is a regular file`` where a directory above the socket is a file).
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -151,6 +152,8 @@ class Progress:
         if contention_free_iteration_s is not None and not contention_free_iteration_s > 0:
             raise ValueError("contention_free_iteration_s must be > 0")
         self.job = name
+        # what names gpud's socket, for an operator to set right where it names no socket
+        self._named_by = "target=" if target is not None else f"${SOCKET_VAR} or socket="
         if target is None:
             path = Path(socket or os.environ.get(SOCKET_VAR) or DEFAULT_SOCKET)
             target = f"unix:{path.absolute()}"
@@ -350,8 +353,8 @@ class Progress:
         where = self._where
         if self._not_socket:
             where += (
-                f" ({self._not_socket}, not a socket: ${SOCKET_VAR} or socket= names"
-                " gpud's socket, api.socket in its configuration)"
+                f" ({self._not_socket}: {self._named_by} names gpud's socket, api.socket in"
+                " its configuration)"
             )
         if was:
             return f"gpud was unreachable at {where} from {_local(since)}"
@@ -541,20 +544,24 @@ def _unix_path(target: str) -> str | None:
 
 
 def _not_a_socket(target: str) -> str:
-    """What the path of a ``unix:`` ``target`` is where it exists and is no socket (``a
-    regular file``, ``a directory``, ``a file``), else "" (a socket, nothing there, a TCP
-    target): a connect() to it is refused as if no gpud listened."""
+    """What the path of a ``unix:`` ``target`` holds where it exists and is no socket (``a
+    regular file, not a socket``, ``a directory, ...``, ``a file, ...``) or where a
+    component of it is a regular file (``stat()``: ENOTDIR), else "" (a socket, nothing
+    there, a path the kernel cannot take, a TCP target): a connect() to it is refused as if
+    no gpud listened."""
     if (path := _unix_path(target)) is None:
         return ""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except NotADirectoryError:
+        return "a component of the path is a regular file"
+    except (OSError, ValueError):  # ValueError: a NUL in the path, which no syscall takes
         return ""
     if stat.S_ISSOCK(mode):
         return ""
     if stat.S_ISREG(mode):
-        return "a regular file"
-    return "a directory" if stat.S_ISDIR(mode) else "a file"
+        return "a regular file, not a socket"
+    return f"{'a directory' if stat.S_ISDIR(mode) else 'a file'}, not a socket"
 
 
 def _local(at: float) -> str:
