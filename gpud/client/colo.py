@@ -489,7 +489,8 @@ class Latency:
         Never waits for gpud (unless ``background=False``, or no thread can start) and
         never raises."""
         if self.last_error:  # no gRPC: no thread, no call, nothing waits at exit
-            self.dropped += 1
+            with self._lock:  # observe() may be called from several threads
+                self.dropped += 1
             return
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:

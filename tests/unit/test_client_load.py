@@ -19,6 +19,7 @@ import gpud.client
 %(make)s
 for _ in range(3):
     %(use)s
+client.close()
 assert threading.active_count() == 1, threading.enumerate()  # no sender thread
 print(client.last_error)
 """
