@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import math
 import operator
 import os
@@ -43,7 +44,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gpud.client.progress import token_metadata
+from gpud.client.progress import load_grpc, token_metadata
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 # The longest latency gpud takes: a report over an hour is no request an online service
@@ -126,15 +129,21 @@ class _Channel:
             )
         return self._stub
 
-    def load(self) -> None:
+    def load(self) -> str:
         """Import all of gRPC that the calls use (making a channel imports the rest; it
         connects only at its first call), in the thread that asks, and forget the channel:
-        the calls make their own."""
-        import grpc
+        the calls make their own. "" when loaded, else why not (never raises: see
+        :func:`load_grpc`)."""
 
-        from gpud.v1 import colo_pb2, colo_pb2_grpc  # noqa: F401
+        def load() -> bool:
+            import grpc
 
-        grpc.insecure_channel(f"unix://{self._socket}").close()
+            from gpud.v1 import colo_pb2, colo_pb2_grpc  # noqa: F401
+
+            grpc.insecure_channel(f"unix://{self._socket}").close()
+            return True
+
+        return load_grpc(load, self._socket)[1]
 
     def forget(self) -> None:
         """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
@@ -351,7 +360,11 @@ class Latency:
     :meth:`close` before then to wait longer. A forked child starts with nothing of the
     parent's: no batch, no reports waiting, no thread, locks and gRPC channel anew (gRPC
     itself is loaded when the ``Latency`` is made, on the thread that makes it, never by a
-    sender thread: a fork during that import would leave it half-loaded in the child)."""
+    sender thread: a fork during that import would leave it half-loaded in the child).
+    Where gRPC cannot be loaded (missing, broken, half-imported at the fork that made this
+    process) or its channel made (a socket path that is not valid UTF-8), the ``Latency`` is
+    inert, never raising: :attr:`last_error` says why (a warning is logged), each request is
+    counted in :attr:`dropped`, and no thread starts nor waits at exit."""
 
     def __init__(
         self,
@@ -409,11 +422,17 @@ class Latency:
         self._max_pending = max_pending
         self._senders = 0  # sender threads started: each one's number
         self._fresh()
+        # why nothing is reported ("" while reports go to gpud): gRPC could not be loaded
+        self.last_error = ""
         if send is None:
             # gRPC loaded here, in the caller's thread, not by the sender at its first call:
             # a fork meanwhile (a pre-forking server's worker) would leave the child's grpc
             # half-imported for good, and every report of the child's would be dropped
-            self._channel.load()
+            self.last_error = self._channel.load()
+        if self.last_error:
+            # a service never fails for its reports: observe() counts them as dropped
+            log.warning("latency of %s is not reported: %s", self.job, self.last_error)
+            return
         _LIVE.add(self)
 
     def _fresh(self) -> None:
@@ -469,6 +488,10 @@ class Latency:
         arrival. What is held at exit is sent then (waiting up to :data:`CALL_TIMEOUT_S`).
         Never waits for gpud (unless ``background=False``, or no thread can start) and
         never raises."""
+        if self.last_error:  # no gRPC: no thread, no call, nothing waits at exit
+            with self._lock:  # observe() may be called from several threads
+                self.dropped += 1
+            return
         seconds = float(seconds)
         if not 0.0 <= seconds <= MAX_LATENCY_S:
             return

@@ -36,7 +36,8 @@ denied on gpud's socket /run/gpud/gpud.sock to uid 1001 (run the job as root or 
 of gpud's api.socket_group) since ...``. A socket path that holds a regular file or a
 directory (``$GPUD_SOCKET`` set wrong) is said with it: ``gpud unreachable at /tmp/gpud (a
 regular file, not a socket: $GPUD_SOCKET or socket= names gpud's socket, api.socket in its
-configuration) since ...``.
+configuration) since ...`` (``target=`` named instead where one was given; ``a component of
+the path is a regular file`` where a directory above the socket is a file).
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -48,13 +49,19 @@ A process forked from one that reports (PyTorch DataLoader workers, ``multiproce
 the fork start method) holds an inert copy: its steps are not sent (the parent sends its
 own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports:
 a ``Progress`` imports gRPC and makes its channel (which connects at its first call) in the
-thread that makes it, never in its sender thread, so a fork at any moment leaves the child
-a whole gRPC to make its own with.
+thread that makes it, never in its sender thread, so a fork during a ``Progress``'s own work
+never leaves the child a half-imported gRPC. A child forked while another thread of the
+program was inside gRPC's import would wait for good on that module's lock: a ``Progress``
+made there is inert, and :attr:`Progress.last_error` says gRPC was half-imported at a fork.
+Where gRPC cannot be loaded (missing, broken) or its channel made (a socket path that is not
+valid UTF-8), a ``Progress`` is inert too, with a warning logged and the reason in
+:attr:`Progress.last_error`: a job never fails for its reports.
 
-The reports of the last ``flush_interval_s`` are sent by :meth:`Progress.close`, which the
-interpreter's exit runs (waiting at most a second or two for a gpud that is away); a process
+What is buffered is sent by :meth:`Progress.close`, which the interpreter's exit runs
+(waiting at most a second or two per live ``Progress`` for a gpud that is away); a process
 that ends without running exit handlers (``os._exit``, SIGKILL, a signal it does not handle)
-loses them, and gpud learns its count from the next report of the job.
+loses them (those of the last ``flush_interval_s``, and while gpud is away all it buffered),
+and gpud learns its count from the next report of the job.
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
@@ -70,6 +77,7 @@ import atexit
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 import weakref
@@ -144,6 +152,8 @@ class Progress:
         if contention_free_iteration_s is not None and not contention_free_iteration_s > 0:
             raise ValueError("contention_free_iteration_s must be > 0")
         self.job = name
+        # what names gpud's socket, for an operator to set right where it names no socket
+        self._named_by = "target=" if target is not None else f"${SOCKET_VAR} or socket="
         if target is None:
             path = Path(socket or os.environ.get(SOCKET_VAR) or DEFAULT_SOCKET)
             target = f"unix:{path.absolute()}"
@@ -196,7 +206,16 @@ class Progress:
         # imported it at its first send raced the program's own imports (a half-imported
         # grpc killed the thread), and a fork meanwhile (a DataLoader worker) left the
         # child's grpc half-imported for good: a Progress made there never sent.
-        self._channel = _grpc_modules()[0].insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel, why = load_grpc(
+            lambda: _grpc_modules()[0].insecure_channel(target, options=_CHANNEL_OPTIONS),
+            self._where,
+        )
+        if self._channel is None:
+            # a job never fails for its reports: this one counts steps and sends none
+            self.last_error = why
+            log.warning("progress of %s is not reported: %s", name, why)
+            self._stop.set()
+            return
         self._thread.start()
         atexit.register(self.close)
         _live.add(self)
@@ -334,8 +353,8 @@ class Progress:
         where = self._where
         if self._not_socket:
             where += (
-                f" ({self._not_socket}, not a socket: ${SOCKET_VAR} or socket= names"
-                " gpud's socket, api.socket in its configuration)"
+                f" ({self._not_socket}: {self._named_by} names gpud's socket, api.socket in"
+                " its configuration)"
             )
         if was:
             return f"gpud was unreachable at {where} from {_local(since)}"
@@ -473,6 +492,41 @@ def _grpc_modules() -> tuple[Any, Any, Any]:
     return grpc, net_pb2, net_pb2_grpc
 
 
+def load_grpc(load: Callable[[], Any], where: str) -> tuple[Any, str]:
+    """gRPC imported here, in the caller's thread, then ``load()`` (makes a channel to gpud
+    at ``where``, its socket's path or target): its result and "", or None and why not: gRPC missing or broken, a path the channel cannot
+    take (one not valid UTF-8), or gRPC half-imported at the fork that made this process (a
+    thread of the parent was inside its import: the child's import would wait for good on
+    that module's lock, which no thread of the child holds). Never raises: a client made in
+    a training program must not end it."""
+    half = [name for name in _half_at_fork if _importing(sys.modules.get(name))]
+    if half:
+        return None, (
+            f"gRPC was half-imported at a fork ({half[0]}, imported by another thread of"
+            " the parent then): nothing is reported from this process"
+        )
+    try:
+        _grpc_modules()
+    except Exception as err:  # a missing or broken grpc must not end the job
+        return None, f"gRPC not loaded ({err!r}): nothing is reported"
+    try:
+        return load(), ""
+    except Exception as err:  # e.g. a path not valid UTF-8
+        return None, (
+            f"no gRPC channel to gpud at {where!r} (${SOCKET_VAR}, socket= or target=):"
+            f" {err!r}: nothing is reported"
+        )
+
+
+def _importing(module: object) -> bool:
+    """Whether ``module`` is in the middle of its import (its module lock held)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+# the gRPC modules (and gpud.v1's) that were half-imported when this process was forked (set in the child)
+_half_at_fork: list[str] = []
+
+
 def token_metadata(token: str | None = None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata that carries ``token`` (default: ``$GPUD_REPORT_TOKEN``); None
     without one (a job started by other means reports on the socket only)."""
@@ -490,20 +544,24 @@ def _unix_path(target: str) -> str | None:
 
 
 def _not_a_socket(target: str) -> str:
-    """What the path of a ``unix:`` ``target`` is where it exists and is no socket (``a
-    regular file``, ``a directory``, ``a file``), else "" (a socket, nothing there, a TCP
-    target): a connect() to it is refused as if no gpud listened."""
+    """What the path of a ``unix:`` ``target`` holds where it exists and is no socket (``a
+    regular file, not a socket``, ``a directory, ...``, ``a file, ...``) or where a
+    component of it is a regular file (``stat()``: ENOTDIR), else "" (a socket, nothing
+    there, a path the kernel cannot take, a TCP target): a connect() to it is refused as if
+    no gpud listened."""
     if (path := _unix_path(target)) is None:
         return ""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except NotADirectoryError:
+        return "a component of the path is a regular file"
+    except (OSError, ValueError):  # ValueError: a NUL in the path, which no syscall takes
         return ""
     if stat.S_ISSOCK(mode):
         return ""
     if stat.S_ISREG(mode):
-        return "a regular file"
-    return "a directory" if stat.S_ISDIR(mode) else "a file"
+        return "a regular file, not a socket"
+    return f"{'a directory' if stat.S_ISDIR(mode) else 'a file'}, not a socket"
 
 
 def _local(at: float) -> str:
@@ -514,6 +572,12 @@ _live: weakref.WeakSet[Progress] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    _half_at_fork[:] = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.partition(".")[0] == "grpc" or name.startswith("gpud.v1")
+        if _importing(module)
+    ]
     for progress in list(_live):
         progress._forked()
 

@@ -5,6 +5,8 @@ clients such as gpuctl can call it from the test's thread)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -259,42 +261,68 @@ class ServerThread:
             self.loop.close()
 
 
-# A client's program in a fresh interpreter (gRPC not imported yet): the client's sender
-# thread is held inside grpc's import (a meta path finder) while the program forks a worker,
-# whose exit code says whether it reported (an exit of 3: it hung, killed by the guard).
+# A client's program in a fresh interpreter (gRPC not imported yet): a thread other than the
+# main one (the client's sender, or the program's own importer) is held inside grpc's import,
+# its module's code not run yet (its module lock held, as in a real import; the global import
+# lock, which os.fork() takes, is not), while the program forks a worker, whose exit code
+# says whether it did what it should (an exit of 3: it hung, its stacks dumped by the guard).
 _FORK_MID_GRPC_IMPORT = """
-import os, signal, sys, threading, time
+import faulthandler, os, resource, signal, sys, threading, time
 
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the guard's SIGABRT leaves no core file
+faulthandler.enable()  # a hung worker's stacks, on the guard's SIGABRT
 sock, parent = sys.argv[1], os.getpid()
 inside, gate = threading.Event(), threading.Event()
 
 
-class HoldTheSendersImport:
-    def find_spec(self, name, path=None, target=None):
-        sender = threading.current_thread() is not threading.main_thread()
-        if name.startswith("grpc.") and sender and os.getpid() == parent:
+class HeldLoader:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        if os.getpid() == parent and not inside.is_set():
             inside.set()
             gate.wait()
+        self.loader.exec_module(module)
+
+
+class HoldTheImport:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] != "grpc" or os.getpid() != parent:
+            return None
+        if threading.current_thread() is threading.main_thread() or inside.is_set():
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                spec.loader = HeldLoader(spec.loader)
+                return spec
         return None
 
 
-sys.meta_path.insert(0, HoldTheSendersImport())
+sys.meta_path.insert(0, HoldTheImport())
 import gpud.client
 
 assert "grpc" not in sys.modules, "grpc imported before the client"
 %(make)s
-while not inside.is_set() and not (%(sent)s):  # its sender imports grpc, or has sent
+while not inside.is_set() and not (%(sent)s):  # a thread imports grpc, or the client has sent
     pass
 pid = os.fork()
 if pid == 0:
     %(child)s
 gate.set()
-for _ in range(3000):  # a hang guard: a child stuck in an import is killed
+for _ in range(3000):  # a hang guard: a worker stuck in an import is stopped
     done, status = os.waitpid(pid, os.WNOHANG)
     if done:
-        sys.exit(os.waitstatus_to_exitcode(status))
+        code = os.waitstatus_to_exitcode(status)
+        print(f"the worker exited {code}", file=sys.stderr)
+        sys.exit(code)
     time.sleep(0.01)
-os.kill(pid, signal.SIGKILL)
+print("the worker hung: its stacks follow", file=sys.stderr, flush=True)
+os.kill(pid, signal.SIGABRT)
 os.waitpid(pid, 0)
 sys.exit(3)
 """
@@ -303,15 +331,24 @@ sys.exit(3)
 def fork_mid_grpc_import(
     sock: Path, *, make: str, sent: str, child: str
 ) -> subprocess.CompletedProcess[str]:
-    """A program that runs ``make`` (a client talking to gpud at ``sock``), waits until
-    its sender thread is inside grpc's import or ``sent`` holds, forks, and runs
-    ``child`` (one line that exits: 0 when the worker reported) in the worker."""
+    """A program that runs ``make`` (a client talking to gpud at ``sock``; it may start a
+    thread that imports grpc), waits until a thread other than the main one is inside
+    grpc's import or ``sent`` holds, forks, and runs ``child`` (one line that exits: 0 when
+    the worker did its part) in the worker. The program's exit code is the worker's (3: it
+    hung); the program runs in its own session, killed whole should it hang itself."""
     script = _FORK_MID_GRPC_IMPORT % {"make": make, "sent": sent, "child": child}
-    return subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-c", script, str(sock)],
-        check=False,
         cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
-    )
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=120)  # a guard against a hang
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"the forking program hung; its stderr:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -2374,6 +2374,25 @@ def test_a_worker_forked_while_the_servers_latency_first_sends_reports_through_g
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+def test_a_worker_forked_while_another_thread_imports_grpc_gets_an_inert_latency() -> None:
+    """A pre-forking server's worker forked while a thread of the server (not the
+    Latency's) was inside grpc's import: the worker's import of grpc would wait for good on
+    that module's lock; its Latency is inert and says why instead, its reports dropped."""
+    from tests.unit.api_support import fork_mid_grpc_import, short_dir
+
+    with short_dir() as d:
+        run = fork_mid_grpc_import(
+            d / "gpud.sock",
+            make='threading.Thread(target=lambda: __import__("grpc"), daemon=True).start()',
+            sent="False",
+            child='lat = gpud.client.Latency("chat", socket=sock, flush_every_s=0);'
+            " lat.observe(0.01); lat.close(timeout=1);"
+            ' os._exit(0 if lat.last_error.startswith("gRPC was half-imported at a fork")'
+            " and lat.dropped == 1 and threading.active_count() == 1 else 1)",
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_reports_a_service_made_are_sent_at_exit_without_a_close(tmp_path: Path) -> None:
     """A service that exits without close() still has its reports sent: the interpreter's
     exit closes every live Latency."""

@@ -211,6 +211,23 @@ def test_a_worker_forked_while_the_parent_first_sends_reports_with_its_own_progr
     assert node.service.accepted_reports == 2  # the parent's step and the worker's
 
 
+def test_a_worker_forked_while_another_thread_imports_grpc_gets_an_inert_progress(
+    sock: Path,
+) -> None:
+    # A DataLoader worker forked while a thread of the program (not the Progress's) was
+    # inside grpc's import: the worker's import of grpc would wait for good on that module's
+    # lock, which no thread of the worker holds; its Progress is inert and says why instead.
+    run = fork_mid_grpc_import(
+        sock,
+        make='threading.Thread(target=lambda: __import__("grpc"), daemon=True).start()',
+        sent="False",
+        child='q = gpud.client.Progress("train-a", socket=sock); q.step(); q.close();'
+        ' os._exit(0 if q.last_error.startswith("gRPC was half-imported at a fork (grpc,")'
+        " and threading.active_count() == 1 else 1)",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_steps_from_several_threads_never_report_going_backwards(node: Node, sock: Path) -> None:
     # step() from two threads: one reads the count, the other steps and appends before the
     # first appends its (lower) count; gpud refuses a count lower than the session's last
@@ -319,10 +336,10 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.sent == 10 and p.dropped == 15
 
 
-def _said_while_unreachable(path: Path) -> str:
-    """Progress's last_error once a try to reach gpud at ``path`` failed."""
+def _said_while_unreachable(path: Path | str, *, target: str | None = None) -> str:
+    """Progress's last_error once a try to reach gpud at ``path`` (or ``target``) failed."""
     tries = Tries()
-    p = Progress("train-a", socket=path, call_timeout_s=0.3, wait=tries.wait)
+    p = Progress("train-a", socket=path, target=target, call_timeout_s=0.3, wait=tries.wait)
     try:
         p.step()
         tries.until_said(lambda: "reports buffered" in p.last_error)
@@ -341,6 +358,30 @@ def test_last_error_says_the_socket_path_names_a_file_that_is_no_socket(tmp_path
             f"gpud unreachable at {path} ({kind}, not a socket: $GPUD_SOCKET or socket= names"
             " gpud's socket, api.socket in its configuration) since "
         ), said
+
+
+def test_last_error_names_target_and_a_path_through_a_regular_file(tmp_path: Path) -> None:
+    """A target= that names a regular file is said with target=, not $GPUD_SOCKET; a path
+    through a regular file (connect(): ENOTDIR) is said as such."""
+    afile = tmp_path / "gpud.sock"
+    afile.touch()
+    said = _said_while_unreachable("unused", target=f"unix:{afile}")
+    assert said.startswith(
+        f"gpud unreachable at {afile} (a regular file, not a socket: target= names gpud's"
+        " socket, api.socket in its configuration) since "
+    ), said
+    said = _said_while_unreachable(afile / "gpud.sock")
+    assert said.startswith(
+        f"gpud unreachable at {afile}/gpud.sock (a component of the path is a regular file:"
+        " $GPUD_SOCKET or socket= names gpud's socket, api.socket in its configuration) since "
+    ), said
+
+
+def test_a_nul_in_the_socket_path_leaves_the_sender_trying(tmp_path: Path) -> None:
+    """A NUL in socket= (which no syscall takes) is a gpud unreachable there, not the end
+    of the sender thread."""
+    said = _said_while_unreachable(f"{tmp_path}/gpud\0.sock")
+    assert said.startswith(f"gpud unreachable at {tmp_path}/gpud\0.sock since "), said
 
 
 def test_a_flush_returns_only_once_the_try_that_sent_the_reports_has_counted_them(
