@@ -80,7 +80,13 @@ class HistoryMirror:
                 f"SELECT {COLUMNS} FROM job_history WHERE id IN ({', '.join('?' * len(ids))})",
                 ids,
             ).fetchall()
-            changed = changed or len(rows) < len(ids)  # gone: read it all again
+            # an open row gone ended and was pruned since (the bound prunes a run past it
+            # once it ended): it leaves as any pruned row, not with the whole table read
+            # again; rows deleted otherwise than gpud deletes them still show in the count
+            gone = set(ids).difference(row[0] for row in rows)
+            for row_id in sorted(gone):
+                self._pruned(row_id)
+                changed = True
             for row in rows:
                 record, _ = self._rows[row[0]]
                 if row[6] != record.ended_at:

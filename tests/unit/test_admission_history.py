@@ -209,6 +209,30 @@ def test_ended_rows_pruned_behind_a_running_run_leave_the_kept_history_in_place(
     node.store.close()
 
 
+def test_a_run_past_the_bound_that_ended_and_was_pruned_leaves_without_a_full_read(
+    tmp_path: Path,
+) -> None:
+    """Two runs older than the history bound still run; the younger ends and the bound
+    prunes its row: the kept history drops it by itself and reads again only the run still
+    running, not the whole table."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    apply(node, ("add", 0, 30.0, 900.0, None, None), serial)  # runs on, the oldest
+    apply(node, ("add", 1, 30.0, 800.0, None, None), serial)  # ends, then is pruned
+    for i in range(200):
+        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0, None), serial)
+    node.admission.explain()
+    mirror = node.admission._mirror
+    first = mirror.reads
+    apply(node, ("end", 1, 5.0, False), serial)
+    apply(node, ("bound", 150), serial)
+    node.clock.now += 1.0
+    assert node.admission.explain() == fresh(node)
+    assert len(mirror) == 151 and mirror.reads == first + 1  # the run still running
+    assert [h.job for h in node.admission.history()][:2] == ["j1", "j53"]
+    node.store.close()
+
+
 def test_the_window_s_members_are_kept_sorted_as_runs_come_end_and_are_pruned(
     tmp_path: Path,
 ) -> None:
