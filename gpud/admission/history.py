@@ -26,7 +26,7 @@ class HistoryMirror:
     after they are added only while they may still end (or, for a run removed while it
     ran, end again when its ``gpuctl run`` reports): those are read again at each
     :meth:`refresh`, with the rows added since; rows pruned leave (the ended ones past the
-    bound, oldest first, from among the runs still running, which stay). Where any of that
+    bound, oldest first, from among those that may still change, which stay). Where any of that
     changed, a count that then disagrees with the table's reads it all again."""
 
     def __init__(self, decode: Callable[[str], Request], *, removed: str) -> None:

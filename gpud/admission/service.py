@@ -13,7 +13,8 @@ Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
   history --json`` exports it. ``admission.history_keep`` bounds it: the ended rows past the
   newest that many go, oldest first; a run still running keeps its row however old. A run
   ``gpuctl jobs rm --force`` removed ends at the removal until its ``gpuctl run`` reports
-  the command's exit (``reported_at``): the row then ends there, as the run did.
+  the command's exit (``reported_at``): the row then ends there, as the run did, and is
+  kept past the bound until then.
 
 Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
 still waits if starting it could delay the head of the queue.
@@ -1238,11 +1239,14 @@ class AdmissionService:
                 (QUEUED, now - DONE_KEEP_S),
             )
             # a run still running keeps its row, however old: its end is yet to be kept
-            # there, and the quotes count what it holds by its class
+            # there, and the quotes count what it holds by its class; so does a run
+            # `gpuctl jobs rm --force` removed while its command still runs, until its
+            # `gpuctl run` reports the command's exit (_removed_run_ended)
             conn.execute(
                 "DELETE FROM job_history WHERE id <= (SELECT MAX(id) FROM job_history) - ?"
-                " AND ended_at IS NOT NULL",
-                (self.config.history_keep,),
+                " AND ended_at IS NOT NULL AND (end_cause IS NOT ? OR reported_at IS NOT NULL"
+                " OR exit_code IS NOT NULL OR exit_signal IS NOT NULL)",
+                (self.config.history_keep, EndCause.REMOVED.value),
             )
 
     # -- history and metrics --------------------------------------------------------------
