@@ -289,6 +289,8 @@ class AdmissionService:
         self._clock = clock
         self._starting: Entry | None = None
         self._start_failures: dict[str, str] = {}  # entry -> why it could not start last
+        # (entry, why) said at WARNING: once each while it is queued, as its GPU comes and goes
+        self._start_said: set[tuple[str, str]] = set()
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
@@ -1095,6 +1097,7 @@ class AdmissionService:
                 demands=self._demands,
             )
             by_id = {e.id: e for e in queued}
+            self._start_said = {s for s in self._start_said if s[0] in by_id}
             # why a start failed holds for the entries tried again now; one the pass no
             # longer places waits for what holds its devices, which WHY NOT says instead
             placed = {s.id for s in result.starts}
@@ -1127,8 +1130,10 @@ class AdmissionService:
             )
         except GpudError as err:
             # tried again every tick: said once per entry and reason (and by gpuctl queue)
-            said = self._start_failures.get(entry.id) == f"could not start: {err}"
-            self._start_failures[entry.id] = f"could not start: {err}"
+            why = f"could not start: {err}"
+            said = (entry.id, why) in self._start_said
+            self._start_said.add((entry.id, why))
+            self._start_failures[entry.id] = why
             log.log(
                 logging.DEBUG if said else logging.WARNING,
                 "queued job %s could not start on %s: %s",

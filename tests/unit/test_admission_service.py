@@ -630,6 +630,35 @@ def test_a_failed_start_is_no_longer_said_once_the_entry_waits_for_something_els
         node.store.close()
 
 
+def test_a_start_that_fails_again_for_the_same_reason_as_its_gpu_flaps_is_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queued job's start fails, it then waits for another job on that GPU, and its start
+    fails again for the same reason once that job ends: the WARNING is said once for the
+    entry and reason, the later tries at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="gpud.admission.service")
+    node = make_node(tmp_path, Clock(), jobs_type=FailsAdmittedOnce)
+    try:
+        node.jobs.reserve(whole("a"))
+        b = node.jobs.reserve(whole("b")).reservation
+        entry = node.admission.enqueue(whole("c")).entry
+        FailsAdmittedOnce.failures = 1
+        node.jobs.release(b.id)  # the pass places c on GPU 1, and its start fails
+        d = node.jobs.reserve(whole("d"), admitted=True).reservation
+        node.admission.tick()
+        assert "could not start" not in node.admission.view(entry.id).waiting_on
+        FailsAdmittedOnce.failures = 1
+        node.jobs.release(d.id)  # c is placed there again, and fails the same way
+        assert node.admission.view(entry.id).waiting_on == (
+            "could not start: GPU 1 unhealthy: GPU lost (memory)"
+        )
+        said = [r.levelname for r in caplog.records if "could not start" in r.getMessage()]
+        assert said == ["WARNING", "DEBUG"]
+    finally:
+        FailsAdmittedOnce.failures = 0
+        node.store.close()
+
+
 def store_once(node: Node) -> None:
     """What `gpuctl mps set` does next while it holds the MPS manager's lock."""
     with node.store.transaction():
