@@ -26,7 +26,7 @@ class HistoryMirror:
     after they are added only while they may still end (or, for a run removed while it
     ran, end again when its ``gpuctl run`` reports): those are read again at each
     :meth:`refresh`, with the rows added since; rows pruned leave (the ended ones past the
-    bound, oldest first, from among the runs still running, which stay). Where any of that
+    bound, oldest first, from among those that may still change, which stay). Where any of that
     changed, a count that then disagrees with the table's reads it all again."""
 
     def __init__(self, decode: Callable[[str], Request], *, removed: str) -> None:
@@ -80,7 +80,13 @@ class HistoryMirror:
                 f"SELECT {COLUMNS} FROM job_history WHERE id IN ({', '.join('?' * len(ids))})",
                 ids,
             ).fetchall()
-            changed = changed or len(rows) < len(ids)  # gone: read it all again
+            # an open row gone ended and was pruned since (the bound prunes a run past it
+            # once it ended): it leaves as any pruned row, not with the whole table read
+            # again; rows deleted otherwise than gpud deletes them still show in the count
+            gone = set(ids).difference(row[0] for row in rows)
+            for row_id in sorted(gone):
+                self._pruned(row_id)
+                changed = True
             for row in rows:
                 record, _ = self._rows[row[0]]
                 if row[6] != record.ended_at:

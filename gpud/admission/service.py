@@ -13,7 +13,8 @@ Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
   history --json`` exports it. ``admission.history_keep`` bounds it: the ended rows past the
   newest that many go, oldest first; a run still running keeps its row however old. A run
   ``gpuctl jobs rm --force`` removed ends at the removal until its ``gpuctl run`` reports
-  the command's exit (``reported_at``): the row then ends there, as the run did.
+  the command's exit (``reported_at``): the row then ends there, as the run did, and is
+  kept past the bound until then.
 
 Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
 still waits if starting it could delay the head of the queue.
@@ -288,6 +289,8 @@ class AdmissionService:
         self._clock = clock
         self._starting: Entry | None = None
         self._start_failures: dict[str, str] = {}  # entry -> why it could not start last
+        # (entry, why) said at WARNING: once each while it is queued, as its GPU comes and goes
+        self._start_said: set[tuple[str, str]] = set()
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
@@ -1094,6 +1097,7 @@ class AdmissionService:
                 demands=self._demands,
             )
             by_id = {e.id: e for e in queued}
+            self._start_said = {s for s in self._start_said if s[0] in by_id}
             # why a start failed holds for the entries tried again now; one the pass no
             # longer places waits for what holds its devices, which WHY NOT says instead
             placed = {s.id for s in result.starts}
@@ -1126,8 +1130,10 @@ class AdmissionService:
             )
         except GpudError as err:
             # tried again every tick: said once per entry and reason (and by gpuctl queue)
-            said = self._start_failures.get(entry.id) == f"could not start: {err}"
-            self._start_failures[entry.id] = f"could not start: {err}"
+            why = f"could not start: {err}"
+            said = (entry.id, why) in self._start_said
+            self._start_said.add((entry.id, why))
+            self._start_failures[entry.id] = why
             log.log(
                 logging.DEBUG if said else logging.WARNING,
                 "queued job %s could not start on %s: %s",
@@ -1238,11 +1244,14 @@ class AdmissionService:
                 (QUEUED, now - DONE_KEEP_S),
             )
             # a run still running keeps its row, however old: its end is yet to be kept
-            # there, and the quotes count what it holds by its class
+            # there, and the quotes count what it holds by its class; so does a run
+            # `gpuctl jobs rm --force` removed while its command still runs, until its
+            # `gpuctl run` reports the command's exit (_removed_run_ended)
             conn.execute(
                 "DELETE FROM job_history WHERE id <= (SELECT MAX(id) FROM job_history) - ?"
-                " AND ended_at IS NOT NULL",
-                (self.config.history_keep,),
+                " AND ended_at IS NOT NULL AND (end_cause IS NOT ? OR reported_at IS NOT NULL"
+                " OR exit_code IS NOT NULL OR exit_signal IS NOT NULL)",
+                (self.config.history_keep, EndCause.REMOVED.value),
             )
 
     # -- history and metrics --------------------------------------------------------------

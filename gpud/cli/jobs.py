@@ -449,7 +449,7 @@ def how_it_ended(r: queue_pb2.HistoryRecord) -> str:
 
 
 # Records asked for at once: a page stays well under gRPC's 4 MiB a message however many
-# runs the history keeps (admission.history_keep, up to 10 million).
+# runs the history keeps (admission.history_keep, up to 10 million, + the runs still running).
 HISTORY_PAGE = 2000
 
 

@@ -50,12 +50,7 @@ def register(subparsers: Subparsers) -> None:
     queue.add_argument(
         "--explain", action="store_true", help="the queueing model of each request class"
     )
-    queue.add_argument(
-        "--leave",
-        type=given("an entry id (gpuctl queue lists them)"),
-        metavar="ID",
-        help="take this entry out of the queue, or this run out of its wait for co-location",
-    )
+    add_leave(queue, default=None)
     queue.set_defaults(run=run_queue, queue_command=None)
     # `gpuctl queue ls`, as `gpuctl jobs ls`: the listing, which plain `gpuctl queue` shows
     commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND")
@@ -66,7 +61,20 @@ def register(subparsers: Subparsers) -> None:
         default=argparse.SUPPRESS,  # given before `ls`, it holds
         help="the queueing model of each request class",
     )
+    # given after `ls` too, so that either order is refused alike (run_queue), not as an
+    # unrecognized argument
+    add_leave(ls, default=argparse.SUPPRESS)
     ls.set_defaults(run=run_queue)
+
+
+def add_leave(parser: argparse.ArgumentParser, *, default: object) -> None:
+    parser.add_argument(
+        "--leave",
+        type=given("an entry id (gpuctl queue lists them)"),
+        default=default,
+        metavar="ID",
+        help="take this entry out of the queue, or this run out of its wait for co-location",
+    )
 
 
 def quote_text(entry: pb.QueueEntry) -> str:

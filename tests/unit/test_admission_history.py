@@ -19,7 +19,7 @@ from gpud.admission.node import synthetic
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.quote import PackingEfficiency, packing_efficiency
 from gpud.admission.service import request_of, run_request_to_json
-from gpud.jobs.ends import EndCause
+from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.service import RunRequest
 from tests.unit.test_admission_service import GIB, Clock, Node, make_node
 
@@ -206,6 +206,54 @@ def test_ended_rows_pruned_behind_a_running_run_leave_the_kept_history_in_place(
     assert node.admission.explain() == fresh(node)
     assert len(mirror) == 151 and mirror.reads == first + 1 + 1  # the row added, the run
     assert [h.job for h in node.admission.history()][:2] == ["j1", "j53"]
+    node.store.close()
+
+
+def test_a_run_past_the_bound_that_ended_and_was_pruned_leaves_without_a_full_read(
+    tmp_path: Path,
+) -> None:
+    """Two runs older than the history bound still run; the younger ends and the bound
+    prunes its row: the kept history drops it by itself and reads again only the run still
+    running, not the whole table."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    apply(node, ("add", 0, 30.0, 900.0, None, None), serial)  # runs on, the oldest
+    apply(node, ("add", 1, 30.0, 800.0, None, None), serial)  # ends, then is pruned
+    for i in range(200):
+        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0, None), serial)
+    node.admission.explain()
+    mirror = node.admission._mirror
+    first = mirror.reads
+    apply(node, ("end", 1, 5.0, False), serial)
+    apply(node, ("bound", 150), serial)
+    node.clock.now += 1.0
+    assert node.admission.explain() == fresh(node)
+    assert len(mirror) == 151 and mirror.reads == first + 1  # the run still running
+    assert [h.job for h in node.admission.history()][:2] == ["j1", "j53"]
+    node.store.close()
+
+
+def test_a_run_removed_while_its_command_runs_keeps_its_row_past_the_bound_for_its_end(
+    tmp_path: Path,
+) -> None:
+    """A run `gpuctl jobs rm --force` removed while its command ran is ended at the removal
+    until its `gpuctl run` reports the command's exit: the history bound keeps its row
+    however old until then, so that the late end is kept there."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    apply(node, ("add", 0, 30.0, 900.0, None, None), serial)  # removed, its command runs on
+    for i in range(200):
+        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0, None), serial)
+    apply(node, ("end", 0, 5.0, True), serial)
+    apply(node, ("bound", 150), serial)
+    node.clock.now += 1.0
+    assert node.admission.explain() == fresh(node)
+    assert [h.job for h in node.admission.history()][:2] == ["j1", "j52"]
+    assert node.admission._removed_run_ended("r1", RunEnd(EndCause.EXITED, exit_code=3))
+    (ended,) = [h for h in node.admission.history() if h.job == "j1"]
+    assert (ended.exit_code, ended.end_cause, ended.ended_at) == (3, "removed", node.clock.now)
+    apply(node, ("bound", 150), serial)  # reported: an ended row like any other
+    assert [h.job for h in node.admission.history()][:1] == ["j52"]
     node.store.close()
 
 

@@ -605,6 +605,23 @@ class FailsAdmittedOnce(JobService):
         return super().reserve(request, **kwargs)
 
 
+def fail_a_start_then_take_its_gpu(node: Node) -> tuple[str, str]:
+    """Queued job c is placed on GPU 1 and its start fails (the GPU lost as it started);
+    then d takes GPU 1, started as the queue starts one. c's entry id and d's reservation
+    id."""
+    node.jobs.reserve(whole("a"))
+    b = node.jobs.reserve(whole("b")).reservation
+    entry = node.admission.enqueue(whole("c")).entry
+    FailsAdmittedOnce.failures = 1
+    node.jobs.release(b.id)  # the pass places c on GPU 1, and its start fails
+    assert node.admission.view(entry.id).waiting_on == (
+        "could not start: GPU 1 unhealthy: GPU lost (memory)"
+    )
+    d = node.jobs.reserve(whole("d"), admitted=True).reservation
+    node.admission.tick()
+    return entry.id, d.id
+
+
 def test_a_failed_start_is_no_longer_said_once_the_entry_waits_for_something_else(
     tmp_path: Path,
 ) -> None:
@@ -613,18 +630,31 @@ def test_a_failed_start_is_no_longer_said_once_the_entry_waits_for_something_els
     it waited; it says what holds its devices now."""
     node = make_node(tmp_path, Clock(), jobs_type=FailsAdmittedOnce)
     try:
-        node.jobs.reserve(whole("a"))
-        b = node.jobs.reserve(whole("b")).reservation
-        entry = node.admission.enqueue(whole("c")).entry
+        entry, _ = fail_a_start_then_take_its_gpu(node)
+        waiting = node.admission.view(entry).waiting_on
+        assert "could not start" not in waiting and "reserved by" in waiting
+    finally:
+        FailsAdmittedOnce.failures = 0
+        node.store.close()
+
+
+def test_a_start_that_fails_again_for_the_same_reason_as_its_gpu_flaps_is_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queued job's start fails, it then waits for another job on that GPU, and its start
+    fails again for the same reason once that job ends: the WARNING is said once for the
+    entry and reason, the later tries at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="gpud.admission.service")
+    node = make_node(tmp_path, Clock(), jobs_type=FailsAdmittedOnce)
+    try:
+        entry, d = fail_a_start_then_take_its_gpu(node)
         FailsAdmittedOnce.failures = 1
-        node.jobs.release(b.id)  # the pass places c on GPU 1, and its start fails
-        assert node.admission.view(entry.id).waiting_on == (
+        node.jobs.release(d)  # c is placed there again, and fails the same way
+        assert node.admission.view(entry).waiting_on == (
             "could not start: GPU 1 unhealthy: GPU lost (memory)"
         )
-        node.jobs.reserve(whole("d"), admitted=True)  # started as the queue starts one
-        node.admission.tick()
-        waiting = node.admission.view(entry.id).waiting_on
-        assert "could not start" not in waiting and "reserved by" in waiting
+        said = [r.levelname for r in caplog.records if "could not start" in r.getMessage()]
+        assert said == ["WARNING", "DEBUG"]
     finally:
         FailsAdmittedOnce.failures = 0
         node.store.close()

@@ -974,6 +974,22 @@ def test_gpuctl_queue_ls_lists_the_queue_as_gpuctl_jobs_ls_lists_the_jobs(
         assert "--leave takes an entry out and lists nothing" in capsys.readouterr().err
 
 
+def test_a_leave_given_after_ls_is_refused_as_one_given_before_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpuctl queue ls --leave ID` said argparse's `unrecognized arguments: --leave ID`
+    where `gpuctl queue --leave ID ls` says why: both say why, and list nothing."""
+    queue = LeaveOnly()
+    with serving(queue.register) as n:
+        assert n.ctl("queue", "ls", "--leave", "abc") == 2
+        err = capsys.readouterr().err
+        assert "--leave takes an entry out and lists nothing: drop ls" in err
+        assert "unrecognized" not in err
+        assert n.ctl("queue", "ls", "--leave", "") == 2
+        assert "argument --leave: give an entry id" in capsys.readouterr().err
+        assert queue.listed == 0
+
+
 def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
     ends: list[tuple[str, RunEnd | None]] = []
 
