@@ -544,6 +544,22 @@ async def test_a_second_cut_still_waits_for_the_threads_of_a_call_it_cut_itself(
     assert second.thread.done()
 
 
+async def test_a_thread_a_cut_call_starts_after_the_first_cut_is_waited_for_by_the_second() -> None:
+    # the second cut skipped every thread of a call the first one had waited for, the one
+    # its cleanup handed work to afterwards included
+    gate = CallGate()
+    hung: Future[None] = Future()
+    later: Future[None] = Future()
+    threads = [hung]
+    gate.hold(asyncio.ensure_future(asyncio.Event().wait()), lambda: list(threads))
+    assert await gate.cut_held(0.05) == 1
+    threads.append(later)
+    asyncio.get_running_loop().call_later(0.1, later.set_result, None)
+    await gate.cut_held(1.0)
+    assert later.done()
+    assert not hung.done()
+
+
 async def test_threads_of_calls_long_ended_are_not_kept_for_the_stop() -> None:
     gate = CallGate()
     for _ in range(3):
