@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import logging
@@ -611,8 +612,21 @@ def test_a_callers_string_in_a_cut_line_is_escaped_and_clipped() -> None:
     named = _named(jobs_pb2.ReserveRequest(job=forged))
     assert "\n" not in named
     assert named.startswith("job='a\\n2026")
-    assert len(named) <= len("job=") + 64 and named.endswith("…")
+    assert len(named) <= len("job=") + 64 and named.endswith("...")
+    assert named.isascii()
     assert _named(jobs_pb2.ReserveRequest(job="train")) == "job=train"
+
+
+def test_a_clipped_string_ends_on_a_whole_escape_and_reads_back_as_its_start() -> None:
+    # the escaped form was cut at 63 characters, an "\\xe9" in two, and marked with a
+    # character that is not ASCII on a line kept ASCII
+    value = "\xe9" * 100
+    named = _named(jobs_pb2.ReserveRequest(job=value))
+    assert named.isascii() and named.endswith("...")
+    assert len(named) <= len("job=") + 64
+    shown = named.removeprefix("job=").removesuffix("...")
+    kept = ast.literal_eval(shown)
+    assert kept and value.startswith(kept)
 
 
 async def test_a_dropped_calls_own_cleanup_still_runs() -> None:
