@@ -60,8 +60,11 @@ class WorkStart:
 
     def owned_here(self) -> bool:
         """Whether the caller runs in the call's own task (False on a worker thread)."""
+        # a collected owner reads as None, and so does current_task() in a loop callback:
+        # that is no task of the call's
+        owner = None if self._owner is None else self._owner()
         try:
-            return self._owner is not None and asyncio.current_task() is self._owner()
+            return owner is not None and asyncio.current_task() is owner
         except RuntimeError:  # no loop in this thread: a worker that submits more
             return False
 

@@ -93,9 +93,10 @@ class CallGate:
         self._held: dict[asyncio.Future[Any], Threads] = {}
         # those of calls ended (cut) while a thread of theirs still ran
         self._left: list[Threads] = []
-        # those a cut_held waited for to its deadline: a later one (the stop's second) does
-        # not wait for them again, so a hung driver call holds the stop up once
-        self._waited: list[Threads] = []
+        # the threads a cut_held waited for to its deadline: a later one (the stop's second)
+        # does not wait for them again, so a hung driver call holds the stop up once; kept
+        # per thread, so one a call started since (its cleanup's) is still waited for
+        self._waited: set[concurrent.futures.Future[Any]] = set()
 
     @property
     def running(self) -> int:
@@ -117,8 +118,8 @@ class CallGate:
         """``work`` (a changing call's, run on should its caller go away) is cancelled by
         :meth:`cut_held` while it runs; ``threads()``: its work still on threads (a worker
         in ``service.release()``, the driver), which cancelling ``work`` does not end."""
-        # a thread that never ends (a hung driver call) is not looked at again and again,
-        # nor are the many that ended since, over gpud's uptime
+        # the calls whose threads all ended are dropped, or over gpud's uptime they would
+        # pile up here; one with a thread still running (hung in the driver, say) is kept
         self._left = [left for left in self._left if left()]
         self._held[work] = threads
 
@@ -134,7 +135,8 @@ class CallGate:
         its next ``await``) and wait up to ``timeout_s`` for it to end, and for its threads
         (a worker thread already in the driver or the store, which a cancel does not stop),
         before the event log, the store and the driver close under it. Threads an earlier
-        call waited for to its end are not waited for again. How many were cut."""
+        call waited for to its end are not waited for again (those started since are). How
+        many were cut."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout_s)
         running = [work for work in self._held if not work.done()]
@@ -142,18 +144,30 @@ class CallGate:
             work.cancel()
         if running:
             await asyncio.wait(running, timeout=max(0.0, timeout_s))
-        self._left = [threads for threads in self._left if threads()]
-        waiting = [
-            threads
-            for threads in [*self._left, *self._held.values()]
-            if threads not in self._waited
-        ]
         # polled, not awaited through wrap_future: a thread that ends after the loop closed
-        # leaves no callback (nor an unretrieved error) behind
-        while loop.time() < deadline and any(threads() for threads in waiting):
+        # leaves no callback (nor an unretrieved error) behind; looked up again each time, so
+        # a thread handed work meanwhile (a cut call's cleanup) is waited for too
+        pending = self._unwaited()
+        while pending and loop.time() < deadline:
             await asyncio.sleep(THREAD_POLL_S)
-        self._waited += [threads for threads in waiting if threads()]
+            pending = self._unwaited()
+        self._waited = {thread for thread in self._waited if not thread.done()} | pending
         return len(running)
+
+    def _unwaited(self) -> set[concurrent.futures.Future[Any]]:
+        """The held and cut calls' threads still running that no cut_held waited for yet
+        (the cut calls whose threads all ended are dropped on the way)."""
+        running: set[concurrent.futures.Future[Any]] = set()
+        left: list[Threads] = []
+        for threads in self._left:
+            theirs = [thread for thread in threads() if not thread.done()]
+            if theirs:
+                left.append(threads)
+            running.update(theirs)
+        self._left = left
+        for threads in self._held.values():
+            running.update(thread for thread in threads() if not thread.done())
+        return running - self._waited
 
     @contextlib.contextmanager
     def call(self, method: str, request: Any = None) -> Iterator[None]:

@@ -159,8 +159,15 @@ def _shown(value: Any) -> str:
     text = str(value)
     if len(text) <= _NAMED_MAX and text.isascii() and text.isprintable() and " " not in text:
         return text
-    shown = ascii(value) if isinstance(value, str) else ascii(text)
-    return shown if len(shown) <= _NAMED_MAX else shown[: _NAMED_MAX - 1] + "…"
+    # clipped before it is escaped, so that no escape is cut in two; "..." keeps the line
+    # plain ASCII
+    shown = ascii(text)
+    if len(shown) <= _NAMED_MAX:
+        return shown
+    clipped = text[: _NAMED_MAX - len("''...")]
+    while len(ascii(clipped)) > _NAMED_MAX - len("..."):
+        clipped = clipped[:-1]
+    return ascii(clipped) + "..."
 
 
 def _named(request: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import logging
@@ -544,6 +545,22 @@ async def test_a_second_cut_still_waits_for_the_threads_of_a_call_it_cut_itself(
     assert second.thread.done()
 
 
+async def test_a_thread_a_cut_call_starts_after_the_first_cut_is_waited_for_by_the_second() -> None:
+    # the second cut skipped every thread of a call the first one had waited for, the one
+    # its cleanup handed work to afterwards included
+    gate = CallGate()
+    hung: Future[None] = Future()
+    later: Future[None] = Future()
+    threads = [hung]
+    gate.hold(asyncio.ensure_future(asyncio.Event().wait()), lambda: list(threads))
+    assert await gate.cut_held(0.05) == 1
+    threads.append(later)
+    asyncio.get_running_loop().call_later(0.1, later.set_result, None)
+    await gate.cut_held(1.0)
+    assert later.done()
+    assert not hung.done()
+
+
 async def test_threads_of_calls_long_ended_are_not_kept_for_the_stop() -> None:
     gate = CallGate()
     for _ in range(3):
@@ -595,8 +612,21 @@ def test_a_callers_string_in_a_cut_line_is_escaped_and_clipped() -> None:
     named = _named(jobs_pb2.ReserveRequest(job=forged))
     assert "\n" not in named
     assert named.startswith("job='a\\n2026")
-    assert len(named) <= len("job=") + 64 and named.endswith("…")
+    assert len(named) <= len("job=") + 64 and named.endswith("...")
+    assert named.isascii()
     assert _named(jobs_pb2.ReserveRequest(job="train")) == "job=train"
+
+
+def test_a_clipped_string_ends_on_a_whole_escape_and_reads_back_as_its_start() -> None:
+    # the escaped form was cut at 63 characters, an "\\xe9" in two, and marked with a
+    # character that is not ASCII on a line kept ASCII
+    value = "\xe9" * 100
+    named = _named(jobs_pb2.ReserveRequest(job=value))
+    assert named.isascii() and named.endswith("...")
+    assert len(named) <= len("job=") + 64
+    shown = named.removeprefix("job=").removesuffix("...")
+    kept = ast.literal_eval(shown)
+    assert kept and value.startswith(kept)
 
 
 async def test_a_dropped_calls_own_cleanup_still_runs() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 from gpud.main import serve_until_stopped
 from gpud.threads import WORK_START, WorkStart, wait_first
@@ -20,6 +22,24 @@ def test_gpuds_loop_says_when_an_api_calls_work_began_on_a_worker() -> None:
     assert serve_until_stopped(call()) == 0
     assert start.begun
     assert not start.drop()  # begun: it runs to its end
+
+
+async def test_a_loop_callback_is_not_the_call_once_the_calls_task_is_gone() -> None:
+    # both the collected owner and current_task() in a callback read as None, and None is
+    # None: the callback was taken for the call's own task
+    start = WorkStart()
+
+    async def call() -> None:
+        start.own()
+
+    gone = weakref.ref(asyncio.ensure_future(call()))
+    await asyncio.sleep(0)  # it runs, and nothing keeps it
+    gc.collect()
+    assert gone() is None
+    seen: list[bool] = []
+    asyncio.get_running_loop().call_soon(lambda: seen.append(start.owned_here()))
+    await asyncio.sleep(0)
+    assert seen == [False]
 
 
 async def test_wait_first_ends_at_the_first_event_set_and_leaves_no_wait_behind() -> None:
