@@ -299,7 +299,8 @@ class NicMap:
     type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, unless given as the
     backend's network namespace sees it -- ``dcb -n NETNS``'s, else this process's --
     :func:`netshaper.ethtool.link_type`), read on every apply: it has no NIC, so nothing
-    is run or printed for it.
+    is run or printed for it. A backend that raises anything else on one netdev fails
+    that netdev alone, as a :class:`DcbError` naming it.
 
     Each netdev's ifindex (``ifindex``, by default ``SIOCGIFINDEX`` in the same namespace
     as ``link_type``) is kept from the last write that held there: a netdev the kernel made
@@ -352,6 +353,11 @@ class NicMap:
                 result = self._backend.apply(netdev, dscp_priorities)
             except DcbError as err:
                 failures.append(err)
+                continue
+            except Exception as err:
+                # any failure is this netdev's alone: the ones written before and after
+                # keep their results, which the caller needs to count write-backs
+                failures.append(DcbError(netdev, "write failed", detail=f"{err!r}"))
                 continue
             was = self._written_at.get(netdev)
             if index is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,21 @@ def test_a_netdev_made_again_since_its_last_write_says_its_ifindex_and_the_one_b
 def test_an_ifindex_is_the_kernels_and_none_for_no_such_netdev() -> None:
     assert ethtool.ifindex("lo") == socket.if_nametoindex("lo")
     assert ethtool.ifindex("no-such-dev0") is None
+
+
+class _BreaksOnEth3(dcb.DryRunBackend):
+    def apply(self, netdev: str, want: Mapping[int, int]) -> dcb.MapResult:
+        if netdev == "eth3":
+            raise RuntimeError("dcb: lost its netlink socket")
+        return super().apply(netdev, want)
+
+
+def test_an_unexpected_error_on_one_netdev_keeps_what_the_others_wrote() -> None:
+    """eth2 written, eth3's backend raises something other than DcbError, eth4 written: the
+    error names eth3, and eth2's and eth4's writes are still reported."""
+    nic = dcb.NicMap(_BreaksOnEth3(lambda line: None), ["eth2", "eth3", "eth4"], link_type=ether)
+    with pytest.raises(dcb.DcbError) as err:
+        nic.apply({26: 7})
+    assert err.value.failed == ("eth3",)
+    assert [r.netdev for r in err.value.written] == ["eth2", "eth4"]
+    assert "eth3: write failed: RuntimeError('dcb: lost its netlink socket')" in str(err.value)
