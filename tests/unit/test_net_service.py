@@ -2419,44 +2419,30 @@ def test_a_netdev_made_again_between_two_checks_is_written_not_counted_as_a_writ
         s.shutdown()
 
 
-class _BreaksUnsaid:
-    """The NIC map of eth2 and eth3, whose apply raises an error that names no netdev
-    (not a ``DcbError``) while ``broken`` is set."""
-
-    def __init__(self) -> None:
-        from netshaper.dcb import NicMap
-
-        self.backend = _Eth3Fails()
-        self.nic = NicMap(self.backend, ["eth2", "eth3"], link_type=ether)
-        self.broken = False
-
-    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[MapResult]:
-        if self.broken:
-            raise RuntimeError("the map's worker lost its dcb")
-        return self.nic.apply(dscp_priorities)
-
-
 def test_a_table_lost_after_a_write_that_failed_on_no_named_netdev_is_no_write_back(
     tmp_path: Path, sysfs: Path
 ) -> None:
     """A write fails without naming its netdevs, and eth3 comes back with an empty table:
     any netdev may have lost its table with that failure, so the next write that holds
     writes eth3's entries again without counting them as another tool's."""
+    from netshaper.dcb import NicMap
+
     rig = Rig(tmp_path, sysfs)
-    nic = _BreaksUnsaid()
+    backend = _Eth3Fails()
+    nic = _BreakableNic(NicMap(backend, ["eth2", "eth3"], link_type=ether))
     s = rig.with_nic(nic)
     try:
         s.tick()
         assert s.settle(5)
         tags = s.tags.allocations()
-        nic.broken = True
+        nic.fail = True
         _write(rig, s)
-        assert "lost its dcb" in s.view().rdma_error
-        nic.backend.table("eth3").clear()
-        nic.broken = False
+        assert "timed out" in s.view().rdma_error
+        backend.table("eth3").clear()
+        nic.fail = False
         _write(rig, s, RDMA_RETRY_S)
         _written_with_no_write_back(rig, s)
-        assert nic.backend.table("eth3") == {tags["a"]: (7,), tags["b"]: (6,)}
+        assert backend.table("eth3") == {tags["a"]: (7,), tags["b"]: (6,)}
     finally:
         s.shutdown()
 
