@@ -30,7 +30,7 @@ import logging
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
 
@@ -123,11 +123,14 @@ def replace_args(netdev: str, changes: Mapping[int, int]) -> list[str]:
 class MapResult:
     """What one apply did on one netdev: the entries written (DSCP -> priority), and
     what the APP table held for each of them before (``before``: DSCP -> the priorities
-    ``dcb app show`` listed; a DSCP it did not list is absent)."""
+    ``dcb app show`` listed; a DSCP it did not list is absent). ``remade``: (its ifindex
+    now, the one at the last write that held there) when the kernel made the netdev again
+    since (a driver reset, a VF re-created: its table lost with it); None otherwise."""
 
     netdev: str
     changed: Mapping[int, int]
     before: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    remade: tuple[int, int] | None = None
 
     def lines(self) -> list[str]:
         """One line per entry written (``eth2: DSCP 26 -> prio 7 (was 3)``), for the log."""
@@ -272,15 +275,18 @@ class DryRunBackend:
 
 LinkType = Callable[[str], "int | None"]
 """A netdev's link type (the kernel's ``ARPHRD_*``), None where it cannot be read."""
+IfIndex = Callable[[str], "int | None"]
+"""A netdev's ifindex, None where it cannot be read."""
 
 
-def _link_type_in(netns: str | None) -> LinkType:
-    """Link types as ``netns`` (None: this process's namespace) sees them: a name such as
-    lb0 is the loopback only in the namespace dcb writes in."""
+def _read_in(read: Callable[..., int | None], netns: str | None) -> Callable[[str], int | None]:
+    """``read`` (an ioctl of :mod:`netshaper.ethtool`) as ``netns`` (None: this process's
+    namespace) sees it: a name such as lb0 is the loopback, eth3 the netdev with its
+    ifindex, only in the namespace dcb writes in."""
     if netns is None:
-        return ethtool.link_type
+        return partial(read)
     opener = partial(netns_socket, netns, socket.AF_INET, socket.SOCK_DGRAM)
-    return partial(ethtool.link_type, open_socket=opener)
+    return partial(read, open_socket=opener)
 
 
 class NicMap:
@@ -293,7 +299,12 @@ class NicMap:
     type (``link_type``: the kernel's ``ARPHRD_LOOPBACK``, 772, unless given as the
     backend's network namespace sees it -- ``dcb -n NETNS``'s, else this process's --
     :func:`netshaper.ethtool.link_type`), read on every apply: it has no NIC, so nothing
-    is run or printed for it.
+    is run or printed for it. A backend that raises anything else on one netdev fails
+    that netdev alone, as a :class:`DcbError` naming it.
+
+    Each netdev's ifindex (``ifindex``, by default ``SIOCGIFINDEX`` in the same namespace
+    as ``link_type``) is kept from the last write that held there: a netdev the kernel made
+    again since comes back with another one, and its result says so (``remade``).
     """
 
     def __init__(
@@ -302,12 +313,15 @@ class NicMap:
         netdevs: Sequence[str],
         *,
         link_type: LinkType | None = None,
+        ifindex: IfIndex | None = None,
     ) -> None:
         if not netdevs:
             raise ValueError("NicMap needs at least one netdev")
         self._backend = backend
         self._netdevs = tuple(netdevs)
-        self._link_type = link_type if link_type is not None else _link_type_in(backend.netns)
+        self._link_type = link_type or _read_in(ethtool.link_type, backend.netns)
+        self._ifindex = ifindex or _read_in(ethtool.ifindex, backend.netns)
+        self._written_at: dict[str, int] = {}  # netdev -> its ifindex at its last write
 
     @property
     def netdevs(self) -> tuple[str, ...]:
@@ -334,11 +348,22 @@ class NicMap:
                     )
                 )
                 continue
+            index = self._ifindex(netdev)
             try:
                 result = self._backend.apply(netdev, dscp_priorities)
             except DcbError as err:
                 failures.append(err)
                 continue
+            except Exception as err:
+                # any failure is this netdev's alone: the ones written before and after
+                # keep their results, which the caller needs to count write-backs
+                failures.append(DcbError(netdev, "write failed", detail=f"{err!r}"))
+                continue
+            was = self._written_at.get(netdev)
+            if index is not None:
+                self._written_at[netdev] = index
+                if was is not None and was != index:
+                    result = replace(result, remade=(index, was))
             if result.changed:
                 written.append(result)
         if failures:

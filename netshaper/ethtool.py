@@ -1,6 +1,7 @@
-"""A link's speed (``SIOCETHTOOL``), whether it is up (``SIOCGIFFLAGS``) and its link
-type (``SIOCGIFHWADDR``), as the calling process's network namespace sees them (the link
-type also as another one sees it, on a socket made there).
+"""A link's speed (``SIOCETHTOOL``), whether it is up (``SIOCGIFFLAGS``), its link type
+(``SIOCGIFHWADDR``) and its ifindex (``SIOCGIFINDEX``), as the calling process's network
+namespace sees them (the link type and ifindex also as another one sees them, on a socket
+made there).
 
 ``/sys/class/net/IF/speed`` and ``operstate`` describe the interfaces of the namespace that
 mounted /sys, not of the caller's: a daemon started with ``nsenter --net=`` still sees the
@@ -23,6 +24,7 @@ answer is about."""
 SIOCETHTOOL = 0x8946
 SIOCGIFFLAGS = 0x8913
 SIOCGIFHWADDR = 0x8927
+SIOCGIFINDEX = 0x8933
 ARPHRD_LOOPBACK = 772  # ifi_type (and /sys/class/net/IF/type) of the loopback
 # ip link's LOWER_UP-and-UP: the kernel sets it when operstate is "up" or "unknown"
 IFF_RUNNING = 0x40
@@ -38,6 +40,8 @@ _IFNAMSIZ = 16
 _IFREQ_FLAGS = "16sh22x"
 # struct ifreq with ifr_hwaddr: the name, then a sockaddr whose sa_family is the link type
 _IFREQ_HWADDR = "16sH22x"
+# struct ifreq with ifr_ifindex: the name, then an int
+_IFREQ_INDEX = "16si20x"
 
 
 def link_speed_mbps(iface: str) -> int | None:
@@ -63,10 +67,10 @@ def _own_socket() -> socket.socket:
     return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
 
-def _ifreq_short(
+def _ifreq_member(
     iface: str, request: int, layout: str, member: str, open_socket: SocketOpener = _own_socket
 ) -> int | None:
-    """The short right after the name in the ``struct ifreq`` the kernel answers to
+    """The number right after the name in the ``struct ifreq`` the kernel answers to
     ``request`` on ``iface`` (``layout``, with ``member`` its format); None when there is
     no such interface in the namespace of ``open_socket``'s socket (this process's unless
     given), or that socket cannot be made."""
@@ -86,7 +90,7 @@ def link_running(iface: str) -> bool | None:
     """Whether ``iface`` in this process's network namespace is up with its carrier
     (``ip link``'s ``state UP``, or ``UNKNOWN`` for a driver that reports no state); None
     when there is no such interface."""
-    flags = _ifreq_short(iface, SIOCGIFFLAGS, _IFREQ_FLAGS, "=h")
+    flags = _ifreq_member(iface, SIOCGIFFLAGS, _IFREQ_FLAGS, "=h")
     return None if flags is None else bool(flags & IFF_RUNNING)
 
 
@@ -95,4 +99,12 @@ def link_type(iface: str, open_socket: SocketOpener = _own_socket) -> int | None
     ``open_socket`` makes its socket in): the kernel's ``ARPHRD_*`` (``dev->type``, what
     ``ip link`` prints as ``link/ether``, ``link/loopback``), whatever the netdev is
     named; None when there is no such interface, or the socket cannot be made."""
-    return _ifreq_short(iface, SIOCGIFHWADDR, _IFREQ_HWADDR, "=H", open_socket)
+    return _ifreq_member(iface, SIOCGIFHWADDR, _IFREQ_HWADDR, "=H", open_socket)
+
+
+def ifindex(iface: str, open_socket: SocketOpener = _own_socket) -> int | None:
+    """The ifindex of ``iface`` in this process's network namespace (or in the one
+    ``open_socket`` makes its socket in): the kernel gives a netdev a new one each time it
+    is made (a driver reset, a VF re-created), under the same name; None when there is no
+    such interface, or the socket cannot be made."""
+    return _ifreq_member(iface, SIOCGIFINDEX, _IFREQ_INDEX, "=i", open_socket)

@@ -374,9 +374,12 @@ class _WrittenNicMap:
     def write_backs(self, results: Iterable[MapResult]) -> int:
         """The entries of ``results`` that held, before the write, another priority than
         gpud last wrote for their DSCP, whatever gpud wants there now. An entry absent
-        from a netdev a write failed on since is its lost table, not another tool's."""
+        from a netdev a write failed on since is its lost table, not another tool's; a
+        netdev made again since (``remade``) is a new one, of which nothing is known."""
         count = 0
         for r in results:
+            if r.remade is not None:
+                continue
             apart = self._all_apart or r.netdev in self._apart
             known = self._apart.get(r.netdev, self._every)
             for dscp in r.changed:
@@ -2203,8 +2206,9 @@ class TrafficService:
         An entry that held, before the write, another priority than gpud last wrote on
         that netdev was changed outside gpud (``dcb app`` by hand, a DCBX agent): a
         write-back, counted whatever else the write did, and on the netdevs written when
-        others failed. An entry missing from a netdev a write failed on since went with
-        its table (the netdev reset or re-created), not with another tool. A write with
+        others failed. An entry missing from a netdev a write failed on since, or from one
+        made again since (another ifindex), went with its table (the netdev reset or
+        re-created), not with another tool. A write with
         no write-back ends the agent's run, so does one that fails."""
         assert self._rdma is not None
         try:
@@ -2228,6 +2232,12 @@ class TrafficService:
         back = self._rdma_map.write_backs(written)
         self._rdma_map.wrote(want)
         was, self._rdma_error = self._rdma_error, ""
+        remade = "".join(
+            f"; {r.netdev} was made again (ifindex {r.remade[0]}, was {r.remade[1]}): its"
+            " map written"
+            for r in written
+            if r.remade is not None
+        )
         if back:
             self._rdma_repairs += 1
         if was or not back:
@@ -2237,7 +2247,8 @@ class TrafficService:
                 "net.rdma",
                 f"NIC DSCP -> priority map written on every netdev again (was: {was})"
                 + (f"; {changes} change(s)" if changes else "")
-                + (f", {back} of them changed outside gpud and written back" if back else ""),
+                + (f", {back} of them changed outside gpud and written back" if back else "")
+                + remade,
             )
             return
         if back:
@@ -2256,7 +2267,9 @@ class TrafficService:
                     " entr" + ("y" if back == 1 else "ies") + " written back",
                 )
         if changes > back:
-            self._events.emit("net.rdma", f"NIC DSCP -> priority map: {changes - back} change(s)")
+            self._events.emit(
+                "net.rdma", f"NIC DSCP -> priority map: {changes - back} change(s){remade}"
+            )
 
     @staticmethod
     def _log_rdma(written: Iterable[MapResult]) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from netshaper import dcb
+from netshaper import dcb, ethtool
 
 FAKE_DCB = str(Path(__file__).parents[1] / "fakes" / "dcb")
 
@@ -145,3 +147,43 @@ def test_the_loopback_under_another_name_gets_no_map_and_the_others_still_do(fak
     with pytest.raises(dcb.DcbError, match="named lb0"):
         dry.apply({26: 5})
     assert lines == ["dcb app replace dev eth3 dscp-prio 26:5"]
+
+
+def test_a_netdev_made_again_since_its_last_write_says_its_ifindex_and_the_one_before(
+    fake: Path,
+) -> None:
+    """eth3 deleted and created again (a driver reset, its VF re-made) between two applies:
+    another ifindex under the same name, in the result of the write that put its map back."""
+    indexes = {"eth2": 4, "eth3": 5}
+    nic = dcb.NicMap(
+        dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"], link_type=ether, ifindex=indexes.get
+    )
+    assert [r.remade for r in nic.apply({26: 7})] == [None, None]
+    indexes["eth3"] = 9
+    state = json.loads((fake / "state.json").read_text())
+    (fake / "state.json").write_text(json.dumps({**state, "eth3": []}))
+    assert nic.apply({26: 7}) == [dcb.MapResult("eth3", {26: 7}, remade=(9, 5))]
+    assert nic.apply({26: 6})[1].remade is None  # from then on, the same netdev
+
+
+def test_an_ifindex_is_the_kernels_and_none_for_no_such_netdev() -> None:
+    assert ethtool.ifindex("lo") == socket.if_nametoindex("lo")
+    assert ethtool.ifindex("no-such-dev0") is None
+
+
+class _BreaksOnEth3(dcb.DryRunBackend):
+    def apply(self, netdev: str, want: Mapping[int, int]) -> dcb.MapResult:
+        if netdev == "eth3":
+            raise RuntimeError("dcb: lost its netlink socket")
+        return super().apply(netdev, want)
+
+
+def test_an_unexpected_error_on_one_netdev_keeps_what_the_others_wrote() -> None:
+    """eth2 written, eth3's backend raises something other than DcbError, eth4 written: the
+    error names eth3, and eth2's and eth4's writes are still reported."""
+    nic = dcb.NicMap(_BreaksOnEth3(lambda line: None), ["eth2", "eth3", "eth4"], link_type=ether)
+    with pytest.raises(dcb.DcbError) as err:
+        nic.apply({26: 7})
+    assert err.value.failed == ("eth3",)
+    assert [r.netdev for r in err.value.written] == ["eth2", "eth4"]
+    assert "eth3: write failed: RuntimeError('dcb: lost its netlink socket')" in str(err.value)

@@ -2385,6 +2385,68 @@ def test_a_netdev_back_with_an_empty_table_is_written_not_counted_as_a_write_bac
         assert s.view().rdma_repairs == 1
 
 
+def test_a_netdev_made_again_between_two_checks_is_written_not_counted_as_a_write_back(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """eth3 is made again (a driver reset, its VF re-created: another ifindex) between two
+    checks, with no write failing in between, and comes back with an empty APP table: its
+    entries are written again and said, no tool's change."""
+    from netshaper.dcb import NicMap
+
+    rig = Rig(tmp_path, sysfs)
+    backend = _Eth3Fails()
+    indexes = {"eth2": 4, "eth3": 5}
+    s = rig.with_nic(NicMap(backend, ["eth2", "eth3"], link_type=ether, ifindex=indexes.get))
+    rig.jobs, rig.active = ["a", "b"], {"a", "b"}
+    try:
+        s.tick()
+        assert s.settle(5)
+        tags = s.tags.allocations()
+        indexes["eth3"] = 9
+        backend.table("eth3").clear()
+        _write(rig, s)
+        _written_with_no_write_back(rig, s)
+        assert backend.table("eth3") == {tags["a"]: (7,), tags["b"]: (6,)}
+        said = rig.events.recent(100, "net.rdma")[-1].message
+        assert said == (
+            "NIC DSCP -> priority map: 2 change(s); eth3 was made again (ifindex 9, was 5):"
+            " its map written"
+        )
+        backend.table("eth3").clear()  # gone from the same netdev since: a tool's
+        _write(rig, s)
+        assert s.view().rdma_repairs == 1
+    finally:
+        s.shutdown()
+
+
+def test_a_table_lost_after_a_write_that_failed_on_no_named_netdev_is_no_write_back(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A write fails without naming its netdevs, and eth3 comes back with an empty table:
+    any netdev may have lost its table with that failure, so the next write that holds
+    writes eth3's entries again without counting them as another tool's."""
+    from netshaper.dcb import NicMap
+
+    rig = Rig(tmp_path, sysfs)
+    backend = _Eth3Fails()
+    nic = _BreakableNic(NicMap(backend, ["eth2", "eth3"], link_type=ether))
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(5)
+        tags = s.tags.allocations()
+        nic.fail = True
+        _write(rig, s)
+        assert "timed out" in s.view().rdma_error
+        backend.table("eth3").clear()
+        nic.fail = False
+        _write(rig, s, RDMA_RETRY_S)
+        _written_with_no_write_back(rig, s)
+        assert backend.table("eth3") == {tags["a"]: (7,), tags["b"]: (6,)}
+    finally:
+        s.shutdown()
+
+
 def test_an_agents_change_is_written_back_on_the_netdevs_written_while_one_fails(
     tmp_path: Path, sysfs: Path
 ) -> None:
