@@ -679,8 +679,9 @@ class Daemon:
         self.traffic = open_traffic(
             config, self.store, self.events, self.jobs, config_path=config_path
         )
-        # every feature's tables were found as declared: an earlier gpud's database (not
-        # stamped) is known as gpud's from now on; another program's never got this far
+        # every feature's tables were found as declared (traffic's too when it is off):
+        # an earlier gpud's database (not stamped) is known as gpud's from now on;
+        # another program's never got this far
         self.store.mark_ours()
         if config.traffic.enabled:
             self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get, self.traffic.starting)

@@ -155,19 +155,20 @@ def _addable(tables: Mapping[str, Mapping[str, sqlite3.Row]], table: str, column
     return f'"{column}" {row["type"]}'.rstrip()
 
 
-def _create(path: Path) -> None:
+def _create(path: Path) -> bool:
     """Create the database file, when missing, with :data:`DB_MODE` whatever the umask: it
     holds reservations' report tokens, and SQLite gives its ``-wal`` and ``-shm`` files the
     database's mode. One that exists, or cannot be created, is left to SQLite's open (which
-    says why it cannot)."""
+    says why it cannot). Whether this call created it (empty, so gpud's)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, DB_MODE)
     except OSError:
-        return
+        return False
     try:
         os.fchmod(fd, DB_MODE)
     finally:
         os.close(fd)
+    return True
 
 
 def _wal_beside(path: Path) -> Path | None:
@@ -248,6 +249,15 @@ def _check_ours(
         probe.close()
     if damage != ["ok"]:
         _refuse_found(path, "; ".join(damage))
+    _refuse_not_ours(path, application_id, found, known)
+    return True
+
+
+def _refuse_not_ours(
+    path: Path, application_id: int, found: Collection[str], known: Collection[str]
+) -> None:
+    """Refuse the database when it is not gpud's: its ``PRAGMA application_id`` is another
+    program's, or, not set, it holds tables (``found``), none of ``known``."""
     if application_id not in (0, APPLICATION_ID):
         _refuse_found(
             path,
@@ -258,7 +268,6 @@ def _check_ours(
         _refuse_found(
             path, f"tables {', '.join(found)}, none of gpud's: another program's database?"
         )
-    return True
 
 
 class StateStore:
@@ -284,8 +293,9 @@ class StateStore:
         :class:`StateDamaged` when its content, not the disk or a lock, is the cause.
         ``known_tables``: the tables the daemon makes; given, the file is read first
         through a read-only connection (its ``-wal`` too, copied into nothing) and refused,
-        before a connection that writes opens it, when ``PRAGMA quick_check`` finds it
-        damaged, or it is not gpud's: its ``PRAGMA application_id`` (set to
+        before a connection that writes opens it (one it cannot read, such as a file whose
+        ``-journal`` is hot, by the writer's first read, before WAL mode), when
+        ``PRAGMA quick_check`` finds it damaged, or it is not gpud's: its ``PRAGMA application_id`` (set to
         :data:`APPLICATION_ID` in the store's first transaction) is another program's, or,
         not set (a file of an earlier gpud), it holds tables, none of these. So another
         program's database, or one into which SQLite's open replayed another program's WAL
@@ -365,19 +375,28 @@ class StateStore:
             lambda conn, statement: self._open_step(conn, statement, deadline, warn_at),
         )
         try:
-            _create(self.path)
+            created = _create(self.path)
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=write_wait_s
             )
         except sqlite3.Error as err:
             raise _open_error(self.path, err) from None
+        # a file the probe could not read (a hot journal: SQLITE_READONLY_ROLLBACK) is
+        # checked by the writer, so that none goes unchecked to mark_ours; whose the file
+        # is was then checked (by the probe, the writer, or it is new): only then may
+        # mark_ours stamp it gpud's
+        unchecked = known_tables if not checked and not created else None
+        self._owner_checked = known_tables is not None
         try:
             self._conn.row_factory = sqlite3.Row
-            damage = self._first_steps(deadline, warn_at, checked=checked)
+            damage = self._first_steps(deadline, warn_at, checked=checked, unchecked=unchecked)
             self._set_busy_timeout(round(write_wait_s * 1000))
         except sqlite3.Error as err:
             self._conn.close()
             raise _open_error(self.path, err) from None
+        except StateDamaged:
+            self._conn.close()
+            raise
         if damage != ["ok"]:
             self._conn.close()
             raise StateDamaged(_unreadable(self.path, "; ".join(damage)))
@@ -426,11 +445,25 @@ class StateStore:
         fsync holds them without bound)."""
         return worst_refusals_s(writes, self._write_wait_s, self._in_use_wait_s)
 
-    def _first_steps(self, deadline: float, warn_at: float, *, checked: bool) -> list[str]:
+    def _first_steps(
+        self,
+        deadline: float,
+        warn_at: float,
+        *,
+        checked: bool,
+        unchecked: Collection[str] | None,
+    ) -> list[str]:
         """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings
-        (``["ok"]`` unread when the probe ``checked`` the file); a sound file that holds no
-        tables and whose ``application_id`` is not set (a new database) is stamped gpud's
-        (:data:`APPLICATION_ID`), in a transaction of its own before any feature's table.
+        (``["ok"]`` unread when the probe ``checked`` the file). ``unchecked``: gpud's
+        tables, given when the file was there but the read-only probe could not read it (a
+        hot ``-journal``, which only a connection that writes may roll back): it is refused
+        as the probe would, unless its ``application_id`` is gpud's or it holds no tables
+        or one of these, read by the writer's first statement (SQLite rolls the journal
+        back then, as any program's open would) and before WAL mode rewrites its header;
+        :meth:`mark_ours` stamps nothing when the file was checked by neither. A sound
+        file that holds no tables and whose ``application_id`` is not set (a new database)
+        is stamped gpud's (:data:`APPLICATION_ID`), in a transaction of its own before any
+        feature's table.
         One with tables is stamped by :meth:`mark_ours`: stamped before the schema checks,
         another program's file with a table of one of gpud's names would be taken as gpud's
         for good, however its columns then refused it."""
@@ -438,6 +471,10 @@ class StateStore:
         def step(statement: str) -> list[sqlite3.Row]:
             return self._open_step(self._conn, statement, deadline, warn_at)
 
+        if unchecked is not None:
+            (application_id,) = (int(row[0]) for row in step("PRAGMA application_id"))
+            found = _tables(self._conn, lambda _, query: step(query))
+            _refuse_not_ours(self.path, application_id, found, unchecked)
         for statement in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
             step(f"PRAGMA {statement}")
         damage = ["ok"]
@@ -453,10 +490,30 @@ class StateStore:
         """Stamp the file gpud's (``PRAGMA application_id`` = :data:`APPLICATION_ID`) when
         it is not yet: the daemon calls it once every feature's :meth:`ensure_schema`
         passed, so that a database of an earlier gpud (tables, no stamp) is known as gpud's
-        from then on, and another program's, refused by a schema check, never is."""
-        with self.transaction() as conn:
-            if not conn.execute("PRAGMA application_id").fetchone()[0]:
-                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        from then on, and another program's, refused by a schema check, never is. A store
+        opened without ``known_tables`` (whose file's owner no check read) stamps nothing.
+        The stamp is read first, so a stamped file takes no write lock. A disk that refuses
+        the stamp (full, failing) fails nothing: it is said in a warning naming the file,
+        and a later start stamps it (unstamped, gpud's tables still pass the check).
+        Another process's lock past the wait raises :class:`StateInUse` (stop it, start
+        again)."""
+        if not self._owner_checked:
+            return
+        try:
+            with self.read() as conn:
+                if conn.execute("PRAGMA application_id").fetchone()[0]:
+                    return
+            with self.transaction() as conn:
+                if not conn.execute("PRAGMA application_id").fetchone()[0]:
+                    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        except StateInUse:
+            raise
+        except StateUnwritable as err:
+            log.warning(
+                "state database %s not stamped gpud's (%s): stamped at a later start",
+                self.path,
+                err,
+            )
 
     def _open_step(
         self, conn: sqlite3.Connection, statement: str, deadline: float, warn_at: float

@@ -40,13 +40,20 @@ SCHEMA = (
 ADDED = {"net_original": ("ifindex",)}  # NULL in an older gpud's rows: the netdev unknown
 
 
+def ensure_schema(store: StateStore) -> None:
+    """Make ``net_shaped`` and ``net_original``, or check those found as declared (an
+    older gpud's ``net_original`` gets ``ifindex``): with traffic off too, so that
+    :meth:`StateStore.mark_ours` stamps only a file whose tables were all checked."""
+    store.ensure_schema(SCHEMA, added=ADDED)
+
+
 class ShapedInterfaces:
     """Thread-safe; a name is written once, when it is first enforced."""
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        store.ensure_schema(SCHEMA, added=ADDED)
+        ensure_schema(store)
         with store.transaction() as conn:
             rows = conn.execute("SELECT iface FROM net_shaped").fetchall()
             originals = conn.execute(

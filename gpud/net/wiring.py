@@ -25,6 +25,7 @@ from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
+from gpud.net.shaped import ensure_schema as ensure_shaped_schema
 from gpud.net.tagstore import TagStore, has_empty_item, reserved_in_pool, shown_pool
 from gpud.store import StateStore
 
@@ -53,6 +54,9 @@ def open_traffic(
     rdma: RdmaPort | None = None
     rdma_error = ""
     marking_error = ""
+    if not t.enabled:
+        # no tree is put on, but the tables are checked as when it is: mark_ours follows
+        ensure_shaped_schema(store)
     if t.enabled:
         from netshaper.tc_netlink import TcNetlink
 

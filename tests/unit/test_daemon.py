@@ -44,6 +44,7 @@ from gpud.errors import (
     GpudError,
     InUse,
     ResourceExhausted,
+    StateDamaged,
     StateInUse,
     StateUnwritable,
     Unavailable,
@@ -65,7 +66,8 @@ from gpud.metrics_http import METRICS_POLL_S
 from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
 from gpud.notify import Notifier
-from gpud.store import DB_NAME, StateStore
+from gpud.store import APPLICATION_ID, DB_NAME, StateStore
+from gpud.telemetry.seen import SCHEMA as SEEN_SCHEMA
 from gpud.v1 import mig_pb2, mig_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.unit.mps_support import short_dir
 from tests.unit.store_support import LetGoWhenSaid, held_write_lock, lock_waits
@@ -2357,3 +2359,38 @@ def test_a_changing_call_stuck_in_its_worker_step_is_cut_at_the_stop_before_the_
     assert step_done.wait(30)
     assert at_close == [True]
     assert not d.events.recent(kind_prefix="sim.fault")
+
+
+def _unstamped_database(state: Path, *statements: str) -> None:
+    """An earlier gpud's database (tables, no ``application_id``)."""
+    state.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+
+
+def _application_id(state: Path) -> int:
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        return int(conn.execute("PRAGMA application_id").fetchone()[0])
+
+
+def test_an_earlier_gpud_s_database_is_stamped_gpud_s_by_the_start(root: Path) -> None:
+    config = make_config(root)
+    _unstamped_database(config.daemon.state_dir, *SEEN_SCHEMA)
+    d = build(config)
+    _close(d)
+    assert _application_id(config.daemon.state_dir) == APPLICATION_ID
+
+
+def test_a_traffic_table_of_another_layout_is_refused_and_never_stamped_with_traffic_off(
+    root: Path,
+) -> None:
+    """With traffic off, net_shaped and net_original were never checked, yet the start
+    stamped the file gpud's as if every table had been found as declared."""
+    config = make_config(root, **{"traffic.enabled": False})
+    state = config.daemon.state_dir
+    _unstamped_database(state, *SEEN_SCHEMA, "CREATE TABLE net_original (iface TEXT)")
+    with pytest.raises(StateDamaged, match="table net_original has no column handle, kind"):
+        build(config)
+    assert _application_id(state) == 0

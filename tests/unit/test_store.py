@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1369,3 +1370,100 @@ def test_a_failed_open_leaves_no_descriptor_on_the_database(tmp_path: Path, why:
         if holder is not None:
             holder.kill()
             holder.communicate()
+
+
+def _another_program_s_database_killed_mid_write(state: Path, scratch: Path) -> None:
+    """Another program's rollback-mode database as a kill mid-write leaves it: pages
+    already written into the file, the hot ``-journal`` that restores them next to it."""
+    scratch.mkdir()
+    with contextlib.closing(sqlite3.connect(scratch / DB_NAME, isolation_level=None)) as conn:
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("CREATE TABLE x (a)")
+        conn.execute("PRAGMA cache_size=1")  # changed pages spill into the file at once
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("INSERT INTO x VALUES (?)", [("x" * 500,) for _ in range(200)])
+        # copied while the write holds its lock: the copy's journal is hot
+        for name in (DB_NAME, f"{DB_NAME}-journal"):
+            (state / name).write_bytes((scratch / name).read_bytes())
+        conn.execute("ROLLBACK")
+
+
+def test_another_program_s_database_with_a_hot_journal_is_refused_and_never_stamped(
+    tmp_path: Path,
+) -> None:
+    """The read-only check cannot read a file whose journal is hot (it would have to roll
+    it back): the file went unchecked to the writer, which rolled it back, made it WAL,
+    and the daemon then stamped another program's database gpud's for good."""
+    state = tmp_path / "state"
+    state.mkdir()
+    _another_program_s_database_killed_mid_write(state, tmp_path / "other")
+    with pytest.raises(StateDamaged, match=r"tables x, none of gpud's: another program's"):
+        StateStore(state, known_tables=GPUD)
+    assert _application_id(state) == 0
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not made WAL
+
+
+class _FullDisk(StateStore):
+    """The state database on a disk that takes no write: each transaction is refused as
+    the store refuses one on a full disk; reads go on."""
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        if self.in_transaction():  # a read's snapshot
+            with super().transaction() as conn:
+                yield conn
+            return
+        raise StateUnwritable(
+            f"state database {self.path} cannot be written (database or disk is full): "
+            "nothing of this change was kept; free space or fix the file, then retry"
+        )
+
+
+def _earlier_gpud_s_database(state: Path) -> None:
+    with contextlib.closing(sqlite3.connect(state / DB_NAME)) as conn:  # no application_id
+        for statement in SEEN_SCHEMA:
+            conn.execute(statement)
+        conn.commit()
+
+
+def test_a_stamp_the_disk_refuses_is_said_and_the_start_goes_on_to_stamp_it_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk refused the stamp of an earlier gpud's file and with it the start
+    ("nothing of this change was kept ... then retry"), though the file, unstamped, still
+    passes by its tables."""
+    _earlier_gpud_s_database(tmp_path)
+    store = _FullDisk(tmp_path, known_tables=GPUD)
+    with caplog.at_level(logging.WARNING, logger="gpud.store"):
+        store.mark_ours()
+    store.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"state database {tmp_path / DB_NAME} not stamped gpud's (state database"
+        f" {tmp_path / DB_NAME} cannot be written (database or disk is full): nothing of this"
+        " change was kept; free space or fix the file, then retry): stamped at a later start"
+    ]
+    assert _application_id(tmp_path) == 0
+    store = StateStore(tmp_path, known_tables=GPUD)
+    store.mark_ours()
+    store.close()
+    assert _application_id(tmp_path) == APPLICATION_ID
+
+
+def test_a_stamped_database_takes_no_write_lock_to_be_known_as_gpud_s(tmp_path: Path) -> None:
+    StateStore(tmp_path, known_tables=GPUD).close()  # a new database: stamped
+    store = StateStore(tmp_path, known_tables=GPUD)
+    begun = lock_waits(store)
+    store.mark_ours()
+    store.close()
+    assert begun == []
+
+
+def test_a_store_whose_file_no_check_read_stamps_nothing(tmp_path: Path) -> None:
+    with contextlib.closing(sqlite3.connect(tmp_path / DB_NAME)) as conn:
+        conn.execute("CREATE TABLE x (a)")
+        conn.commit()
+    store = StateStore(tmp_path)  # no known_tables: whose the file is was not read
+    store.mark_ours()
+    store.close()
+    assert _application_id(tmp_path) == 0
