@@ -80,7 +80,7 @@ from gpud.shared import (
 )
 from netshaper import tcplan
 from netshaper.dcb import DcbError, MapResult
-from netshaper.ethtool import link_running, link_speed_mbps
+from netshaper.ethtool import ifindex, link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.nftables import DEFAULT_TABLE, FAMILY
 from netshaper.progress import ProgressConfig, ProgressTracker
@@ -503,13 +503,16 @@ class TrafficService:
         marking_error: str = "",
         rdma_error: str = "",
         link_speed: LinkSpeed = ethtool_speed,
+        link_index: Callable[[str], int | None] = ifindex,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``clock``: Unix time, what progress reports are stamped with. ``monotonic``:
         what ages are measured with (idle jobs, the levels' re-rank, the NIC map's retry),
-        so a stepped wall clock neither holds them back nor hurries them."""
+        so a stepped wall clock neither holds them back nor hurries them. ``link_index``:
+        a netdev's ifindex in gpud's network namespace (None: none by that name), which
+        tells the netdev a link rate was read on from one made again under its name."""
         self.config = config
         self.tags = tags
         self._events = events
@@ -521,6 +524,7 @@ class TrafficService:
         self._rdma = rdma
         self._shaped = shaped
         self._link_speed = link_speed
+        self._link_index = link_index
         self._proc = proc_root
         self._clock = clock
         self._monotonic = monotonic
@@ -568,7 +572,8 @@ class TrafficService:
         self._tc_pass = 0
         self._drift_run: dict[str, tuple[int, int]] = {}
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
-        self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
+        # the rate each link's speed last gave, and the ifindex it was read on
+        self._link_bps: dict[str, tuple[int | None, int]] = {}
         self._ever_enforced: set[str] = set()
         # (iface, job) -> what its leaves sent there while the job held them, from the
         # readings below: one sum per job, which survives its leaf being made again
@@ -1705,12 +1710,14 @@ class TrafficService:
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
         """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed (while it has
-        none, the last it had in this run)."""
+        none, the last the same netdev had in this run: not one deleted and made again
+        under the name, which the kernel gives another ifindex)."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        held = self._link_bps.get(iface)
+        index = self._link_index(iface)
+        held = self._held_bps(iface, index)
         try:
             mbit, speed = self._link_speed(iface)
         except (NotFound, LinkDown):
@@ -1732,7 +1739,20 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
-        self._link_bps[iface] = bps
+        self._link_bps[iface] = (index, bps)
+        return bps
+
+    def _held_bps(self, iface: str, index: int | None) -> int | None:
+        """The rate ``iface``'s speed last gave, while the netdev it was read on is the one
+        on the name now (or either index is unknown: a netdev gone is for tc to name)."""
+        held = self._link_bps.get(iface)
+        if held is None:
+            return None
+        was, bps = held
+        if was is not None and index is not None and was != index:
+            # another netdev under the name (a veth or VF made again): its speed is its own
+            del self._link_bps[iface]
+            return None
         return bps
 
     def start(self) -> None:

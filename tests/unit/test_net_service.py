@@ -121,6 +121,19 @@ def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
     return lambda iface: ethtool_speed(iface, speed=speed, running=running)
 
 
+def indexes(sysfs: Path) -> Callable[[str], int | None]:
+    """Each netdev's ifindex as the fixture's ``class/net/IF/ifindex`` file gives it (None:
+    no file, as for a netdev that is not there)."""
+
+    def index(iface: str) -> int | None:
+        try:
+            return int((sysfs / "class" / "net" / iface / "ifindex").read_text())
+        except (OSError, ValueError):
+            return None
+
+    return index
+
+
 class Rig:
     def __init__(self, tmp_path: Path, sysfs: Path, **config: object) -> None:
         self.tmp = tmp_path
@@ -158,6 +171,7 @@ class Rig:
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
             link_speed=speeds(self.sysfs),
+            link_index=indexes(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
             monotonic=self.clock.monotonic,
@@ -507,6 +521,37 @@ def test_a_link_that_loses_its_speed_keeps_its_last_rate(rig: Rig) -> None:
         if c.classid == tcplan.handle(tcplan.ROOT_MAJOR, tcplan.TOP_MINOR)
     )
     assert top.rate_bps == 100_000_000
+
+
+def test_a_netdev_made_again_under_the_name_is_not_shaped_at_the_old_ones_rate(
+    rig: Rig,
+) -> None:
+    """The rate a link held while its speed is unknown is the same netdev's: a veth deleted
+    and made again as eth0 (another ifindex) without a speed is not shaped at the rate the
+    old eth0 had, and is said to have none; the one made again after it, with its speed,
+    is shaped at that speed."""
+    eth0 = rig.sysfs / "class" / "net" / "eth0"
+    (eth0 / "ifindex").write_text("4\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 1_000_000_000
+    (eth0 / "ifindex").write_text("9\n")  # made again: up, but no speed
+    (eth0 / "speed").write_text("-1\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced
+    assert status.error == "eth0: link rate unknown (ethtool gives none): set traffic.link_rates"
+    (eth0 / "speed").unlink()  # its link down too: still not the old netdev's rate
+    (eth0 / "carrier").write_text("0\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced and "link down" in status.error
+    (eth0 / "ifindex").write_text("12\n")  # and again, with a speed of its own
+    (eth0 / "carrier").write_text("1\n")
+    (eth0 / "speed").write_text("100\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 100_000_000
 
 
 def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig) -> None:
