@@ -102,6 +102,10 @@ _DEMAND_MIN_ITERATIONS = 3
 RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
 RDMA_RECHECK_S = 30.0
+# seconds between two net.marking events that say gpud's nftables table was removed
+# outside gpud: a firewall that flushes the whole ruleset on every tick is said once, then
+# counted, not said once a tick (each restore is counted: gpud_net_marking_restores_total)
+MARKING_RESTORE_SAID_EVERY_S = 60.0
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
 # difference is time the node did not run (a suspend) or a clock stepped forward (behind
 # it by as much: the wall clock stepped back)
@@ -434,6 +438,9 @@ class NetView:
     """Writes of the NIC DSCP -> priority map that found an entry changed outside gpud
     (``dcb app show`` listing another priority, or none, on a DSCP gpud wrote on that
     netdev) and wrote it back."""
+    marking_restores: int = 0
+    """Times gpud's nftables table was found removed outside gpud (``nft flush ruleset``)
+    and written again, each counted whether its ``net.marking`` event was said or not."""
     gap_spacings: float = 20.0
     """How many of its usual spacings a job goes without progress before it is stopped
     (``traffic.progress_gap_spacings``)."""
@@ -602,6 +609,13 @@ class TrafficService:
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
+        # tables written again after a removal outside gpud: all of them, those since the
+        # last net.marking that said one, the rules the last one wrote, and when (monotonic)
+        # that event was said
+        self._marking_restores = 0
+        self._restores_unsaid = 0
+        self._restore_rules = 0
+        self._restore_said_at: float | None = None
         self._rdma_error = rdma_error
         self._rdma_map = _WrittenNicMap()
         # writes running that wrote the map back (the NIC map's worker's own): an agent
@@ -1211,6 +1225,7 @@ class TrafficService:
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
                 rdma_repairs=self._rdma_repairs,
+                marking_restores=self._marking_restores,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
@@ -2160,6 +2175,7 @@ class TrafficService:
             log.warning("traffic: %s", message)
             self._events.emit("net.marking", message)
         found, self._marks_found = self._marks_found, False
+        restored = False
         if found and (not result.created or result.rebuilt):
             # a table rebuilt kept nothing (as a tc tree rebuilt); none found: a first start
             stale = result.removed
@@ -2186,14 +2202,10 @@ class TrafficService:
             # written by this run and gone since its last pass: a firewall reload flushed
             # the whole ruleset, and the jobs' packets (if any job is marked) left unmarked
             # until now
-            message = (
-                f"nftables: table {FAMILY} {DEFAULT_TABLE} removed outside gpud (nft flush"
-                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s)"
-            )
-            if result.added:
-                message += ": the jobs' packets went unmarked until this pass"
-                log.warning("traffic: %s", message)
-            self._events.emit("net.marking", message)
+            restored = True
+            self._marking_restores += 1
+            self._restores_unsaid += 1
+            self._restore_rules = len(result.added)
         elif result.changed and self._marking_ok and not result.foreign:
             self._events.emit(
                 "net.marking",
@@ -2202,6 +2214,42 @@ class TrafficService:
             )
         self._marking_error = ""
         self._marking_ok = True
+        self._say_restores(restored)
+
+    def _say_restores(self, restored: bool) -> None:
+        """Say the restores of gpud's table not said yet (``restored``: this pass made
+        one): the first at once, then those that follow within
+        ``MARKING_RESTORE_SAID_EVERY_S`` of it in one event once that time is up, with
+        their count (``restores``), on whichever pass comes next."""
+        if not self._restores_unsaid:
+            return
+        now = self._monotonic()
+        said_at = self._restore_said_at
+        if said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
+            return
+        count, rules = self._restores_unsaid, self._restore_rules
+        table = f"table {FAMILY} {DEFAULT_TABLE}"
+        if said_at is None or (count == 1 and restored):
+            message = (
+                f"nftables: {table} removed outside gpud (nft flush ruleset, a firewall"
+                f" reload?): written again, {rules} rule(s)"
+            )
+            if rules:
+                message += ": the jobs' packets went unmarked until this pass"
+        else:
+            message = (
+                f"nftables: {table} removed outside gpud again, {count} time(s) in the last"
+                f" {now - said_at:.0f} s (a firewall flushing the ruleset on a timer?):"
+                f" written again on each pass that found it gone, the last with {rules}"
+                " rule(s)"
+                + (": the jobs' packets went unmarked until each" if rules else "")
+                + f"; said at most once every {MARKING_RESTORE_SAID_EVERY_S:.0f} s while it"
+                " goes on (gpud_net_marking_restores_total counts each)"
+            )
+        if rules:
+            log.warning("traffic: %s", message)
+        self._events.emit("net.marking", message, restores=count)
+        self._restores_unsaid, self._restore_said_at = 0, now
 
     def _enforce_rdma(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
         """Hand the map the levels want to the NIC map's worker: the tick never waits for

@@ -1087,6 +1087,70 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
 
 
+def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_minute(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firewall that flushes the whole ruleset before every pass: each pass writes
+    gpud's table again, and each restore is counted (``gpud_net_marking_restores_total``),
+    but the event log says the first at once, then how many followed at most once a
+    minute, and nothing once the flushing has stopped and been said."""
+    rig.active = {"a", "b"}
+    for job in ("a", "b"):
+        rig.cgroups.ensure(job)
+    rig.service.tick()
+    rig.service.tick()
+    restored = 0
+
+    def flushed_pass() -> None:
+        nonlocal restored
+        rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+        rig.clock.t += 1.0
+        rig.service.tick()
+        assert len(rig.marker.marks) == 2  # written again on this very pass
+        restored += 1
+
+    def said() -> list[tuple[str, object]]:
+        return [
+            (e.message, e.fields.get("restores"))
+            for e in rig.events.recent(1000, "net.marking")
+            if "removed outside gpud" in e.message
+        ]
+
+    with caplog.at_level("WARNING"):
+        for _ in range(60):
+            flushed_pass()
+    assert said() == [
+        (
+            "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+            " reload?): written again, 4 rule(s): the jobs' packets went unmarked until this"
+            " pass",
+            1,
+        )
+    ]
+    assert len([r for r in caplog.records if "removed outside gpud" in r.getMessage()]) == 1
+    flushed_pass()  # a minute after the first was said: the 60 since, in one event
+    assert said()[1:] == [
+        (
+            "nftables: table inet gpud removed outside gpud again, 60 time(s) in the last 60 s"
+            " (a firewall flushing the ruleset on a timer?): written again on each pass that"
+            " found it gone, the last with 4 rule(s): the jobs' packets went unmarked until"
+            " each; said at most once every 60 s while it goes on"
+            " (gpud_net_marking_restores_total counts each)",
+            60,
+        )
+    ]
+    for _ in range(10):
+        flushed_pass()
+    assert rig.service.view().marking_restores == restored == 71
+    assert _samples(rig.service).get_sample_value("gpud_net_marking_restores_total") == 71
+    for _ in range(120):  # the firewall stopped: the last 10 said a minute after the event
+        rig.clock.t += 1.0
+        rig.service.tick()
+    assert [n for _, n in said()] == [1, 60, 10]
+    flushed_pass()  # a flush over a minute after that: said at once, as a first
+    assert [n for _, n in said()] == [1, 60, 10, 1]
+
+
 def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
