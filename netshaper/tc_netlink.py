@@ -508,8 +508,18 @@ class NetlinkTransport(Protocol):
 def netns_socket(netns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
     """A socket made in the network namespace ``/run/netns/NETNS`` (one fork): what the
     kernel answers on it (an ioctl, a netlink dump) is about that namespace's netdevs. A
-    missing NETNS is an OSError; it is never created."""
-    sock: socket.socket = create_socket(netns, family, kind, proto, flags=0)
+    missing NETNS is a FileNotFoundError naming it; it is never created (pyroute2's
+    ``create_socket`` makes one by default: its ``flags`` are ``open(2)``'s, O_CREAT)."""
+    try:
+        sock: socket.socket = create_socket(netns, family, kind, proto, flags=0)
+    except FileNotFoundError as e:
+        path = netns if "/" in netns else f"/run/netns/{netns}"
+        raise FileNotFoundError(
+            e.errno,
+            f"network namespace {netns!r} does not exist (no {path}; `ip netns list`"
+            " names those that do): nothing was created",
+            path,
+        ) from e
     return sock
 
 
@@ -520,7 +530,7 @@ class _Netlink:
         if netns is None:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
         else:
-            sock = create_socket(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+            sock = netns_socket(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
         try:
             sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
             sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
@@ -687,7 +697,8 @@ class TcNetlink:
         proc_root: str = "/proc",
         transport: NetlinkTransport | None = None,
     ) -> None:
-        """Open the socket (in ``/run/netns/<netns>`` when given; that forks once).
+        """Open the socket (in ``/run/netns/<netns>`` when given; that forks once). A
+        namespace that does not exist is a FileNotFoundError naming it, and is not made.
 
         ``transport`` replaces the socket (tests); ``proc_root`` is where
         ``net/psched`` is read.

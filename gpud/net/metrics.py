@@ -29,6 +29,8 @@
                                                     when they run; no fault)
     gpud_net_marking_ok                             gpud's nftables table is in force
                                                     (absent: traffic.marking = false)
+    gpud_net_marking_restores_total                 gpud's table written again after it
+                                                    was removed outside gpud
     gpud_net_rdma_map_ok                            the NIC DSCP -> priority map is written on
                                                     every netdev (absent: rdma_backend none)
     gpud_net_cluster_epoch                          epoch of the cluster order (0: local policy)
@@ -129,8 +131,16 @@ class TrafficMetrics:
             "gpud_net_marking_ok", "1 when gpud's nftables marking table is in force."
         )
         # marking turned off is a setting, not a fault: no sample, so no alert fires on it
+        # a firewall flushing the ruleset on every tick is said once a minute (net.marking),
+        # every restore counted here
+        restores = CounterMetricFamily(
+            "gpud_net_marking_restores",
+            "Times gpud's nftables table was found removed outside gpud (nft flush ruleset)"
+            " and written again.",
+        )
         if self._service.config.marking:
             marking.add_metric([], 0.0 if view.marking_error else 1.0)
+            restores.add_metric([], float(view.marking_restores))
         # a dcb that fails for one NIC leaves that NIC's RDMA traffic at its old priorities
         # while tc holds on every interface: only this gauge and `gpuctl net show` say so
         rdma = GaugeMetricFamily(
@@ -158,7 +168,8 @@ class TrafficMetrics:
         reports.add_metric(["accepted"], float(self._service.accepted_reports))
         reports.add_metric(["rejected"], float(self._service.rejected_reports))
         yield from (dscp, level, rate, *job_c, jobs_at, share, *level_c, changes)
-        yield from (enforced, link, repairs, untagged, idle_untagged, marking, rdma, rdma_repairs)
+        yield from (enforced, link, repairs, untagged, idle_untagged, marking, restores)
+        yield from (rdma, rdma_repairs)
         yield epoch
         yield reports
 

@@ -80,7 +80,7 @@ from gpud.shared import (
 )
 from netshaper import tcplan
 from netshaper.dcb import DcbError, MapResult
-from netshaper.ethtool import link_running, link_speed_mbps
+from netshaper.ethtool import ifindex, link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.nftables import DEFAULT_TABLE, FAMILY
 from netshaper.progress import ProgressConfig, ProgressTracker
@@ -102,6 +102,10 @@ _DEMAND_MIN_ITERATIONS = 3
 RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
 RDMA_RECHECK_S = 30.0
+# seconds between two net.marking events that say gpud's nftables table was removed
+# outside gpud: a firewall that flushes the whole ruleset on every tick is said once, then
+# counted, not said once a tick (each restore is counted: gpud_net_marking_restores_total)
+MARKING_RESTORE_SAID_EVERY_S = 60.0
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
 # difference is time the node did not run (a suspend) or a clock stepped forward (behind
 # it by as much: the wall clock stepped back)
@@ -434,6 +438,9 @@ class NetView:
     """Writes of the NIC DSCP -> priority map that found an entry changed outside gpud
     (``dcb app show`` listing another priority, or none, on a DSCP gpud wrote on that
     netdev) and wrote it back."""
+    marking_restores: int = 0
+    """Times gpud's nftables table was found removed outside gpud (``nft flush ruleset``)
+    and written again, each counted whether its ``net.marking`` event was said or not."""
     gap_spacings: float = 20.0
     """How many of its usual spacings a job goes without progress before it is stopped
     (``traffic.progress_gap_spacings``)."""
@@ -503,13 +510,16 @@ class TrafficService:
         marking_error: str = "",
         rdma_error: str = "",
         link_speed: LinkSpeed = ethtool_speed,
+        link_index: Callable[[str], int | None] = ifindex,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``clock``: Unix time, what progress reports are stamped with. ``monotonic``:
         what ages are measured with (idle jobs, the levels' re-rank, the NIC map's retry),
-        so a stepped wall clock neither holds them back nor hurries them."""
+        so a stepped wall clock neither holds them back nor hurries them. ``link_index``:
+        a netdev's ifindex in gpud's network namespace (None: none by that name), which
+        tells the netdev a link rate was read on from one made again under its name."""
         self.config = config
         self.tags = tags
         self._events = events
@@ -521,6 +531,7 @@ class TrafficService:
         self._rdma = rdma
         self._shaped = shaped
         self._link_speed = link_speed
+        self._link_index = link_index
         self._proc = proc_root
         self._clock = clock
         self._monotonic = monotonic
@@ -568,7 +579,8 @@ class TrafficService:
         self._tc_pass = 0
         self._drift_run: dict[str, tuple[int, int]] = {}
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
-        self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
+        # the rate each link's speed last gave, and the ifindex it was read on
+        self._link_bps: dict[str, tuple[int | None, int]] = {}
         self._ever_enforced: set[str] = set()
         # (iface, job) -> what its leaves sent there while the job held them, from the
         # readings below: one sum per job, which survives its leaf being made again
@@ -597,6 +609,13 @@ class TrafficService:
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
+        # tables written again after a removal outside gpud: all of them, those since the
+        # last net.marking that said one, the rules the last one wrote, and when (monotonic)
+        # that event was said
+        self._marking_restores = 0
+        self._restores_unsaid = 0
+        self._restore_rules = 0
+        self._restore_said_at: float | None = None
         self._rdma_error = rdma_error
         self._rdma_map = _WrittenNicMap()
         # writes running that wrote the map back (the NIC map's worker's own): an agent
@@ -1206,6 +1225,7 @@ class TrafficService:
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
                 rdma_repairs=self._rdma_repairs,
+                marking_restores=self._marking_restores,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
@@ -1705,12 +1725,14 @@ class TrafficService:
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
         """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed (while it has
-        none, the last it had in this run)."""
+        none, the last the same netdev had in this run: not one deleted and made again
+        under the name, which the kernel gives another ifindex)."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        held = self._link_bps.get(iface)
+        index = self._link_index(iface)
+        held = self._held_bps(iface, index)
         try:
             mbit, speed = self._link_speed(iface)
         except (NotFound, LinkDown):
@@ -1732,7 +1754,20 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
-        self._link_bps[iface] = bps
+        self._link_bps[iface] = (index, bps)
+        return bps
+
+    def _held_bps(self, iface: str, index: int | None) -> int | None:
+        """The rate ``iface``'s speed last gave, while the netdev it was read on is the one
+        on the name now (or either index is unknown: a netdev gone is for tc to name)."""
+        held = self._link_bps.get(iface)
+        if held is None:
+            return None
+        was, bps = held
+        if was is not None and index is not None and was != index:
+            # another netdev under the name (a veth or VF made again): its speed is its own
+            del self._link_bps[iface]
+            return None
         return bps
 
     def start(self) -> None:
@@ -2140,6 +2175,7 @@ class TrafficService:
             log.warning("traffic: %s", message)
             self._events.emit("net.marking", message)
         found, self._marks_found = self._marks_found, False
+        restored = False
         if found and (not result.created or result.rebuilt):
             # a table rebuilt kept nothing (as a tc tree rebuilt); none found: a first start
             stale = result.removed
@@ -2166,14 +2202,10 @@ class TrafficService:
             # written by this run and gone since its last pass: a firewall reload flushed
             # the whole ruleset, and the jobs' packets (if any job is marked) left unmarked
             # until now
-            message = (
-                f"nftables: table {FAMILY} {DEFAULT_TABLE} removed outside gpud (nft flush"
-                f" ruleset, a firewall reload?): written again, {len(result.added)} rule(s)"
-            )
-            if result.added:
-                message += ": the jobs' packets went unmarked until this pass"
-                log.warning("traffic: %s", message)
-            self._events.emit("net.marking", message)
+            restored = True
+            self._marking_restores += 1
+            self._restores_unsaid += 1
+            self._restore_rules = len(result.added)
         elif result.changed and self._marking_ok and not result.foreign:
             self._events.emit(
                 "net.marking",
@@ -2182,6 +2214,42 @@ class TrafficService:
             )
         self._marking_error = ""
         self._marking_ok = True
+        self._say_restores(restored)
+
+    def _say_restores(self, restored: bool) -> None:
+        """Say the restores of gpud's table not said yet (``restored``: this pass made
+        one): the first at once, then those that follow within
+        ``MARKING_RESTORE_SAID_EVERY_S`` of it in one event once that time is up, with
+        their count (``restores``), on whichever pass comes next."""
+        if not self._restores_unsaid:
+            return
+        now = self._monotonic()
+        said_at = self._restore_said_at
+        if said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
+            return
+        count, rules = self._restores_unsaid, self._restore_rules
+        table = f"table {FAMILY} {DEFAULT_TABLE}"
+        if said_at is None or (count == 1 and restored):
+            message = (
+                f"nftables: {table} removed outside gpud (nft flush ruleset, a firewall"
+                f" reload?): written again, {rules} rule(s)"
+            )
+            if rules:
+                message += ": the jobs' packets went unmarked until this pass"
+        else:
+            message = (
+                f"nftables: {table} removed outside gpud again, {count} time(s) in the last"
+                f" {now - said_at:.0f} s (a firewall flushing the ruleset on a timer?):"
+                f" written again on each pass that found it gone, the last with {rules}"
+                " rule(s)"
+                + (": the jobs' packets went unmarked until each" if rules else "")
+                + f"; said at most once every {MARKING_RESTORE_SAID_EVERY_S:.0f} s while it"
+                " goes on (gpud_net_marking_restores_total counts each)"
+            )
+        if rules:
+            log.warning("traffic: %s", message)
+        self._events.emit("net.marking", message, restores=count)
+        self._restores_unsaid, self._restore_said_at = 0, now
 
     def _enforce_rdma(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
         """Hand the map the levels want to the NIC map's worker: the tick never waits for

@@ -675,3 +675,17 @@ def test_link_state_is_read_in_the_callers_network_namespace(net: Net) -> None:
     while (state := links_up()) != ["True", "False", "False"]:
         assert time.monotonic() < deadline, state
         time.sleep(0.1)
+
+
+def test_a_namespace_that_does_not_exist_is_named_and_not_made() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    name = f"gpud-tc-typo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = f"/run/netns/{name}"
+    try:
+        with pytest.raises(FileNotFoundError, match=f"network namespace '{name}' does not exist"):
+            TcNetlink(netns=name)
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):  # the old code made one: leave none behind
+            _run("ip", "netns", "del", name, check=False)

@@ -121,6 +121,19 @@ def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
     return lambda iface: ethtool_speed(iface, speed=speed, running=running)
 
 
+def indexes(sysfs: Path) -> Callable[[str], int | None]:
+    """Each netdev's ifindex as the fixture's ``class/net/IF/ifindex`` file gives it (None:
+    no file, as for a netdev that is not there)."""
+
+    def index(iface: str) -> int | None:
+        try:
+            return int((sysfs / "class" / "net" / iface / "ifindex").read_text())
+        except (OSError, ValueError):
+            return None
+
+    return index
+
+
 class Rig:
     def __init__(self, tmp_path: Path, sysfs: Path, **config: object) -> None:
         self.tmp = tmp_path
@@ -158,6 +171,7 @@ class Rig:
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
             link_speed=speeds(self.sysfs),
+            link_index=indexes(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
             monotonic=self.clock.monotonic,
@@ -507,6 +521,37 @@ def test_a_link_that_loses_its_speed_keeps_its_last_rate(rig: Rig) -> None:
         if c.classid == tcplan.handle(tcplan.ROOT_MAJOR, tcplan.TOP_MINOR)
     )
     assert top.rate_bps == 100_000_000
+
+
+def test_a_netdev_made_again_under_the_name_is_not_shaped_at_the_old_ones_rate(
+    rig: Rig,
+) -> None:
+    """The rate a link held while its speed is unknown is the same netdev's: a veth deleted
+    and made again as eth0 (another ifindex) without a speed is not shaped at the rate the
+    old eth0 had, and is said to have none; the one made again after it, with its speed,
+    is shaped at that speed."""
+    eth0 = rig.sysfs / "class" / "net" / "eth0"
+    (eth0 / "ifindex").write_text("4\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 1_000_000_000
+    (eth0 / "ifindex").write_text("9\n")  # made again: up, but no speed
+    (eth0 / "speed").write_text("-1\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced
+    assert status.error == "eth0: link rate unknown (ethtool gives none): set traffic.link_rates"
+    (eth0 / "speed").unlink()  # its link down too: still not the old netdev's rate
+    (eth0 / "carrier").write_text("0\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced and "link down" in status.error
+    (eth0 / "ifindex").write_text("12\n")  # and again, with a speed of its own
+    (eth0 / "carrier").write_text("1\n")
+    (eth0 / "speed").write_text("100\n")
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 100_000_000
 
 
 def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig) -> None:
@@ -1040,6 +1085,70 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     )
     rig.service.tick()
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
+
+
+def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_minute(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firewall that flushes the whole ruleset before every pass: each pass writes
+    gpud's table again, and each restore is counted (``gpud_net_marking_restores_total``),
+    but the event log says the first at once, then how many followed at most once a
+    minute, and nothing once the flushing has stopped and been said."""
+    rig.active = {"a", "b"}
+    for job in ("a", "b"):
+        rig.cgroups.ensure(job)
+    rig.service.tick()
+    rig.service.tick()
+    restored = 0
+
+    def flushed_pass() -> None:
+        nonlocal restored
+        rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+        rig.clock.t += 1.0
+        rig.service.tick()
+        assert len(rig.marker.marks) == 2  # written again on this very pass
+        restored += 1
+
+    def said() -> list[tuple[str, object]]:
+        return [
+            (e.message, e.fields.get("restores"))
+            for e in rig.events.recent(1000, "net.marking")
+            if "removed outside gpud" in e.message
+        ]
+
+    with caplog.at_level("WARNING"):
+        for _ in range(60):
+            flushed_pass()
+    assert said() == [
+        (
+            "nftables: table inet gpud removed outside gpud (nft flush ruleset, a firewall"
+            " reload?): written again, 4 rule(s): the jobs' packets went unmarked until this"
+            " pass",
+            1,
+        )
+    ]
+    assert len([r for r in caplog.records if "removed outside gpud" in r.getMessage()]) == 1
+    flushed_pass()  # a minute after the first was said: the 60 since, in one event
+    assert said()[1:] == [
+        (
+            "nftables: table inet gpud removed outside gpud again, 60 time(s) in the last 60 s"
+            " (a firewall flushing the ruleset on a timer?): written again on each pass that"
+            " found it gone, the last with 4 rule(s): the jobs' packets went unmarked until"
+            " each; said at most once every 60 s while it goes on"
+            " (gpud_net_marking_restores_total counts each)",
+            60,
+        )
+    ]
+    for _ in range(10):
+        flushed_pass()
+    assert rig.service.view().marking_restores == restored == 71
+    assert _samples(rig.service).get_sample_value("gpud_net_marking_restores_total") == 71
+    for _ in range(120):  # the firewall stopped: the last 10 said a minute after the event
+        rig.clock.t += 1.0
+        rig.service.tick()
+    assert [n for _, n in said()] == [1, 60, 10]
+    flushed_pass()  # a flush over a minute after that: said at once, as a first
+    assert [n for _, n in said()] == [1, 60, 10, 1]
 
 
 def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(
