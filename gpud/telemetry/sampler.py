@@ -81,9 +81,11 @@ XID_REMIND_S = 600.0
 """A code raised again on the same GPU (or MIG device) within this many seconds of the
 ``gpu.xid`` that last said it is counted, not said: a storm of one fault is one line and one
 event, then one every 10 minutes carrying how many went unsaid (``repeats``), while
-``gpud_gpu_xid_errors_total`` counts each raise the driver reports."""
+``gpud_gpu_xid_errors_total`` counts each raise the driver reports. An ECC error of one type
+on one device is said (``gpu.ecc``) as sparingly; ``gpud_gpu_ecc_errors_total`` counts them."""
 
-_XidKey = tuple[int, int | None, int | None, int | None]  # gpu, xid, gpu and compute instance
+# gpu, the XID's code or the ECC error's type, gpu and compute instance
+_XidKey = tuple[int, int | str | None, int | None, int | None]
 
 
 class _XidSaid:
@@ -462,11 +464,19 @@ class Sampler:
                 "gpu.xid", message, xid=event.xid, critical=critical, repeats=repeats, **fields
             )
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
-            self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
+            key = (event.gpu, event.kind.value, event.gpu_instance_id, event.compute_instance_id)
+            with self._lock:
+                repeats = self._xid_repeats(key)
+            if repeats is None:
+                return
+            message = f"GPU {event.gpu}: {event.kind.value} ECC error"
+            if repeats:
+                message += f" (and {repeats} more since it was last said)"
+            self._emit("gpu.ecc", message, repeats=repeats, **fields)
 
     def _xid_repeats(self, key: _XidKey) -> int | None:
-        """Under ``_lock``: None when this raise of ``key`` is only counted (said less than
-        XID_REMIND_S ago), else the raises left unsaid since it was last said."""
+        """Under ``_lock``: None when this XID or ECC error of ``key`` is only counted (said
+        less than XID_REMIND_S ago), else how many were left unsaid since it was last said."""
         now = self._clock()
         said = self._xid_said.get(key)
         if said is not None and now - said.at < XID_REMIND_S:

@@ -959,6 +959,32 @@ def test_an_xid_storm_is_said_once_then_every_ten_minutes_with_its_count(
     ]
 
 
+def test_an_ecc_error_storm_is_said_once_then_every_ten_minutes_with_its_count(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """Single-bit ECC errors pouring from one GPU are one gpu.ecc, then one every ten minutes
+    with the count; a double-bit error, or another GPU's, is said at once."""
+    sampler.tick()
+    sampler.start()
+    single = [GpuEvent(gpu=1, kind=EventKind.ECC_SINGLE_BIT)] * 50
+    backend.events += single
+    assert sampler.wait_events_handled(50, 5)
+    clock.now += 600
+    backend.events += [
+        GpuEvent(gpu=1, kind=EventKind.ECC_SINGLE_BIT),
+        GpuEvent(gpu=1, kind=EventKind.ECC_DOUBLE_BIT),
+        GpuEvent(gpu=2, kind=EventKind.ECC_SINGLE_BIT),
+    ]
+    assert sampler.wait_events_handled(53, 5)
+    said = [(e.fields["gpu"], e.message) for e in events.recent(kind_prefix="gpu.ecc")]
+    assert said == [
+        (1, "GPU 1: ecc_single_bit ECC error"),
+        (1, "GPU 1: ecc_single_bit ECC error (and 49 more since it was last said)"),
+        (1, "GPU 1: ecc_double_bit ECC error"),
+        (2, "GPU 2: ecc_single_bit ECC error"),
+    ]
+
+
 def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
     backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
 ) -> None:
