@@ -13,11 +13,13 @@ shorter) is left behind while the rest are read on threads of their own. So:
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
 XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
-(:class:`XidWatcher`); counts show in each :class:`GpuSample` and each event goes to the
-event log as ``gpu.xid``. A critical XID (any but ``ignored_xids``, the application-caused
-ones: 13, 31, 43, 45, 68, 109 by default, as the Kubernetes device plugin has it) marks the GPU
-unhealthy with the XID in the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or
-the fault is cleared by hand (:meth:`Sampler.clear_xid`). Each code is kept on its own with
+(:class:`XidWatcher`); counts show in each :class:`GpuSample` and an XID goes to the
+event log as ``gpu.xid``, a code raised again on the same device at most once per
+:data:`XID_REMIND_S` with the raises counted meanwhile. A critical XID (any but
+``ignored_xids``, the application-caused ones: 13, 31, 43, 45, 68, 109 by default, as the
+Kubernetes device plugin has it) marks the GPU unhealthy with the XID in the reason until
+the GPU is reset (:meth:`Sampler.gpu_reset`) or the fault is cleared by hand
+(:meth:`Sampler.clear_xid`). Each code is kept on its own with
 how often and when it was raised (:class:`CriticalXid`, ``GpuSample.critical_xids``): a
 second critical XID on a GPU is a second fault, shown beside the first, and clearing one code
 leaves the others. With ``xid_state`` (a file under the run directory, which a reboot
@@ -74,6 +76,26 @@ DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 XID_STATE_VERSION = 2
 """Version of the ``xid_state`` file: ``{"version": 2, "gpus": {"1": [{"xid": 79, ...}]}}``.
 Version 1 (no ``version`` key) kept one code per GPU, ``{"1": 79}``; it is still read."""
+
+XID_REMIND_S = 600.0
+"""A code raised again on the same GPU (or MIG device) within this many seconds of the
+``gpu.xid`` that last said it is counted, not said: a storm of one fault is one line and one
+event, then one every 10 minutes carrying how many went unsaid (``repeats``), while
+``gpud_gpu_xid_errors_total`` counts each raise the driver reports. An ECC error of one type
+on one device is said (``gpu.ecc``) as sparingly; ``gpud_gpu_ecc_errors_total`` counts them."""
+
+# gpu, the XID's code or the ECC error's type, gpu and compute instance
+_XidKey = tuple[int, int | str | None, int | None, int | None]
+
+
+class _XidSaid:
+    """When a code on a device was last said, and the raises counted since."""
+
+    __slots__ = ("at", "unsaid")
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.unsaid = 0
 
 
 def critical_xid_reason(xids: Sequence[int]) -> str:
@@ -173,6 +195,7 @@ class Sampler:
         # critical XIDs of GPU indexes without a slot: read from xid_state before the GPUs
         # are counted, raised before that, or of an index the driver no longer counts
         self._unslotted_xids: dict[int, dict[int, CriticalXid]] = self._load_xids()
+        self._xid_said: dict[_XidKey, _XidSaid] = {}  # under _lock
 
     @property
     def interval_s(self) -> float:
@@ -399,6 +422,7 @@ class Sampler:
         if event.kind is EventKind.XID:
             critical = event.xid is not None and event.xid not in self.ignored_xids
             now = self._wall_clock()
+            key = (event.gpu, event.xid, event.gpu_instance_id, event.compute_instance_id)
             with self._lock:
                 # again under the lock: the GPUs may have been counted since, taking over
                 # what was raised before (_discover), and this XID must reach the same place
@@ -414,7 +438,8 @@ class Sampler:
                         else self._unslotted_xids.setdefault(event.gpu, {})
                     )
                     known = table.get(event.xid)
-                    if known is None:
+                    if known is None:  # new since a reset or a clear: said at once
+                        self._xid_said.pop(key, None)
                         table[event.xid] = CriticalXid(event.xid, 1, now, now, uuid, model)
                     else:
                         # the board it was first raised on, once known: UUID and model together
@@ -426,20 +451,39 @@ class Sampler:
                             uuid=named[0],
                             model=named[1],
                         )
+                repeats = self._xid_repeats(key)
             if critical:
                 self._save_xids()
-            log.warning(
-                "GPU %d reported %sXid %s", event.gpu, "critical " if critical else "", event.xid
-            )
+            if repeats is None:
+                return
+            message = f"GPU {event.gpu} reported {'critical ' if critical else ''}Xid {event.xid}"
+            if repeats:
+                message += f" (and {repeats} more times since it was last said)"
+            log.warning("%s", message)
             self._emit(
-                "gpu.xid",
-                f"GPU {event.gpu} reported {'critical ' if critical else ''}Xid {event.xid}",
-                xid=event.xid,
-                critical=critical,
-                **fields,
+                "gpu.xid", message, xid=event.xid, critical=critical, repeats=repeats, **fields
             )
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
-            self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
+            key = (event.gpu, event.kind.value, event.gpu_instance_id, event.compute_instance_id)
+            with self._lock:
+                repeats = self._xid_repeats(key)
+            if repeats is None:
+                return
+            message = f"GPU {event.gpu}: {event.kind.value} ECC error"
+            if repeats:
+                message += f" (and {repeats} more since it was last said)"
+            self._emit("gpu.ecc", message, repeats=repeats, **fields)
+
+    def _xid_repeats(self, key: _XidKey) -> int | None:
+        """Under ``_lock``: None when this XID or ECC error of ``key`` is only counted (said
+        less than XID_REMIND_S ago), else how many were left unsaid since it was last said."""
+        now = self._clock()
+        said = self._xid_said.get(key)
+        if said is not None and now - said.at < XID_REMIND_S:
+            said.unsaid += 1
+            return None
+        self._xid_said[key] = _XidSaid(now)
+        return said.unsaid if said is not None else 0
 
     def _mig_uuid(self, gpu: int, gi: int, ci: int | None) -> str:
         """The UUID of GPU ``gpu``'s MIG device on GPU instance ``gi`` (and compute

@@ -907,6 +907,84 @@ def test_critical_xid_marks_the_gpu_unhealthy_until_cleared_or_reset(
     assert all(g.healthy for g in new_sampler().tick().gpus)
 
 
+def test_an_xid_storm_is_said_once_then_every_ten_minutes_with_its_count(
+    sampler: Sampler,
+    backend: FakeBackend,
+    clock: FakeClock,
+    events: EventLog,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A GPU raising one code over and over is one line and one gpu.xid, then one every ten
+    minutes carrying the raises left unsaid; each raise is still counted. Another code,
+    another GPU, or the code raised anew after a clear is said at once."""
+    caplog.set_level("INFO", logger="gpud.telemetry.sampler")
+    sampler.tick()
+    sampler.start()
+    handled = 0
+
+    def raise_xids(*xids: tuple[int, int]) -> None:
+        nonlocal handled
+        backend.events += [GpuEvent(gpu=gpu, kind=EventKind.XID, xid=xid) for gpu, xid in xids]
+        handled += len(xids)
+        assert sampler.wait_events_handled(handled, 5)
+
+    def said() -> list[tuple[object, ...]]:
+        return [
+            (e.fields["gpu"], e.fields["xid"], e.fields.get("repeats"))
+            for e in events.recent(kind_prefix="gpu.xid")
+            if e.kind == "gpu.xid"
+        ]
+
+    raise_xids(*[(1, 48)] * 100)
+    assert said() == [(1, 48, 0)]
+    clock.now += 599
+    raise_xids((1, 48))
+    assert said() == [(1, 48, 0)]
+    assert sampler.tick().gpus[1].xid_events_total == 101  # gpud_gpu_xid_errors_total
+    clock.now += 1
+    raise_xids((1, 48), (1, 48))
+    assert said() == [(1, 48, 0), (1, 48, 100)]
+    raise_xids((1, 79), (2, 48))
+    assert said() == [(1, 48, 0), (1, 48, 100), (1, 79, 0), (2, 48, 0)]
+    sampler.clear_xid(1, 48)
+    raise_xids((1, 48))
+    assert said()[-1] == (1, 48, 0)
+    logged = [r.getMessage() for r in caplog.records if "reported" in r.getMessage()]
+    assert logged == [
+        "GPU 1 reported critical Xid 48",
+        "GPU 1 reported critical Xid 48 (and 100 more times since it was last said)",
+        "GPU 1 reported critical Xid 79",
+        "GPU 2 reported critical Xid 48",
+        "GPU 1 reported critical Xid 48",
+    ]
+
+
+def test_an_ecc_error_storm_is_said_once_then_every_ten_minutes_with_its_count(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """Single-bit ECC errors pouring from one GPU are one gpu.ecc, then one every ten minutes
+    with the count; a double-bit error, or another GPU's, is said at once."""
+    sampler.tick()
+    sampler.start()
+    single = [GpuEvent(gpu=1, kind=EventKind.ECC_SINGLE_BIT)] * 50
+    backend.events += single
+    assert sampler.wait_events_handled(50, 5)
+    clock.now += 600
+    backend.events += [
+        GpuEvent(gpu=1, kind=EventKind.ECC_SINGLE_BIT),
+        GpuEvent(gpu=1, kind=EventKind.ECC_DOUBLE_BIT),
+        GpuEvent(gpu=2, kind=EventKind.ECC_SINGLE_BIT),
+    ]
+    assert sampler.wait_events_handled(53, 5)
+    said = [(e.fields["gpu"], e.message) for e in events.recent(kind_prefix="gpu.ecc")]
+    assert said == [
+        (1, "GPU 1: ecc_single_bit ECC error"),
+        (1, "GPU 1: ecc_single_bit ECC error (and 49 more since it was last said)"),
+        (1, "GPU 1: ecc_double_bit ECC error"),
+        (2, "GPU 2: ecc_single_bit ECC error"),
+    ]
+
+
 def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
     backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
 ) -> None:
@@ -928,7 +1006,7 @@ def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
         _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == 1)
         wall.now -= 3600  # the wall clock steps back
         backend.events.append(GpuEvent(gpu=1, kind=EventKind.XID, xid=79))
-        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == 2)
+        assert s.wait_events_handled(2, 5)  # counted, not said again so soon
         (xid,) = s.tick().gpus[1].critical_xids
         assert (xid.count, xid.first_seen, xid.last_seen) == (2, 1_700_000_000.0, 1_700_000_000.0)
     finally:
@@ -958,10 +1036,10 @@ def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
         )
 
     def raise_xids(*xids: tuple[int, int]) -> None:
-        before = len(events.recent(kind_prefix="gpu.xid"))
+        before = s.events_handled()  # a code raised again so soon is counted, not said
         for gpu, code in xids:
             backend.events.append(GpuEvent(gpu=gpu, kind=EventKind.XID, xid=code))
-        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == before + len(xids))
+        assert s.wait_events_handled(before + len(xids), 5)
 
     s = new_sampler()
     try:
