@@ -179,6 +179,37 @@ def gpuctl_breaches(root: Path) -> list[str]:
     return breaches
 
 
+# (importer prefix, what it never imports, unless the importer is one of these files)
+DIRECTIONS: tuple[tuple[str, str, frozenset[str]], ...] = (
+    # jobs builds on mps: the MPS servicer sees reservations through its DeviceLoad protocol
+    ("gpud.mps", "gpud.jobs", frozenset()),
+    # the composition root alone chooses the real driver's adapter
+    ("gpud", "gpud.backend.nvml", frozenset({"gpud/main.py", "gpud/backend/__init__.py"})),
+)
+
+
+def direction_breaches(root: Path) -> list[str]:
+    """Imports against the direction of DIRECTIONS, and gpud.client (what jobs import: stdlib,
+    grpc, protobuf) importing any of the project beyond itself and gpud.v1."""
+    breaches = []
+    for path in _modules(root, ("gpud",)):
+        rel = path.relative_to(root).as_posix()
+        here = _module_name(root, path)
+        names = imports_of(root, path)
+        for importer, never, allowed in DIRECTIONS:
+            if _under(here, (importer,)) and not _under(here, (never,)) and rel not in allowed:
+                breaches += [f"{rel} imports {n}" for n in sorted(names) if _under(n, (never,))]
+        if _under(here, ("gpud.client",)):
+            breaches += [
+                f"{rel} imports {n}"
+                for n in sorted(names)
+                if _under(n, ("gpud",))
+                and n != "gpud"
+                and not _under(n, ("gpud.client", "gpud.v1"))
+            ]
+    return sorted(set(breaches))
+
+
 def unmapped_modules(root: Path) -> list[str]:
     """Modules the layout of docs/architecture.md neither names nor covers by a package line."""
     doc = (root / "docs" / "architecture.md").read_text()
@@ -219,6 +250,27 @@ def test_each_native_library_and_program_has_its_one_adapter() -> None:
 
 def test_gpuctl_imports_no_daemon_package_in_any_command() -> None:
     assert gpuctl_breaches(ROOT) == []
+
+
+def test_imports_follow_the_stated_direction() -> None:
+    assert direction_breaches(ROOT) == []
+
+
+def test_the_direction_check_finds_an_import_against_it(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "gpud/mps/api.py": "from gpud.jobs.placement import DeviceLoad\n",
+            "gpud/mig/manager.py": "def f():\n    from gpud.backend.nvml import NvmlBackend\n",
+            "gpud/main.py": "from gpud.backend.nvml import NvmlBackend\n",
+            "gpud/client/colo.py": "from gpud.shared import parse_size\nfrom gpud.v1 import x\n",
+        },
+    )
+    assert direction_breaches(root) == [
+        "gpud/client/colo.py imports gpud.shared",
+        "gpud/mig/manager.py imports gpud.backend.nvml",
+        "gpud/mps/api.py imports gpud.jobs.placement",
+    ]
 
 
 def test_the_layout_names_every_module() -> None:
