@@ -1,7 +1,9 @@
 """``gpud``: the composition root. Parses flags, loads the config, picks the backend once
 (real NVML, or the simulated node) and runs the daemon until SIGTERM.
 
-Nothing below this module reads the environment or probes the platform.
+Nothing below this module reads gpud's own environment or chooses the GPU backend; the
+traffic service's kernel backends are the daemon's to build (:mod:`gpud.net.wiring` looks
+for the cgroup2 mount and ``nft``, both injectable).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ never waits.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -227,3 +228,12 @@ class FitCheck(Protocol):
     ) -> tuple[str, ...] | None:
         """Devices for ``request`` now (only among ``allowed``, when given), or None."""
         ...
+
+
+_SLICES = re.compile(r"^(?:\d+c\.)?(\d+)g\.")
+
+
+def mig_slices(profile: str) -> int | None:
+    """Compute slices of a MIG profile name ("3g.40gb" -> 3), None for a whole GPU."""
+    m = _SLICES.match(profile)
+    return int(m.group(1)) if m else None

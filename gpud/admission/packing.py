@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpud.admission.model import Demand, Device, Vec
-from gpud.admission.placement_fit import mig_slices
+from gpud.admission.model import Demand, Device, Vec, mig_slices
 
 
 @dataclass(frozen=True, slots=True)

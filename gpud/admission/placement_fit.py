@@ -10,7 +10,6 @@ Both checks are monotone in the loads, as :class:`~gpud.admission.model.FitCheck
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Mapping, Sequence
 
 from gpud.admission.model import (
@@ -27,14 +26,6 @@ from gpud.jobs.placement import DeviceLoad, choose_devices
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
 from gpud.shared import format_size
-
-_SLICES = re.compile(r"^(?:\d+c\.)?(\d+)g\.")
-
-
-def mig_slices(profile: str) -> int | None:
-    """Compute slices of a MIG profile name ("3g.40gb" -> 3), None for a whole GPU."""
-    m = _SLICES.match(profile)
-    return int(m.group(1)) if m else None
 
 
 class PlacementFit:

@@ -1,0 +1,361 @@
+"""The dependency direction docs/architecture.md states, read from the imports themselves.
+
+Each module's imports are walked with ``ast`` (those inside functions too: a lazy import is
+an import), so the rules hold for every module, including those no other test loads:
+policy imports no I/O and nothing of the daemon, each native library and each program has
+its one adapter, gpuctl stays off the daemon's packages, and the layout names every module.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_gpuctl_process import ALLOWED
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("gpud", "netshaper", "colocate", "tools")
+
+# netshaper's pure policy; every other netshaper module is one of its kernel adapters.
+NETSHAPER_POLICY = frozenset({"__init__", "leveller", "progress", "tags", "tcplan", "weights"})
+NETSHAPER_ADAPTERS = frozenset({"tc_netlink", "nftables", "rdma", "rdma_verbs", "dcb", "ethtool"})
+
+# What pure policy never imports: it sees values, the daemon does the I/O.
+IO_MODULES = frozenset(
+    {
+        "asyncio",
+        "ctypes",
+        "etcd3gw",
+        "fcntl",
+        "grpc",
+        "http",
+        "io",
+        "multiprocessing",
+        "os",
+        "pathlib",
+        "pynvml",
+        "pyroute2",
+        "pyverbs",
+        "select",
+        "selectors",
+        "shutil",
+        "signal",
+        "socket",
+        "sqlite3",
+        "ssl",
+        "subprocess",
+        "threading",
+        "urllib",
+    }
+)
+
+# Each native library is imported by one adapter module alone.
+LIBRARY_ADAPTER = {
+    "pynvml": "gpud/backend/nvml.py",
+    "pyroute2": "netshaper/tc_netlink.py",
+    "pyverbs": "netshaper/rdma_verbs.py",
+    "etcd3gw": "gpud/cluster/etcd.py",
+}
+
+# The modules that start programs, each for its own: nvidia-smi, the job's command,
+# nvidia-cuda-mps-control, dcb, nft.
+RUNS_PROGRAMS = frozenset(
+    {
+        "gpud/backend/gpureset.py",
+        "gpud/cli/run.py",
+        "gpud/mps/daemon.py",
+        "netshaper/dcb.py",
+        "netshaper/nftables.py",
+    }
+)
+
+# What gpuctl may import of the project (the modules test_gpuctl_process.py finds loaded),
+# and the one module of a daemon package it needs: what a run left behind, stdlib only.
+GPUCTL_ALLOWED = (*ALLOWED, "gpud.jobs.leftovers")
+
+
+def _modules(root: Path, packages: Iterable[str]) -> Iterator[Path]:
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            if "v1" not in path.relative_to(root).parts:
+                yield path
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(root: Path, path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports, anywhere in it; ``from a import b``
+    counts as ``a.b`` where ``b`` is a module of the project, else as ``a``."""
+    here = _module_name(root, path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.add(module)
+            for alias in node.names:
+                sub = root.joinpath(*f"{module}.{alias.name}".split("."))
+                if sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file():
+                    found.add(f"{module}.{alias.name}")
+    return found
+
+
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# The admission queue's policy: no I/O, every time a parameter.
+ADMISSION_POLICY = frozenset(
+    {"model", "queue", "packing", "quote", "estimate", "feasibility", "classes", "wws"}
+)
+
+# Pure policy: (its directory, its modules, what of the project it may import).
+POLICIES: tuple[tuple[str, frozenset[str] | None, tuple[str, ...]], ...] = (
+    ("colocate", None, ("colocate",)),
+    ("netshaper", NETSHAPER_POLICY, tuple(f"netshaper.{m}" for m in NETSHAPER_POLICY)),
+    (
+        "gpud/admission",
+        ADMISSION_POLICY,
+        # itself, the node's devices, values and errors, the MIG layouts a request names
+        (
+            *(f"gpud.admission.{m}" for m in (*ADMISSION_POLICY, "node")),
+            "gpud.shared",
+            "gpud.errors",
+            "gpud.backend.port",
+            "gpud.mig.layout",
+        ),
+    ),
+)
+
+
+def policy_breaches(root: Path) -> list[str]:
+    """Pure policy modules that import I/O, or the project beyond what their policy may."""
+    breaches = []
+    for directory, stems, may_import in POLICIES:
+        for path in _modules(root, (directory,)):
+            if stems is not None and path.stem not in stems:
+                continue
+            rel = path.relative_to(root)
+            for name in sorted(imports_of(root, path)):
+                if _under(name, IO_MODULES):
+                    breaches.append(f"{rel} imports {name} (I/O in pure policy)")
+                elif (
+                    _under(name, ("gpud", "netshaper", "colocate", "tools"))
+                    and not _under(name, may_import)
+                    # a package above one it may import loads only its __init__
+                    and not any(m.startswith(name + ".") for m in may_import)
+                ):
+                    breaches.append(f"{rel} imports {name} (outside its policy)")
+    return breaches
+
+
+def adapter_breaches(root: Path) -> list[str]:
+    """Native libraries imported outside their adapter; programs started outside theirs;
+    SQLite connections opened outside the state store."""
+    breaches = []
+    for path in _modules(root, PACKAGES):
+        rel = path.relative_to(root).as_posix()
+        names = imports_of(root, path)
+        for library, adapter in LIBRARY_ADAPTER.items():
+            if rel != adapter and any(_under(n, (library,)) for n in names):
+                breaches.append(f"{rel} imports {library} (only {adapter} may)")
+        if rel.startswith(("gpud/", "netshaper/", "colocate/")):
+            if "subprocess" in names and rel not in RUNS_PROGRAMS:
+                breaches.append(f"{rel} imports subprocess (not a module that runs a program)")
+            tree = ast.parse(path.read_text(), filename=rel)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "connect"
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "sqlite3"
+                    and rel != "gpud/store.py"
+                ):
+                    breaches.append(f"{rel}:{node.lineno} opens SQLite (only gpud/store.py may)")
+    return breaches
+
+
+def gpuctl_breaches(root: Path) -> list[str]:
+    """Daemon modules that gpuctl's own modules import."""
+    breaches = []
+    for path in _modules(root, ("gpud/cli",)):
+        for name in sorted(imports_of(root, path)):
+            # a package above an allowed module (gpud.jobs of gpud.jobs.leftovers) loads
+            # only its __init__
+            parent = any(allowed.startswith(name + ".") for allowed in GPUCTL_ALLOWED)
+            if _under(name, ("gpud",)) and not parent and not _under(name, GPUCTL_ALLOWED):
+                breaches.append(f"{path.relative_to(root)} imports {name}")
+    return breaches
+
+
+# (importer prefix, what it never imports, unless the importer is one of these files)
+DIRECTIONS: tuple[tuple[str, str, frozenset[str]], ...] = (
+    # jobs builds on mps: the MPS servicer sees reservations through its DeviceLoad protocol
+    ("gpud.mps", "gpud.jobs", frozenset()),
+    # the composition root alone chooses the real driver's adapter
+    ("gpud", "gpud.backend.nvml", frozenset({"gpud/main.py", "gpud/backend/__init__.py"})),
+)
+
+
+def direction_breaches(root: Path) -> list[str]:
+    """Imports against the direction of DIRECTIONS, and gpud.client (what jobs import: stdlib,
+    grpc, protobuf) importing any of the project beyond itself and gpud.v1."""
+    breaches = []
+    for path in _modules(root, ("gpud",)):
+        rel = path.relative_to(root).as_posix()
+        here = _module_name(root, path)
+        names = imports_of(root, path)
+        for importer, never, allowed in DIRECTIONS:
+            if _under(here, (importer,)) and not _under(here, (never,)) and rel not in allowed:
+                breaches += [f"{rel} imports {n}" for n in sorted(names) if _under(n, (never,))]
+        if _under(here, ("gpud.client",)):
+            breaches += [
+                f"{rel} imports {n}"
+                for n in sorted(names)
+                if _under(n, ("gpud",))
+                and n != "gpud"
+                and not _under(n, ("gpud.client", "gpud.v1"))
+            ]
+    return sorted(set(breaches))
+
+
+def unmapped_modules(root: Path) -> list[str]:
+    """Modules the layout of docs/architecture.md neither names nor covers by a package line."""
+    doc = (root / "docs" / "architecture.md").read_text()
+    layout = doc.split("## Layout", 1)[1].split("```")[1]
+    netshaper_line = layout.split("\nnetshaper/", 1)[1].split("\nproto/", 1)[0]
+    tools_line = layout.split("\ntools/", 1)[1].split("\ntests/", 1)[0]
+    covered = set(re.findall(r"^ {2}(\w+)/", layout, flags=re.M))
+    missing = []
+    for path in sorted((root / "gpud").iterdir()):
+        if path.suffix == ".py" and path.stem != "__init__":
+            if not re.search(rf"^ {{2}}{re.escape(path.name)}\s", layout, flags=re.M):
+                missing.append(f"gpud/{path.name}")
+        elif (path / "__init__.py").is_file() and path.name not in covered:
+            missing.append(f"gpud/{path.name}/")
+    for path in sorted((root / "netshaper").glob("*.py")):
+        if path.stem != "__init__" and not re.search(rf"\b{path.stem}\b", netshaper_line):
+            missing.append(f"netshaper/{path.name}")
+    for path in sorted((root / "tools").iterdir()):
+        if path.name.startswith(("__", ".")) or path.name.startswith("bench_"):
+            continue
+        if not re.search(rf"\b{re.escape(path.stem)}\b", tools_line):
+            missing.append(f"tools/{path.name}")
+    return missing
+
+
+def test_pure_policy_imports_no_io_and_nothing_of_the_daemon() -> None:
+    assert policy_breaches(ROOT) == []
+
+
+def test_every_netshaper_module_is_policy_or_a_named_adapter() -> None:
+    stems = {p.stem for p in (ROOT / "netshaper").glob("*.py")}
+    assert stems == NETSHAPER_POLICY | NETSHAPER_ADAPTERS
+
+
+def test_each_native_library_and_program_has_its_one_adapter() -> None:
+    assert adapter_breaches(ROOT) == []
+
+
+def test_gpuctl_imports_no_daemon_package_in_any_command() -> None:
+    assert gpuctl_breaches(ROOT) == []
+
+
+def test_imports_follow_the_stated_direction() -> None:
+    assert direction_breaches(ROOT) == []
+
+
+def test_the_layout_names_every_module() -> None:
+    assert unmapped_modules(ROOT) == []
+
+
+BREACHES = [
+    (
+        policy_breaches,
+        {
+            "colocate/planner.py": "import subprocess\n",
+            "colocate/shapes.py": "def f():\n    from gpud.store import StateStore\n",
+            "netshaper/__init__.py": "",
+            "netshaper/leveller.py": "from netshaper import tc_netlink, tags\n",
+            "netshaper/tags.py": "import socket\n",
+            "netshaper/tc_netlink.py": "import socket\n",
+            "gpud/admission/packing.py": "from gpud.admission.placement_fit import mig_slices\n",
+            "gpud/admission/placement_fit.py": "",
+            "gpud/admission/quote.py": "import time\nimport os\nfrom gpud.errors import NotFound\n",
+            "gpud/admission/service.py": "import sqlite3\n",
+        },
+        [
+            "colocate/planner.py imports subprocess (I/O in pure policy)",
+            "colocate/shapes.py imports gpud.store (outside its policy)",
+            "netshaper/leveller.py imports netshaper.tc_netlink (outside its policy)",
+            "netshaper/tags.py imports socket (I/O in pure policy)",
+            "gpud/admission/packing.py imports gpud.admission.placement_fit (outside its policy)",
+            "gpud/admission/quote.py imports os (I/O in pure policy)",
+        ],
+    ),
+    (
+        adapter_breaches,
+        {
+            "gpud/mig/manager.py": "import pynvml\nimport subprocess\n",
+            "gpud/jobs/registry.py": "import sqlite3\nc = sqlite3.connect(':memory:')\n",
+            "netshaper/tc_netlink.py": "from pyroute2 import IPRoute\n",
+            "tools/bench_x.py": "def f():\n    import etcd3gw\n",
+        },
+        [
+            "gpud/jobs/registry.py:2 opens SQLite (only gpud/store.py may)",
+            "gpud/mig/manager.py imports pynvml (only gpud/backend/nvml.py may)",
+            "gpud/mig/manager.py imports subprocess (not a module that runs a program)",
+            "tools/bench_x.py imports etcd3gw (only gpud/cluster/etcd.py may)",
+        ],
+    ),
+    (
+        gpuctl_breaches,
+        {
+            "gpud/cli/run.py": "from gpud.jobs import leftovers, service\nfrom . import output\n",
+            "gpud/cli/output.py": "",
+            "gpud/jobs/leftovers.py": "",
+            "gpud/jobs/service.py": "",
+        },
+        ["gpud/cli/run.py imports gpud.jobs.service"],
+    ),
+    (
+        direction_breaches,
+        {
+            "gpud/mps/api.py": "from gpud.jobs.placement import DeviceLoad\n",
+            "gpud/mig/manager.py": "def f():\n    from gpud.backend.nvml import NvmlBackend\n",
+            "gpud/main.py": "from gpud.backend.nvml import NvmlBackend\n",
+            "gpud/client/colo.py": "from gpud.shared import parse_size\nfrom gpud.v1 import x\n",
+        },
+        [
+            "gpud/client/colo.py imports gpud.shared",
+            "gpud/mig/manager.py imports gpud.backend.nvml",
+            "gpud/mps/api.py imports gpud.jobs.placement",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("check", "files", "found"), BREACHES, ids=[c.__name__ for c, _, _ in BREACHES]
+)
+def test_each_check_finds_what_breaks_its_rule(
+    tmp_path: Path, check: Callable[[Path], list[str]], files: dict[str, str], found: list[str]
+) -> None:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert sorted(check(tmp_path)) == sorted(found)
