@@ -1569,11 +1569,12 @@ class ColoService:
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
-            if not (isinstance(saved, list) and len(saved) == 4 and isinstance(saved[0], str)):
+            # three: a gpud from before the loop's clock was kept wrote it, read by Unix time
+            if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
                 raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
                 raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
-            came = at(where, saved[1], saved[3])
+            came = at(where, saved[1], saved[3] if len(saved) == 4 else None)
             return (
                 None
                 if came is None
@@ -1581,9 +1582,12 @@ class ColoService:
             )
 
         def one_removed(job: str, saved: Any) -> tuple[float, str, _Removed] | None:
-            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[1], bool)):
+            # two: a gpud from before the loop's clock was kept wrote it, read by Unix time
+            if not (
+                isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
+            ):
                 raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
-            came = at(f"removed.{job}", saved[0], saved[2])
+            came = at(f"removed.{job}", saved[0], saved[2] if len(saved) == 3 else None)
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
         left = _saved_entries(path, data, "left", one_left)

@@ -3900,6 +3900,35 @@ def test_leaves_and_removals_saved_by_unix_time_alone_are_read_none_from_the_fut
     assert svc.advise("y", snapshot=snap, waiting=True, waited_s=60.0).gpu == -1
 
 
+def test_leaves_and_removals_an_older_gpud_wrote_without_the_loops_clock_hold_after_an_upgrade(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json as a gpud from before the loop's clock was kept wrote it (no boot_id, a
+    leave as [job, Unix time, anonymous], a removal as [Unix time, forced]), then this gpud
+    started on it: the run taken out of the wait is still told it left, the run of the
+    removed job that it was removed, and nothing is logged as not read."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    then = host.wall.t - 60.0
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "left": {"0123456789ab": ["w", then, False]},
+                "removed": {"x": [then, True]},
+            }
+        )
+    )
+    svc, snap = host.start()
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=90.0, waiter_id="0123456789ab")
+    with pytest.raises(NotFound, match="job x was removed"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=90.0)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_a_run_taken_out_is_told_so_after_a_restart_before_the_next_tick(
     tmp_path: Path,
 ) -> None:
