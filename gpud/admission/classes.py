@@ -305,12 +305,17 @@ class ClassViews:
         """Each model with the packing efficiency of its pool, from the records in the
         window of the classes on it (``among``: of these, for classes with no record)."""
         out = []
+        # the classes sharing a pool, made once per distinct pool: many classes on few
+        # pools (a sweep's memory sizes) cost classes x pools, not classes squared
+        by_pool: dict[frozenset[str], tuple[tuple[str, float], ...]] = {}
         for c in models:
-            sharing = tuple(
-                (j.key, len(j.pool & c.pool) / (j.k_eff * len(c.pool)))
-                for j in (models if among is None else among)
-                if j.pool & c.pool
-            )
+            sharing = by_pool.get(c.pool)
+            if sharing is None:
+                sharing = by_pool[c.pool] = tuple(
+                    (j.key, len(j.pool & c.pool) / (j.k_eff * len(c.pool)))
+                    for j in (models if among is None else among)
+                    if j.pool & c.pool
+                )
             sweep = self._sweeps.get(sharing)
             if sweep is None:
                 jobs = [
