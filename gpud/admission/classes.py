@@ -305,34 +305,45 @@ class ClassViews:
         """Each model with the packing efficiency of its pool, from the records in the
         window of the classes on it (``among``: of these, for classes with no record)."""
         out = []
+        # made once per distinct pool: many classes on few pools (a sweep's memory sizes,
+        # each its own class) cost classes x pools, not classes squared
+        by_pool: dict[frozenset[str], float] = {}
         for c in models:
-            sharing = tuple(
-                (j.key, len(j.pool & c.pool) / (j.k_eff * len(c.pool)))
-                for j in (models if among is None else among)
-                if j.pool & c.pool
-            )
-            sweep = self._sweeps.get(sharing)
-            if sweep is None:
-                jobs = [
-                    (r.queued_at, r.started_at, r.ended_at, share)
-                    for key, share in sharing
-                    for r in self._by_class.get(key, ())
-                    if r is not None
-                ]
-                if self._unstarted:  # not from the history: asked afresh
-                    out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
-                    continue
-                ranks = [
-                    (rank, index)
-                    for rank, (key, _) in enumerate(sharing)
-                    for index, r in enumerate(self._by_class.get(key, ()))
-                    if r is not None
-                ]
-                # every one started (not self._unstarted)
-                sweep = self._sweeps[sharing] = PackingEfficiency(jobs, ranks)  # type: ignore[arg-type]
-            efficiency = sweep.at(now)
+            efficiency = by_pool.get(c.pool)
+            if efficiency is None:
+                efficiency = by_pool[c.pool] = self._efficiency(
+                    c.pool, models if among is None else among, now=now
+                )
             out.append(replace(c, efficiency=efficiency))
         return out
+
+    def _efficiency(
+        self, pool: frozenset[str], classes: Sequence[ClassModel], *, now: float
+    ) -> float:
+        """The packing efficiency of ``pool`` from the records in the window of the
+        ``classes`` on it."""
+        sharing = tuple(
+            (j.key, len(j.pool & pool) / (j.k_eff * len(pool))) for j in classes if j.pool & pool
+        )
+        sweep = self._sweeps.get(sharing)
+        if sweep is None:
+            jobs = [
+                (r.queued_at, r.started_at, r.ended_at, share)
+                for key, share in sharing
+                for r in self._by_class.get(key, ())
+                if r is not None
+            ]
+            if self._unstarted:  # not from the history: asked afresh
+                return packing_efficiency(jobs, now=now)
+            ranks = [
+                (rank, index)
+                for rank, (key, _) in enumerate(sharing)
+                for index, r in enumerate(self._by_class.get(key, ()))
+                if r is not None
+            ]
+            # every one started (not self._unstarted)
+            sweep = self._sweeps[sharing] = PackingEfficiency(jobs, ranks)  # type: ignore[arg-type]
+        return sweep.at(now)
 
 
 def _serving(demand: Demand, fit: FitCheck, down: Mapping[int, str]) -> tuple[Demand, str]:

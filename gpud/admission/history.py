@@ -35,8 +35,11 @@ class HistoryMirror:
         self._rows: dict[int, tuple[Record, Request]] = {}  # by row id, ascending
         self._open: set[int] = set()  # rows that may still change
         self._last_id = 0
+        # each request and class key kept once; what no kept row holds any more is dropped
+        # (_trim_interned), so that a node's distinct requests over months (a sweep over
+        # --memory sizes) stay as many as the rows admission.history_keep keeps
         self._interned: dict[Request, Request] = {}
-        self._classes: dict[str, str] = {}  # each class key kept once
+        self._classes: dict[str, str] = {}
         # queued_at of every row, sorted: made at the first :meth:`members` after the table
         # was read whole, then kept as rows are added, changed and pruned
         self._queued: list[float] | None = None
@@ -94,6 +97,7 @@ class HistoryMirror:
                 self._keep(row)
         if not changed:
             return
+        self._trim_interned()
         (count,) = conn.execute("SELECT COUNT(*) FROM job_history").fetchone()
         if len(self._rows) != count:  # changed otherwise than gpud changes it
             self._forget(self.version + 1)
@@ -203,6 +207,14 @@ class HistoryMirror:
             self._running[row_id] = (reservation, request_class)
         else:
             self._running.pop(row_id, None)
+
+    def _trim_interned(self) -> None:
+        """Drop the requests and class keys no kept row holds, once they outnumber the rows
+        twice over (at most one pass over the rows per as many new keys as rows)."""
+        most = 2 * len(self._rows) + PRUNE_PROBE
+        if len(self._interned) > most or len(self._classes) > most:
+            self._interned = {q: q for _, q in self._rows.values()}
+            self._classes = {r.request_class: r.request_class for r, _ in self._rows.values()}
 
     def _unqueue(self, queued_at: float) -> None:
         """A row queued at ``queued_at`` leaves :meth:`members`' sorted times."""

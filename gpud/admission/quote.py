@@ -373,42 +373,54 @@ def class_quotes(
     order. A class whose pool none of ``classes`` loads gets no quote (nothing is known of
     what frees its devices); it raises no other class's quote (at no rate it is never
     ahead of them in the model)."""
+    # what loads a pool, and the longest wait of the classes sharing one, made once per
+    # distinct pool: a history of many classes on few pools (a sweep's memory sizes, each
+    # its own class) costs classes x pools, not classes squared
+    loads: dict[frozenset[str], _PoolLoad | None] = {}
     out: dict[str, ClassQuote] = {}
     for c in classes:
-        out[c.key] = _class_quote(c, classes, horizon_s) or ClassQuote(
+        out[c.key] = _class_quote(c, classes, horizon_s, loads) or ClassQuote(
             c.key, 0.0, 0.0, c.k_eff, c.mean_service_s, c.scv_service
         )
     by_key = {c.key: c for c in classes}
-    quotes = {
-        key: replace(
-            q,
-            wait_s=max(
-                other.wait_s for other in out.values() if by_key[other.key].pool & by_key[key].pool
-            ),
-        )
-        for key, q in out.items()
-    }
+    longest: dict[frozenset[str], float] = {}
+    for key, q in out.items():
+        pool = by_key[key].pool
+        longest[pool] = max(longest.get(pool, q.wait_s), q.wait_s)
+    shared: dict[frozenset[str], float] = {}
+    quotes = {}
+    for key, q in out.items():
+        pool = by_key[key].pool
+        if pool not in shared:
+            shared[pool] = max(w for other, w in longest.items() if other & pool)
+        quotes[key] = replace(q, wait_s=shared[pool])
     for c in unseen:
-        if c.key in quotes or (own := _class_quote(c, classes, horizon_s)) is None:
+        if c.key in quotes or (own := _class_quote(c, classes, horizon_s, loads)) is None:
             continue
         sharing = [quotes[j.key].wait_s for j in classes if j.pool & c.pool]
         quotes[c.key] = replace(own, wait_s=max([own.wait_s, *sharing]))
     return quotes
 
 
-def _class_quote(
-    c: ClassModel, classes: Sequence[ClassModel], horizon_s: float | None
-) -> ClassQuote | None:
-    """``c``'s wait under the load ``classes`` put on its pool, before the FIFO order's
-    maximum (:func:`class_quotes`); None where none of them loads it."""
+@dataclass(frozen=True, slots=True)
+class _PoolLoad:
+    """What ``classes`` put on one pool: utilisation, runs, and their service mixture."""
+
+    rho: float
+    runs: int
+    mean: float
+    scv: float
+
+
+def _pool_load(pool: frozenset[str], classes: Sequence[ClassModel]) -> _PoolLoad | None:
     weights: list[tuple[float, ClassModel]] = []
     rho = 0.0
     runs = 0
     for j in classes:
-        overlap = len(j.pool & c.pool)
+        overlap = len(j.pool & pool)
         if not overlap or j.k_eff <= 0:
             continue
-        share = overlap / (j.k_eff * len(c.pool))
+        share = overlap / (j.k_eff * len(pool))
         rho += j.arrival_rate * j.mean_service_s * share
         weights.append((j.arrival_rate * share, j))
         runs += j.runs
@@ -418,6 +430,24 @@ def _class_quote(
     mean = sum(w * j.mean_service_s for w, j in weights) / total
     second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
     scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
+    return _PoolLoad(rho, runs, mean, scv)
+
+
+def _class_quote(
+    c: ClassModel,
+    classes: Sequence[ClassModel],
+    horizon_s: float | None,
+    loads: dict[frozenset[str], _PoolLoad | None],
+) -> ClassQuote | None:
+    """``c``'s wait under the load ``classes`` put on its pool, before the FIFO order's
+    maximum (:func:`class_quotes`); None where none of them loads it. ``loads``: each
+    pool's load, made at its first class."""
+    if c.pool not in loads:
+        loads[c.pool] = _pool_load(c.pool, classes)
+    load = loads[c.pool]
+    if load is None:
+        return None
+    rho, runs, mean, scv = load.rho, load.runs, load.mean, load.scv
     eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
     spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
     wait = upper_wait(c.k_eff, rho / eta, mean, scv, spread)

@@ -129,6 +129,9 @@ OPERATOR_LEFT = "gpuctl queue --leave took it out"
 JOB_REMOVED_LEFT = "the job was removed (gpuctl jobs rm --force)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
+# Placement requests whose classification is kept beyond the queue's: the jobs added and
+# run meanwhile (every distinct --memory size a sweep asks is one), dropped past it.
+DEMANDS_KEEP = 256
 # the history window's class views: (the mirror's members and the window they were made
 # for, the request of each class in the window, the views)
 _Window = tuple[tuple[tuple[int, int, int], float], dict[str, Request], ClassViews]
@@ -1085,6 +1088,7 @@ class AdmissionService:
                         entry=e.id,
                     )
             queued = self.entries()
+            self._trim_demands(queued)
             fit = self.fit()
             if fit is None or not queued:
                 self._prune(now)
@@ -1106,6 +1110,13 @@ class AdmissionService:
                 self._start(by_id[s.id], s.devices, backfilled=s.backfilled)
             self._account(now, len(queued) - len(result.starts))
             self._prune(now)
+
+    def _trim_demands(self, queued: list[Entry]) -> None:
+        """Forget the classifications of requests no queued entry makes, once there are
+        :data:`DEMANDS_KEEP` more of them than entries: each is made again when asked."""
+        if len(self._demands) > len(queued) + DEMANDS_KEEP:
+            wanted = {e.placement for e in queued}
+            self._demands = {r: d for r, d in self._demands.items() if r in wanted}
 
     def _holder_alive(self, e: Entry) -> bool:
         pid = e.request.holder_pid

@@ -192,6 +192,30 @@ def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
     assert quotes["small"].servers == 4 and quotes["large"].servers == 1
 
 
+class CountedPool(frozenset[str]):
+    """A pool that counts the intersections taken with it."""
+
+    taken = 0
+
+    def __and__(self, other: object) -> frozenset[str]:
+        CountedPool.taken += 1
+        return frozenset(self).__and__(other)  # type: ignore[operator]
+
+
+def test_many_classes_on_one_pool_are_quoted_at_a_cost_of_classes_not_their_square() -> None:
+    """A sweep's runs each ask another memory size, each a class of its own, all on the
+    same GPUs: the quotes take each class's share of the pool once per pool, not once per
+    pair of classes, and are what each pair gave: the same wait for all."""
+    from gpud.admission.quote import ClassModel, class_quotes
+
+    pool = CountedPool({"GPU-0", "GPU-1"})
+    classes = [ClassModel(f"c{i}", 0.0001, 100.0 + i, 1.0, 2, pool) for i in range(300)]
+    CountedPool.taken = 0
+    quotes = class_quotes(classes)
+    assert CountedPool.taken <= 4 * len(classes)
+    assert len({q.wait_s for q in quotes.values()}) == 1 and quotes["c0"].wait_s > 0
+
+
 def test_a_class_with_no_history_is_quoted_from_the_classes_loading_its_pool() -> None:
     """A class none of whose runs is in the history waits for the servers of its pool
     that the classes with history load: it gets their wait on its own servers (its own

@@ -485,3 +485,35 @@ def test_views_of_a_window_runs_leave_equal_views_made_afresh(
         assert len(views) == len(held)
         fresh_views = class_views(fit, requests, rows, now=now, window_s=window_s)
         assert views.at(fit, requests, now=now) == fresh_views
+
+
+def test_requests_of_pruned_runs_are_not_kept_past_the_history_bound(tmp_path: Path) -> None:
+    """A sweep whose every run asks another memory size: once the bound prunes their rows,
+    the kept history holds no more distinct requests and class keys than the rows it keeps
+    (twice over at most), however many runs came before."""
+    node = make_node(tmp_path, Clock())
+    mirror = node.admission._mirror
+    for i in range(1, 1001):
+        request = RunRequest(job=f"j{i}", gpu_count=1, memory_bytes=GIB + i * 2**20)
+        with node.store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO job_history (job, reservation, request_class, request,"
+                " queued_at, started_at, ended_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    f"j{i}",
+                    f"r{i}",
+                    request_of(request).describe(),
+                    run_request_to_json(request),
+                    node.clock.now - 30.0,
+                    node.clock.now - 20.0,
+                    node.clock.now - 10.0,
+                    None,
+                ),
+            )
+        if i % 100 == 0:
+            apply(node, ("bound", 50), [0])
+            node.clock.now += 1.0
+            assert node.admission.explain() == fresh(node)
+    assert len(mirror) == 50
+    assert len(mirror._interned) <= 2 * 50 + 64 and len(mirror._classes) <= 2 * 50 + 64
+    node.store.close()

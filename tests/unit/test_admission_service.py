@@ -20,6 +20,7 @@ import pytest
 from gpud.admission.api import class_message, entry_message, history_message, run_request
 from gpud.admission.passes import Inline, Passes, PassRunner
 from gpud.admission.service import (
+    DEMANDS_KEEP,
     LEFT,
     QUEUED,
     SCHEMA,
@@ -2696,3 +2697,20 @@ def test_an_enqueue_with_a_request_id_that_could_not_be_kept_is_refused(node: No
     request = jobs_pb2.ReserveRequest(job="b", gpu_count=1, request_id="no spaces")
     with pytest.raises(InvalidArgument, match=r"^request\.request_id: "):
         run_request(request)
+
+
+def test_a_sweep_of_memory_sizes_leaves_no_more_classified_requests_than_the_bound(
+    tmp_path: Path,
+) -> None:
+    """Runs of a sweep, each asking another memory size, reserved, released and their jobs
+    removed: once they are gone, the classifications the admission keeps are no more than
+    DEMANDS_KEEP past the queue's."""
+    node = make_node(tmp_path, Clock())
+    for i in range(DEMANDS_KEEP + 300):
+        name = f"sweep-{i}"
+        run = RunRequest(job=name, gpu_count=1, memory_bytes=GIB + i * 2**20)
+        node.jobs.release(node.jobs.reserve(run).reservation.id)
+        node.jobs.remove(name)
+        node.admission.tick()
+    assert len(node.admission._demands) <= DEMANDS_KEEP
+    node.store.close()
