@@ -2160,6 +2160,9 @@ class TrafficService:
             result = self._marker.sync(marks)
         except Exception as err:
             message = f"nftables: {err}"
+            # restores held within the minute happened before this failure: said first,
+            # or they would read as a new flush after the pair, or go unsaid while nft fails
+            self._say_restores(False, at_once=True)
             if message != self._marking_error:
                 log.warning("traffic: %s", message)
                 self._events.emit("net.marking_error", message)
@@ -2173,7 +2176,7 @@ class TrafficService:
                 f" gpud's from table {FAMILY} {DEFAULT_TABLE} (they could undo the marks)"
             )
             log.warning("traffic: %s", message)
-            self._events.emit("net.marking", message)
+            self._events.emit("net.marking", message, restores=0)
         found, self._marks_found = self._marks_found, False
         restored = False
         if found and (not result.created or result.rebuilt):
@@ -2196,7 +2199,9 @@ class TrafficService:
             # the pair of the net.marking_error event: the log says when marking came back
             log.info("traffic: nftables marking in force again")
             self._events.emit(
-                "net.marking", f"nftables marking in force again (was: {self._marking_error})"
+                "net.marking",
+                f"nftables marking in force again (was: {self._marking_error})",
+                restores=0,
             )
         elif result.created and not result.rebuilt and self._marking_ok:
             # written by this run and gone since its last pass: a firewall reload flushed
@@ -2211,21 +2216,23 @@ class TrafficService:
                 "net.marking",
                 f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"
                 + (" (table recreated)" if result.created else ""),
+                restores=0,
             )
         self._marking_error = ""
         self._marking_ok = True
         self._say_restores(restored)
 
-    def _say_restores(self, restored: bool) -> None:
+    def _say_restores(self, restored: bool, *, at_once: bool = False) -> None:
         """Say the restores of gpud's table not said yet (``restored``: this pass made
         one): the first at once, then those that follow within
         ``MARKING_RESTORE_SAID_EVERY_S`` of it in one event once that time is up, with
-        their count (``restores``), on whichever pass comes next."""
+        their count (``restores``), on whichever pass comes next. ``at_once``: say
+        them now, within the minute or not (an ``nft`` that failed, gpud's stop)."""
         if not self._restores_unsaid:
             return
         now = self._monotonic()
         said_at = self._restore_said_at
-        if said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
+        if not at_once and said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
             return
         count, rules = self._restores_unsaid, self._restore_rules
         table = f"table {FAMILY} {DEFAULT_TABLE}"
@@ -2353,9 +2360,13 @@ class TrafficService:
     def shutdown(self) -> None:
         """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces;
         then close the netlink socket. The NIC map the last tick wanted is waited for up
-        to 5 s (fail-static leaves the last priorities, on the NIC too)."""
+        to 5 s (fail-static leaves the last priorities, on the NIC too). Restores of gpud's
+        nftables table not said yet (within a minute of the last said) are said first."""
         self._rdma_writer.wait_idle(5.0)
         self._rdma_writer.close()
+        # restores of gpud's table held within the minute are said before the stop, not lost
+        with self._io_lock:
+            self._say_restores(False, at_once=True)
         try:
             if self.config.enabled and self.config.shutdown == "restore":
                 self._restore()

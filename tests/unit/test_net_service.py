@@ -1151,6 +1151,64 @@ def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_m
     assert [n for _, n in said()] == [1, 60, 10, 1]
 
 
+def _flush_and_tick(rig: Rig, times: int) -> None:
+    """``nft flush ruleset`` before each of ``times`` passes, a second apart."""
+    for _ in range(times):
+        rig.marker.table, rig.marker.marks = False, set()
+        rig.clock.t += 1.0
+        rig.service.tick()
+
+
+def _marking_said(rig: Rig) -> list[tuple[str, object]]:
+    return [
+        (e.kind, e.fields.get("restores"))
+        for e in rig.events.recent(1000, "net.marking")
+        if e.kind == "net.marking_error" or "removed outside gpud" in e.message
+    ]
+
+
+def test_restores_held_within_the_minute_are_said_before_nft_fails(rig: Rig) -> None:
+    """A firewall flushing the ruleset, then ``nft`` failing: the restores held within the
+    minute are said as soon as it fails, before its ``net.marking_error``, not after the
+    error and its "in force again" (reading as a flush after it), nor never while nft
+    stays broken."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    rig.service.tick()
+    _flush_and_tick(rig, 5)  # the first said, 4 held
+    rig.marker.fail = "nft: simulated failure"
+    rig.clock.t += 1.0
+    rig.service.tick()
+    assert _marking_said(rig) == [
+        ("net.marking", 1),
+        ("net.marking", 4),
+        ("net.marking_error", None),
+    ]
+    for _ in range(120):  # broken for minutes: nothing more to say
+        rig.clock.t += 1.0
+        rig.service.tick()
+    rig.marker.fail = ""
+    rig.clock.t += 1.0
+    rig.service.tick()
+    assert len(_marking_said(rig)) == 3
+    assert rig.service.view().marking_restores == 5
+
+
+def test_restores_held_within_the_minute_are_said_at_the_stop(rig: Rig) -> None:
+    """Restores of gpud's table made within the minute after the last said one are said
+    at gpud's stop, with their count, not lost with it."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    rig.service.tick()
+    _flush_and_tick(rig, 3)
+    rig.service.shutdown()
+    assert _marking_said(rig) == [("net.marking", 1), ("net.marking", 2)]
+    rig.service.shutdown()  # nothing held any more: nothing said twice
+    assert len(_marking_said(rig)) == 2
+
+
 def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
