@@ -106,6 +106,9 @@ RDMA_RECHECK_S = 30.0
 # outside gpud: a firewall that flushes the whole ruleset on every tick is said once, then
 # counted, not said once a tick (each restore is counted: gpud_net_marking_restores_total)
 MARKING_RESTORE_SAID_EVERY_S = 60.0
+# the index ``link_rate`` holds a rate under when the netdev was made again between its
+# two ifindex reads (no ifindex is negative)
+_REMADE = -1
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
 # difference is time the node did not run (a suspend) or a clock stepped forward (behind
 # it by as much: the wall clock stepped back)
@@ -1731,14 +1734,19 @@ class TrafficService:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        index = self._link_index(iface)
-        held = self._held_bps(iface, index)
+        # the ifindex on both sides of the speed: a netdev made again between the reads
+        # (another ifindex) neither gets the old one's rate nor has its speed kept as the
+        # old one's
+        before = self._link_index(iface)
+        failed: NotFound | LinkDown | None = None
         try:
             mbit, speed = self._link_speed(iface)
-        except (NotFound, LinkDown):
-            if held is None:
-                raise
-            mbit, speed = None, ""
+        except (NotFound, LinkDown) as err:
+            mbit, speed, failed = None, "", err
+        index = self._link_index(iface)
+        held = self._held_bps(iface, index if before == index else _REMADE)
+        if failed is not None and held is None:
+            raise failed
         if mbit is None or mbit <= 0:
             if held is not None:
                 # it had a speed in this run: a NIC whose link went down has none until
@@ -1754,18 +1762,21 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
-        self._link_bps[iface] = (index, bps)
+        if before == index:
+            self._link_bps[iface] = (index, bps)
         return bps
 
     def _held_bps(self, iface: str, index: int | None) -> int | None:
         """The rate ``iface``'s speed last gave, while the netdev it was read on is the one
-        on the name now (or either index is unknown: a netdev gone is for tc to name)."""
+        on the name now (the name gone now, index None, is for tc to name); ``_REMADE``:
+        made again while its speed was read, so none is held."""
         held = self._link_bps.get(iface)
-        if held is None:
+        if held is None or index == _REMADE:
             return None
         was, bps = held
-        if was is not None and index is not None and was != index:
-            # another netdev under the name (a veth or VF made again): its speed is its own
+        if index is not None and was != index:
+            # another netdev under the name (a veth or VF made again): its speed is its own,
+            # also after one whose index was not known when its speed was kept
             del self._link_bps[iface]
             return None
         return bps

@@ -156,9 +156,11 @@ class Rig:
         jobs: Callable[[], list[str]] | None = None,
         tags: TagStore | None = None,
         active: Callable[[], set[str]] | None = None,
+        link_index: Callable[[str], int | None] | None = None,
     ) -> TrafficService:
         """``jobs``: the registry's names (default: ``self.jobs``); ``active``: the jobs
-        holding a reservation (default: ``self.active``)."""
+        holding a reservation (default: ``self.active``); ``link_index``: each netdev's
+        ifindex (default: the fixture's ``ifindex`` files)."""
         return TrafficService(
             self.config,
             tags=tags or TagStore(self.store, pool=job_pool(self.config)),
@@ -171,7 +173,7 @@ class Rig:
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
             link_speed=speeds(self.sysfs),
-            link_index=indexes(self.sysfs),
+            link_index=link_index or indexes(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
             monotonic=self.clock.monotonic,
@@ -552,6 +554,38 @@ def test_a_netdev_made_again_under_the_name_is_not_shaped_at_the_old_ones_rate(
     rig.service.tick()
     (status,) = rig.service.view().interfaces
     assert status.enforced and status.rate_bps == 100_000_000
+
+
+def test_a_netdev_made_again_while_its_speed_is_read_gets_no_rate_held_for_the_old_one(
+    rig: Rig,
+) -> None:
+    """eth0 deleted and made again (another ifindex, no speed) between gpud's read of its
+    ifindex and of its speed: the new netdev is not shaped at the old one's rate; nor is a
+    rate kept while the ifindex was not known held for the netdev found later."""
+    answers: list[int | None] = []
+    rig.service = rig.make(link_index=lambda iface: answers.pop(0))
+    eth0 = rig.sysfs / "class" / "net" / "eth0"
+    answers[:] = [4, 4]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 1_000_000_000
+    (eth0 / "speed").write_text("-1\n")  # the new netdev: up, no speed
+    answers[:] = [4, 9, 9]  # the old one's index read before its speed, the new one's after
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced
+    assert status.error == "eth0: link rate unknown (ethtool gives none): set traffic.link_rates"
+    # a speed kept while no ifindex was known, then a netdev on ifindex 12 without one
+    (eth0 / "speed").write_text("100\n")
+    answers[:] = [None, None, None]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 100_000_000
+    (eth0 / "speed").write_text("-1\n")
+    answers[:] = [12, 12, 12]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced and "link rate unknown" in status.error
 
 
 def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig) -> None:
