@@ -508,18 +508,28 @@ class NetlinkTransport(Protocol):
 def netns_socket(netns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
     """A socket made in the network namespace ``/run/netns/NETNS`` (one fork): what the
     kernel answers on it (an ioctl, a netlink dump) is about that namespace's netdevs. A
-    missing NETNS is a FileNotFoundError naming it; it is never created (pyroute2's
-    ``create_socket`` makes one by default: its ``flags`` are ``open(2)``'s, O_CREAT)."""
+    NETNS that cannot be entered is an OSError naming it (a FileNotFoundError where it
+    does not exist, a PermissionError where ``open(2)`` or ``setns(2)`` is refused); it is
+    never created (pyroute2's ``create_socket`` makes one by default: its ``flags`` are
+    ``open(2)``'s, O_CREAT)."""
     try:
         sock: socket.socket = create_socket(netns, family, kind, proto, flags=0)
-    except FileNotFoundError as e:
-        path = netns if "/" in netns else f"/run/netns/{netns}"
-        raise FileNotFoundError(
-            e.errno,
-            f"network namespace {netns!r} does not exist (no {path}; `ip netns list`"
-            " names those that do): nothing was created",
-            path,
-        ) from e
+    except OSError as e:
+        # pyroute2's forked child gives only errno and strerror ("failed to open netns"
+        # for a file setns(2) refuses): which namespace is the caller's to say. A bare name
+        # is a file under /run/netns, said once beside it; a path is the name itself
+        path = "" if "/" in netns else f"/run/netns/{netns}; "
+        if isinstance(e, FileNotFoundError):
+            why = (
+                f"does not exist (no {path or 'such file; '}`ip netns list` names those"
+                " that do): nothing was created"
+            )
+        else:
+            why = f"cannot be entered ({path}{e.strerror or e})"
+        named = f"network namespace {netns!r}"
+        # OSError(errno, ...) is the errno's own subclass (FileNotFoundError, ...); no
+        # filename, which str() would show after the message a second time
+        raise OSError(e.errno, f"{named} {why}") from e
     return sock
 
 

@@ -106,6 +106,9 @@ RDMA_RECHECK_S = 30.0
 # outside gpud: a firewall that flushes the whole ruleset on every tick is said once, then
 # counted, not said once a tick (each restore is counted: gpud_net_marking_restores_total)
 MARKING_RESTORE_SAID_EVERY_S = 60.0
+# the index ``link_rate`` holds a rate under when the netdev was made again between its
+# two ifindex reads (no ifindex is negative)
+_REMADE = -1
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
 # difference is time the node did not run (a suspend) or a clock stepped forward (behind
 # it by as much: the wall clock stepped back)
@@ -1731,14 +1734,19 @@ class TrafficService:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        index = self._link_index(iface)
-        held = self._held_bps(iface, index)
+        # the ifindex on both sides of the speed: a netdev made again between the reads
+        # (another ifindex) neither gets the old one's rate nor has its speed kept as the
+        # old one's
+        before = self._link_index(iface)
+        failed: NotFound | LinkDown | None = None
         try:
             mbit, speed = self._link_speed(iface)
-        except (NotFound, LinkDown):
-            if held is None:
-                raise
-            mbit, speed = None, ""
+        except (NotFound, LinkDown) as err:
+            mbit, speed, failed = None, "", err
+        index = self._link_index(iface)
+        held = self._held_bps(iface, index if before == index else _REMADE)
+        if failed is not None and held is None:
+            raise failed
         if mbit is None or mbit <= 0:
             if held is not None:
                 # it had a speed in this run: a NIC whose link went down has none until
@@ -1754,18 +1762,21 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
-        self._link_bps[iface] = (index, bps)
+        if before == index:
+            self._link_bps[iface] = (index, bps)
         return bps
 
     def _held_bps(self, iface: str, index: int | None) -> int | None:
         """The rate ``iface``'s speed last gave, while the netdev it was read on is the one
-        on the name now (or either index is unknown: a netdev gone is for tc to name)."""
+        on the name now (the name gone now, index None, is for tc to name); ``_REMADE``:
+        made again while its speed was read, so none is held."""
         held = self._link_bps.get(iface)
-        if held is None:
+        if held is None or index == _REMADE:
             return None
         was, bps = held
-        if was is not None and index is not None and was != index:
-            # another netdev under the name (a veth or VF made again): its speed is its own
+        if index is not None and was != index:
+            # another netdev under the name (a veth or VF made again): its speed is its own,
+            # also after one whose index was not known when its speed was kept
             del self._link_bps[iface]
             return None
         return bps
@@ -2160,6 +2171,9 @@ class TrafficService:
             result = self._marker.sync(marks)
         except Exception as err:
             message = f"nftables: {err}"
+            # restores held within the minute happened before this failure: said first,
+            # or they would read as a new flush after the pair, or go unsaid while nft fails
+            self._say_restores(False, at_once=True)
             if message != self._marking_error:
                 log.warning("traffic: %s", message)
                 self._events.emit("net.marking_error", message)
@@ -2173,7 +2187,7 @@ class TrafficService:
                 f" gpud's from table {FAMILY} {DEFAULT_TABLE} (they could undo the marks)"
             )
             log.warning("traffic: %s", message)
-            self._events.emit("net.marking", message)
+            self._events.emit("net.marking", message, restores=0)
         found, self._marks_found = self._marks_found, False
         restored = False
         if found and (not result.created or result.rebuilt):
@@ -2196,7 +2210,9 @@ class TrafficService:
             # the pair of the net.marking_error event: the log says when marking came back
             log.info("traffic: nftables marking in force again")
             self._events.emit(
-                "net.marking", f"nftables marking in force again (was: {self._marking_error})"
+                "net.marking",
+                f"nftables marking in force again (was: {self._marking_error})",
+                restores=0,
             )
         elif result.created and not result.rebuilt and self._marking_ok:
             # written by this run and gone since its last pass: a firewall reload flushed
@@ -2211,21 +2227,23 @@ class TrafficService:
                 "net.marking",
                 f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"
                 + (" (table recreated)" if result.created else ""),
+                restores=0,
             )
         self._marking_error = ""
         self._marking_ok = True
         self._say_restores(restored)
 
-    def _say_restores(self, restored: bool) -> None:
+    def _say_restores(self, restored: bool, *, at_once: bool = False) -> None:
         """Say the restores of gpud's table not said yet (``restored``: this pass made
         one): the first at once, then those that follow within
         ``MARKING_RESTORE_SAID_EVERY_S`` of it in one event once that time is up, with
-        their count (``restores``), on whichever pass comes next."""
+        their count (``restores``), on whichever pass comes next. ``at_once``: say
+        them now, within the minute or not (an ``nft`` that failed, gpud's stop)."""
         if not self._restores_unsaid:
             return
         now = self._monotonic()
         said_at = self._restore_said_at
-        if said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
+        if not at_once and said_at is not None and now - said_at < MARKING_RESTORE_SAID_EVERY_S:
             return
         count, rules = self._restores_unsaid, self._restore_rules
         table = f"table {FAMILY} {DEFAULT_TABLE}"
@@ -2353,9 +2371,13 @@ class TrafficService:
     def shutdown(self) -> None:
         """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces;
         then close the netlink socket. The NIC map the last tick wanted is waited for up
-        to 5 s (fail-static leaves the last priorities, on the NIC too)."""
+        to 5 s (fail-static leaves the last priorities, on the NIC too). Restores of gpud's
+        nftables table not said yet (within a minute of the last said) are said first."""
         self._rdma_writer.wait_idle(5.0)
         self._rdma_writer.close()
+        # restores of gpud's table held within the minute are said before the stop, not lost
+        with self._io_lock:
+            self._say_restores(False, at_once=True)
         try:
             if self.config.enabled and self.config.shutdown == "restore":
                 self._restore()

@@ -156,9 +156,11 @@ class Rig:
         jobs: Callable[[], list[str]] | None = None,
         tags: TagStore | None = None,
         active: Callable[[], set[str]] | None = None,
+        link_index: Callable[[str], int | None] | None = None,
     ) -> TrafficService:
         """``jobs``: the registry's names (default: ``self.jobs``); ``active``: the jobs
-        holding a reservation (default: ``self.active``)."""
+        holding a reservation (default: ``self.active``); ``link_index``: each netdev's
+        ifindex (default: the fixture's ``ifindex`` files)."""
         return TrafficService(
             self.config,
             tags=tags or TagStore(self.store, pool=job_pool(self.config)),
@@ -171,7 +173,7 @@ class Rig:
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
             link_speed=speeds(self.sysfs),
-            link_index=indexes(self.sysfs),
+            link_index=link_index or indexes(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
             monotonic=self.clock.monotonic,
@@ -552,6 +554,38 @@ def test_a_netdev_made_again_under_the_name_is_not_shaped_at_the_old_ones_rate(
     rig.service.tick()
     (status,) = rig.service.view().interfaces
     assert status.enforced and status.rate_bps == 100_000_000
+
+
+def test_a_netdev_made_again_while_its_speed_is_read_gets_no_rate_held_for_the_old_one(
+    rig: Rig,
+) -> None:
+    """eth0 deleted and made again (another ifindex, no speed) between gpud's read of its
+    ifindex and of its speed: the new netdev is not shaped at the old one's rate; nor is a
+    rate kept while the ifindex was not known held for the netdev found later."""
+    answers: list[int | None] = []
+    rig.service = rig.make(link_index=lambda iface: answers.pop(0))
+    eth0 = rig.sysfs / "class" / "net" / "eth0"
+    answers[:] = [4, 4]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 1_000_000_000
+    (eth0 / "speed").write_text("-1\n")  # the new netdev: up, no speed
+    answers[:] = [4, 9, 9]  # the old one's index read before its speed, the new one's after
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced
+    assert status.error == "eth0: link rate unknown (ethtool gives none): set traffic.link_rates"
+    # a speed kept while no ifindex was known, then a netdev on ifindex 12 without one
+    (eth0 / "speed").write_text("100\n")
+    answers[:] = [None, None, None]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert status.enforced and status.rate_bps == 100_000_000
+    (eth0 / "speed").write_text("-1\n")
+    answers[:] = [12, 12, 12]
+    rig.service.tick()
+    (status,) = rig.service.view().interfaces
+    assert not status.enforced and "link rate unknown" in status.error
 
 
 def test_a_link_down_at_start_is_named_down_and_enforced_once_it_is_up(rig: Rig) -> None:
@@ -1149,6 +1183,64 @@ def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_m
     assert [n for _, n in said()] == [1, 60, 10]
     flushed_pass()  # a flush over a minute after that: said at once, as a first
     assert [n for _, n in said()] == [1, 60, 10, 1]
+
+
+def _flush_and_tick(rig: Rig, times: int) -> None:
+    """``nft flush ruleset`` before each of ``times`` passes, a second apart."""
+    for _ in range(times):
+        rig.marker.table, rig.marker.marks = False, set()
+        rig.clock.t += 1.0
+        rig.service.tick()
+
+
+def _marking_said(rig: Rig) -> list[tuple[str, object]]:
+    return [
+        (e.kind, e.fields.get("restores"))
+        for e in rig.events.recent(1000, "net.marking")
+        if e.kind == "net.marking_error" or "removed outside gpud" in e.message
+    ]
+
+
+def test_restores_held_within_the_minute_are_said_before_nft_fails(rig: Rig) -> None:
+    """A firewall flushing the ruleset, then ``nft`` failing: the restores held within the
+    minute are said as soon as it fails, before its ``net.marking_error``, not after the
+    error and its "in force again" (reading as a flush after it), nor never while nft
+    stays broken."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    rig.service.tick()
+    _flush_and_tick(rig, 5)  # the first said, 4 held
+    rig.marker.fail = "nft: simulated failure"
+    rig.clock.t += 1.0
+    rig.service.tick()
+    assert _marking_said(rig) == [
+        ("net.marking", 1),
+        ("net.marking", 4),
+        ("net.marking_error", None),
+    ]
+    for _ in range(120):  # broken for minutes: nothing more to say
+        rig.clock.t += 1.0
+        rig.service.tick()
+    rig.marker.fail = ""
+    rig.clock.t += 1.0
+    rig.service.tick()
+    assert len(_marking_said(rig)) == 3
+    assert rig.service.view().marking_restores == 5
+
+
+def test_restores_held_within_the_minute_are_said_at_the_stop(rig: Rig) -> None:
+    """Restores of gpud's table made within the minute after the last said one are said
+    at gpud's stop, with their count, not lost with it."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    rig.service.tick()
+    _flush_and_tick(rig, 3)
+    rig.service.shutdown()
+    assert _marking_said(rig) == [("net.marking", 1), ("net.marking", 2)]
+    rig.service.shutdown()  # nothing held any more: nothing said twice
+    assert len(_marking_said(rig)) == 2
 
 
 def test_a_ruleset_flushed_while_no_job_is_marked_is_said_without_unmarked_packets(

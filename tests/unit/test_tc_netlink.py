@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,7 @@ from netshaper.tc_netlink import (
     TcError,
     TcNetlink,
     _answer,
+    netns_socket,
 )
 
 LINKS = {"eth0": 1, "eth1": 2}
@@ -787,3 +790,25 @@ def test_what_was_seen_of_gpuds_tree_is_kept_for_the_names_indexes_only() -> Non
         assert "gpud leaves" in str(tc.drift(ONE).errors["eth0"])
     assert set(tc._tree_seen) == {39}
     tc.close()
+
+
+@pytest.mark.parametrize(
+    ("under", "kind", "why"),
+    [
+        ("file/ns", NotADirectoryError, "Not a directory"),
+        ("file", OSError, ""),  # root: setns(2) refuses a file that is no namespace
+    ],
+)
+def test_a_namespace_that_cannot_be_entered_is_named_once(
+    tmp_path: Path, under: str, kind: type[OSError], why: str
+) -> None:
+    """A namespace path ``open(2)`` or ``setns(2)`` refuses is an OSError of its errno that
+    names the namespace, once: not pyroute2's bare "failed to open netns", nor the path
+    a second time after the message."""
+    (tmp_path / "file").write_text("")
+    netns = str(tmp_path / under)
+    with pytest.raises(kind) as info:
+        netns_socket(netns, socket.AF_NETLINK, socket.SOCK_RAW)
+    message = str(info.value)
+    assert message.startswith(f"[Errno {info.value.errno}] network namespace {netns!r}")
+    assert message.count(netns) == 1 and why in message
