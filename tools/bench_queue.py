@@ -5,6 +5,7 @@
     .venv/bin/python -m tools.bench_queue [--runs 10] [--leavers 80]
     .venv/bin/python -m tools.bench_queue --waiters 200 [--idle-s 30] [--timeout S]
         [--history N]
+    .venv/bin/python -m tools.bench_queue --enqueues 10,100,300,1000
 
 - hand-over: ``--runs`` queued ``gpuctl run --gpus 1 --memory 60GiB`` of 0.3 s each on one
   H100; the time from one command's end to the next one's start (what the devices sit idle
@@ -22,6 +23,11 @@ With ``--waiters N``, instead: N runs queued behind one holding the GPU, and
 - hand-over: the holder ends, then ten queued 0.3 s runs start one after the other with
   N, N - 1, ... still waiting behind; the time from one command's end to the next one's
   start, median and max (the rest are then stopped with SIGINT).
+
+With ``--enqueues SIZES``, instead: behind one run holding the GPU, ``Enqueue`` calls
+(what each ``gpuctl run`` that queues asks; held by this process, no ``gpuctl`` each) fill
+the queue, and the time of the enqueues that make it 1 to 5 entries short of each size is
+printed, median and max, the sizes side by side.
 
 ``--history N``: the job history holds N runs before the waiters queue
 (:func:`fill_history`: four request classes over the last 6.3 days), what
@@ -294,6 +300,49 @@ def at_scale(
         stop_children([*holding, *procs])
 
 
+def enqueue_times(
+    daemon: SimDaemon, sizes: list[int], *, history: int = 0
+) -> dict[int, list[float]]:
+    """Per size of ``sizes`` (ascending), the times of the five enqueues that make the
+    queue that long (the last five up to it)."""
+    import grpc
+
+    from gpud.v1 import jobs_pb2, queue_pb2, queue_pb2_grpc
+
+    if history:
+        db = sqlite3.connect(daemon.socket.parent.parent / "state" / "state.db", timeout=30)
+        with db:
+            fill_history(db, history, time.time())
+        db.close()
+    took: dict[int, list[float]] = {size: [] for size in sizes}
+    holding: list[subprocess.Popen[bytes]] = []
+    try:
+        start_child(holding, gpuctl(daemon, *RUN, "holder", "--", "sleep", "3600"), stderr=DROP)
+        time.sleep(2)
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+            stub = queue_pb2_grpc.QueueStub(channel)
+            for n in range(1, max(sizes) + 1):
+                request = jobs_pb2.ReserveRequest(
+                    job=f"e{n}", gpu_count=1, memory_limit_bytes=60 * GIB, holder_pid=os.getpid()
+                )
+                began = time.monotonic()
+                stub.Enqueue(queue_pb2.EnqueueRequest(request=request), timeout=120)
+                spent = time.monotonic() - began
+                for size in sizes:
+                    if size - 5 < n <= size:
+                        took[size].append(spent)
+    finally:
+        stop_children(holding)
+    return took
+
+
+def enqueue_figures(took: dict[int, list[float]]) -> str:
+    return "enqueue with N queued, median (max) of the last five up to N: " + ", ".join(
+        f"{size}: {statistics.median(t) * 1e3:.1f} ms ({max(t) * 1e3:.1f} ms)"
+        for size, t in took.items()
+    )
+
+
 @restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -301,19 +350,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leavers", type=int, default=80)
     parser.add_argument("--waiters", type=int, default=0)
     parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument(
+        "--enqueues", default="", help="queue sizes to time enqueues at, as 10,100,300"
+    )
     parser.add_argument("--history", type=int, default=0, help="runs in the job history")
     parser.add_argument(
         "--timeout", type=float, default=None, help="the waiting runs' gpuctl --timeout"
     )
     args = parser.parse_args(argv)
-    phases = Phases(3 if args.waiters else 2)
+    sizes = sorted({int(x) for x in args.enqueues.split(",") if x.strip()})
+    if any(size < 1 for size in sizes):
+        parser.error(f"--enqueues: queue sizes are 1 or more, not {args.enqueues!r}")
+    phases = Phases(1 if sizes else 3 if args.waiters else 2)
     with (
         stopped_by_signal() as stopped,
         simulated_gpud("H100-SXM5-80GB:1") as daemon,
         tempfile.TemporaryDirectory() as tmp,
     ):
         print(f"measuring: {phases.planned} phases", flush=True)
-        if args.waiters:
+        if sizes:
+            took = enqueue_times(daemon, sizes, history=args.history)
+            phases.said(enqueue_figures(took))
+        elif args.waiters:
             at_scale(
                 daemon,
                 args.waiters,

@@ -720,10 +720,17 @@ class AdmissionService:
                 env,
                 waiting_on=entry.left_why,
             )
-        return next(v for v in self.queue_views() if v.entry.id == entry_id)
+        return next(v for v in self._queue_views(entry_id) if v.entry.id == entry_id)
 
     def queue_views(self) -> list[EntryView]:
         """Queued entries in order, quotable first, with positions and remaining quotes."""
+        return self._queue_views(None)
+
+    def _queue_views(self, only: str | None) -> list[EntryView]:
+        """:meth:`queue_views`, or with ``only`` an entry's id, that entry's view alone (as
+        the listing gives it): the entries ahead count by class, and no other entry's quote
+        or WHY NOT is made. Every waiting ``gpuctl run`` and every enqueue asks its own;
+        making each entry's took an enqueue time that grew with the queue."""
         queued = self.entries()
         fit = self.fit()
         now = self._clock()
@@ -741,33 +748,37 @@ class AdmissionService:
         ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs, sick, user_names())  # each user looked up once
         running = self._running(views, now, held.loads()) if queued else []
+        position = 0
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
-                unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
+                if only in (None, e.id):
+                    unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            down = _unhealthy_in(verdict, sick, targets)
-            quote, late = (
-                (None, ())
-                if down
-                else self._quote(
-                    views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+            position += 1
+            if only in (None, e.id):
+                down = _unhealthy_in(verdict, sick, targets)
+                quote, late = (
+                    (None, ())
+                    if down
+                    else self._quote(
+                        views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+                    )
                 )
-            )
-            out.append(
-                EntryView(
-                    e,
-                    len(out) + 1,
-                    _waited(now, e),
-                    quote,
-                    None,
-                    None,
-                    {},
-                    waiting_on=down or self._start_failures.get(e.id, "") or held.why(e, head),
-                    overdue=late,
-                    unhealthy=down,
+                out.append(
+                    EntryView(
+                        e,
+                        position,
+                        _waited(now, e),
+                        quote,
+                        None,
+                        None,
+                        {},
+                        waiting_on=down or self._start_failures.get(e.id, "") or held.why(e, head),
+                        overdue=late,
+                        unhealthy=down,
+                    )
                 )
-            )
             head = head or e
             ahead_classes[e.request_class] += 1
         return out + unfeasible

@@ -90,6 +90,7 @@ def make_node(
     jobs_type: type[JobService] = JobService,
     config: AdmissionConfig | None = None,
     proc_root: Path = Path("/proc"),
+    admission_type: type[AdmissionService] = AdmissionService,
 ) -> Node:
     store = store_type(root / "state")
     events = EventLog(None)
@@ -98,7 +99,7 @@ def make_node(
     jobs = jobs_type(
         store, events, mps, socket_path=root / "gpud.sock", clock=clock, proc_root=proc_root
     )
-    admission = AdmissionService(
+    admission = admission_type(
         store,
         jobs,
         mps,
@@ -1435,6 +1436,47 @@ def test_a_listing_asks_placement_once_per_request_shape(tmp_path: Path) -> None
     for v in views:
         assert v.waiting_on.startswith(f"job {v.entry.job!r} asks 60GiB on "), v.waiting_on
         assert "reserved by" in v.waiting_on
+    node.store.close()
+
+
+class CountingQuotes(AdmissionService):
+    """The admission service, counting the entries' quotes it makes."""
+
+    quoted = 0
+
+    def _quote(self, *args: Any, **kwargs: Any) -> Any:
+        self.quoted += 1
+        return super()._quote(*args, **kwargs)
+
+
+def test_an_enqueue_quotes_its_own_entry_alone_however_long_the_queue(tmp_path: Path) -> None:
+    """Each enqueue (and each waiting run's read of its own entry) made the view and quote
+    of every queued entry to answer with one: a thousand queued took minutes. It makes its
+    own, with the position and quote the listing gives it."""
+    node = make_node(tmp_path, Clock(), admission_type=CountingQuotes)
+    admission = node.admission
+    assert isinstance(admission, CountingQuotes)
+    runs_of_a_then_one_more(node)  # a history: the entries are quoted
+    admission.enqueue(RunRequest(job="never", gpu_count=3), keep_unfeasible=True)
+    admission.enqueue(whole("pair", 2))
+
+    def quotes_of_an_enqueue(job: str) -> int:
+        admission.quoted = 0
+        admission.enqueue(whole(job))
+        return admission.quoted
+
+    first = quotes_of_an_enqueue("w0")
+    for i in range(1, 30):
+        admission.enqueue(whole(f"w{i}"))
+    assert quotes_of_an_enqueue("w30") == first
+    listed = {v.entry.id: v for v in admission.queue_views()}
+    admission.quoted = 0
+    for v in listed.values():
+        assert admission.view(v.entry.id) == v
+    assert admission.quoted == len(listed) - 1  # each its own; the unfeasible one none
+    last = listed[admission.entries()[-1].id]
+    assert (last.position, last.entry.job) == (32, "w30") and last.quote_s is not None
+    assert len({v.quote_s for v in listed.values()}) > 2  # each quoted by its place
     node.store.close()
 
 
