@@ -11,7 +11,9 @@
 
 The attributes come with the epoch of the leader that computed them; a value is the same
 on every node that runs the job (the leader folds all of them). Standard library and grpc
-only, imported inside jobs.
+only, imported inside jobs. Where gRPC cannot be loaded in the job (missing, broken,
+half-imported at the fork that made the process) or its channel made (a socket path not
+valid UTF-8), both raise :class:`GrpcUnavailable`, saying why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpud.client.progress import load_grpc
 
 JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
@@ -56,6 +60,29 @@ class Attributes:
     tx_bytes: int
     computed_unix_s: float
     critical_xids: tuple[str, ...] = ()
+
+
+class GrpcUnavailable(RuntimeError):
+    """gpud was not asked: gRPC could not be loaded in this process (missing, broken,
+    half-imported at the fork that made it) or its channel made (a socket path not valid
+    UTF-8); the message says which, with the job."""
+
+
+def _channel(target: str, job: str) -> Any:
+    """A gRPC channel to gpud at ``target`` (it connects at its first call), gRPC loaded
+    here in the caller's thread; :class:`GrpcUnavailable` where it cannot be."""
+
+    def load() -> Any:
+        import grpc
+
+        from gpud.v1 import cluster_pb2, cluster_pb2_grpc  # noqa: F401
+
+        return grpc.insecure_channel(target)
+
+    channel, why = load_grpc(load, target.removeprefix("unix:"), outcome="gpud is not asked")
+    if channel is None:
+        raise GrpcUnavailable(f"attributes of job {job} not read: {why}")
+    return channel
 
 
 def _target(socket: Path | str | None, target: str | None) -> str:
@@ -103,13 +130,12 @@ def attributes(
     timeout_s: float = 2.0,
 ) -> Attributes | None:
     """The job's attributes (``job`` defaults to ``$GPUD_JOB``); None before the first
-    order that names it. Raises ``grpc.RpcError`` when gpud cannot be reached."""
-    import grpc
-
-    from gpud.v1 import cluster_pb2, cluster_pb2_grpc
-
+    order that names it. Raises ``grpc.RpcError`` when gpud cannot be reached,
+    :class:`GrpcUnavailable` where gRPC cannot be loaded or its channel made."""
     name = _job(job)
-    with grpc.insecure_channel(_target(socket, target)) as channel:
+    with _channel(_target(socket, target), name) as channel:
+        from gpud.v1 import cluster_pb2, cluster_pb2_grpc
+
         resp = cluster_pb2_grpc.ClusterStub(channel).GetAttributes(
             cluster_pb2.GetAttributesRequest(jobs=[name]), timeout=timeout_s
         )
@@ -126,13 +152,13 @@ def watch_attributes(
     target: str | None = None,
 ) -> Iterator[Attributes]:
     """The job's attributes now (once known), then again each time they change. Ends with
-    ``grpc.RpcError`` if gpud goes away; close the generator to stop watching."""
-    import grpc
-
-    from gpud.v1 import cluster_pb2, cluster_pb2_grpc
-
+    ``grpc.RpcError`` if gpud goes away; close the generator to stop watching. Its first
+    ``next()`` raises :class:`GrpcUnavailable` where gRPC cannot be loaded or its channel
+    made."""
     name = _job(job)
-    with grpc.insecure_channel(_target(socket, target)) as channel:
+    with _channel(_target(socket, target), name) as channel:
+        from gpud.v1 import cluster_pb2, cluster_pb2_grpc
+
         stream = cluster_pb2_grpc.ClusterStub(channel).WatchAttributes(
             cluster_pb2.GetAttributesRequest(jobs=[name])
         )

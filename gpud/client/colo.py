@@ -24,7 +24,10 @@ iterations, under a process id of its own.
 The job, the daemon's socket and the run's report token come from the environment ``gpuctl
 run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
 fail because its node's gpud is away, nor stay throttled by one that is gone: a directive
-lapses :data:`DIRECTIVE_HOLD_S` after gpud last answered.
+lapses :data:`DIRECTIVE_HOLD_S` after gpud last answered. Nor without gRPC: where it
+cannot be loaded or its channel made, a ``Throttle`` (the one ``throttle_point()`` makes)
+and a ``Latency`` are inert, each with a warning logged and the reason in its
+``last_error``.
 """
 
 from __future__ import annotations
@@ -129,11 +132,11 @@ class _Channel:
             )
         return self._stub
 
-    def load(self) -> str:
+    def load(self, outcome: str = "nothing is reported") -> str:
         """Import all of gRPC that the calls use (making a channel imports the rest; it
         connects only at its first call), in the thread that asks, and forget the channel:
-        the calls make their own. "" when loaded, else why not (never raises: see
-        :func:`load_grpc`)."""
+        the calls make their own. "" when loaded, else why not, ending with ``outcome``
+        (never raises: see :func:`load_grpc`)."""
 
         def load() -> bool:
             import grpc
@@ -143,7 +146,7 @@ class _Channel:
             grpc.insecure_channel(f"unix://{self._socket}").close()
             return True
 
-        return load_grpc(load, self._socket)[1]
+        return load_grpc(load, self._socket, outcome=outcome)[1]
 
     def forget(self) -> None:
         """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
@@ -185,7 +188,12 @@ class Throttle:
         ``ThrottlePoint`` carries this throttle's process id (``ThrottlePointRequest.process``,
         random, a forked child's its own): gpud tells a process started again within one
         run, whose rate it reads from its own iterations, not across the gap from the
-        last one's, from another rank of the job reporting beside it."""
+        last one's, from another rank of the job reporting beside it. Without ``call``,
+        gRPC is loaded here, in the caller's thread (for a job named): where it cannot be
+        (missing, broken, half-imported at the fork that made this process, whose import
+        would wait for good) or its channel made, the throttle is inert, never raising nor
+        waiting: no call is made, the job runs at full duty, a warning is logged and
+        :attr:`last_error` says why ("" while it reports)."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         _check_interval("Throttle", "report_every_s", report_every_s)
@@ -206,6 +214,11 @@ class Throttle:
         self.duty = 1.0
         self.evict = False
         self.reason = ""
+        self.last_error = ""
+        if call is None and self.job:
+            self.last_error = self._channel.load("the job runs at full duty, unthrottled")
+            if self.last_error:
+                log.warning("job %s is not throttled: %s", self.job, self.last_error)
         _THROTTLES.add(self)
 
     def _forked(self) -> None:
@@ -229,7 +242,7 @@ class Throttle:
         """Whether to ask gpud now: ``report_every_s`` (longer after failures) since the
         last call, or, calls failing with a directive to keep, the hold about to run out
         and no call tried since it was."""
-        if not self.job:
+        if not self.job or self.last_error:  # no gRPC: nothing to ask with
             return False
         if now - self._last_report >= self._interval:
             return True

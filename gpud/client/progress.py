@@ -55,7 +55,10 @@ program was inside gRPC's import would wait for good on that module's lock: a ``
 made there is inert, and :attr:`Progress.last_error` says gRPC was half-imported at a fork.
 Where gRPC cannot be loaded (missing, broken) or its channel made (a socket path that is not
 valid UTF-8), a ``Progress`` is inert too, with a warning logged and the reason in
-:attr:`Progress.last_error`: a job never fails for its reports.
+:attr:`Progress.last_error`: a job never fails for its reports. Such a ``Progress`` (one
+made where gRPC was half-imported at a fork too) counts each step in
+:attr:`Progress.dropped`, as a ``Latency`` counts its requests, and its :meth:`Progress.flush`
+returns True at once: every report is accounted for, as dropped.
 
 What is buffered is sent by :meth:`Progress.close`, which the interpreter's exit runs
 (waiting at most a second or two per live ``Progress`` for a gpud that is away); a process
@@ -162,7 +165,9 @@ class Progress:
         # where gpud is, as an operator names it: the socket's path, or the target given
         self._where = target.removeprefix("unix:")
         self.session = os.urandom(8).hex()
-        self.dropped = 0
+        self._dropped = 0
+        # gRPC could not be loaded or its channel made: every step's report is dropped
+        self._unreported = False
         self.rejected = 0
         self.sent = 0
         self.last_error = ""
@@ -214,6 +219,7 @@ class Progress:
             # a job never fails for its reports: this one counts steps and sends none
             self.last_error = why
             log.warning("progress of %s is not reported: %s", name, why)
+            self._unreported = True
             self._stop.set()
             return
         self._thread.start()
@@ -223,6 +229,15 @@ class Progress:
     @property
     def iterations(self) -> int:
         return self._count
+
+    @property
+    def dropped(self) -> int:
+        """Reports made by :meth:`step` that gpud will never be sent: the oldest, past
+        ``max_buffer`` while gpud is away; where gRPC could not be loaded or its channel
+        made (:attr:`last_error` says why), every one, as a ``Latency`` counts its
+        requests then. A rank that does not report (``active=False``) and a forked copy
+        drop none: their steps are not theirs to send."""
+        return self._appended if self._unreported else self._dropped
 
     def step(self, n: int = 1) -> None:
         """``n`` more iterations completed now. Never blocks, never raises."""
@@ -238,7 +253,8 @@ class Progress:
         if not self.active:
             return True  # nothing of this rank's is to be sent
         if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
-            return self._settled >= target
+            # without gRPC every report is dropped, and so accounted for
+            return self._unreported or self._settled >= target
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._flushed:
             self._wake.set()
@@ -432,7 +448,7 @@ class Progress:
         over = len(self._pending) - self._max_buffer
         for _ in range(max(0, over)):
             self._pending.popleft()
-        self.dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
+        self._dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
 
     def _send(self) -> None:
         grpc, net_pb2, net_pb2_grpc = _grpc_modules()
@@ -492,29 +508,32 @@ def _grpc_modules() -> tuple[Any, Any, Any]:
     return grpc, net_pb2, net_pb2_grpc
 
 
-def load_grpc(load: Callable[[], Any], where: str) -> tuple[Any, str]:
+def load_grpc(
+    load: Callable[[], Any], where: str, *, outcome: str = "nothing is reported"
+) -> tuple[Any, str]:
     """gRPC imported here, in the caller's thread, then ``load()`` (makes a channel to gpud
     at ``where``, its socket's path or target): its result and "", or None and why not: gRPC missing or broken, a path the channel cannot
     take (one not valid UTF-8), or gRPC half-imported at the fork that made this process (a
     thread of the parent was inside its import: the child's import would wait for good on
-    that module's lock, which no thread of the child holds). Never raises: a client made in
-    a training program must not end it."""
+    that module's lock, which no thread of the child holds); the reason ends with
+    ``outcome``, what the caller does without gRPC. Never raises: a client made in a
+    training program must not end it."""
     half = [name for name in _half_at_fork if _importing(sys.modules.get(name))]
     if half:
         return None, (
             f"gRPC was half-imported at a fork ({half[0]}, imported by another thread of"
-            " the parent then): nothing is reported from this process"
+            f" the parent then): {outcome} from this process"
         )
     try:
         _grpc_modules()
     except Exception as err:  # a missing or broken grpc must not end the job
-        return None, f"gRPC not loaded ({err!r}): nothing is reported"
+        return None, f"gRPC not loaded ({err!r}): {outcome}"
     try:
         return load(), ""
     except Exception as err:  # e.g. a path not valid UTF-8
         return None, (
             f"no gRPC channel to gpud at {where!r} (${SOCKET_VAR}, socket= or target=):"
-            f" {err!r}: nothing is reported"
+            f" {err!r}: {outcome}"
         )
 
 

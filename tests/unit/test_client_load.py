@@ -19,9 +19,11 @@ import gpud.client
 %(make)s
 for _ in range(3):
     %(use)s
+flushed = client.flush()
 client.close()
 assert threading.active_count() == 1, threading.enumerate()  # no sender thread
 print(client.last_error)
+print(f"dropped {client.dropped}, flushed {flushed}")
 """
 
 _CLIENTS = {
@@ -53,8 +55,17 @@ def test_a_client_without_grpc_reports_nothing_and_says_so(client: str) -> None:
     run = _run(client, "sys.modules['grpc'] = None  # a broken or absent grpc")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("gRPC not loaded (ModuleNotFoundError("), run.stdout
-    assert run.stdout.rstrip().endswith("nothing is reported")
+    assert run.stdout.splitlines()[0].endswith("nothing is reported")
     assert "is not reported: gRPC not loaded" in run.stderr  # the warning, once
+
+
+@pytest.mark.parametrize("client", sorted(_CLIENTS))
+def test_a_client_without_grpc_counts_each_report_it_was_given_as_dropped(client: str) -> None:
+    """A Progress's steps are dropped reports, as a Latency's requests are, and a flush
+    finds every one accounted for: a job reading ``dropped`` sees what gpud never got."""
+    run = _run(client, "sys.modules['grpc'] = None  # a broken or absent grpc")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[1] == "dropped 3, flushed True", run.stdout
 
 
 @pytest.mark.parametrize("client", sorted(_CLIENTS))
@@ -64,3 +75,83 @@ def test_a_socket_path_grpc_cannot_take_is_named_not_raised(client: str) -> None
     assert run.stdout.startswith(
         "no gRPC channel to gpud at '/tmp/gpud-\\udcff.sock' ($GPUD_SOCKET, socket= or target=):"
     ), run.stdout
+
+
+# what a job sees asking for its attributes where gRPC cannot be loaded: printed as caught
+_QUERY = """
+import sys
+sys.modules['grpc'] = None  # a broken or absent grpc
+import gpud.client
+try:
+    %(query)s
+except gpud.client.GrpcUnavailable as err:
+    print(err)
+"""
+
+
+@pytest.mark.parametrize(
+    "query",
+    ['gpud.client.attributes("train-a")', 'next(gpud.client.watch_attributes("train-a"))'],
+    ids=["attributes", "watch_attributes"],
+)
+def test_attributes_without_grpc_raise_an_error_that_names_the_job_and_why(query: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _QUERY % {"query": query}],
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a guard against a hang, not a measurement
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(
+        "attributes of job train-a not read: gRPC not loaded (ModuleNotFoundError("
+    ), run.stdout
+    assert run.stdout.rstrip().endswith("gpud is not asked"), run.stdout
+
+
+def test_a_throttle_without_grpc_leaves_the_job_at_full_duty_and_says_why() -> None:
+    """The process's throttle and one made apart: no call is tried (the import is not
+    tried again at each back-off), the loop is never slowed, and the reason is kept."""
+    program = (
+        "import os, sys\n"
+        "sys.modules['grpc'] = None  # a broken or absent grpc\n"
+        "os.environ['GPUD_JOB'] = 'train-a'\n"
+        "import gpud.client\n"
+        "from gpud.client.colo import Throttle\n"
+        "t = Throttle()\n"
+        "slept = [gpud.client.throttle_point() + t.point() for _ in range(3)]\n"
+        "print(t.last_error)\n"
+        "print(slept, gpud.client.directive())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", program],
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a guard against a hang, not a measurement
+    )
+    assert run.returncode == 0, run.stderr
+    why, done = run.stdout.splitlines()
+    assert why.startswith("gRPC not loaded (ModuleNotFoundError("), why
+    assert why.endswith("the job runs at full duty, unthrottled"), why
+    assert done == "[0.0, 0.0, 0.0] (1.0, False, '')"
+    assert "job train-a is not throttled: gRPC not loaded" in run.stderr  # the warning
+
+
+def test_a_throttle_made_in_a_worker_forked_mid_grpc_import_is_inert_not_hung() -> None:
+    """A worker forked while a thread of the program was inside grpc's import: its import
+    of grpc would wait for good on that module's lock; its throttle says why instead."""
+    from tests.unit.api_support import fork_mid_grpc_import, short_dir
+
+    with short_dir() as d:
+        run = fork_mid_grpc_import(
+            d / "gpud.sock",
+            make='threading.Thread(target=lambda: __import__("grpc"), daemon=True).start()',
+            sent="False",
+            child='t = gpud.client.colo.Throttle("train-a", socket=sock); t.point(); t.point();'
+            ' os._exit(0 if t.last_error.startswith("gRPC was half-imported at a fork (grpc,")'
+            " else 1)",
+        )
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -3451,8 +3451,8 @@ def test_a_signal_while_the_command_is_held_gives_the_reservation_back_without_a
 
 
 class AnswersFirstReserveTooLate(JobsServicer):
-    """Reserves as gpud does, but holds the answer to the first Reserve until its caller's
-    deadline has passed: the reservation is made and its answer lost. ``held``: how many
+    """Reserves as gpud does, but holds the answer to the first Reserve until its caller
+    has asked again: the reservation is made and its answer lost. ``held``: how many
     reservations were held after each Reserve; ``asked``: each Reserve's request id."""
 
     held: ClassVar[list[int]] = []
@@ -3465,13 +3465,18 @@ class AnswersFirstReserveTooLate(JobsServicer):
         self.held.append(len(self._service.reservations.held()))
         self.asked.append(request.request_id)
         if len(self.asked) == 1:
-            await held_past_deadline(context)
+            await held_until_asked_again(self.asked)
         return answer
 
 
-async def held_past_deadline(context: Any) -> None:
-    """Returns once the caller's deadline has passed: an answer sent then is lost."""
-    while (left := context.time_remaining()) is not None and left > 0:
+async def held_until_asked_again(asked: list[str]) -> None:
+    """Returns once a second call is in ``asked``: gpuctl asks again only after its own
+    call gave up, so an answer sent then is lost, however late a loaded host runs its
+    timers. The deadline the servicer sees is no such proof: it passes a little after
+    gpuctl's, and a gpuctl whose deadline timer ran late took an answer sent then as the
+    first call's. A gpuctl that never asks again ends the test, whose server stop cancels
+    this wait."""
+    while len(asked) < 2:
         await asyncio.sleep(0.02)
 
 
@@ -3528,7 +3533,7 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
                 self._service.tick()
             answer = await super().Enqueue(request, context)
             if len(asked) == 1:
-                await held_past_deadline(context)
+                await held_until_asked_again(asked)
             return answer
 
         async def GetEntry(self, request: queue_pb2.GetEntryRequest, context: Any) -> Any:
