@@ -1126,8 +1126,9 @@ class AdmissionService:
         """Forget the classifications of requests no queued entry makes, once there are
         :data:`DEMANDS_KEEP` more of them than entries: each is made again when asked."""
         if len(self._demands) > len(queued) + DEMANDS_KEEP:
-            wanted = {e.placement for e in queued}
-            self._demands = {r: d for r, d in self._demands.items() if r in wanted}
+            # walk the queue, not the dict: a listing's classify() may add to it meanwhile
+            held = self._demands
+            self._demands = {e.placement: held[e.placement] for e in queued if e.placement in held}
 
     def _holder_alive(self, e: Entry) -> bool:
         pid = e.request.holder_pid

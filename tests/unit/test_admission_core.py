@@ -216,6 +216,22 @@ def test_many_classes_on_one_pool_are_quoted_at_a_cost_of_classes_not_their_squa
     assert len({q.wait_s for q in quotes.values()}) == 1 and quotes["c0"].wait_s > 0
 
 
+def test_many_classes_on_one_pool_get_its_packing_efficiency_at_a_cost_of_classes() -> None:
+    """The same sweep's classes each get their pool's packing efficiency from one sweep of
+    the pool, not one intersection per pair of classes, and all the same efficiency."""
+    from gpud.admission.classes import ClassViews
+    from gpud.admission.quote import ClassModel
+
+    pool = CountedPool({"GPU-0", "GPU-1"})
+    models = [ClassModel(f"c{i}", 0.0001, 100.0 + i, 1.0, 2, pool) for i in range(300)]
+    records = [Record(f"j{i}", f"c{i}", float(i), i + 1.0, i + 50.0) for i in range(300)]
+    views = ClassViews(records, now=400.0)
+    CountedPool.taken = 0
+    out = views._with_efficiency(models, now=400.0)
+    assert CountedPool.taken <= 4 * len(models)
+    assert len({m.efficiency for m in out}) == 1
+
+
 def test_a_class_with_no_history_is_quoted_from_the_classes_loading_its_pool() -> None:
     """A class none of whose runs is in the history waits for the servers of its pool
     that the classes with history load: it gets their wait on its own servers (its own
