@@ -87,6 +87,11 @@ driver's counters go on regardless: ``gpud_gpu_xid_errors_total`` counts every X
 thread takes in once the GPUs are counted, and ``gpud_gpu_ecc_errors_total`` is NVML's
 volatile ECC counters."""
 
+XID_SAVE_S = 1.0
+"""A new critical XID is saved to ``xid_state`` at once; later raises of it (its count and
+last_seen) at most once per this many seconds, on a tick or a raise, and at close: a storm is
+not one fsync'd write per raise on the event thread."""
+
 # gpu, the XID's code or the ECC error's type, gpu and compute instance
 _SaidKey = tuple[int, int | str | None, int | None, int | None]
 
@@ -219,6 +224,8 @@ class Sampler:
         self.ignored_xids = frozenset(ignored_xids)
         self._xid_state = xid_state
         self._xid_save_lock = threading.Lock()  # one write at a time, of the newest state
+        self._xids_unsaved = False  # under _lock: a count or last_seen not written yet
+        self._xids_saved_at = float("-inf")  # under _lock: when state was last taken to save
         # critical XIDs of GPU indexes without a slot: read from xid_state before the GPUs
         # are counted, raised before that, or of an index the driver no longer counts
         self._unslotted_xids: dict[int, dict[int, CriticalXid]] = self._load_xids()
@@ -306,6 +313,7 @@ class Sampler:
                 listeners = tuple(self._listeners)
                 over = self._forget_said(lambda key: start - self._said[key].at >= REMIND_S)
             self._say_the_rest(over, f"in the {REMIND_S / 60:g} minutes after it was last said")
+            self._save_xids(only_unsaved=True, only_if_due=True)
             for listener in listeners:
                 try:
                     listener(snapshot)
@@ -466,6 +474,7 @@ class Sampler:
                         else self._unslotted_xids.setdefault(event.gpu, {})
                     )
                     known = table.get(event.xid)
+                    self._xids_unsaved = True
                     if known is None:  # new since a reset or a clear, which forgot it was said
                         table[event.xid] = CriticalXid(event.xid, 1, now, now, uuid, model)
                     else:
@@ -480,7 +489,9 @@ class Sampler:
                         )
                 repeats = self._repeats(key, _Said(event, message, uuid, mig_uuid, critical))
             if critical:
-                self._save_xids()
+                # a new fault at once; a storm's counting at most once per XID_SAVE_S
+                later = known is not None
+                self._save_xids(only_unsaved=later, only_if_due=later)
             if repeats is None:
                 return
             if repeats:
@@ -637,7 +648,9 @@ class Sampler:
             self._emit("gpu.xid_state_unreadable", message, path=str(path), kept=str(aside or ""))
             return {}
 
-    def _save_xids(self) -> None:
+    def _save_xids(self, *, only_unsaved: bool = False, only_if_due: bool = False) -> None:
+        """Write the critical XIDs to ``xid_state``: with ``only_unsaved``, only when a raise
+        changed them since the last write; with ``only_if_due``, not within XID_SAVE_S of it."""
         path = self._xid_state
         if path is None:
             return
@@ -645,6 +658,13 @@ class Sampler:
         # carries the newer state.
         with self._xid_save_lock:
             with self._lock:
+                now = self._clock()
+                if only_unsaved and not self._xids_unsaved:
+                    return
+                if only_if_due and now - self._xids_saved_at < XID_SAVE_S:
+                    return
+                self._xids_unsaved = False
+                self._xids_saved_at = now
                 state = {g: list(t.values()) for g, t in self._unslotted_xids.items() if t}
                 for s in self._slots or ():
                     if s.critical:
@@ -671,6 +691,7 @@ class Sampler:
             return
         self._closed = True
         self._xid.stop()
+        self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second
         self._dispatcher.close()
 
     async def run(self, stop: asyncio.Event) -> None:

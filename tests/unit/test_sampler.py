@@ -1133,6 +1133,41 @@ def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
     assert parse_xid_state(raw)[1][79].last_seen == 1_700_000_000.0
 
 
+def test_a_critical_xid_storm_is_saved_at_once_then_at_most_once_a_second_and_at_close(
+    backend: FakeBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    """The first raise of a critical code is written at once (a crash right after keeps the
+    fault); its later raises, a count and a last_seen, wait up to a second for a tick or a
+    raise to write them, and close writes what is left: the count read back is every raise."""
+    path = tmp_path / "xid-faults.json"
+
+    def saved() -> int:
+        return parse_xid_state(json.loads(path.read_text()))[1][79].count
+
+    s = Sampler(backend, clock=clock, event_wait_s=0.05, xid_state=path)  # type: ignore[arg-type]
+    try:
+        s.tick()
+        s.start()
+        _raise(s, backend, *[_xid(1, 79)] * 100)
+        assert saved() == 1
+        s.tick()
+        assert saved() == 1  # within the second
+        clock.now += 1
+        s.tick()
+        assert saved() == 100
+        clock.now += 1
+        _raise(s, backend, *[_xid(1, 79)] * 10)
+        assert saved() == 101  # the first of them, a second after the last write
+    finally:
+        s.close()
+    assert saved() == 110
+    again = Sampler(backend, clock=clock, xid_state=path)  # type: ignore[arg-type]
+    try:
+        assert again.tick().gpus[1].critical_xids[0].count == 110
+    finally:
+        again.close()
+
+
 def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
     backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
 ) -> None:
