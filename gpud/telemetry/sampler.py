@@ -15,12 +15,13 @@ shorter) is left behind while the rest are read on threads of their own. So:
 XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 (:class:`XidWatcher`); counts show in each :class:`GpuSample` and an XID goes to the
 event log as ``gpu.xid``, a code raised again on the same device at most once per
-:data:`XID_REMIND_S` with the raises counted meanwhile. A critical XID (any but
-``ignored_xids``, the application-caused ones: 13, 31, 43, 45, 68, 109 by default, as the
-Kubernetes device plugin has it) marks the GPU unhealthy with the XID in the reason until
-the GPU is reset (:meth:`Sampler.gpu_reset`) or the fault is cleared by hand
-(:meth:`Sampler.clear_xid`). Each code is kept on its own with
-how often and when it was raised (:class:`CriticalXid`, ``GpuSample.critical_xids``): a
+:data:`REMIND_S` with the raises counted meanwhile (and an ECC error type likewise as
+``gpu.ecc``); a storm that stops is said with its last count once its window is over. A
+critical XID (any but ``ignored_xids``, the application-caused ones: 13, 31, 43, 45, 68, 109
+by default, as the Kubernetes device plugin has it) marks the GPU unhealthy with the XID in
+the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or the fault is cleared by hand
+(:meth:`Sampler.clear_xid`). Each code is kept on its own with how often and when it was
+raised (:class:`CriticalXid`, ``GpuSample.critical_xids``): a
 second critical XID on a GPU is a second fault, shown beside the first, and clearing one code
 leaves the others. With ``xid_state`` (a file under the run directory, which a reboot
 empties) they outlive a daemon restart.
@@ -77,25 +78,56 @@ XID_STATE_VERSION = 2
 """Version of the ``xid_state`` file: ``{"version": 2, "gpus": {"1": [{"xid": 79, ...}]}}``.
 Version 1 (no ``version`` key) kept one code per GPU, ``{"1": 79}``; it is still read."""
 
-XID_REMIND_S = 600.0
-"""A code raised again on the same GPU (or MIG device) within this many seconds of the
-``gpu.xid`` that last said it is counted, not said: a storm of one fault is one line and one
-event, then one every 10 minutes carrying how many went unsaid (``repeats``), while
-``gpud_gpu_xid_errors_total`` counts each raise the driver reports. An ECC error of one type
-on one device is said (``gpu.ecc``) as sparingly; ``gpud_gpu_ecc_errors_total`` counts them."""
+REMIND_S = 600.0
+"""An XID code (or an ECC error type) raised again on the same GPU or MIG device within this
+many seconds of the ``gpu.xid`` (``gpu.ecc``) that last said it is counted, not said: a storm
+of one fault is one line and one event, then one every 10 minutes carrying how many went
+unsaid (``repeats``); once a window ends with raises unsaid, the next tick says them. The
+driver's counters go on regardless: ``gpud_gpu_xid_errors_total`` counts every XID the event
+thread takes in once the GPUs are counted, and ``gpud_gpu_ecc_errors_total`` is NVML's
+volatile ECC counters."""
+
+XID_SAVE_S = 1.0
+"""A new critical XID is saved to ``xid_state`` at once; later raises of it (its count and
+last_seen) at most once per this many seconds, on a tick or a raise, and at close: a storm is
+not one fsync'd write per raise on the event thread."""
 
 # gpu, the XID's code or the ECC error's type, gpu and compute instance
-_XidKey = tuple[int, int | str | None, int | None, int | None]
+_SaidKey = tuple[int, int | str | None, int | None, int | None]
 
 
-class _XidSaid:
-    """When a code on a device was last said, and the raises counted since."""
+class _Said:
+    """When a code on a device was last said, the raises counted since, and the raise that
+    was said (its message and what names its device), which the end of the window says again
+    with the count."""
 
-    __slots__ = ("at", "unsaid")
+    __slots__ = ("at", "critical", "event", "message", "mig_uuid", "unsaid", "uuid")
 
-    def __init__(self, at: float) -> None:
-        self.at = at
+    def __init__(
+        self, event: GpuEvent, message: str, uuid: str, mig_uuid: str, critical: bool
+    ) -> None:
+        self.at = 0.0  # set when said
+        self.event = event
+        self.message = message
+        self.uuid = uuid
+        self.mig_uuid = mig_uuid
+        self.critical = critical
         self.unsaid = 0
+
+
+def _event_fields(event: GpuEvent, uuid: str, mig_uuid: str) -> dict[str, object]:
+    """The fields naming the device of a ``gpu.xid`` or ``gpu.ecc``: on a MIG device, as the
+    MIG metrics label it (``uuid`` stays the GPU's)."""
+    fields: dict[str, object] = {"gpu": event.gpu, "uuid": uuid}
+    if event.gpu_instance_id is not None:
+        fields["gpu_instance_id"] = event.gpu_instance_id
+    if event.compute_instance_id is not None:
+        fields["compute_instance_id"] = event.compute_instance_id
+    if event.gpu_instance_id is not None:
+        fields["gpu_uuid"] = uuid
+        if mig_uuid:
+            fields["mig_uuid"] = mig_uuid
+    return fields
 
 
 def critical_xid_reason(xids: Sequence[int]) -> str:
@@ -192,10 +224,12 @@ class Sampler:
         self.ignored_xids = frozenset(ignored_xids)
         self._xid_state = xid_state
         self._xid_save_lock = threading.Lock()  # one write at a time, of the newest state
+        self._xids_unsaved = False  # under _lock: a count or last_seen not written yet
+        self._xids_saved_at = float("-inf")  # under _lock: when state was last taken to save
         # critical XIDs of GPU indexes without a slot: read from xid_state before the GPUs
         # are counted, raised before that, or of an index the driver no longer counts
         self._unslotted_xids: dict[int, dict[int, CriticalXid]] = self._load_xids()
-        self._xid_said: dict[_XidKey, _XidSaid] = {}  # under _lock
+        self._said: dict[_SaidKey, _Said] = {}  # under _lock
 
     @property
     def interval_s(self) -> float:
@@ -238,8 +272,15 @@ class Sampler:
     def refresh_identity(self, gpu: int | None = None) -> None:
         """Re-read identity and MIG devices of ``gpu`` (all when None) on the next tick.
 
-        Call after changing the MIG layout, so that new MIG devices show at once.
+        Call after changing the MIG layout, so that new MIG devices show at once. A MIG
+        device created now may take a destroyed one's GPU and compute instance ids: what was
+        said of the ids on ``gpu`` is forgot, so its first XID or ECC error is said at once.
         """
+        with self._lock:
+            over = self._forget_said(
+                lambda key: (gpu is None or key[0] == gpu) and key[2] is not None
+            )
+        self._say_the_rest(over, "since it was last said, before the MIG layout changed")
         for slot in self._slots or ():
             if gpu is None or slot.reader.index == gpu:
                 slot.reader.refresh_identity()
@@ -270,6 +311,9 @@ class Sampler:
                 self._history.append(snapshot)
                 self._latest = snapshot
                 listeners = tuple(self._listeners)
+                over = self._forget_said(lambda key: start - self._said[key].at >= REMIND_S)
+            self._say_the_rest(over, f"in the {REMIND_S / 60:g} minutes after it was last said")
+            self._save_xids(only_unsaved=True, only_if_due=True)
             for listener in listeners:
                 try:
                     listener(snapshot)
@@ -408,21 +452,13 @@ class Sampler:
         slot = next((s for s in slots if s.reader.index == event.gpu), None)
         read = slot.reader.identity if slot else None
         uuid, model = (read.uuid, read.name) if read else ("", "")
-        fields: dict[str, object] = {"gpu": event.gpu, "uuid": uuid}
-        if event.gpu_instance_id is not None:
-            fields["gpu_instance_id"] = event.gpu_instance_id
-        if event.compute_instance_id is not None:
-            fields["compute_instance_id"] = event.compute_instance_id
-        if event.gpu_instance_id is not None:
-            # on a MIG device: named as the MIG metrics label it (uuid stays the GPU's)
-            fields["gpu_uuid"] = uuid
-            mig_uuid = self._mig_uuid(event.gpu, event.gpu_instance_id, event.compute_instance_id)
-            if mig_uuid:
-                fields["mig_uuid"] = mig_uuid
+        gi, ci = event.gpu_instance_id, event.compute_instance_id
+        mig_uuid = self._mig_uuid(event.gpu, gi, ci) if gi is not None else ""
         if event.kind is EventKind.XID:
             critical = event.xid is not None and event.xid not in self.ignored_xids
             now = self._wall_clock()
-            key = (event.gpu, event.xid, event.gpu_instance_id, event.compute_instance_id)
+            key = (event.gpu, event.xid, gi, ci)
+            message = f"GPU {event.gpu} reported {'critical ' if critical else ''}Xid {event.xid}"
             with self._lock:
                 # again under the lock: the GPUs may have been counted since, taking over
                 # what was raised before (_discover), and this XID must reach the same place
@@ -438,8 +474,8 @@ class Sampler:
                         else self._unslotted_xids.setdefault(event.gpu, {})
                     )
                     known = table.get(event.xid)
-                    if known is None:  # new since a reset or a clear: said at once
-                        self._xid_said.pop(key, None)
+                    self._xids_unsaved = True
+                    if known is None:  # new since a reset or a clear, which forgot it was said
                         table[event.xid] = CriticalXid(event.xid, 1, now, now, uuid, model)
                     else:
                         # the board it was first raised on, once known: UUID and model together
@@ -451,39 +487,77 @@ class Sampler:
                             uuid=named[0],
                             model=named[1],
                         )
-                repeats = self._xid_repeats(key)
+                repeats = self._repeats(key, _Said(event, message, uuid, mig_uuid, critical))
             if critical:
-                self._save_xids()
+                # a new fault at once; a storm's counting at most once per XID_SAVE_S
+                later = known is not None
+                self._save_xids(only_unsaved=later, only_if_due=later)
             if repeats is None:
                 return
-            message = f"GPU {event.gpu} reported {'critical ' if critical else ''}Xid {event.xid}"
             if repeats:
                 message += f" (and {repeats} more times since it was last said)"
             log.warning("%s", message)
             self._emit(
-                "gpu.xid", message, xid=event.xid, critical=critical, repeats=repeats, **fields
+                "gpu.xid",
+                message,
+                xid=event.xid,
+                critical=critical,
+                repeats=repeats,
+                **_event_fields(event, uuid, mig_uuid),
             )
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
-            key = (event.gpu, event.kind.value, event.gpu_instance_id, event.compute_instance_id)
+            key = (event.gpu, event.kind.value, gi, ci)
+            message = f"GPU {event.gpu}: {event.kind.value} ECC error"
             with self._lock:
-                repeats = self._xid_repeats(key)
+                repeats = self._repeats(key, _Said(event, message, uuid, mig_uuid, False))
             if repeats is None:
                 return
-            message = f"GPU {event.gpu}: {event.kind.value} ECC error"
             if repeats:
                 message += f" (and {repeats} more since it was last said)"
-            self._emit("gpu.ecc", message, repeats=repeats, **fields)
+            self._emit("gpu.ecc", message, repeats=repeats, **_event_fields(event, uuid, mig_uuid))
 
-    def _xid_repeats(self, key: _XidKey) -> int | None:
+    def _repeats(self, key: _SaidKey, raised: _Said) -> int | None:
         """Under ``_lock``: None when this XID or ECC error of ``key`` is only counted (said
-        less than XID_REMIND_S ago), else how many were left unsaid since it was last said."""
+        less than REMIND_S ago), else how many were left unsaid since it was last said (and
+        ``raised`` is kept as the one said)."""
         now = self._clock()
-        said = self._xid_said.get(key)
-        if said is not None and now - said.at < XID_REMIND_S:
+        said = self._said.get(key)
+        if said is not None and now - said.at < REMIND_S:
             said.unsaid += 1
             return None
-        self._xid_said[key] = _XidSaid(now)
+        raised.at = now
+        self._said[key] = raised
         return said.unsaid if said is not None else 0
+
+    def _forget_said(self, forget: Callable[[_SaidKey], bool]) -> list[_Said]:
+        """Under ``_lock``: drop what was said of the keys ``forget`` picks, so the next raise
+        of each is said at once; what they left unsaid."""
+        keys = [key for key in self._said if forget(key)]
+        return [said for said in (self._said.pop(key) for key in keys) if said.unsaid]
+
+    def _say_the_rest(self, over: Sequence[_Said], when: str) -> None:
+        """Say the raises each window in ``over`` counted but never said (``when``: over
+        which time): a storm that stopped is not left at the count of its first event."""
+        for said in over:
+            message = f"{said.message}: {said.unsaid} more times {when}"
+            event = said.event
+            if event.kind is not EventKind.XID:
+                self._emit(
+                    "gpu.ecc",
+                    message,
+                    repeats=said.unsaid,
+                    **_event_fields(event, said.uuid, said.mig_uuid),
+                )
+                continue
+            log.warning("%s", message)
+            self._emit(
+                "gpu.xid",
+                message,
+                xid=event.xid,
+                critical=said.critical,
+                repeats=said.unsaid,
+                **_event_fields(event, said.uuid, said.mig_uuid),
+            )
 
     def _mig_uuid(self, gpu: int, gi: int, ci: int | None) -> str:
         """The UUID of GPU ``gpu``'s MIG device on GPU instance ``gi`` (and compute
@@ -504,6 +578,9 @@ class Sampler:
             codes = list(slot.critical) if xid is None else [xid] if xid in slot.critical else []
             cleared = [slot.critical.pop(code) for code in codes]
             remaining = tuple(slot.critical)
+            # raised anew on any of its MIG devices, a cleared code is said at once
+            over = self._forget_said(lambda key: key[0] == gpu and key[1] in codes)
+        self._say_the_rest(over, "since it was last said, before it was cleared")
         if cleared:
             self._save_xids()
         uuid = slot.reader.identity.uuid if slot.reader.identity else ""
@@ -531,6 +608,9 @@ class Sampler:
                 self._unslotted_xids = {}
             else:
                 self._unslotted_xids.pop(gpu, None)
+            # an XID or ECC error right after a reset (the reset did not help) is said at once
+            over = self._forget_said(lambda key: gpu is None or key[0] == gpu)
+        self._say_the_rest(over, "since it was last said, before the reset")
         self._save_xids()
 
     @contextlib.contextmanager
@@ -568,7 +648,9 @@ class Sampler:
             self._emit("gpu.xid_state_unreadable", message, path=str(path), kept=str(aside or ""))
             return {}
 
-    def _save_xids(self) -> None:
+    def _save_xids(self, *, only_unsaved: bool = False, only_if_due: bool = False) -> None:
+        """Write the critical XIDs to ``xid_state``: with ``only_unsaved``, only when a raise
+        changed them since the last write; with ``only_if_due``, not within XID_SAVE_S of it."""
         path = self._xid_state
         if path is None:
             return
@@ -576,6 +658,13 @@ class Sampler:
         # carries the newer state.
         with self._xid_save_lock:
             with self._lock:
+                now = self._clock()
+                if only_unsaved and not self._xids_unsaved:
+                    return
+                if only_if_due and now - self._xids_saved_at < XID_SAVE_S:
+                    return
+                self._xids_unsaved = False
+                self._xids_saved_at = now
                 state = {g: list(t.values()) for g, t in self._unslotted_xids.items() if t}
                 for s in self._slots or ():
                     if s.critical:
@@ -602,6 +691,7 @@ class Sampler:
             return
         self._closed = True
         self._xid.stop()
+        self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second
         self._dispatcher.close()
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -955,6 +955,8 @@ def test_an_xid_storm_is_said_once_then_every_ten_minutes_with_its_count(
         "GPU 1 reported critical Xid 48 (and 100 more times since it was last said)",
         "GPU 1 reported critical Xid 79",
         "GPU 2 reported critical Xid 48",
+        # the clear says the raise it cut short
+        "GPU 1 reported critical Xid 48: 1 more times since it was last said, before it was cleared",
         "GPU 1 reported critical Xid 48",
     ]
 
@@ -983,6 +985,120 @@ def test_an_ecc_error_storm_is_said_once_then_every_ten_minutes_with_its_count(
         (1, "GPU 1: ecc_double_bit ECC error"),
         (2, "GPU 2: ecc_single_bit ECC error"),
     ]
+
+
+def _raise(sampler: Sampler, backend: FakeBackend, *raised: GpuEvent) -> None:
+    """Post ``raised`` and wait until the event thread took them all in."""
+    before = sampler.events_handled()
+    backend.events += raised
+    assert sampler.wait_events_handled(before + len(raised), 5)
+
+
+def _xid(gpu: int, code: int, gi: int | None = None) -> GpuEvent:
+    return GpuEvent(gpu=gpu, kind=EventKind.XID, xid=code, gpu_instance_id=gi)
+
+
+def _said(events: EventLog) -> list[tuple[object, ...]]:
+    """(kind, gpu, xid or None, GPU instance or None, repeats) of each gpu.xid and gpu.ecc."""
+    return [
+        (
+            e.kind,
+            e.fields["gpu"],
+            e.fields.get("xid"),
+            e.fields.get("gpu_instance_id"),
+            e.fields["repeats"],
+        )
+        for e in events.recent(kind_prefix="gpu.")
+        if e.kind in ("gpu.xid", "gpu.ecc")
+    ]
+
+
+def test_an_xid_or_ecc_error_right_after_a_reset_is_said_at_once(
+    sampler: Sampler, backend: FakeBackend, events: EventLog
+) -> None:
+    """A reset that did not help shows at once: the application XID or the double-bit error
+    raised again right after it is said, with the raises the reset cut short said first;
+    another GPU's storm stays counted."""
+    sampler.tick()
+    sampler.start()
+    double = GpuEvent(gpu=1, kind=EventKind.ECC_DOUBLE_BIT)
+    _raise(sampler, backend, _xid(1, 13), _xid(1, 13), double, _xid(2, 43))
+    sampler.gpu_reset(1)
+    _raise(sampler, backend, _xid(1, 13), double, _xid(2, 43))
+    assert _said(events) == [
+        ("gpu.xid", 1, 13, None, 0),
+        ("gpu.ecc", 1, None, None, 0),
+        ("gpu.xid", 2, 43, None, 0),
+        ("gpu.xid", 1, 13, None, 1),  # the one the reset cut short
+        ("gpu.xid", 1, 13, None, 0),
+        ("gpu.ecc", 1, None, None, 0),
+    ]
+    (cut_short,) = [e for e in events.recent(kind_prefix="gpu.xid") if e.fields["repeats"]]
+    assert cut_short.message == (
+        "GPU 1 reported Xid 13: 1 more times since it was last said, before the reset"
+    )
+    sampler.gpu_reset()  # every GPU
+    _raise(sampler, backend, _xid(2, 43))
+    assert _said(events)[-2:] == [("gpu.xid", 2, 43, None, 1), ("gpu.xid", 2, 43, None, 0)]
+
+
+def test_a_cleared_code_raised_anew_on_any_mig_device_is_said_at_once(
+    sampler: Sampler, backend: FakeBackend, events: EventLog
+) -> None:
+    """A critical code cleared by hand is new again on every MIG device of the GPU, not only
+    on the one that raises it first after the clear."""
+    sampler.tick()
+    sampler.start()
+    _raise(sampler, backend, _xid(1, 48, gi=1), _xid(1, 48, gi=2))
+    sampler.clear_xid(1, 48)
+    _raise(sampler, backend, _xid(1, 48, gi=1), _xid(1, 48, gi=2))
+    assert _said(events) == [("gpu.xid", 1, 48, gi, 0) for gi in (1, 2, 1, 2)]
+
+
+def test_a_mig_device_made_on_the_ids_of_a_destroyed_one_says_its_first_xid(
+    sampler: Sampler, backend: FakeBackend, events: EventLog
+) -> None:
+    """GPU and compute instance ids are reused: after the MIG layout of a GPU changes, an
+    XID on its MIG devices is said at once, while the whole GPU's and other GPUs' storms
+    stay counted."""
+    sampler.tick()
+    sampler.start()
+    storm = (_xid(1, 43, gi=7), _xid(1, 43), _xid(2, 43, gi=7))
+    _raise(sampler, backend, *storm)
+    sampler.refresh_identity(1)
+    _raise(sampler, backend, *storm)
+    assert _said(events) == [
+        ("gpu.xid", 1, 43, 7, 0),
+        ("gpu.xid", 1, 43, None, 0),
+        ("gpu.xid", 2, 43, 7, 0),
+        ("gpu.xid", 1, 43, 7, 0),
+    ]
+
+
+def test_a_storm_that_stops_says_its_last_count_when_its_window_ends(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """Raises left unsaid are said by the first tick after the ten minutes that followed the
+    last gpu.xid (gpu.ecc) of the code, with the same fields; then the code is forgot, so a
+    raise after that is said as new, and one said alone leaves nothing to say."""
+    sampler.tick()
+    sampler.start()
+    single = GpuEvent(gpu=2, kind=EventKind.ECC_SINGLE_BIT, gpu_instance_id=7)
+    _raise(sampler, backend, *[_xid(1, 43)] * 500, single, single, _xid(3, 79))
+    clock.now += 599
+    sampler.tick()
+    assert len(_said(events)) == 3
+    clock.now += 1
+    sampler.tick()
+    sampler.tick()
+    assert _said(events)[3:] == [("gpu.xid", 1, 43, None, 499), ("gpu.ecc", 2, None, 7, 1)]
+    last = events.recent(kind_prefix="gpu.xid")[-1]
+    assert last.message == (
+        "GPU 1 reported Xid 43: 499 more times in the 10 minutes after it was last said"
+    )
+    assert (last.fields["critical"], last.fields["uuid"]) == (False, "GPU-00000001")
+    _raise(sampler, backend, _xid(1, 43), _xid(3, 79))
+    assert _said(events)[5:] == [("gpu.xid", 1, 43, None, 0), ("gpu.xid", 3, 79, None, 0)]
 
 
 def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
@@ -1015,6 +1131,41 @@ def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
         {"xid": 79, "count": 2, "first_seen": 1_700_000_000.0, "last_seen": 1_699_990_000.0}
     ]}}  # fmt: skip
     assert parse_xid_state(raw)[1][79].last_seen == 1_700_000_000.0
+
+
+def test_a_critical_xid_storm_is_saved_at_once_then_at_most_once_a_second_and_at_close(
+    backend: FakeBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    """The first raise of a critical code is written at once (a crash right after keeps the
+    fault); its later raises, a count and a last_seen, wait up to a second for a tick or a
+    raise to write them, and close writes what is left: the count read back is every raise."""
+    path = tmp_path / "xid-faults.json"
+
+    def saved() -> int:
+        return parse_xid_state(json.loads(path.read_text()))[1][79].count
+
+    s = Sampler(backend, clock=clock, event_wait_s=0.05, xid_state=path)  # type: ignore[arg-type]
+    try:
+        s.tick()
+        s.start()
+        _raise(s, backend, *[_xid(1, 79)] * 100)
+        assert saved() == 1
+        s.tick()
+        assert saved() == 1  # within the second
+        clock.now += 1
+        s.tick()
+        assert saved() == 100
+        clock.now += 1
+        _raise(s, backend, *[_xid(1, 79)] * 10)
+        assert saved() == 101  # the first of them, a second after the last write
+    finally:
+        s.close()
+    assert saved() == 110
+    again = Sampler(backend, clock=clock, xid_state=path)  # type: ignore[arg-type]
+    try:
+        assert again.tick().gpus[1].critical_xids[0].count == 110
+    finally:
+        again.close()
 
 
 def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
