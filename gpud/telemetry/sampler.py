@@ -62,6 +62,11 @@ from gpud.threads import on_daemon_thread, wait_first
 
 log = logging.getLogger(__name__)
 
+
+def _times(n: int) -> str:
+    return f"{n} more time" if n == 1 else f"{n} more times"
+
+
 Listener = Callable[[Snapshot], None]
 
 NOT_ANSWERING = "not answering: a driver call is outstanding"
@@ -495,7 +500,7 @@ class Sampler:
             if repeats is None:
                 return
             if repeats:
-                message += f" (and {repeats} more times since it was last said)"
+                message += f" (and {_times(repeats)} since it was last said)"
             log.warning("%s", message)
             self._emit(
                 "gpu.xid",
@@ -539,7 +544,7 @@ class Sampler:
         """Say the raises each window in ``over`` counted but never said (``when``: over
         which time): a storm that stopped is not left at the count of its first event."""
         for said in over:
-            message = f"{said.message}: {said.unsaid} more times {when}"
+            message = f"{said.message}: {_times(said.unsaid)} {when}"
             event = said.event
             if event.kind is not EventKind.XID:
                 self._emit(

@@ -956,7 +956,7 @@ def test_an_xid_storm_is_said_once_then_every_ten_minutes_with_its_count(
         "GPU 1 reported critical Xid 79",
         "GPU 2 reported critical Xid 48",
         # the clear says the raise it cut short
-        "GPU 1 reported critical Xid 48: 1 more times since it was last said, before it was cleared",
+        "GPU 1 reported critical Xid 48: 1 more time since it was last said, before it was cleared",
         "GPU 1 reported critical Xid 48",
     ]
 
@@ -1035,7 +1035,7 @@ def test_an_xid_or_ecc_error_right_after_a_reset_is_said_at_once(
     ]
     (cut_short,) = [e for e in events.recent(kind_prefix="gpu.xid") if e.fields["repeats"]]
     assert cut_short.message == (
-        "GPU 1 reported Xid 13: 1 more times since it was last said, before the reset"
+        "GPU 1 reported Xid 13: 1 more time since it was last said, before the reset"
     )
     sampler.gpu_reset()  # every GPU
     _raise(sampler, backend, _xid(2, 43))
