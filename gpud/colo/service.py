@@ -363,7 +363,10 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
     """A number of the state file, finite and within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key}: a number expected, not {value!r}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int JSON holds with more digits than a float's range
+        raise ValueError(f"{key}: out of range (outside [{low:g}, {high:g}])") from None
     if not (math.isfinite(x) and low <= x <= high):
         raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
     return x
