@@ -3900,6 +3900,55 @@ def test_leaves_and_removals_saved_by_unix_time_alone_are_read_none_from_the_fut
     assert svc.advise("y", snapshot=snap, waiting=True, waited_s=60.0).gpu == -1
 
 
+def test_a_leave_or_removal_dated_after_now_is_said_in_the_log_as_not_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave dated an hour from now by Unix time and a removal ahead of the loop's clock
+    on this boot: each is logged, naming its key, as not kept. Both were dropped without
+    a word, though an entry not read is said to be logged."""
+    host = Restarts(tmp_path)
+    host.clock.t = 100.0
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "boot_id": host.boot,
+                "jobs": {},
+                "left": {"0123456789cd": ["v", host.wall.t + 3600.0, False, None]},
+                "removed": {"y": [host.wall.t, True, 500.0]},
+            }
+        )
+    )
+    with caplog.at_level(logging.INFO, logger="gpud.colo.service"):
+        host.start()
+    said = [r.getMessage() for r in caplog.records if "not kept" in r.getMessage()]
+    assert len(said) == 2
+    assert any("left.0123456789cd" in m and "dated after now" in m for m in said)
+    assert any("removed.y" in m and "dated after now" in m for m in said)
+
+
+def test_a_leave_of_the_wrong_shape_is_said_to_want_either_shape_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave or removal of neither shape: the error names both the one an older gpud
+    wrote and this one's, the clock optional. It named the new shape alone."""
+    host = Restarts(tmp_path)
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "left": {"0123456789cd": ["v"]},
+                "removed": {"y": [1.0]},
+            }
+        )
+    )
+    host.start()
+    said = " ".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    assert "[job, Unix time, anonymous(, clock)] expected" in said
+    assert "[Unix time, forced(, clock)] expected" in said
+
+
 def test_leaves_and_removals_an_older_gpud_wrote_without_the_loops_clock_hold_after_an_upgrade(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
