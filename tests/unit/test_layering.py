@@ -246,6 +246,28 @@ def policy_breaches(root: Path) -> list[str]:
     return breaches
 
 
+def _sqlite_connects(tree: ast.AST) -> list[int]:
+    """The lines that reach ``sqlite3.connect``: by the module's name or a name it is
+    imported as (``import sqlite3 as sq``), or imported itself (``from sqlite3 import
+    connect``)."""
+    names = {"sqlite3"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.name == "sqlite3" and a.asname)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "sqlite3":
+            lines += [node.lineno for a in node.names if a.name == "connect"]
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "connect"
+            and isinstance(node.value, ast.Name)
+            and node.value.id in names
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
 def adapter_breaches(root: Path) -> list[str]:
     """Native libraries imported outside their adapter; programs started outside theirs;
     SQLite connections opened outside the state store."""
@@ -259,16 +281,11 @@ def adapter_breaches(root: Path) -> list[str]:
         if rel.startswith(("gpud/", "netshaper/", "colocate/")):
             if "subprocess" in names and rel not in RUNS_PROGRAMS:
                 breaches.append(f"{rel} imports subprocess (not a module that runs a program)")
-            tree = ast.parse(path.read_text(), filename=rel)
-            for node in ast.walk(tree):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and node.attr == "connect"
-                    and isinstance(node.value, ast.Name)
-                    and node.value.id == "sqlite3"
-                    and rel != "gpud/store.py"
-                ):
-                    breaches.append(f"{rel}:{node.lineno} opens SQLite (only gpud/store.py may)")
+            if rel != "gpud/store.py":
+                breaches += [
+                    f"{rel}:{line} opens SQLite (only gpud/store.py may)"
+                    for line in _sqlite_connects(ast.parse(path.read_text(), filename=rel))
+                ]
     return breaches
 
 
@@ -408,8 +425,16 @@ BREACHES = [
             "gpud/jobs/registry.py": "import sqlite3\nc = sqlite3.connect(':memory:')\n",
             "netshaper/tc_netlink.py": "from pyroute2 import IPRoute\n",
             "tools/bench_x.py": "def f():\n    import etcd3gw\n",
+            "gpud/mps/health.py": "import importlib\nnv = importlib.import_module('pynvml')\n",
+            "gpud/net/links.py": "ip = __import__('pyroute2')\n",
+            "gpud/jobs/history.py": "from sqlite3 import connect\n",
+            "gpud/colo/saved.py": "import sqlite3 as sq\n\nc = sq.connect(':memory:')\n",
         },
         [
+            "gpud/mps/health.py imports pynvml (only gpud/backend/nvml.py may)",
+            "gpud/net/links.py imports pyroute2 (only netshaper/tc_netlink.py may)",
+            "gpud/jobs/history.py:1 opens SQLite (only gpud/store.py may)",
+            "gpud/colo/saved.py:3 opens SQLite (only gpud/store.py may)",
             "gpud/jobs/registry.py:2 opens SQLite (only gpud/store.py may)",
             "gpud/mig/manager.py imports pynvml (only gpud/backend/nvml.py may)",
             "gpud/mig/manager.py imports subprocess (not a module that runs a program)",
