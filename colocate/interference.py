@@ -462,7 +462,10 @@ def _number(value: object, field: str, lo: float = -math.inf, hi: float = math.i
     # bool is an int to Python, not a number to JSON
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{field}: a number expected, not {type(value).__name__}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int JSON holds with more digits than a float's range
+        raise ValueError(f"{field}: out of range (outside [{lo}, {hi}])") from None
     if not math.isfinite(x) or not lo <= x <= hi:
         raise ValueError(f"{field}: {value!r} is not a finite number within [{lo}, {hi}]")
     return x

@@ -7,12 +7,17 @@ on: ``H100-SXM5-80GB`` x 8 with GPUs 6 and 7 split ``7x 1g.10gb``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from gpud.admission.model import THREADS_CAPACITY, Device, Vec
 from gpud.backend.products import lookup
 from gpud.errors import InvalidArgument
 from gpud.mig.layout import DeviceLayout
-from gpud.mps.manager import MpsTarget
+
+if TYPE_CHECKING:
+    # annotations alone: loading the MPS manager would load the store and the daemon's
+    # threads and programs into the pure policy that imports this module
+    from gpud.mps.manager import MpsTarget
 
 MIB = 1 << 20
 

@@ -363,7 +363,10 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
     """A number of the state file, finite and within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key}: a number expected, not {value!r}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int JSON holds with more digits than a float's range
+        raise ValueError(f"{key}: out of range (outside [{low:g}, {high:g}])") from None
     if not (math.isfinite(x) and low <= x <= high):
         raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
     return x
@@ -1564,14 +1567,21 @@ class ColoService:
             if same and kept is not None:
                 # the loop's clock counts from boot: one ahead of now is not of this boot
                 saved = _saved_number(kept, f"{where}.clock", -math.inf)
-                return saved if saved <= now else None
-            return now - (wall - t) if t <= wall else None
+                if saved <= now:
+                    return saved
+                ahead = f"on the loop's clock {saved:g} s, now {now:g} s"
+            elif t <= wall:
+                return now - (wall - t)
+            else:
+                ahead = f"Unix time {t:.0f}, now {wall:.0f}"
+            log.info("co-location state %s: %s dated after now (%s): not kept", path, where, ahead)
+            return None
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
             where = f"left.{wid}"
             # three: a gpud from before the loop's clock was kept wrote it, read by Unix time
             if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
-                raise ValueError(f"[job, Unix time, anonymous, clock] expected, not {saved!r}")
+                raise ValueError(f"[job, Unix time, anonymous(, clock)] expected, not {saved!r}")
             if not isinstance(saved[2], bool):
                 raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
             came = at(where, saved[1], saved[3] if len(saved) == 4 else None)
@@ -1586,7 +1596,7 @@ class ColoService:
             if not (
                 isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
             ):
-                raise ValueError(f"[Unix time, forced, clock] expected, not {saved!r}")
+                raise ValueError(f"[Unix time, forced(, clock)] expected, not {saved!r}")
             came = at(f"removed.{job}", saved[0], saved[2] if len(saved) == 3 else None)
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 

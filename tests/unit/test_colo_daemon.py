@@ -3900,6 +3900,55 @@ def test_leaves_and_removals_saved_by_unix_time_alone_are_read_none_from_the_fut
     assert svc.advise("y", snapshot=snap, waiting=True, waited_s=60.0).gpu == -1
 
 
+def test_a_leave_or_removal_dated_after_now_is_said_in_the_log_as_not_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave dated an hour from now by Unix time and a removal ahead of the loop's clock
+    on this boot: each is logged, naming its key, as not kept. Both were dropped without
+    a word, though an entry not read is said to be logged."""
+    host = Restarts(tmp_path)
+    host.clock.t = 100.0
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "boot_id": host.boot,
+                "jobs": {},
+                "left": {"0123456789cd": ["v", host.wall.t + 3600.0, False, None]},
+                "removed": {"y": [host.wall.t, True, 500.0]},
+            }
+        )
+    )
+    with caplog.at_level(logging.INFO, logger="gpud.colo.service"):
+        host.start()
+    said = [r.getMessage() for r in caplog.records if "not kept" in r.getMessage()]
+    assert len(said) == 2
+    assert any("left.0123456789cd" in m and "dated after now" in m for m in said)
+    assert any("removed.y" in m and "dated after now" in m for m in said)
+
+
+def test_a_leave_of_the_wrong_shape_is_said_to_want_either_shape_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave or removal of neither shape: the error names both the one an older gpud
+    wrote and this one's, the clock optional. It named the new shape alone."""
+    host = Restarts(tmp_path)
+    host.file.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": {},
+                "left": {"0123456789cd": ["v"]},
+                "removed": {"y": [1.0]},
+            }
+        )
+    )
+    host.start()
+    said = " ".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    assert "[job, Unix time, anonymous(, clock)] expected" in said
+    assert "[Unix time, forced(, clock)] expected" in said
+
+
 def test_leaves_and_removals_an_older_gpud_wrote_without_the_loops_clock_hold_after_an_upgrade(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -3981,6 +4030,69 @@ def test_a_bad_leave_or_removal_in_colo_json_is_skipped_and_the_rest_is_read(
     assert all(str(host.file) in m for m in said)
     assert any("left.0123456789cd" in m for m in said)
     assert any("removed.x" in m for m in said)
+
+
+def write_with_huge_ints(path: Path, state: dict[str, Any]) -> None:
+    """``state`` written as JSON, each "HUGE" in it an int of 400 digits: JSON holds one, a
+    float cannot."""
+    path.write_text(json.dumps(state).replace('"HUGE"', "1" + "0" * 400))
+
+
+def test_a_leave_dated_by_an_int_too_large_for_a_float_is_skipped_and_gpud_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leave in colo.json whose Unix time is an int of 400 digits (a hand edit: JSON
+    holds it, a float cannot): that leave is logged as out of range, naming its key, and
+    skipped; the other leave and the jobs are read and the loop is made. gpud did not
+    start: the OverflowError went past what reads the file."""
+    from gpud.errors import LeftQueue
+
+    host = Restarts(tmp_path)
+    then = host.wall.t - 60.0
+    left = {"0123456789ab": ["w", then, False, None], "0123456789cd": ["v", "HUGE", False]}
+    write_with_huge_ints(
+        host.file,
+        {"version": STATE_FILE_VERSION, "jobs": {"train": {"alone_rate": 10.0}}, "left": left},
+    )
+    svc, snap = host.start()
+    assert svc._jobs["train"].alone_rate == 10.0
+    with pytest.raises(LeftQueue, match="0123456789ab"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=90.0, waiter_id="0123456789ab")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1
+    assert "left.0123456789cd" in said[0] and "out of range" in said[0]
+
+
+def test_a_job_idle_for_an_int_too_large_for_a_float_makes_colo_json_unreadable_not_gpud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job in colo.json whose idle_s is an int of 400 digits: the file is not read, as
+    any job it holds out of range, the error naming jobs.NAME.idle_s, the file kept aside,
+    and the loop is made afresh. gpud did not start: the OverflowError went past what
+    reads the file."""
+    host = Restarts(tmp_path)
+    train = {"alone_rate": 10.0, "idle_s": "HUGE"}
+    write_with_huge_ints(host.file, {"version": STATE_FILE_VERSION, "jobs": {"train": train}})
+    svc, _ = host.start()
+    assert "train" not in svc._jobs
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("jobs.train.idle_s" in m and "out of range" in m for m in said)
+    assert (tmp_path / "colo.json.unreadable").exists()
+
+
+def test_a_predictor_number_too_large_for_a_float_restarts_the_predictor_not_gpud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json's interference predictor with a clock of 400 digits: the predictor
+    starts afresh, logged as out of range, the jobs' state kept. gpud did not start."""
+    host = Restarts(tmp_path)
+    predictor = {**InterferencePredictor().to_dict(), "clock_s": "HUGE"}
+    state = {"version": STATE_FILE_VERSION, "jobs": {"train": {"alone_rate": 10.0}}}
+    write_with_huge_ints(host.file, {**state, "predictor": predictor})
+    svc, _ = host.start()
+    assert svc._jobs["train"].alone_rate == 10.0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("clock_s" in m and "out of range" in m for m in said)
 
 
 def test_a_run_that_left_as_it_stopped_is_kept_a_minute_and_not_written(
