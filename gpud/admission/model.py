@@ -126,12 +126,16 @@ class Device:
 class Holding:
     """What one running job holds: the same demand vector on each of its devices.
     ``uid``: the user its processes run as, where MPS serves the devices and it is known
-    (a control daemon serves one user at a time: no job of another user goes there)."""
+    (a control daemon serves one user at a time: no job of another user goes there).
+    ``counts_as_job``: False for what holds a device without being a job there (memory
+    processes use beyond reservations, an unhealthy GPU's fill): placement orders devices by
+    their jobs, as the reservation's own placement counts them."""
 
     job: str
     devices: tuple[str, ...]
     per_device: Vec
     uid: int | None = None
+    counts_as_job: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,10 +192,11 @@ class Unfeasible:
 
 @dataclass(slots=True)
 class Loads:
-    """Per-device sums of holdings, and the holdings on each device."""
+    """Per-device sums of holdings, the holdings on each device, and the jobs among them."""
 
     total: dict[str, Vec] = field(default_factory=dict)
     on: dict[str, list[Vec]] = field(default_factory=dict)
+    jobs: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, holdings: Sequence[Holding]) -> Loads:
@@ -204,6 +209,8 @@ class Loads:
         for uuid in holding.devices:
             self.total[uuid] = self.total.get(uuid, ZERO) + holding.per_device
             self.on.setdefault(uuid, []).append(holding.per_device)
+            if holding.counts_as_job:
+                self.jobs.setdefault(uuid, []).append(holding.job)
 
     def get(self, uuid: str) -> Vec:
         return self.total.get(uuid, ZERO)
@@ -224,9 +231,17 @@ class FitCheck(Protocol):
         ...
 
     def place(
-        self, request: Request, loads: Mapping[str, Vec], *, allowed: Collection[str] | None
+        self,
+        request: Request,
+        loads: Mapping[str, Vec],
+        *,
+        allowed: Collection[str] | None,
+        jobs: Mapping[str, Sequence[str]] | None = None,
     ) -> tuple[str, ...] | None:
-        """Devices for ``request`` now (only among ``allowed``, when given), or None."""
+        """Devices for ``request`` now (only among ``allowed``, when given), or None.
+        ``jobs``: the jobs holding each device (:attr:`Loads.jobs`): among the devices that
+        fit, the least held come first, so runs that set no limits (a zero load) spread
+        rather than pile onto the first device listed."""
         ...
 
 

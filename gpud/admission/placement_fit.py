@@ -91,7 +91,12 @@ class PlacementFit:
         return Demand(pool, need, count, by_device)
 
     def place(
-        self, request: Request, loads: Mapping[str, Vec], *, allowed: Collection[str] | None
+        self,
+        request: Request,
+        loads: Mapping[str, Vec],
+        *,
+        allowed: Collection[str] | None,
+        jobs: Mapping[str, Sequence[str]] | None = None,
     ) -> tuple[str, ...] | None:
         need = request.per_device
         candidates = [
@@ -100,8 +105,10 @@ class PlacementFit:
             if (allowed is None or d.uuid in allowed)
             and loads.get(d.uuid, ZERO).threads + need.threads <= THREADS_CAPACITY
         ]
+        held = jobs or {}
         device_loads = {
-            uuid: DeviceLoad(load.memory, ()) for uuid, load in loads.items() if load.memory
+            uuid: DeviceLoad(loads.get(uuid, ZERO).memory, tuple(held.get(uuid, ())))
+            for uuid in loads.keys() | held.keys()
         }
         spec = JobSpec(
             name="queued",

@@ -127,7 +127,7 @@ def admission_pass(
         if head_demand is not None and allowed is not None and len(allowed) < demand.count:
             stuck.add(shape)
             continue
-        devices = fit.place(job.request, loads.total, allowed=allowed)
+        devices = fit.place(job.request, loads.total, allowed=allowed, jobs=loads.jobs)
         if devices is None:
             stuck.add(shape)
             if head is None:

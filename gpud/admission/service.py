@@ -408,7 +408,7 @@ class AdmissionService:
         for t in self._mps.targets():
             if t.gpu in sick:
                 full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
-                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
+                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full, counts_as_job=False))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
             uid = r.uid if self._mps.enabled else None  # MPS off: users share devices
@@ -420,7 +420,7 @@ class AdmissionService:
                 memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
                 out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
-            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
+            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0), counts_as_job=False))
         return out
 
     # -- queue rows -----------------------------------------------------------------------

@@ -63,7 +63,7 @@ from gpud.cli.context import (
     given,
     seconds,
 )
-from gpud.cli.output import NA, gib, last_seen
+from gpud.cli.output import NA, first_few, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, InvalidArgument
 from gpud.shared import (
     MAX_DRAIN_SECONDS,
@@ -212,13 +212,15 @@ def _source(args: argparse.Namespace) -> pb.MigConfigSource:
     return pb.MigConfigSource(text=text, path=str(path), name=args.config)
 
 
+# processes named in an instance's row, the last column: its row alone grows with them
+PROCESSES_SHOWN = 8
+
+
 def _processes(inst: pb.MigInstance) -> str:
     if inst.processes_unknown:
         return "?"  # not listed: the GPU's header line says why
-    parts = []
-    for p in inst.processes:
-        parts.append(f"{p.pid}" + (f" ({p.job})" if p.job else ""))
-    return ", ".join(parts) or "-"
+    parts = [f"{p.pid}" + (f" ({p.job})" if p.job else "") for p in inst.processes]
+    return first_few(parts, PROCESSES_SHOWN, ", ")
 
 
 def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:

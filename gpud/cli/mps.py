@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable
 
 from gpud.cli.context import THREADS_PERCENT, THREADS_RANGE, Context, Subparsers, given, size
-from gpud.cli.output import NA, UNKNOWN, last_seen
+from gpud.cli.output import NA, UNKNOWN, first_few, last_seen
 from gpud.shared import format_size, mps_unhealthy_wait
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
@@ -77,6 +77,10 @@ def unhealthy_notes(devices: Iterable[pb.MpsDevice]) -> list[str]:
     return [f"GPU {gpu} unhealthy: {why}" for gpu, why in sorted(seen.items())]
 
 
+# jobs named in a device's row; many jobs sharing one GPU under MPS would widen every row
+JOBS_SHOWN = 8
+
+
 def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     if d.up_unknown:  # a GPU never read: its daemons, if any, run on untouched
         daemon = f"unknown ({d.up_unknown})"
@@ -107,7 +111,7 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         f"{memory} of "
         + (format_size(d.memory_total_bytes) if d.HasField("memory_total_bytes") else UNKNOWN),
         format_size(d.reserved_memory_bytes) if d.reserved_memory_bytes else "-",
-        ",".join(d.jobs) or "-",
+        first_few(d.jobs, JOBS_SHOWN),
         str(d.restarts),
     )
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 
 from gpud.cli.context import (
     JOB_NAME,
@@ -32,7 +31,7 @@ from gpud.cli.context import (
     given,
     number,
 )
-from gpud.cli.output import NA, seconds
+from gpud.cli.output import NA, first_few, seconds
 from gpud.errors import InvalidArgument
 from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
 from gpud.v1 import net_pb2 as pb
@@ -114,12 +113,6 @@ def _rate(bps: float) -> str:
         if bps >= scale:
             return f"{bps / scale:g} {unit}"
     return f"{bps:g} bit/s" if bps else NA
-
-
-def _level_jobs(jobs: Sequence[str]) -> str:
-    more = len(jobs) - LEVEL_JOBS_SHOWN
-    named = ",".join(jobs[:LEVEL_JOBS_SHOWN]) or NA
-    return f"{named},... (+{more} more)" if more > 0 else named
 
 
 def _pool_refusal(job: pb.NetJob) -> str:
@@ -219,7 +212,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             (
                 str(lv.level),
                 f"{lv.min_share:.0%}",
-                _level_jobs(lv.jobs),
+                first_few(lv.jobs, LEVEL_JOBS_SHOWN),
                 _bytes(lv.counters.bytes),
                 str(lv.counters.packets),
                 str(lv.counters.drops),

@@ -168,6 +168,14 @@ def format_table(
     return "\n".join(lines)
 
 
+def first_few(items: Sequence[str], shown: int, sep: str = ",") -> str:
+    """``items`` joined, the first ``shown`` of them and how many more: a table cell stays
+    readable however many jobs or processes share one device (``--json`` lists them all)."""
+    more = len(items) - shown
+    named = sep.join(items[:shown]) or NA
+    return f"{named}{sep}... (+{more} more)" if more > 0 else named
+
+
 def last_seen(shown: str, read: bool) -> str:
     """A GPU's model or product as shown: marked ``(last seen)`` where the GPU was not
     ``read`` since gpud started, so that it is what an earlier run of gpud last read there

@@ -218,3 +218,37 @@ def test_backfill_of_another_user_is_harmful_on_the_heads_devices() -> None:
     assert other.head == "h" and other.starts == []
     own = admission_pass([head, Queued("s", small, 1, 0.0, uid=1000)], fit, held)
     assert [(s.id, s.backfilled) for s in own.starts] == [("s", True)]
+
+
+def test_runs_without_limits_spread_over_the_least_held_mig_devices() -> None:
+    # Reservations that set no memory and no thread share hold a zero vector: the job count
+    # on each device is what keeps the next run off the first device of the list.
+    node = [Device(f"MIG-0-{j}", 0, j, "1g.10gb", Vec(10 * GIB, 100)) for j in range(3)]
+    fit = PlacementFit(node)
+    held = [
+        Holding("r1", ("MIG-0-0",), Vec(0, 0)),
+        Holding("r2", ("MIG-0-0",), Vec(0, 0)),
+        Holding("r3", ("MIG-0-1",), Vec(0, 0)),
+    ]
+    queue = [
+        Queued("a", Request(mig_profile="1g.10gb"), 0, 0.0),
+        Queued("b", Request(mig_profile="1g.10gb"), 1, 0.0),
+        Queued("c", Request(mig_profile="1g.10gb"), 2, 0.0),
+    ]
+    result = admission_pass(queue, fit, held, backfill=True)
+    assert [(s.id, s.devices) for s in result.starts] == [
+        ("a", ("MIG-0-2",)),
+        ("b", ("MIG-0-1",)),
+        ("c", ("MIG-0-2",)),
+    ]
+
+
+def test_memory_beyond_reservations_is_no_job_on_its_device() -> None:
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
+    fit = PlacementFit(node)
+    held = [
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), counts_as_job=False),
+        Holding("r1", ("GPU-1",), Vec(0, 0)),
+    ]
+    result = admission_pass([Queued("a", Request(), 0, 0.0)], fit, held, backfill=True)
+    assert [s.devices for s in result.starts] == [("GPU-0",)]

@@ -157,6 +157,14 @@ def test_a_queued_jobs_start_names_the_gpus_it_got(node: Node) -> None:
     assert is_about(event.fields, gpu=str(event.fields["gpus"][0]))
 
 
+def test_runs_that_set_no_limits_spread_over_the_gpus_rather_than_pile_on_the_first(
+    node: Node,
+) -> None:
+    held = [node.jobs.reserve(RunRequest(job=f"j{i}", gpu_count=1)).reservation for i in range(4)]
+    gpus = [node.jobs.gpu_indexes(r.devices) for r in held]
+    assert sorted(gpus) == [[0], [0], [1], [1]]
+
+
 def test_a_job_that_fits_does_not_jump_the_queue(node: Node) -> None:
     node.jobs.reserve(whole("a"))
     node.admission.enqueue(whole("pair", 2))  # the head: needs both GPUs

@@ -996,3 +996,16 @@ def test_forget_drops_the_layout_of_a_gpu_replaced_and_refuses_one_present(
     assert [e.fields for e in forgotten] == [
         {"gpu": 1, "uuid": "GPU-replaced", "config": "all-disabled", "gone": False}
     ]
+
+
+def test_an_instance_with_many_processes_names_the_first_few_and_counts_the_rest() -> None:
+    from gpud.cli.mig import _processes
+
+    many = pb.MigInstance(
+        processes=[pb.MigInstanceProcess(pid=100 + i, job="j" if i < 2 else "") for i in range(20)]
+    )
+    assert (
+        _processes(many)
+        == "100 (j), 101 (j), " + ", ".join(str(100 + i) for i in range(2, 8)) + ", ... (+12 more)"
+    )
+    assert _processes(pb.MigInstance()) == "-"

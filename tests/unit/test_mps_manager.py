@@ -4131,3 +4131,11 @@ def test_a_change_refused_while_limits_wait_on_a_removed_state_database_says_to_
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_device_many_jobs_share_names_the_first_few_and_counts_the_rest() -> None:
+    shared = mps_pb2.MpsDevice(gpu=0, jobs=[f"infer-{i:02}" for i in range(30)])
+    cell = device_row(shared)[8]
+    assert cell == ",".join(f"infer-{i:02}" for i in range(8)) + ",... (+22 more)"
+    assert device_row(mps_pb2.MpsDevice(gpu=0, jobs=["a", "b"]))[8] == "a,b"
+    assert device_row(mps_pb2.MpsDevice(gpu=0))[8] == "-"
