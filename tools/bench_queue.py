@@ -26,8 +26,10 @@ With ``--waiters N``, instead: N runs queued behind one holding the GPU, and
 
 With ``--enqueues SIZES``, instead: behind one run holding the GPU, ``Enqueue`` calls
 (what each ``gpuctl run`` that queues asks; held by this process, no ``gpuctl`` each) fill
-the queue, and the time of the enqueues that make it 1 to 5 entries short of each size is
-printed, median and max, the sizes side by side.
+the queue, and the times of the last five enqueues up to each size (those that make the
+queue 4 short of it to those that make it that long) are printed, median and max, the
+sizes side by side. Sizes are 1 to the simulated gpud's ``admission.max_queue`` (1000);
+``--enqueues`` is run alone, with neither ``--waiters`` nor ``--runs`` or ``--leavers``.
 
 ``--history N``: the job history holds N runs before the waiters queue
 (:func:`fill_history`: four request classes over the last 6.3 days), what
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpud.admission.service import request_of, run_request_to_json
+from gpud.config import AdmissionConfig
 from gpud.jobs.ends import EndCause
 from gpud.jobs.service import RunRequest
 from tools.simdaemon import (
@@ -343,11 +346,34 @@ def enqueue_figures(took: dict[int, list[float]]) -> str:
     )
 
 
+def enqueue_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--enqueues``' sizes, ascending; the parser's error for one that is no number, under
+    1, or over the simulated gpud's ``admission.max_queue`` (its default: the enqueue that
+    would make the queue longer is refused)."""
+    limit = AdmissionConfig().max_queue
+    sizes: set[int] = set()
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            size = int(part)
+        except ValueError:
+            parser.error(f"--enqueues: {part!r} is not a queue size (sizes are as 10,100,300)")
+        if not 1 <= size <= limit:
+            parser.error(
+                f"--enqueues: queue size {size} is outside 1 to {limit}: the simulated gpud"
+                f" queues admission.max_queue = {limit} jobs at most"
+            )
+        sizes.add(size)
+    return sorted(sizes)
+
+
 @restores_signals
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--leavers", type=int, default=80)
+    # None until given: --enqueues refuses them given, as it refuses --waiters
+    parser.add_argument("--runs", type=int, default=None, help="default 10")
+    parser.add_argument("--leavers", type=int, default=None, help="default 80")
     parser.add_argument("--waiters", type=int, default=0)
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument(
@@ -358,9 +384,24 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="the waiting runs' gpuctl --timeout"
     )
     args = parser.parse_args(argv)
-    sizes = sorted({int(x) for x in args.enqueues.split(",") if x.strip()})
-    if any(size < 1 for size in sizes):
-        parser.error(f"--enqueues: queue sizes are 1 or more, not {args.enqueues!r}")
+    sizes = enqueue_sizes(parser, args.enqueues)
+    if sizes:
+        mixed = [
+            name
+            for name, given in (
+                ("--waiters", args.waiters),
+                ("--runs", args.runs is not None),
+                ("--leavers", args.leavers is not None),
+            )
+            if given
+        ]
+        if mixed:
+            parser.error(
+                f"--enqueues and {mixed[0]} are two benchmarks: --enqueues times enqueues"
+                " alone, run them one at a time"
+            )
+    runs = 10 if args.runs is None else args.runs
+    leavers = 80 if args.leavers is None else args.leavers
     phases = Phases(1 if sizes else 3 if args.waiters else 2)
     with (
         stopped_by_signal() as stopped,
@@ -382,14 +423,14 @@ def main(argv: list[str] | None = None) -> int:
                 said=phases.said,
             )
         else:
-            gaps = hand_over(daemon, args.runs, Path(tmp))
+            gaps = hand_over(daemon, runs, Path(tmp))
             phases.said(
-                f"hand-over, {args.runs} queued 0.3 s runs: mean {statistics.mean(gaps):.3f} s,"
+                f"hand-over, {runs} queued 0.3 s runs: mean {statistics.mean(gaps):.3f} s,"
                 f" min {min(gaps):.3f} s, max {max(gaps):.3f} s"
             )
-            took, unanswered = withdrawals(daemon, args.leavers)
+            took, unanswered = withdrawals(daemon, leavers)
             phases.said(
-                f"withdrawals, {args.leavers} queued runs stopped at once: exit after"
+                f"withdrawals, {leavers} queued runs stopped at once: exit after"
                 f" {statistics.median(took):.2f} s median, {max(took):.2f} s max;"
                 f" {unanswered} said gpud did not answer within 2 s"
             )

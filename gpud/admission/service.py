@@ -700,27 +700,38 @@ class AdmissionService:
             )
 
     def view(self, entry_id: str) -> EntryView:
+        """The entry as it is now: queued, with its place and quote as the listing gives
+        them; otherwise as it ended, with the reservation it started in."""
         entry = self.entry(entry_id)
-        if entry.state != QUEUED:
-            reservation = None
-            env: dict[str, str] = {}
-            if entry.reservation:
-                try:
-                    reservation = self._jobs.reservations.get(entry.reservation)
-                    env = self._jobs.env_for(reservation)
-                except NotFound:
-                    reservation = None
-            return EntryView(
-                entry,
-                0,
-                _waited(entry.changed_at, entry),
-                None,
-                None,
-                reservation,
-                env,
-                waiting_on=entry.left_why,
-            )
-        return next(v for v in self._queue_views(entry_id) if v.entry.id == entry_id)
+        if entry.state == QUEUED:
+            # the queue is read apart from the entry, with no lock between: the pass
+            # thread may have started it, or a Leave taken it out, in the meantime
+            mine = (v for v in self._queue_views(entry_id) if v.entry.id == entry_id)
+            queued = next(mine, None)
+            if queued is not None:
+                return queued
+            entry = self.entry(entry_id)
+        return self._ended_view(entry)
+
+    def _ended_view(self, entry: Entry) -> EntryView:
+        reservation = None
+        env: dict[str, str] = {}
+        if entry.reservation:
+            try:
+                reservation = self._jobs.reservations.get(entry.reservation)
+                env = self._jobs.env_for(reservation)
+            except NotFound:
+                reservation = None
+        return EntryView(
+            entry,
+            0,
+            _waited(entry.changed_at, entry),
+            None,
+            None,
+            reservation,
+            env,
+            waiting_on=entry.left_why,
+        )
 
     def queue_views(self) -> list[EntryView]:
         """Queued entries in order, quotable first, with positions and remaining quotes."""
@@ -729,8 +740,11 @@ class AdmissionService:
     def _queue_views(self, only: str | None) -> list[EntryView]:
         """:meth:`queue_views`, or with ``only`` an entry's id, that entry's view alone (as
         the listing gives it): the entries ahead count by class, and no other entry's quote
-        or WHY NOT is made. Every waiting ``gpuctl run`` and every enqueue asks its own;
-        making each entry's took an enqueue time that grew with the queue."""
+        or WHY NOT is made. The Enqueue and Leave answers, a GetEntry without ``wait_s``, a
+        waiting call's entry missing from the listing it read (it ended, or came after it)
+        ask for one entry: making every entry's took an enqueue time that grew with the
+        queue. Calls that wait with ``wait_s`` share one whole listing per queue change
+        (the API's ``_queued``)."""
         queued = self.entries()
         fit = self.fit()
         now = self._clock()

@@ -26,6 +26,7 @@ from gpud.admission.service import (
     SCHEMA,
     STARTED,
     AdmissionService,
+    Entry,
     HistoryRow,
     mig_file_layouts,
     run_request_from_json,
@@ -1485,6 +1486,39 @@ def test_an_enqueue_quotes_its_own_entry_alone_however_long_the_queue(tmp_path: 
     last = listed[admission.entries()[-1].id]
     assert (last.position, last.entry.job) == (32, "w30") and last.quote_s is not None
     assert len({v.quote_s for v in listed.values()}) > 2  # each quoted by its place
+    node.store.close()
+
+
+class EndsBeforeTheRead(AdmissionService):
+    """The admission service, whose queue read first moves ``ending`` to ``to``: the pass
+    thread starting it (or a Leave) between :meth:`view`'s read of the entry and its read of
+    the queue."""
+
+    ending: tuple[str, str] | None = None
+
+    def entries(self, state: str | None = QUEUED) -> list[Entry]:
+        if self.ending is not None:
+            (entry_id, to), self.ending = self.ending, None
+            self._set_state(entry_id, to)
+        return super().entries(state)
+
+
+@pytest.mark.parametrize("to", [STARTED, LEFT])
+def test_an_entry_that_ends_while_its_view_is_made_is_answered_as_ended(
+    tmp_path: Path, to: str
+) -> None:
+    """A view read the entry as queued, then the queue: an entry started or gone in between
+    was in neither, and the view raised a bare StopIteration (a gRPC UNKNOWN to the
+    `gpuctl run` that enqueued or waits on it). It is answered as it is now."""
+    node = make_node(tmp_path, Clock(), admission_type=EndsBeforeTheRead)
+    admission = node.admission
+    assert isinstance(admission, EndsBeforeTheRead)
+    node.jobs.reserve(whole("a", 2))
+    queued = admission.enqueue(whole("b")).entry
+    admission.enqueue(whole("c"))
+    admission.ending = (queued.id, to)
+    view = admission.view(queued.id)
+    assert (view.entry.id, view.entry.state, view.position) == (queued.id, to, 0)
     node.store.close()
 
 
