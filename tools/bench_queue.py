@@ -410,8 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"measuring: {phases.planned} phases", flush=True)
         if sizes:
-            took = enqueue_times(daemon, sizes, history=args.history)
-            phases.said(enqueue_figures(took))
+            phases.said(enqueue_figures(enqueue_times(daemon, sizes, history=args.history)))
         elif args.waiters:
             at_scale(
                 daemon,
