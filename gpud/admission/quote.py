@@ -128,19 +128,21 @@ def packing_efficiency(
     for queued, started, ended, share in jobs:
         begin = now if started is None else started
         if begin > queued:
-            events.append((queued, len(events), 0.0, 1))
-            events.append((begin, len(events), 0.0, -1))
+            events.append((queued, len(events), 0, 0.0, 1))
+            events.append((begin, len(events), 0, 0.0, -1))
         if started is not None:
-            events.append((started, len(events), share, 0))
-            events.append((now if ended is None else ended, len(events), -share, 0))
+            events.append((started, len(events), 0, share, 0))
+            events.append((now if ended is None else ended, len(events), 0, -share, 0))
     events.sort(key=_time)
     return _Sweep().run(events).efficiency()
 
 
-# (time, order, capacity change, waiting change): ``order``, the event's place in the list
-# made, which the stable sort by time keeps among the events of one time (in
-# :class:`PackingEfficiency`: its job's rank, then its place among the job's events)
-_Event = tuple[float, Any, float, int]
+# (time, order, step, capacity change, waiting change): ``order``, the event's place in the
+# list made, which the stable sort by time keeps among the events of one time (in
+# :class:`PackingEfficiency`: its job's rank, one tuple shared by the job's events, then
+# ``step``, its place among them: a tuple of its own per event cost half the sweep's memory
+# at admission.history_keep runs)
+_Event = tuple[float, Any, int, float, int]
 
 
 def _time(e: _Event) -> float:
@@ -173,7 +175,7 @@ class _Sweep:
             self.waiters,
             self.last,
         )
-        for t, _, d_use, d_wait in events:
+        for t, _, _, d_use, d_wait in events:
             if waiters > 0 and t > last:
                 busy += used * (t - last)
                 waiting += t - last
@@ -198,8 +200,8 @@ Rank = tuple[int, ...]
 MARK_EVERY = 1024  # events swept between two marks a change may sweep again from
 
 
-def _place(e: _Event) -> tuple[float, Rank]:
-    return (e[0], e[1])
+def _place(e: _Event) -> tuple[float, Rank, int]:
+    return (e[0], e[1], e[2])
 
 
 class PackingEfficiency:
@@ -210,8 +212,8 @@ class PackingEfficiency:
 
     A job added or changed (:meth:`add`, :meth:`remove`: a run started, a run that ended)
     puts its events where a sweep made afresh would have them (``rank``: where the job
-    stands among the jobs, as their order in ``jobs``: the ties of one time are taken in
-    that order) and sweeps again from the last mark before the first of them (one is kept
+    stands among the jobs, as their order in ``jobs``, every rank of one length: the ties of
+    one time are taken in that order) and sweeps again from the last mark before the first of them (one is kept
     every :data:`MARK_EVERY` events swept), not from the first event."""
 
     def __init__(
@@ -224,6 +226,7 @@ class PackingEfficiency:
         self._mark_every = mark_every
         self._fixed: list[_Event] = []  # all but the ends of the runs still running
         self._running: dict[Rank, float] = {}  # rank -> capacity change at its end (``now``)
+        self._freed: dict[float, float] = {}  # share -> -share
         for i, job in enumerate(jobs):
             for event in self._events(job, (i,) if ranks is None else ranks[i]):
                 self._fixed.append(event)
@@ -238,13 +241,15 @@ class PackingEfficiency:
         queued, started, ended, share = job
         out: list[_Event] = []
         if started > queued:
-            out.append((queued, (*rank, 0), 0.0, 1))
-            out.append((started, (*rank, 1), 0.0, -1))
-        out.append((started, (*rank, 2), share, 0))
+            out.append((queued, rank, 0, 0.0, 1))
+            out.append((started, rank, 1, 0.0, -1))
+        out.append((started, rank, 2, share, 0))
+        # the few shares of the classes, each negated once: not a float per run
+        freed = self._freed.setdefault(share, -share)
         if ended is None:
-            self._running[rank] = -share
+            self._running[rank] = freed
         else:
-            out.append((ended, (*rank, 3), -share, 0))
+            out.append((ended, rank, 3, freed, 0))
         return out
 
     def add(self, job: tuple[float, float, float | None, float], rank: Rank) -> None:
@@ -288,9 +293,7 @@ class PackingEfficiency:
             if done % self._mark_every == 0:
                 self._marks.append(self._sweep.copy())
         self._done, self._until = end, now
-        rest = fixed[end:] + [
-            (now, (*rank, 3), change, 0) for rank, change in self._running.items()
-        ]
+        rest = fixed[end:] + [(now, rank, 3, change, 0) for rank, change in self._running.items()]
         rest.sort(key=_place)
         return self._sweep.copy().run(rest).efficiency()
 

@@ -96,22 +96,40 @@ def _check_decoded(request: Any) -> None:
     validate.request_bounds(request)
 
 
+ONCE_KEEP = 256  # refusals _Once remembers: past them, the least recently refused leave
+
+
 class _Once:
     """Which refusals were logged: each (method, message) once until the method succeeds
-    again, for servers whose callers retry every tick (the cluster peer API)."""
+    again, for servers whose callers retry every tick (the cluster peer API). The messages
+    name jobs and GPUs, so a method that keeps failing would add a pair per job it names:
+    at most ``keep`` are remembered, the one refused longest ago forgotten first (logged
+    again should it come back)."""
 
-    def __init__(self) -> None:
-        self._logged: set[tuple[str, str]] = set()
+    def __init__(self, keep: int = ONCE_KEEP) -> None:
+        self._keep = keep
+        # an ordered set: the refusal seen longest ago first
+        self._logged: dict[tuple[str, str], None] = {}
 
     def first(self, method: str, message: str) -> bool:
-        if (method, message) in self._logged:
+        key = (method, message)
+        if key in self._logged:
+            # refused again: the last to be forgotten, so a steady retry stays quiet
+            del self._logged[key]
+            self._logged[key] = None
             return False
-        self._logged.add((method, message))
+        self._logged[key] = None
+        if len(self._logged) > self._keep:
+            del self._logged[next(iter(self._logged))]
         return True
 
     def succeeded(self, method: str) -> None:
         if self._logged:
-            self._logged = {k for k in self._logged if k[0] != method}
+            self._logged = {k: None for k in self._logged if k[0] != method}
+
+    def __len__(self) -> int:
+        """The refusals remembered."""
+        return len(self._logged)
 
 
 async def _abort_for(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import tempfile
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -517,3 +518,24 @@ def test_requests_of_pruned_runs_are_not_kept_past_the_history_bound(tmp_path: P
     assert len(mirror) == 50
     assert len(mirror._interned) <= 2 * 50 + 64 and len(mirror._classes) <= 2 * 50 + 64
     node.store.close()
+
+
+def test_the_kept_sweep_holds_a_few_hundred_bytes_per_run() -> None:
+    """The sweep of the packing efficiency is kept for every pool while gpud runs, over
+    every run in the window (admission.history_keep of them): its events share their run's
+    rank and the classes' negated shares, rather than a tuple and a float each."""
+    runs = 20_000
+    shares = (1.0, 0.5, 0.25)
+    ran = [(i * 10.0, i * 10.0 + 3.0, i * 10.0 + 8.0, shares[i % 3]) for i in range(runs)]
+    ranks = [(i % 3, i) for i in range(runs)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = PackingEfficiency(ran, ranks)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept.at(runs * 10.0) == packing_efficiency(ran, now=runs * 10.0)
+    # four events of a run: 80 bytes each and their list's slots (a tuple of its own for
+    # each event's place and a float for each end held about 600)
+    assert held < 450 * runs, f"{held / runs:.0f} bytes per run"
