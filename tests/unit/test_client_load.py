@@ -135,7 +135,7 @@ def test_a_throttle_without_grpc_leaves_the_job_at_full_duty_and_says_why() -> N
     assert run.returncode == 0, run.stderr
     why, done = run.stdout.splitlines()
     assert why.startswith("gRPC not loaded (ModuleNotFoundError("), why
-    assert why.endswith("the job runs at full duty, unthrottled"), why
+    assert why.endswith("this process runs at full duty, not throttled by gpud"), why
     assert done == "[0.0, 0.0, 0.0] (1.0, False, '')"
     assert "job train-a is not throttled: gRPC not loaded" in run.stderr  # the warning
 
@@ -155,3 +155,28 @@ def test_a_throttle_made_in_a_worker_forked_mid_grpc_import_is_inert_not_hung() 
             " else 1)",
         )
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_reading_the_directive_loads_no_grpc_the_first_throttle_point_does() -> None:
+    """A watcher thread polling directive() beside a main thread that forks workers must
+    not import gRPC there (a fork mid-import leaves the child's grpc half-imported): the
+    import waits for the first call, made by the training loop's throttle_point()."""
+    program = (
+        "import os, sys\n"
+        "os.environ['GPUD_JOB'] = 'train-a'\n"
+        "os.environ['GPUD_SOCKET'] = '/nonexistent/gpud.sock'\n"
+        "import gpud.client\n"
+        "print(gpud.client.directive(), 'grpc' in sys.modules)\n"
+        "gpud.client.throttle_point()\n"
+        "print('grpc' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", program],
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a guard against a hang, not a measurement
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["(1.0, False, '') False", "True"], run.stdout
