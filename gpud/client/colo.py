@@ -141,12 +141,11 @@ class _Channel:
         def load() -> bool:
             import grpc
 
-            from gpud.v1 import colo_pb2, colo_pb2_grpc  # noqa: F401
-
             grpc.insecure_channel(f"unix://{self._socket}").close()
             return True
 
-        return load_grpc(load, self._socket, outcome=outcome)[1]
+        generated = ("gpud.v1.colo_pb2", "gpud.v1.colo_pb2_grpc")
+        return load_grpc(load, self._socket, generated, outcome=outcome).why
 
     def forget(self) -> None:
         """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
