@@ -370,6 +370,8 @@ def directive() -> tuple[float, bool, str]:
 _Report = tuple[list[float], float, bool, float]
 # Every Latency not yet collected: closed at exit, made afresh in a forked child.
 _LIVE: weakref.WeakSet[Latency] = weakref.WeakSet()
+# Every inert Latency (no gRPC) not yet collected: a forked child's drops none of the parent's.
+_INERT: weakref.WeakSet[Latency] = weakref.WeakSet()
 
 
 class Latency:
@@ -462,6 +464,7 @@ class Latency:
         if self.last_error:
             # a service never fails for its reports: observe() counts them as dropped
             log.warning("latency of %s is not reported: %s", self.job, self.last_error)
+            _INERT.add(self)  # a forked child counts its own requests only
             return
         _LIVE.add(self)
 
@@ -709,7 +712,7 @@ def _fresh_in_child() -> None:
     _default.clear()
     for t in list(_THROTTLES):
         t._forked()
-    for lat in list(_LIVE):
+    for lat in [*_LIVE, *_INERT]:
         lat._fresh()
 
 

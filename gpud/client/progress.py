@@ -203,6 +203,7 @@ class Progress:
         # the unreachable gpud, as the path, not gpud, is then what is wrong
         self._not_socket = ""
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
+        _made.add(self)  # a forked child makes a copy of each, live or not
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
             self._stop.set()  # another rank reports: steps are counted, never sent
@@ -226,7 +227,6 @@ class Progress:
             return
         self._thread.start()
         atexit.register(self.close)
-        _live.add(self)
 
     @property
     def iterations(self) -> int:
@@ -284,8 +284,13 @@ class Progress:
 
     def _forked(self) -> None:
         """In a forked child: the sender thread is not there, its locks may have been held at
-        the fork and the buffer is the parent's to send. Nothing is sent from here; the
-        parent's gRPC channel is left alone (closing it in a child hangs)."""
+        the fork and the buffer is the parent's to send. Nothing is sent from here (the copy
+        reports as a rank that does not: ``active`` False, nothing dropped, its own steps
+        counted, an inert parent's too); the parent's gRPC channel is left alone (closing it
+        in a child hangs)."""
+        self.active = False
+        self._dropped = 0
+        self._unreported = False
         self._stop = threading.Event()
         self._stop.set()
         self._wake = threading.Event()
@@ -626,7 +631,8 @@ def _local(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-_live: weakref.WeakSet[Progress] = weakref.WeakSet()
+# every Progress not yet collected, live or inert: a forked child holds a copy of each
+_made: weakref.WeakSet[Progress] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -636,7 +642,7 @@ def _after_fork_in_child() -> None:
         if name.partition(".")[0] == "grpc" or name.startswith("gpud.v1")
         if _importing(module)
     ]
-    for progress in list(_live):
+    for progress in list(_made):
         progress._forked()
 
 

@@ -222,3 +222,50 @@ def test_a_throttle_made_in_a_worker_forked_mid_import_of_a_module_it_does_not_u
     reports (a gpud away is no error of its load), not inert for a module it never imports."""
     run = _throttle_in_a_worker_forked_mid_import("gpud.v1.cluster_pb2", 't.last_error == ""')
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# a client whose parent already dropped reports: the forked child reads what it dropped
+_FORKED = """
+import os, sys, time
+%(before)s
+import gpud.client
+%(make)s
+for _ in range(5):
+    %(use)s
+while client.dropped < %(dropped)d:  # a live one's sender counts them: waited for, not timed
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    %(use)s
+    print(f"child dropped {client.dropped}, flushed {client.flush(0)}", flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(f"parent dropped {client.dropped}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("before", "make", "use", "dropped", "child"),
+    [
+        ("sys.modules['grpc'] = None", *_CLIENTS["Progress"], 5, "child dropped 0, flushed True"),
+        (
+            "",
+            'client = gpud.client.Progress("train-a", socket="/nonexistent/gpud.sock",'
+            " max_buffer=1)",
+            "client.step()",
+            4,
+            "child dropped 0, flushed True",
+        ),
+        ("sys.modules['grpc'] = None", *_CLIENTS["Latency"], 5, "child dropped 1, flushed True"),
+    ],
+    ids=["inert-progress", "live-progress", "inert-latency"],
+)
+def test_a_forked_child_counts_none_of_its_parents_dropped_reports(
+    before: str, make: str, use: str, dropped: int, child: str
+) -> None:
+    """A forked copy of a Progress drops nothing (its steps are not its to send), inert or
+    not; a child's inert Latency counts its own requests, not its parent's again."""
+    program = _FORKED % {"before": before, "make": make, "use": use, "dropped": dropped}
+    run = _python(program)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [child, f"parent dropped {dropped}"], run.stdout
