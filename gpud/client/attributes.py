@@ -75,13 +75,13 @@ def _channel(target: str, job: str) -> Any:
     def load() -> Any:
         import grpc
 
-        from gpud.v1 import cluster_pb2, cluster_pb2_grpc  # noqa: F401
-
         return grpc.insecure_channel(target)
 
-    channel, why = load_grpc(load, target.removeprefix("unix:"), outcome="gpud is not asked")
+    generated = ("gpud.v1.cluster_pb2", "gpud.v1.cluster_pb2_grpc")
+    where = target.removeprefix("unix:")
+    channel, why, error = load_grpc(load, where, generated, outcome="gpud is not asked")
     if channel is None:
-        raise GrpcUnavailable(f"attributes of job {job} not read: {why}")
+        raise GrpcUnavailable(f"attributes of job {job} not read: {why}") from error
     return channel
 
 

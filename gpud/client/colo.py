@@ -141,12 +141,11 @@ class _Channel:
         def load() -> bool:
             import grpc
 
-            from gpud.v1 import colo_pb2, colo_pb2_grpc  # noqa: F401
-
             grpc.insecure_channel(f"unix://{self._socket}").close()
             return True
 
-        return load_grpc(load, self._socket, outcome=outcome)[1]
+        generated = ("gpud.v1.colo_pb2", "gpud.v1.colo_pb2_grpc")
+        return load_grpc(load, self._socket, generated, outcome=outcome).why
 
     def forget(self) -> None:
         """Connect anew at the next call (in a forked child: the parent's channel is its own)."""
@@ -189,11 +188,12 @@ class Throttle:
         random, a forked child's its own): gpud tells a process started again within one
         run, whose rate it reads from its own iterations, not across the gap from the
         last one's, from another rank of the job reporting beside it. Without ``call``,
-        gRPC is loaded here, in the caller's thread (for a job named): where it cannot be
-        (missing, broken, half-imported at the fork that made this process, whose import
-        would wait for good) or its channel made, the throttle is inert, never raising nor
-        waiting: no call is made, the job runs at full duty, a warning is logged and
-        :attr:`last_error` says why ("" while it reports)."""
+        gRPC is loaded before the first call, in the thread of the :meth:`point` that makes
+        it (nothing is imported here): where it cannot be (missing, broken, half-imported
+        at the fork that made this process, whose import would wait for good) or its
+        channel made, the throttle is inert, never raising nor waiting on that import: no
+        call is made, the job runs at full duty, a warning is logged and
+        :attr:`last_error` says why ("" while it reports, and while gpud is away)."""
         if not hold_s >= 0.0:  # NaN too
             raise ValueError(f"Throttle hold_s must be a number of seconds >= 0, not {hold_s!r}")
         _check_interval("Throttle", "report_every_s", report_every_s)
@@ -214,11 +214,11 @@ class Throttle:
         self.duty = 1.0
         self.evict = False
         self.reason = ""
+        # why gRPC could not be loaded; "" while it reports, and while gpud is away
         self.last_error = ""
-        if call is None and self.job:
-            self.last_error = self._channel.load("the job runs at full duty, unthrottled")
-            if self.last_error:
-                log.warning("job %s is not throttled: %s", self.job, self.last_error)
+        # gRPC is loaded by the first call (the default one), then never tried again
+        self._load_pending = call is None
+        self._inert = False  # no gRPC: no call is ever made
         _THROTTLES.add(self)
 
     def _forked(self) -> None:
@@ -241,14 +241,31 @@ class Throttle:
     def _due(self, now: float) -> bool:
         """Whether to ask gpud now: ``report_every_s`` (longer after failures) since the
         last call, or, calls failing with a directive to keep, the hold about to run out
-        and no call tried since it was."""
-        if not self.job or self.last_error:  # no gRPC: nothing to ask with
+        and no call tried since it was. gRPC is loaded before the first such call, on the
+        thread that makes it (the training loop's)."""
+        if not self.job or self._inert:  # no gRPC: nothing to ask with
             return False
-        if now - self._last_report >= self._interval:
-            return True
         last_call = self._answered + self._hold - HOLD_LAST_CALL_S
         held = self.duty < 1.0 or self.evict
-        return self._failing and held and now >= last_call > self._last_report
+        due = now - self._last_report >= self._interval or (
+            self._failing and held and now >= last_call > self._last_report
+        )
+        return due and self._loaded()
+
+    def _loaded(self) -> bool:
+        """Whether gRPC is there for the default call, imported now at the first: on the
+        thread about to call (never on one that only reads :func:`directive`, beside a
+        main thread that forks workers: a fork mid-import leaves the child's grpc
+        half-imported for good). Where it cannot be, the throttle turns inert for good."""
+        if self._load_pending:
+            self._load_pending = False
+            self.last_error = self._channel.load(
+                "this process runs at full duty, not throttled by gpud"
+            )
+            if self.last_error:
+                self._inert = True
+                log.warning("job %s is not throttled: %s", self.job, self.last_error)
+        return not self._inert
 
     def _report(self, now: float, iterations: int) -> None:
         self._last_report = now
@@ -353,6 +370,8 @@ def directive() -> tuple[float, bool, str]:
 _Report = tuple[list[float], float, bool, float]
 # Every Latency not yet collected: closed at exit, made afresh in a forked child.
 _LIVE: weakref.WeakSet[Latency] = weakref.WeakSet()
+# Every inert Latency (no gRPC) not yet collected: a forked child's drops none of the parent's.
+_INERT: weakref.WeakSet[Latency] = weakref.WeakSet()
 
 
 class Latency:
@@ -445,6 +464,7 @@ class Latency:
         if self.last_error:
             # a service never fails for its reports: observe() counts them as dropped
             log.warning("latency of %s is not reported: %s", self.job, self.last_error)
+            _INERT.add(self)  # a forked child counts its own requests only
             return
         _LIVE.add(self)
 
@@ -692,7 +712,7 @@ def _fresh_in_child() -> None:
     _default.clear()
     for t in list(_THROTTLES):
         t._forked()
-    for lat in list(_LIVE):
+    for lat in [*_LIVE, *_INERT]:
         lat._fresh()
 
 

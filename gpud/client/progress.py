@@ -77,6 +77,7 @@ Only the standard library and ``grpc`` (with the generated ``gpud.v1`` messages)
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import stat
@@ -85,9 +86,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class Progress:
         # the unreachable gpud, as the path, not gpud, is then what is wrong
         self._not_socket = ""
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
+        _made.add(self)  # a forked child makes a copy of each, live or not
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
             self._stop.set()  # another rank reports: steps are counted, never sent
@@ -211,9 +213,10 @@ class Progress:
         # imported it at its first send raced the program's own imports (a half-imported
         # grpc killed the thread), and a fork meanwhile (a DataLoader worker) left the
         # child's grpc half-imported for good: a Progress made there never sent.
-        self._channel, why = load_grpc(
+        self._channel, why, _ = load_grpc(
             lambda: _grpc_modules()[0].insecure_channel(target, options=_CHANNEL_OPTIONS),
             self._where,
+            ("gpud.v1.net_pb2", "gpud.v1.net_pb2_grpc"),
         )
         if self._channel is None:
             # a job never fails for its reports: this one counts steps and sends none
@@ -224,7 +227,6 @@ class Progress:
             return
         self._thread.start()
         atexit.register(self.close)
-        _live.add(self)
 
     @property
     def iterations(self) -> int:
@@ -282,8 +284,13 @@ class Progress:
 
     def _forked(self) -> None:
         """In a forked child: the sender thread is not there, its locks may have been held at
-        the fork and the buffer is the parent's to send. Nothing is sent from here; the
-        parent's gRPC channel is left alone (closing it in a child hangs)."""
+        the fork and the buffer is the parent's to send. Nothing is sent from here (the copy
+        reports as a rank that does not: ``active`` False, nothing dropped, its own steps
+        counted, an inert parent's too); the parent's gRPC channel is left alone (closing it
+        in a child hangs)."""
+        self.active = False
+        self._dropped = 0
+        self._unreported = False
         self._stop = threading.Event()
         self._stop.set()
         self._wake = threading.Event()
@@ -508,33 +515,70 @@ def _grpc_modules() -> tuple[Any, Any, Any]:
     return grpc, net_pb2, net_pb2_grpc
 
 
+class Loaded(NamedTuple):
+    """What :func:`load_grpc` found: ``value``, what ``load()`` made (None where gRPC could
+    not be loaded or its channel made); ``why`` not ("" when loaded); ``error``, the
+    exception behind it (None for a half-import, or when loaded)."""
+
+    value: Any
+    why: str
+    error: Exception | None
+
+
 def load_grpc(
-    load: Callable[[], Any], where: str, *, outcome: str = "nothing is reported"
-) -> tuple[Any, str]:
-    """gRPC imported here, in the caller's thread, then ``load()`` (makes a channel to gpud
-    at ``where``, its socket's path or target): its result and "", or None and why not: gRPC missing or broken, a path the channel cannot
-    take (one not valid UTF-8), or gRPC half-imported at the fork that made this process (a
-    thread of the parent was inside its import: the child's import would wait for good on
-    that module's lock, which no thread of the child holds); the reason ends with
-    ``outcome``, what the caller does without gRPC. Never raises: a client made in a
-    training program must not end it."""
-    half = [name for name in _half_at_fork if _importing(sys.modules.get(name))]
+    load: Callable[[], Any],
+    where: str,
+    modules: Sequence[str],
+    *,
+    outcome: str = "nothing is reported",
+) -> Loaded:
+    """gRPC and the generated ``modules`` the caller uses (``gpud.v1.colo_pb2``, ...)
+    imported here, in the caller's thread, then ``load()`` (makes a channel to gpud at
+    ``where``, its socket's path or target): what it made, or why not: gRPC or one of
+    ``modules`` missing or broken, a path the channel cannot take (one not valid UTF-8), or
+    gRPC or one of ``modules`` half-imported at the fork that made this process (a thread of
+    the parent was inside its import: the child's import would wait for good on that
+    module's lock, which no thread of the child holds; a module of gpud.v1 the caller does
+    not import, half-imported there, is no matter); the reason ends with ``outcome``, what
+    the caller does without gRPC. Never raises: a client made in a training program must not
+    end it."""
+    needed = ("grpc", *modules)
+    half = [
+        name
+        for name in _half_at_fork
+        if _within(name, needed) and _importing(sys.modules.get(name))
+    ]
     if half:
-        return None, (
+        return Loaded(
+            None,
             f"gRPC was half-imported at a fork ({half[0]}, imported by another thread of"
-            f" the parent then): {outcome} from this process"
+            f" the parent then): {outcome}",
+            None,
         )
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # a missing or broken grpc must not end the job
+            generated = "" if name == "grpc" else f"{name}, gpud's generated code: "
+            return Loaded(None, f"gRPC not loaded ({generated}{err!r}): {outcome}", err)
     try:
-        _grpc_modules()
-    except Exception as err:  # a missing or broken grpc must not end the job
-        return None, f"gRPC not loaded ({err!r}): {outcome}"
-    try:
-        return load(), ""
+        return Loaded(load(), "", None)
     except Exception as err:  # e.g. a path not valid UTF-8
-        return None, (
+        return Loaded(
+            None,
             f"no gRPC channel to gpud at {where!r} (${SOCKET_VAR}, socket= or target=):"
-            f" {err!r}: {outcome}"
+            f" {err!r}: {outcome}",
+            err,
         )
+
+
+def _within(name: str, modules: Sequence[str]) -> bool:
+    """Whether importing ``modules`` takes the module ``name``: one of them, a package
+    above one (``gpud.v1``) or a module inside one (``grpc._channel``)."""
+    return any(
+        name == module or name.startswith(f"{module}.") or module.startswith(f"{name}.")
+        for module in modules
+    )
 
 
 def _importing(module: object) -> bool:
@@ -587,7 +631,8 @@ def _local(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-_live: weakref.WeakSet[Progress] = weakref.WeakSet()
+# every Progress not yet collected, live or inert: a forked child holds a copy of each
+_made: weakref.WeakSet[Progress] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -597,7 +642,7 @@ def _after_fork_in_child() -> None:
         if name.partition(".")[0] == "grpc" or name.startswith("gpud.v1")
         if _importing(module)
     ]
-    for progress in list(_live):
+    for progress in list(_made):
         progress._forked()
 
 

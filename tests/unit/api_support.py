@@ -291,7 +291,7 @@ class HeldLoader:
 
 class HoldTheImport:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] != "grpc" or os.getpid() != parent:
+        if not (name == %(held)r or name.startswith(%(held)r + ".")) or os.getpid() != parent:
             return None
         if threading.current_thread() is threading.main_thread() or inside.is_set():
             return None
@@ -329,14 +329,15 @@ sys.exit(3)
 
 
 def fork_mid_grpc_import(
-    sock: Path, *, make: str, sent: str, child: str
+    sock: Path, *, make: str, sent: str, child: str, held: str = "grpc"
 ) -> subprocess.CompletedProcess[str]:
     """A program that runs ``make`` (a client talking to gpud at ``sock``; it may start a
     thread that imports grpc), waits until a thread other than the main one is inside
-    grpc's import or ``sent`` holds, forks, and runs ``child`` (one line that exits: 0 when
-    the worker did its part) in the worker. The program's exit code is the worker's (3: it
-    hung); the program runs in its own session, killed whole should it hang itself."""
-    script = _FORK_MID_GRPC_IMPORT % {"make": make, "sent": sent, "child": child}
+    the import of ``held`` (grpc, or a module of it, by default) or ``sent`` holds, forks,
+    and runs ``child`` (one line that exits: 0 when the worker did its part) in the worker.
+    The program's exit code is the worker's (3: it hung); the program runs in its own
+    session, killed whole should it hang itself."""
+    script = _FORK_MID_GRPC_IMPORT % {"make": make, "sent": sent, "child": child, "held": held}
     with subprocess.Popen(
         [sys.executable, "-c", script, str(sock)],
         cwd=Path(__file__).resolve().parents[2],
