@@ -560,6 +560,7 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        self._ordered = False  # a cluster order was applied since the start
         # interface -> "ifindex NEW, was OLD": the name is another netdev's than the one
         # whose root qdisc gpud recorded (its original is not put on the new one)
         self._replaced: dict[str, str] = {}
@@ -1092,6 +1093,7 @@ class TrafficService:
                     )
             self._order = dict(levels)
             self._epoch = epoch
+            self._ordered = True
             return OrderResult(True, epoch, retagged=tuple(retagged))
 
     def clear_order(self) -> None:
@@ -1108,7 +1110,19 @@ class TrafficService:
                 jobs=self._job_views(now, self._held_now()),
                 epoch=self._epoch if self._order is not None else 0,
                 levels=self.config.levels,
+                adopted=self._still_adopted(),
             )
+
+    def _still_adopted(self) -> dict[str, int]:
+        """The levels found in the kernel at start that its tc classes still hold, until
+        the first cluster order since then (call under the lock). A gpud started again
+        has no order yet; the run before's, read back from the tree, is what the new
+        leader starts from: ranked afresh, jobs of equal (or unknown) rates would trade
+        levels by job id, then trade back once the rates are known -- two tc changes on
+        each live job for nothing."""
+        if self._ordered:
+            return {}
+        return {j: lv for j, lv in self._adopted.items() if self._levels.get(j) == lv}
 
     # -- operator API ----------------------------------------------------------------------
     def _refuse_while_off(self, what: str) -> None:
