@@ -1797,7 +1797,8 @@ class TrafficService:
 
     def start(self) -> None:
         """Adopt what the kernel holds from before (call once, before the first tick):
-        nothing is torn down, and the levels found hold until progress is known again."""
+        nothing is torn down, the levels found hold until progress is known again, and the
+        policy (and, until its first order, the cluster leader) starts from them."""
         if not self.config.enabled or self._tc is None:
             return
         adopted: dict[str, int] = {}
@@ -1812,6 +1813,12 @@ class TrafficService:
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
+            if self._leveller.last is None:
+                # the policy starts from the levels in force, as a new cluster leader does:
+                # jobs whose rates tie (or fit their level) keep it once they report again,
+                # rather than trade levels by job id -- a tc change on each for nothing
+                k = self._leveller.config.levels
+                self._leveller.seed({j: lv for j, lv in adopted.items() if 0 <= lv < k})
             self._marks_found = True
             # what the kernel enforces until the first tick decides: without it a job found
             # at its level reads as in the default class (no level) meanwhile

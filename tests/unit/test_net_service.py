@@ -656,6 +656,41 @@ def test_restart_adopts_the_kernels_levels(rig: Rig) -> None:
     assert "net.adopt" in rig.kinds()
 
 
+def test_a_restart_keeps_the_levels_of_jobs_whose_rates_tie_once_they_report_again(
+    rig: Rig,
+) -> None:
+    """b ran alone, then a came with b's rate: the hysteresis kept b on level 0. Started
+    again, both report again at the same rate: a fresh ranking would break the tie by job
+    id and swap them, a tc change on each; the local policy starts from the kernel's."""
+    rig.jobs = ["a", "b"]
+    rig.active = {"b"}
+    done = {"a": 0, "b": 0}
+
+    def run(*jobs: str) -> None:
+        """Ten iterations of 0.5 s of each of ``jobs``, the last one now."""
+        for _ in range(10):
+            rig.clock.t += 0.5
+            for job in jobs:
+                done[job] += 1
+                rig.service.report(Report(job, done[job], rig.clock.t, 0.4, "s"))
+
+    run("b")
+    rig.service.tick()
+    run("a", "b")
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {"a": 1, "b": 0}
+    tree = rig.tc.states["eth0"]
+    rig.service = rig.make()
+    rig.service.start()
+    for _ in range(3):
+        run("a", "b")
+        rig.service.tick()
+        assert rig.tc.states["eth0"] == tree
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {"a": 1, "b": 0}
+    assert rig.service.view().level_changes_total == 0
+
+
 def test_the_first_tick_after_a_restart_says_what_it_kept_and_removed(rig: Rig) -> None:
     """A job gone while gpud was down: the first tick removes its tc leaf, filter and
     nftables rule, left by the previous run, and says so in one ``net.takeover`` event per
