@@ -288,11 +288,17 @@ class ClusterAgent:
         link_up = self._view.links_up()
         # The levels of the cluster order in force, for a new leader to start from: none
         # once the local policy decides again, nor while an order newer than the one in
-        # force (the traffic service refused it) would stamp them with its epoch.
+        # force (the traffic service refused it) would stamp them with its epoch. Before
+        # the first order since the start, those the traffic service found in the kernel
+        # (the run before's order), as of epoch 0: a gpud started again keeps its jobs'
+        # levels where rates allow, rather than have its new leader rank jobs of unknown
+        # rates by job id, then again once their rates are known.
         order, epoch = self.order, self.fence.epoch  # read once: _apply may run meanwhile
         applied: Mapping[str, int] = (
             order.levels
             if order is not None and not self._order_cleared and order.epoch == epoch
+            else traffic.adopted
+            if order is None and not self._order_cleared and epoch == 0
             else {}
         )
         jobs: dict[str, JobReport] = {}

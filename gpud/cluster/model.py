@@ -35,7 +35,8 @@ class JobReport:
     counters of the job's class on this node; ``pinned_level`` a level an operator pinned
     the job to on this node; ``applied_level`` the job's level in the cluster order in force
     here (the one of :attr:`NodeReport.applied_epoch`; None: the order names no level for
-    it, or none is in force), which a new leader starts from; ``unranked`` that the job
+    it, or none is in force; a gpud started again, before its first order, the level its
+    tc class held at the start, as of epoch 0), which a new leader starts from; ``unranked`` that the job
     holds no level on this node (its run ended, or it stopped and fell silent; never with
     a pin): the leader ranks it only where another node reports it ranked.
     """

@@ -99,13 +99,17 @@ class LocalReport:
     """This node's jobs at one instant (``at``: unix seconds), for the leader.
 
     ``epoch`` is the epoch of the cluster order in force (0: the local policy decides);
-    ``levels`` is how many priority levels the node enforces.
+    ``levels`` is how many priority levels the node enforces; ``adopted`` job -> the level
+    its tc class held when gpud started (the run before's order, read from the kernel's
+    tree) and still holds, until the first cluster order since the start is applied: what
+    a new leader starts from rather than ranking those jobs afresh.
     """
 
     at: float
     jobs: tuple[JobTraffic, ...]
     epoch: int
     levels: int
+    adopted: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +162,10 @@ class FakeTraffic:
         self.order: dict[str, int] | None = None
         self.tags: dict[str, int] = {}
         self.clock = 0.0
+        self.adopted: dict[str, int] = {}  # levels found in the kernel at start
 
     def local_report(self) -> LocalReport:
-        return LocalReport(at=self.clock, jobs=self.jobs, epoch=self.epoch, levels=self.levels)
+        return LocalReport(self.clock, self.jobs, self.epoch, self.levels, self.adopted)
 
     def apply_order(
         self,
@@ -174,6 +179,7 @@ class FakeTraffic:
             return OrderResult(False, self.epoch, f"stale epoch {epoch} < {self.epoch}")
         self.epoch = epoch
         self.order = dict(levels)
+        self.adopted = {}  # the order is in force: the start's levels are not
         self.tags.update(tags or {})
         return OrderResult(True, epoch)
 

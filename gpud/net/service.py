@@ -560,6 +560,7 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        self._ordered = False  # a cluster order was applied since the start
         # interface -> "ifindex NEW, was OLD": the name is another netdev's than the one
         # whose root qdisc gpud recorded (its original is not put on the new one)
         self._replaced: dict[str, str] = {}
@@ -1092,6 +1093,7 @@ class TrafficService:
                     )
             self._order = dict(levels)
             self._epoch = epoch
+            self._ordered = True
             return OrderResult(True, epoch, retagged=tuple(retagged))
 
     def clear_order(self) -> None:
@@ -1108,7 +1110,19 @@ class TrafficService:
                 jobs=self._job_views(now, self._held_now()),
                 epoch=self._epoch if self._order is not None else 0,
                 levels=self.config.levels,
+                adopted=self._still_adopted(),
             )
+
+    def _still_adopted(self) -> dict[str, int]:
+        """The levels found in the kernel at start that its tc classes still hold, until
+        the first cluster order since then (call under the lock). A gpud started again
+        has no order yet; the run before's, read back from the tree, is what the new
+        leader starts from: ranked afresh, jobs of equal (or unknown) rates would trade
+        levels by job id, then trade back once the rates are known -- two tc changes on
+        each live job for nothing."""
+        if self._ordered:
+            return {}
+        return {j: lv for j, lv in self._adopted.items() if self._levels.get(j) == lv}
 
     # -- operator API ----------------------------------------------------------------------
     def _refuse_while_off(self, what: str) -> None:
@@ -1783,7 +1797,8 @@ class TrafficService:
 
     def start(self) -> None:
         """Adopt what the kernel holds from before (call once, before the first tick):
-        nothing is torn down, and the levels found hold until progress is known again."""
+        nothing is torn down, the levels found hold until progress is known again, and the
+        policy (and, until its first order, the cluster leader) starts from them."""
         if not self.config.enabled or self._tc is None:
             return
         adopted: dict[str, int] = {}
@@ -1798,6 +1813,12 @@ class TrafficService:
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
+            if self._leveller.last is None:
+                # the policy starts from the levels in force, as a new cluster leader does:
+                # jobs whose rates tie (or fit their level) keep it once they report again,
+                # rather than trade levels by job id -- a tc change on each for nothing
+                k = self._leveller.config.levels
+                self._leveller.seed({j: lv for j, lv in adopted.items() if 0 <= lv < k})
             self._marks_found = True
             # what the kernel enforces until the first tick decides: without it a job found
             # at its level reads as in the default class (no level) meanwhile

@@ -54,7 +54,8 @@ class JobReport(_message.Message):
     """an operator's pin on the node: the leader keeps it"""
     applied_level: _builtins.int
     """the job's level in the cluster order in force on the node (epoch: applied_epoch); a
-    new leader's first order starts from it
+    new leader's first order starts from it. A gpud started again, before its first
+    order: the level its tc class held at the start (epoch 0)
     """
     unranked: _builtins.bool
     """the job holds no level on the node (its run ended, or it stopped and fell silent, and

@@ -604,6 +604,30 @@ async def test_a_node_reports_the_levels_of_the_order_in_force_only() -> None:
     assert report.applied_epoch == 9 and [j.applied_level for j in report.jobs] == [None, None]
 
 
+async def test_a_node_started_again_reports_the_kernels_levels_until_its_first_order() -> None:
+    """gpud started again: no order yet, the levels its traffic service found in the
+    kernel (the run before's order) go to the new leader as of epoch 0, which keeps them
+    where the rates allow -- here two unknown rates, which a fresh ranking would order by
+    job id."""
+    clock, peers = Clock(), LoopbackPeers()
+    found = {"a-train": 1, "runner": 0}
+    traffic = FakeTraffic(
+        tuple(dataclasses.replace(job(j, None), level=lv) for j, lv in found.items())
+    )
+    traffic.adopted = dict(found)
+    n1 = agent("n1", LeaderInfo("n1", "a1", 2, True), traffic, peers, clock, settle_s=1.0)
+    peers.leader = n1
+    report = n1.local_report()
+    assert report.applied_epoch == 0
+    assert {j.job: j.applied_level for j in report.jobs} == {"a-train": 1, "runner": 0}
+    await n1.tick()
+    clock.now += 1.0
+    await n1.tick()
+    assert traffic.epoch == 2 and traffic.order == {"a-train": 1, "runner": 0}
+    traffic.adopted = {"a-train": 0}  # not said once an order is in force: the order's are
+    assert {j.job: j.applied_level for j in n1.local_report().jobs} == {"a-train": 1, "runner": 0}
+
+
 async def test_a_node_reports_ended_and_silent_jobs_unranked_unless_pinned() -> None:
     clock, peers = Clock(), LoopbackPeers()
     ended = dataclasses.replace(job("ended", 0.05), ended_s=3.0)

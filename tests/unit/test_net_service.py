@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.election import LeaderInfo
 from gpud.config import TrafficConfig
 from gpud.errors import (
     DscpPoolExhausted,
@@ -57,6 +59,8 @@ from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
 from tests.unit.store_support import CountingStore
+from tests.unit.test_cluster_agent import Clock as AgentClock
+from tests.unit.test_cluster_agent import LoopbackPeers, agent
 
 if TYPE_CHECKING:
     from gpud.jobs.service import JobService, Launch
@@ -652,6 +656,41 @@ def test_restart_adopts_the_kernels_levels(rig: Rig) -> None:
     assert "net.adopt" in rig.kinds()
 
 
+def test_a_restart_keeps_the_levels_of_jobs_whose_rates_tie_once_they_report_again(
+    rig: Rig,
+) -> None:
+    """b ran alone, then a came with b's rate: the hysteresis kept b on level 0. Started
+    again, both report again at the same rate: a fresh ranking would break the tie by job
+    id and swap them, a tc change on each; the local policy starts from the kernel's."""
+    rig.jobs = ["a", "b"]
+    rig.active = {"b"}
+    done = {"a": 0, "b": 0}
+
+    def run(*jobs: str) -> None:
+        """Ten iterations of 0.5 s of each of ``jobs``, the last one now."""
+        for _ in range(10):
+            rig.clock.t += 0.5
+            for job in jobs:
+                done[job] += 1
+                rig.service.report(Report(job, done[job], rig.clock.t, 0.4, "s"))
+
+    run("b")
+    rig.service.tick()
+    run("a", "b")
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {"a": 1, "b": 0}
+    tree = rig.tc.states["eth0"]
+    rig.service = rig.make()
+    rig.service.start()
+    for _ in range(3):
+        run("a", "b")
+        rig.service.tick()
+        assert rig.tc.states["eth0"] == tree
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {"a": 1, "b": 0}
+    assert rig.service.view().level_changes_total == 0
+
+
 def test_the_first_tick_after_a_restart_says_what_it_kept_and_removed(rig: Rig) -> None:
     """A job gone while gpud was down: the first tick removes its tc leaf, filter and
     nftables rule, left by the previous run, and says so in one ``net.takeover`` event per
@@ -1027,6 +1066,97 @@ def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
     assert rig.service.apply_order(2, {"a": 2}, restart=True).applied
     assert rig.service.local_report().epoch == 2
     assert not rig.service.apply_order(1, {"a": 0}).applied
+
+
+class _OneNodeCluster:
+    """gpud's loop on one node leading its own cluster: the traffic pass, then the cluster
+    agent's tick, every half second, job ``a-train`` reporting progress while ``reporting``
+    (``runner`` never does: a reservation with no known rate)."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.clock = AgentClock()
+        self.peers = LoopbackPeers()
+        self.iterations = 0
+        self.reporting = True
+        self.trees: list[tcplan.InterfaceState] = []  # eth0's tree after each pass
+        self.node = self.lead(1)
+
+    def lead(self, epoch: int) -> ClusterAgent:
+        leader = LeaderInfo("n1", "127.0.0.1:7070", epoch, True)
+        node = agent("n1", leader, self.rig.service, self.peers, self.clock, settle_s=1.0)
+        self.peers.leader = node
+        return node
+
+    async def passes(self, n: int) -> None:
+        for _ in range(n):
+            self.rig.clock.t += 0.5
+            self.clock.now += 0.5
+            if self.reporting:
+                self.iterations += 1
+                report = Report("a-train", self.iterations, self.rig.clock.t, 0.4, session="s")
+                self.rig.service.report(report)
+            self.rig.service.tick()
+            self.trees.append(self.rig.tc.states["eth0"])
+            await self.node.tick()
+
+    def restart(self, epoch: int) -> None:
+        """kill -9 and start again: the tree adopted, no progress known, a new leadership."""
+        self.rig.service = self.rig.make()
+        self.rig.service.start()
+        self.node = self.lead(epoch)
+
+
+async def test_a_restart_under_the_cluster_moves_no_level_of_a_job_whose_rate_is_unknown(
+    rig: Rig,
+) -> None:
+    """Before the restart runner (no rate: the top) is on level 0 and a-train on level 1.
+    Started again, a-train's reports come back a few passes late: the new leadership's
+    first order, ranked afresh, would tie the two unknown rates by job id (a-train 0,
+    runner 1), then swap them back once a-train's rate is known -- two tc changes on each
+    live job. The levels found in the kernel are what the new leader starts from."""
+    rig.jobs = ["a-train", "runner"]
+    rig.active = {"a-train", "runner"}
+    cluster = _OneNodeCluster(rig)
+    await cluster.passes(30)
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {
+        "a-train": 1,
+        "runner": 0,
+    }
+    tree = rig.tc.states["eth0"]
+    said = len(rig.events.recent(1000))
+    cluster.trees = []
+    cluster.restart(2)
+    cluster.reporting = False
+    await cluster.passes(4)  # past the new leader's settle time: its first order is in force
+    assert rig.service.local_report().epoch == 2
+    cluster.reporting = True
+    await cluster.passes(10)
+    assert rig.service.view().level_changes_total == 0
+    assert [e for e in rig.events.recent(1000)[said:] if e.kind == "net.levels"] == []
+    assert all(t == tree for t in cluster.trees)  # no class of the tree moved, ever
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {
+        "a-train": 1,
+        "runner": 0,
+    }
+
+
+def test_the_levels_found_in_the_kernel_are_reported_until_the_first_order(rig: Rig) -> None:
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    assert rig.service.apply_order(1, {"a": 1, "b": 0}).applied
+    rig.service.tick()
+    assert rig.service.local_report().adopted == {}  # an order in force: it says the levels
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.service.local_report().adopted == {"a": 1, "b": 0}
+    rig.service.tick()
+    assert rig.service.local_report().adopted == {"a": 1, "b": 0}
+    assert rig.service.apply_order(2, {"a": 0, "b": 1}).applied
+    rig.service.tick()
+    assert rig.service.local_report().adopted == {}
+    rig.service.clear_order()  # the local policy decides: not the run before's order
+    assert rig.service.local_report().adopted == {}
 
 
 def test_marks_follow_job_cgroups(rig: Rig) -> None:
