@@ -374,6 +374,9 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
 
 def _saved_features(f: Mapping[str, Any], where: str) -> JobFeatures:
     """A footprint of the state file (``where``: its key, for the error)."""
+    for key in ("sm", "mem_bw"):
+        if key not in f:
+            raise ValueError(f"{where}.{key}: missing")
     return JobFeatures(
         sm=_saved_number(f["sm"], f"{where}.sm", 0.0, 1.0),
         mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
@@ -1488,14 +1491,8 @@ class ColoService:
                 )
             if not isinstance(data.get("jobs"), dict):
                 raise ValueError('not a co-location state: no "jobs" object')
-            for name, saved in data["jobs"].items():
-                self._load_job(str(name), saved)
-            evicted = data.get("evicted", [])  # absent from files written before it was kept
-            if not isinstance(evicted, list) or not all(isinstance(n, str) for n in evicted):
-                raise ValueError(f"evicted: a list of job names expected, not {evicted!r}")
-            for name in evicted:
-                st = self._jobs.setdefault(name, _JobState())
-                st.evicted, st.seen = True, self._clock()
+            skipped = self._load_jobs(path, data["jobs"])
+            whole = self._load_evicted(path, data, skipped) and not skipped
             self._load_off(path, data)
             if registered is not None:
                 self._drop_unregistered(path, registered())
@@ -1525,9 +1522,53 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+        if not whole:
+            return  # the first save writes the file without the entries not read
         # read whole: the file holds this state already, and a stop before anything changed
         # (a start that fails at once, again and again) writes nothing
         self._saved, self._saved_clock, self._saved_idle = _unclocked(data)
+
+    def _load_jobs(self, path: Path, jobs: Mapping[str, Any]) -> set[str]:
+        """Each job's saved state (:meth:`_load_job`). One not read (a hand edit, a bug: a
+        value out of its range, of another type) is logged, naming the file and its key,
+        and skipped, as if gpud had not seen the job: its footprints, rates, duty, eviction
+        and guard start afresh, the other jobs' kept. Returns the jobs skipped."""
+        skipped: set[str] = set()
+        for key, saved in jobs.items():
+            name = str(key)
+            try:
+                self._load_job(name, saved)
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                # what it read of the job before the bad value is dropped with it
+                self._forget_job(name)
+                skipped.add(name)
+                log.error(
+                    "co-location state %s: jobs.%s not read (%s): that job starts afresh",
+                    path,
+                    name,
+                    err if isinstance(err, ValueError) else f"jobs.{name}: {err!r}",
+                )
+        return skipped
+
+    def _load_evicted(self, path: Path, data: Mapping[str, Any], skipped: set[str]) -> bool:
+        """The jobs the file says the loop evicted, less those ``skipped`` (a job whose
+        entry was not read is one gpud has not seen: no GPU is held for a run of it). A
+        list that is not one of names is logged, naming the file, and not read: no eviction
+        is kept, the rest of the file is. Says whether the list was read."""
+        evicted = data.get("evicted", [])  # absent from files written before it was kept
+        if not isinstance(evicted, list) or not all(isinstance(n, str) for n in evicted):
+            log.error(
+                "co-location state %s: evicted not read (a list of job names expected, not"
+                " %r): no eviction is kept",
+                path,
+                evicted,
+            )
+            return False
+        for name in evicted:
+            if name not in skipped:
+                st = self._jobs.setdefault(name, _JobState())
+                st.evicted, st.seen = True, self._clock()
+        return True
 
     def _load_off(self, path: Path, data: Mapping[str, Any]) -> None:
         """The waiting runs taken out and the jobs removed under a waiting run, as
@@ -1663,6 +1704,8 @@ class ColoService:
     def _load_job(self, name: str, saved: dict[str, Any]) -> None:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a
         footprint over the whole device) raises ValueError naming it."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"jobs.{name}: an object expected, not {saved!r}")
         st = self._jobs.setdefault(name, _JobState())
         # it ran before the restart (``idle_s`` ago, one that was not running then): kept
         # as long as a job that ran then
@@ -1696,7 +1739,10 @@ class ColoService:
             st.alone_rates[_saved_number(x, where, 0.01, 1.0)] = _saved_number(rate, where, 0.0)
         # footprints per device; a file from before kept one per job: it serves every
         # device until the job shows its own there
-        devices = dict(saved.get("devices") or {})
+        devices = saved.get("devices") or {}
+        if not isinstance(devices, dict) or not all(isinstance(f, dict) for f in devices.values()):
+            raise ValueError(f"jobs.{name}.devices: device -> footprint expected, not {devices!r}")
+        devices = dict(devices)
         if saved.get("sm") is not None:
             devices[""] = saved
         # a file from before shares were kept: its footprints were learned at the share

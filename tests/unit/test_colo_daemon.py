@@ -4063,21 +4063,76 @@ def test_a_leave_dated_by_an_int_too_large_for_a_float_is_skipped_and_gpud_start
     assert "left.0123456789cd" in said[0] and "out of range" in said[0]
 
 
-def test_a_job_idle_for_an_int_too_large_for_a_float_makes_colo_json_unreadable_not_gpud(
+def test_a_job_idle_for_an_int_too_large_for_a_float_is_skipped_not_gpud(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A job in colo.json whose idle_s is an int of 400 digits: the file is not read, as
-    any job it holds out of range, the error naming jobs.NAME.idle_s, the file kept aside,
-    and the loop is made afresh. gpud did not start: the OverflowError went past what
-    reads the file."""
+    """A job in colo.json whose idle_s is an int of 400 digits: that job is not read, the
+    error naming the file and jobs.NAME.idle_s, and the loop is made with the other job
+    read. gpud did not start: the OverflowError went past what reads the file."""
     host = Restarts(tmp_path)
     train = {"alone_rate": 10.0, "idle_s": "HUGE"}
-    write_with_huge_ints(host.file, {"version": STATE_FILE_VERSION, "jobs": {"train": train}})
+    jobs = {"train": train, "other": {"alone_rate": 4.0, "idle_s": 30.0}}
+    write_with_huge_ints(host.file, {"version": STATE_FILE_VERSION, "jobs": jobs})
     svc, _ = host.start()
-    assert "train" not in svc._jobs
-    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert any("jobs.train.idle_s" in m and "out of range" in m for m in said)
-    assert (tmp_path / "colo.json.unreadable").exists()
+    assert "train" not in svc._jobs and svc._jobs["other"].alone_rate == 4.0
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert str(host.file) in said and "jobs.train.idle_s" in said and "out of range" in said
+    assert not (tmp_path / "colo.json.unreadable").exists()
+
+
+def test_one_bad_job_in_colo_json_costs_that_job_alone_not_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four jobs in colo.json, one with a value out of its range after values of its that
+    read well (a duty, then a negative breach count of its guard): that job is logged,
+    naming the file and jobs.NAME.FIELD, and read as one gpud has not seen (full duty, no
+    guard, not evicted though the file's evicted list names it); the other three keep
+    their duty, eviction, rate and guard, the predictor is kept, and no file is set
+    aside. The next save writes the file without the bad job. The whole file was set
+    aside and every job's state forgotten."""
+    state = tmp_path / "colo.json"
+    predictor = InterferencePredictor()
+    predictor.observe(JobFeatures(0.5, 0.3), [JobFeatures(0.4, 0.2)], 0.8)
+    jobs = {
+        "train": {"kind": "training", "duty": 0.5, "alone_rate": 10.0},
+        "big": {"kind": "training", "evict": "memory over its limit", "alone_rate": 5.0},
+        "bad": {
+            "kind": "inference",
+            "alone_rate": 3.0,
+            "duty": 0.25,
+            "guard_duty": 0.5,
+            "slo_s": 0.05,
+            "guard_breaches": -1,
+            "guard_paused": True,
+        },
+        "chat": {"kind": "inference", "guard_duty": 0.5, "slo_s": 0.05, "idle_s": 10.0},
+    }
+    state.write_text(
+        json.dumps(
+            {
+                "version": STATE_FILE_VERSION,
+                "jobs": jobs,
+                "evicted": ["big", "bad"],
+                "predictor": predictor.to_dict(),
+            }
+        )
+    )
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+    )
+    assert svc.duty("train") == 0.5 and svc._jobs["train"].alone_rate == 10.0
+    assert svc._directives["big"].evict and svc._jobs["big"].evicted
+    assert svc._guards["chat"].duty == 0.5
+    assert "bad" not in svc._jobs and svc.duty("bad") == 1.0
+    assert "bad" not in svc._guards and "bad" not in svc._paused_services
+    assert svc.predictor.stats().samples == 1
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert str(state) in said and "jobs.bad.guard_breaches" in said
+    assert not (tmp_path / "colo.json.unreadable").exists()
+    svc.tick(snapshot())
+    written = json.loads(state.read_text())
+    assert sorted(written["jobs"]) == ["big", "chat", "train"]
+    assert written["evicted"] == ["big"]
 
 
 def test_a_predictor_number_too_large_for_a_float_restarts_the_predictor_not_gpud(
@@ -5246,39 +5301,13 @@ def test_an_unreadable_state_file_starts_afresh(
 ) -> None:
     state = tmp_path / "colo.json"
     full = json.dumps({"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}})
-    job = '{"jobs": {"train": %s}}'
     for text in (
         "{not json",
         "[1, 2]",
         '{"something": "else"}',
-        '{"jobs": {"a": 5}}',
         "",  # created, never written: a host crash before the data reached the disk
         full[: len(full) // 2],  # truncated
         "\0" * 64,
-        job % '{"duty": NaN}',
-        job % '{"duty": 0.5, "alone_rate": -3}',
-        job % '{"duty": 0.5, "alone_rate": Infinity}',
-        job % '{"duty": "fast"}',
-        job % '{"duty": true}',
-        job % '{"duty": 7}',
-        job % '{"devices": {"GPU-0": {"sm": 2.0, "mem_bw": 0.1}}}',
-        job % '{"devices": {"GPU-0": {"sm": -0.5, "mem_bw": 0.1}}}',
-        job % '{"devices": {"GPU-0": {"sm": 0.5}}}',
-        job % '{"devices": [1, 2]}',
-        job % '{"guard_duty": 0.5, "slo_s": -1}',
-        job % '{"guard_duty": 1e308, "slo_s": 0.05}',
-        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": -1}',
-        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": 1.5}',
-        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_wait_s": 3600}',
-        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": ["GPU 0"]}',
-        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": [["GPU 0", 3]]}',
-        job % '{"evict": true}',
-        job % '{"alone_rate": 10.0, "alone_config": 100}',
-        job % '{"alone_rates": {"half": 8.0}}',
-        job % '{"alone_rates": {"1.5": 8.0}}',
-        job % '{"alone_rates": [8.0]}',
-        '{"jobs": {}, "evicted": "big"}',
-        '{"jobs": {}, "evicted": [1]}',
     ):
         state.write_text(text)
         caplog.clear()
@@ -5302,6 +5331,60 @@ def test_an_unreadable_state_file_starts_afresh(
     )
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_a_job_entry_not_read_is_skipped_and_the_rest_of_the_state_file_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job of colo.json with a value out of its range or of another type is logged,
+    naming the file and the job's key, and starts afresh; the other job keeps its duty,
+    and the file is not set aside. So is an evicted list that is not one of names: no
+    eviction is kept, the jobs are."""
+    state = tmp_path / "colo.json"
+    job = '{"jobs": {"other": {"duty": 0.5}, "train": %s}}'
+    for text in (
+        '{"jobs": {"other": {"duty": 0.5}, "train": 5}}',
+        '{"jobs": {"other": {"duty": 0.5}, "train": {"devices": {"GPU-0": 5}}}}',
+        job % '{"duty": NaN}',
+        job % '{"duty": 0.5, "alone_rate": -3}',
+        job % '{"duty": 0.5, "alone_rate": Infinity}',
+        job % '{"duty": "fast"}',
+        job % '{"duty": true}',
+        job % '{"duty": 7}',
+        job % '{"devices": {"GPU-0": {"sm": 2.0, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": -0.5, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": 0.5}}}',
+        job % '{"devices": [1, 2]}',
+        job % '{"guard_duty": 0.5, "slo_s": -1}',
+        job % '{"guard_duty": 1e308, "slo_s": 0.05}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": -1}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": 1.5}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_wait_s": 3600}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": ["GPU 0"]}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": [["GPU 0", 3]]}',
+        job % '{"evict": true}',
+        job % '{"alone_rate": 10.0, "alone_config": 100}',
+        job % '{"alone_rates": {"half": 8.0}}',
+        job % '{"alone_rates": {"1.5": 8.0}}',
+        job % '{"alone_rates": [8.0]}',
+        '{"jobs": {"other": {"duty": 0.5}}, "evicted": "big"}',
+        '{"jobs": {"other": {"duty": 0.5}}, "evicted": [1]}',
+    ):
+        state.write_text(text)
+        caplog.clear()
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 1.0 and "train" not in svc._jobs, text
+        assert svc.duty("other") == 0.5, text
+        (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+        said = record.getMessage()
+        assert str(state) in said and ("jobs.train" in said or "evicted" in said), text
+        assert not (tmp_path / "colo.json.unreadable").exists()
+        assert svc.tick(snapshot()) is not None
+        written = json.loads(state.read_text())  # without what was not read
+        assert "train" not in written["jobs"] and written["evicted"] == [], text
+        state.unlink()
 
 
 def test_a_state_file_of_another_version_starts_afresh(
@@ -6340,9 +6423,12 @@ def test_a_quiet_service_keeps_the_footprint_an_older_file_held(tmp_path: Path) 
     assert svc._features(r).sm == 0.4
 
 
-def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -> None:
+def test_an_older_files_footprint_is_at_the_share_its_rate_was(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A colo.json from before shares were kept: a job whose rate alone was at 30% showed
-    its footprint at that share (not advised as a whole GPU's); a share of 0 is no share."""
+    its footprint at that share (not advised as a whole GPU's); a share of 0 is no share:
+    that job is not read."""
     state = tmp_path / "colo.json"
     f = {"sm": 0.3, "mem_bw": 0.2}
     state.write_text(
@@ -6365,10 +6451,10 @@ def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -
     assert svc._jobs["two"].devices["GPU 1"].share == 0.3
     assert svc._jobs["odd"].alone("training") is None
     state.write_text(json.dumps({"jobs": {"zero": {"devices": {"GPU 0": {**f, "share": 0}}}}}))
-    events = EventLog(None)
-    ColoService(ColocateConfig(), events, running=list, state_file=state)
-    (event,) = events.recent(kind_prefix="colo.")
-    assert event.kind == "colo.state_unreadable" and "share" in event.message
+    svc = ColoService(ColocateConfig(), EventLog(None), running=list, state_file=state)
+    assert "zero" not in svc._jobs
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "jobs.zero.devices.GPU 0.share" in record.getMessage()
 
 
 def test_a_job_none_of_whose_processes_are_seen_is_said_once(
