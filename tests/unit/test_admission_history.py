@@ -10,6 +10,7 @@ import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -541,3 +542,15 @@ def test_the_kept_sweep_holds_a_few_hundred_bytes_per_run() -> None:
     # event's place and a float for each end, about 600 without the rank). The times are
     # the history rows' own floats, kept by them: not counted
     assert held < 500 * runs, f"{held / runs:.0f} bytes per run"
+
+
+def test_a_rank_of_another_length_is_refused_naming_both_lengths() -> None:
+    """A longer rank sorts after a shorter one it begins with: mixed, the ties of one time
+    would be swept in another order than a sweep made afresh takes them."""
+    kept = PackingEfficiency([(0.0, 1.0, 2.0, 0.5)], [(0, 0)])
+    with pytest.raises(ValueError, match=r"rank \(0, 1, 0\) has 3 parts, the sweep's ranks 2"):
+        kept.add((0.0, 1.0, None, 0.5), (0, 1, 0))
+    kept.add((0.0, 1.0, None, 0.5), (0, 1))
+    assert kept.at(3.0) == packing_efficiency(
+        [(0.0, 1.0, 2.0, 0.5), (0.0, 1.0, None, 0.5)], now=3.0
+    )
