@@ -213,8 +213,8 @@ class PackingEfficiency:
     A job added or changed (:meth:`add`, :meth:`remove`: a run started, a run that ended)
     puts its events where a sweep made afresh would have them (``rank``: where the job
     stands among the jobs, as their order in ``jobs``, every rank of one length: the ties of
-    one time are taken in that order) and sweeps again from the last mark before the first of them (one is kept
-    every :data:`MARK_EVERY` events swept), not from the first event."""
+    one time are taken in that order) and sweeps again from the last mark before the first
+    of them (one is kept every :data:`MARK_EVERY` events swept), not from the first event."""
 
     def __init__(
         self,
@@ -227,6 +227,11 @@ class PackingEfficiency:
         self._fixed: list[_Event] = []  # all but the ends of the runs still running
         self._running: dict[Rank, float] = {}  # rank -> capacity change at its end (``now``)
         self._freed: dict[float, float] = {}  # share -> -share
+        # the length every rank has (None: no job yet): a longer rank sorts after a shorter
+        # one it begins with, so mixed lengths would order ties unlike a fresh sweep
+        self._rank_len: int | None = None
+        if jobs:
+            self._rank_len = 1 if ranks is None else len(ranks[0])
         for i, job in enumerate(jobs):
             for event in self._events(job, (i,) if ranks is None else ranks[i]):
                 self._fixed.append(event)
@@ -253,7 +258,13 @@ class PackingEfficiency:
         return out
 
     def add(self, job: tuple[float, float, float | None, float], rank: Rank) -> None:
-        """A job the sweep made afresh would have at ``rank``."""
+        """A job the sweep made afresh would have at ``rank``, as long as every rank."""
+        if self._rank_len is None:
+            self._rank_len = len(rank)
+        elif len(rank) != self._rank_len:
+            raise ValueError(
+                f"rank {rank} has {len(rank)} parts, the sweep's ranks {self._rank_len}"
+            )
         for event in self._events(job, rank):
             at = bisect.bisect_right(self._fixed, _place(event), key=_place)
             self._fixed.insert(at, event)

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -97,34 +98,96 @@ def _check_decoded(request: Any) -> None:
 
 
 ONCE_KEEP = 256  # refusals _Once remembers: past them, the least recently refused leave
+ONCE_SUMMARY_S = 60.0  # a method past them: one line at most this often for its unseen ones
+
+
+class _Held:
+    """A method whose remembered refusals were dropped: the unseen ones not logged since."""
+
+    __slots__ = ("count", "since", "what")
+
+    def __init__(self, since: float, what: str) -> None:
+        self.count = 0
+        self.since = since
+        self.what = what
 
 
 class _Once:
     """Which refusals were logged: each (method, message) once until the method succeeds
     again, for servers whose callers retry every tick (the cluster peer API). The messages
     name jobs and GPUs, so a method that keeps failing would add a pair per job it names:
-    at most ``keep`` are remembered, the one refused longest ago forgotten first (logged
-    again should it come back)."""
+    at most ``keep`` are remembered, the one refused longest ago forgotten first. A method
+    that has had a pair forgotten since it last succeeded logs its further unseen refusals
+    no more each but as one line at most every ``summary_s`` seconds of ``clock`` ("N more
+    refusals of METHOD not logged since ..."): callers cycling through more pairs than are
+    remembered would otherwise have each logged every time it comes back."""
 
-    def __init__(self, keep: int = ONCE_KEEP) -> None:
+    def __init__(
+        self,
+        keep: int = ONCE_KEEP,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        summary_s: float = ONCE_SUMMARY_S,
+    ) -> None:
         self._keep = keep
+        self._clock = clock
+        self._summary_s = summary_s
         # an ordered set: the refusal seen longest ago first
         self._logged: dict[tuple[str, str], None] = {}
+        self._per_method: dict[str, int] = {}  # pairs remembered, by method
+        self._held: dict[str, _Held] = {}  # the methods that had pairs forgotten
 
     def first(self, method: str, message: str) -> bool:
+        """Whether to log this refusal itself (a summary line, when due, is logged here)."""
         key = (method, message)
         if key in self._logged:
             # refused again: the last to be forgotten, so a steady retry stays quiet
             del self._logged[key]
             self._logged[key] = None
             return False
+        # looked up first: the refusal that makes the method forget its own is still logged
+        held = self._held.get(method)
         self._logged[key] = None
+        self._per_method[method] = self._per_method.get(method, 0) + 1
         if len(self._logged) > self._keep:
-            del self._logged[next(iter(self._logged))]
-        return True
+            self._forget(next(iter(self._logged)))
+        if held is None:
+            return True
+        held.count += 1
+        now = self._clock()
+        if now - held.since >= self._summary_s:
+            self._say(method, held, now)
+            held.since, held.what = now, "the last such line"
+        return False
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        del self._logged[key]
+        method = key[0]
+        left = self._per_method[method] - 1
+        if left:
+            self._per_method[method] = left
+        else:
+            del self._per_method[method]
+        if method not in self._held:
+            what = f"its refusals outgrew the {self._keep} remembered"
+            self._held[method] = _Held(self._clock(), what)
+
+    def _say(self, method: str, held: _Held, now: float) -> None:
+        log.info(
+            "%d more refusals of %s not logged since %s, %.0f s ago",
+            held.count,
+            method,
+            held.what,
+            now - held.since,
+        )
+        held.count = 0
 
     def succeeded(self, method: str) -> None:
-        if self._logged:
+        held = self._held.pop(method, None)
+        if held is not None and held.count:
+            self._say(method, held, self._clock())
+        if method in self._per_method:
+            del self._per_method[method]
             self._logged = {k: None for k in self._logged if k[0] != method}
 
     def __len__(self) -> int:
@@ -326,7 +389,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     Each refusal (a GpudError) is logged at INFO; with ``log_repeats=False``, each
     distinct one once per method until that method succeeds again (for callers that
-    retry every tick and would repeat it every tick). ``allowed`` checks each call first
+    retry every tick and would repeat it every tick), of the last :data:`ONCE_KEEP`
+    remembered: a method that has had one of its own forgotten since it last succeeded
+    logs its further new refusals as one line a minute at most, "N more refusals of
+    METHOD not logged since ...", and that count at its next success. ``allowed`` checks each call first
     (its method and ``context.peer()``, :func:`gpud.api.access.guard`), raising to refuse
     it). ``gate`` counts the calls that change the node and refuses them once gpud is
     stopping (:mod:`gpud.api.gate`)."""
