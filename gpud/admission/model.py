@@ -127,15 +127,16 @@ class Holding:
     """What one running job holds: the same demand vector on each of its devices.
     ``uid``: the user its processes run as, where MPS serves the devices and it is known
     (a control daemon serves one user at a time: no job of another user goes there).
-    ``counts_as_job``: False for what holds a device without being a job there (memory
-    processes use beyond reservations, an unhealthy GPU's fill): placement orders devices by
-    their jobs, as the reservation's own placement counts them."""
+    ``name``: the name of the job it is a run of; None for what holds a device without
+    being a job there (memory processes use beyond reservations, an unhealthy GPU's fill).
+    Placement orders devices by the distinct job names on each, as the reservation's own
+    placement counts them: two runs of one job on a device are one job there."""
 
     job: str
     devices: tuple[str, ...]
     per_device: Vec
     uid: int | None = None
-    counts_as_job: bool = True
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +193,13 @@ class Unfeasible:
 
 @dataclass(slots=True)
 class Loads:
-    """Per-device sums of holdings, the holdings on each device, and the jobs among them."""
+    """Per-device sums of holdings, the holdings on each device, the names of the jobs among
+    them (``names``) and the known users of those (``users``: (UID, job name))."""
 
     total: dict[str, Vec] = field(default_factory=dict)
     on: dict[str, list[Vec]] = field(default_factory=dict)
-    jobs: dict[str, list[str]] = field(default_factory=dict)
+    names: dict[str, set[str]] = field(default_factory=dict)
+    users: dict[str, set[tuple[int, str]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, holdings: Sequence[Holding]) -> Loads:
@@ -209,8 +212,11 @@ class Loads:
         for uuid in holding.devices:
             self.total[uuid] = self.total.get(uuid, ZERO) + holding.per_device
             self.on.setdefault(uuid, []).append(holding.per_device)
-            if holding.counts_as_job:
-                self.jobs.setdefault(uuid, []).append(holding.job)
+            if holding.name is not None:
+                self.names.setdefault(uuid, set()).add(holding.name)
+            if holding.uid is not None:
+                who = (holding.uid, holding.name or holding.job)
+                self.users.setdefault(uuid, set()).add(who)
 
     def get(self, uuid: str) -> Vec:
         return self.total.get(uuid, ZERO)
@@ -236,12 +242,18 @@ class FitCheck(Protocol):
         loads: Mapping[str, Vec],
         *,
         allowed: Collection[str] | None,
-        jobs: Mapping[str, Sequence[str]] | None = None,
+        names: Mapping[str, Collection[str]] | None = None,
+        users: Mapping[str, Collection[tuple[int, str]]] | None = None,
+        uid: int | None = None,
     ) -> tuple[str, ...] | None:
         """Devices for ``request`` now (only among ``allowed``, when given), or None.
-        ``jobs``: the jobs holding each device (:attr:`Loads.jobs`): among the devices that
-        fit, the least held come first, so runs that set no limits (a zero load) spread
-        rather than pile onto the first device listed."""
+        ``names``, ``users``: the names of the jobs holding each device and their known
+        users (:attr:`Loads.names`, :attr:`Loads.users`); ``uid``: the request's user, where
+        MPS serves the devices. Among the devices that fit, the order is the reservation's
+        own (:func:`gpud.jobs.placement.choose_devices`): one already serving ``uid`` first
+        (its MPS control daemon serves that user: the devices left stay open to others),
+        then the least held, so runs that set no limits (a zero load) spread rather than
+        pile onto the first device listed."""
         ...
 
 

@@ -96,7 +96,9 @@ class PlacementFit:
         loads: Mapping[str, Vec],
         *,
         allowed: Collection[str] | None,
-        jobs: Mapping[str, Sequence[str]] | None = None,
+        names: Mapping[str, Collection[str]] | None = None,
+        users: Mapping[str, Collection[tuple[int, str]]] | None = None,
+        uid: int | None = None,
     ) -> tuple[str, ...] | None:
         need = request.per_device
         candidates = [
@@ -105,10 +107,14 @@ class PlacementFit:
             if (allowed is None or d.uuid in allowed)
             and loads.get(d.uuid, ZERO).threads + need.threads <= THREADS_CAPACITY
         ]
-        held = jobs or {}
+        held, known = names or {}, users or {}
         device_loads = {
-            uuid: DeviceLoad(loads.get(uuid, ZERO).memory, tuple(held.get(uuid, ())))
-            for uuid in loads.keys() | held.keys()
+            uuid: DeviceLoad(
+                loads.get(uuid, ZERO).memory,
+                tuple(sorted(held.get(uuid, ()))),
+                users=tuple(sorted(known.get(uuid, ()))),
+            )
+            for uuid in loads.keys() | held.keys() | known.keys()
         }
         spec = JobSpec(
             name="queued",
@@ -125,6 +131,7 @@ class PlacementFit:
                 memory_bytes=request.memory_bytes,
                 default_memory=self._default_memory,
                 default_threads=self._default_threads,
+                uid=uid,
             )
         except (NotFound, ResourceExhausted):
             return None

@@ -58,13 +58,16 @@ MAX_SUBSET_JOBS = 12
 @dataclass(frozen=True, slots=True)
 class Queued:
     """A queued job, in queue order (``seq``). ``uid``: its user, where MPS serves the
-    devices and it is known: it starts on no device a holding of another user is on."""
+    devices and it is known: it starts on no device a holding of another user is on.
+    ``name``: its job's name (None: ``id`` stands for it), counted once on a device however
+    many runs of that job hold it."""
 
     id: str
     request: Request
     seq: int
     enqueued_at: float
     uid: int | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +97,6 @@ def admission_pass(
     cache = demands if demands is not None else {}
     loads = Loads.of(holdings)
     capacity = {d.uuid: d for d in fit.devices()}
-    users: dict[str, set[int]] = {}  # device -> the known users of what holds it
-    for h in holdings:
-        if h.uid is not None:
-            for uuid in h.devices:
-                users.setdefault(uuid, set()).add(h.uid)
     starts: list[Start] = []
     unfeasible: dict[str, Unfeasible] = {}
     head: Queued | None = None
@@ -121,13 +119,20 @@ def admission_pass(
             if job.uid is not None and head.uid not in (None, job.uid):
                 allowed -= set(head_demand.pool)
         if job.uid is not None:
-            others = {u for u, seen in users.items() if seen - {job.uid}}
+            others = {u for u, seen in loads.users.items() if any(i != job.uid for i, _ in seen)}
             if others:
                 allowed = (set(capacity) if allowed is None else allowed) - others
         if head_demand is not None and allowed is not None and len(allowed) < demand.count:
             stuck.add(shape)
             continue
-        devices = fit.place(job.request, loads.total, allowed=allowed, jobs=loads.jobs)
+        devices = fit.place(
+            job.request,
+            loads.total,
+            allowed=allowed,
+            names=loads.names,
+            users=loads.users,
+            uid=job.uid,
+        )
         if devices is None:
             stuck.add(shape)
             if head is None:
@@ -137,9 +142,7 @@ def admission_pass(
             continue
         starts.append(Start(job.id, devices, backfilled=head is not None))
         for uuid in devices:  # per device: an MPS default memory limit differs between them
-            loads.add(Holding(job.id, (uuid,), demand.on(uuid), job.uid))
-            if job.uid is not None:
-                users.setdefault(uuid, set()).add(job.uid)
+            loads.add(Holding(job.id, (uuid,), demand.on(uuid), job.uid, job.name or job.id))
         stuck.clear()
     return PassResult(starts, head.id if head else None, unfeasible)
 

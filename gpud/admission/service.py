@@ -408,19 +408,19 @@ class AdmissionService:
         for t in self._mps.targets():
             if t.gpu in sick:
                 full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
-                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full, counts_as_job=False))
+                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
             uid = r.uid if self._mps.enabled else None  # MPS off: users share devices
             if r.memory_bytes is not None:
-                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid))
+                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid, r.job))
                 continue
             # no limit of its own: on each device the MPS default its client started with
             for uuid in r.devices:
                 memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
-                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid))
+                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid, r.job))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
-            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0), counts_as_job=False))
+            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
         return out
 
     # -- queue rows -----------------------------------------------------------------------
@@ -1000,7 +1000,7 @@ class AdmissionService:
         self._refuse_never(spec, fit)
         request = request_of(spec)
         queued = self.entries() if self.config.enabled else []
-        candidate = Queued("\0new", request, 1 << 62, self._clock(), uid)
+        candidate = Queued("\0new", request, 1 << 62, self._clock(), uid, spec.name)
         holdings = self.holdings()
         result = admission_pass(
             [self._queued(e) for e in queued] + [candidate],
@@ -1536,7 +1536,7 @@ def _classes(entries: Sequence[Entry]) -> Counter[str]:
 
 
 def _queued(e: Entry) -> Queued:
-    return Queued(e.id, e.placement, e.seq, e.enqueued_at)
+    return Queued(e.id, e.placement, e.seq, e.enqueued_at, name=e.job)
 
 
 def _draft(entry_id: str, job: str, request: RunRequest, now: float) -> Entry:

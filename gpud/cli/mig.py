@@ -63,7 +63,7 @@ from gpud.cli.context import (
     given,
     seconds,
 )
-from gpud.cli.output import NA, first_few, gib, last_seen
+from gpud.cli.output import NA, cell_first_few, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, InvalidArgument
 from gpud.shared import (
     MAX_DRAIN_SECONDS,
@@ -220,7 +220,7 @@ def _processes(inst: pb.MigInstance) -> str:
     if inst.processes_unknown:
         return "?"  # not listed: the GPU's header line says why
     parts = [f"{p.pid}" + (f" ({p.job})" if p.job else "") for p in inst.processes]
-    return first_few(parts, PROCESSES_SHOWN, ", ")
+    return cell_first_few(parts, PROCESSES_SHOWN, ", ")
 
 
 def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable
 
 from gpud.cli.context import THREADS_PERCENT, THREADS_RANGE, Context, Subparsers, given, size
-from gpud.cli.output import NA, UNKNOWN, first_few, last_seen
+from gpud.cli.output import NA, UNKNOWN, cell_first_few, last_seen
 from gpud.shared import format_size, mps_unhealthy_wait
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
@@ -111,7 +111,7 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         f"{memory} of "
         + (format_size(d.memory_total_bytes) if d.HasField("memory_total_bytes") else UNKNOWN),
         format_size(d.reserved_memory_bytes) if d.reserved_memory_bytes else "-",
-        first_few(d.jobs, JOBS_SHOWN),
+        cell_first_few(d.jobs, JOBS_SHOWN),
         str(d.restarts),
     )
 

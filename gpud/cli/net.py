@@ -31,7 +31,7 @@ from gpud.cli.context import (
     given,
     number,
 )
-from gpud.cli.output import NA, first_few, seconds
+from gpud.cli.output import NA, cell_first_few, seconds
 from gpud.errors import InvalidArgument
 from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
 from gpud.v1 import net_pb2 as pb
@@ -212,7 +212,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             (
                 str(lv.level),
                 f"{lv.min_share:.0%}",
-                first_few(lv.jobs, LEVEL_JOBS_SHOWN),
+                cell_first_few(lv.jobs, LEVEL_JOBS_SHOWN),
                 _bytes(lv.counters.bytes),
                 str(lv.counters.packets),
                 str(lv.counters.drops),

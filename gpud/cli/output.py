@@ -168,9 +168,10 @@ def format_table(
     return "\n".join(lines)
 
 
-def first_few(items: Sequence[str], shown: int, sep: str = ",") -> str:
+def cell_first_few(items: Sequence[str], shown: int, sep: str = ",") -> str:
     """``items`` joined, the first ``shown`` of them and how many more: a table cell stays
-    readable however many jobs or processes share one device (``--json`` lists them all)."""
+    readable however many jobs or processes share one device (``--json`` lists them all).
+    Not :func:`gpud.shared.first_few`, which daemon messages use (``a, b, ...``, no count)."""
     more = len(items) - shown
     named = sep.join(items[:shown]) or NA
     return f"{named}{sep}... (+{more} more)" if more > 0 else named

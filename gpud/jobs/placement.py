@@ -168,6 +168,10 @@ def choose_devices(
     at least the job's own ``threads_percent`` and ``memory_bytes`` comes first: an MPS
     client only narrows its server's limits, so on a device with lower defaults the job would
     get those, not what it asks (``gpuctl run`` warns when it lands on one all the same).
+    Then one where a reservation of ``uid`` is held, even with more jobs (its MPS server
+    runs as that user already: the devices left stay open to other users), then the one
+    with the fewest distinct jobs (``DeviceLoad.jobs``), then the most free memory. The
+    admission queue places through this function too, so both order devices alike.
 
     ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
     hung, or held off by a MIG apply): a refusal for want of whole GPUs counts them, and
@@ -240,8 +244,16 @@ def choose_devices(
             and spec.threads_percent > threads
         ) or (memory_bytes is not None and memory is not None and memory_bytes > memory)
 
-    def order(d: MpsTarget) -> tuple[bool, int, int, int, int]:
-        return (narrowed(d), len(loads.get(d.uuid, empty).jobs), -free(d), d.gpu, d.mig or 0)
+    def serves(d: MpsTarget) -> bool:
+        """A reservation of the job's own user holds ``d``: its MPS server runs as them."""
+        return uid is not None and any(u == uid for u, _ in loads.get(d.uuid, empty).users)
+
+    def order(d: MpsTarget) -> tuple[bool, bool, int, int, int, int]:
+        # A device already serving the user before an idle one, even with more jobs: a
+        # control daemon serves one user at a time, so a user's runs spread over every idle
+        # device would leave none for another user's.
+        load = loads.get(d.uuid, empty)
+        return (narrowed(d), not serves(d), len(load.jobs), -free(d), d.gpu, d.mig or 0)
 
     if spec.mig_profile is not None:
         pool = [d for d in devices if d.mig is not None and d.profile == spec.mig_profile]

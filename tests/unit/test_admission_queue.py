@@ -226,9 +226,9 @@ def test_runs_without_limits_spread_over_the_least_held_mig_devices() -> None:
     node = [Device(f"MIG-0-{j}", 0, j, "1g.10gb", Vec(10 * GIB, 100)) for j in range(3)]
     fit = PlacementFit(node)
     held = [
-        Holding("r1", ("MIG-0-0",), Vec(0, 0)),
-        Holding("r2", ("MIG-0-0",), Vec(0, 0)),
-        Holding("r3", ("MIG-0-1",), Vec(0, 0)),
+        Holding("r1", ("MIG-0-0",), Vec(0, 0), name="j1"),
+        Holding("r2", ("MIG-0-0",), Vec(0, 0), name="j2"),
+        Holding("r3", ("MIG-0-1",), Vec(0, 0), name="j3"),
     ]
     queue = [
         Queued("a", Request(mig_profile="1g.10gb"), 0, 0.0),
@@ -247,8 +247,40 @@ def test_memory_beyond_reservations_is_no_job_on_its_device() -> None:
     node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
     fit = PlacementFit(node)
     held = [
-        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), counts_as_job=False),
-        Holding("r1", ("GPU-1",), Vec(0, 0)),
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0)),  # no job name: no job there
+        Holding("r1", ("GPU-1",), Vec(0, 0), name="j1"),
     ]
     result = admission_pass([Queued("a", Request(), 0, 0.0)], fit, held, backfill=True)
     assert [s.devices for s in result.starts] == [("GPU-0",)]
+
+
+def test_runs_of_a_job_count_once_on_their_device() -> None:
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
+    fit = PlacementFit(node)
+    held = [
+        Holding("r1", ("GPU-0",), Vec(0, 0), name="t"),
+        Holding("r2", ("GPU-1",), Vec(0, 0), name="a"),
+        Holding("r3", ("GPU-0",), Vec(0, 0), name="t"),
+    ]
+    queue = [Queued("q", Request(), 0, 0.0, name="b")]
+    result = admission_pass(queue, fit, held, backfill=True)
+    assert [s.devices for s in result.starts] == [("GPU-0",)]  # one job on each: the first
+
+
+def test_a_users_runs_share_the_gpu_serving_them_and_leave_the_other_to_another_user() -> None:
+    # An MPS control daemon serves one user at a time: a's and b's runs spread over both
+    # GPUs would leave c, of another user, nowhere to go.
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
+    fit = PlacementFit(node)
+    queue = [
+        Queued("a", Request(), 0, 0.0, uid=1000),
+        Queued("b", Request(), 1, 0.0, uid=1000),
+        Queued("c", Request(), 2, 0.0, uid=2000),
+    ]
+    result = admission_pass(queue, fit, [], backfill=True)
+    assert [(s.id, s.devices) for s in result.starts] == [
+        ("a", ("GPU-0",)),
+        ("b", ("GPU-0",)),
+        ("c", ("GPU-1",)),
+    ]
+    assert result.head is None

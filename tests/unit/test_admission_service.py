@@ -166,6 +166,19 @@ def test_runs_that_set_no_limits_spread_over_the_gpus_rather_than_pile_on_the_fi
     assert sorted(gpus) == [[0], [0], [1], [1]]
 
 
+def test_a_job_holding_a_gpu_twice_counts_once_there_in_the_preview_and_the_run(
+    node: Node,
+) -> None:
+    # the gate and the reservation's own placement count the jobs on a device, not its
+    # reservations: a preview (gpuctl env) names the GPU the run then gets
+    def reserve(job: str, *, preview: bool = False) -> list[int]:
+        launch = node.jobs.reserve(RunRequest(job=job, gpu_count=1), preview=preview)
+        return node.jobs.gpu_indexes(launch.reservation.devices)
+
+    assert [reserve("t"), reserve("a"), reserve("t")] == [[0], [1], [0]]
+    assert reserve("b", preview=True) == reserve("b")
+
+
 def test_a_job_that_fits_does_not_jump_the_queue(node: Node) -> None:
     node.jobs.reserve(whole("a"))
     node.admission.enqueue(whole("pair", 2))  # the head: needs both GPUs

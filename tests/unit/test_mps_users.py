@@ -72,6 +72,15 @@ def test_a_job_goes_to_a_device_no_other_user_holds_even_with_more_jobs() -> Non
     assert place(JobSpec("x"), loads, None) == [gpu_uuid(1)]
 
 
+def test_a_job_joins_a_device_serving_its_user_before_an_idle_one() -> None:
+    # the idle GPU stays free for another user's run (a control daemon serves one user)
+    loads = {gpu_uuid(2): DeviceLoad(0, ("a",), users=((1000, "a"),))}
+    assert place(JobSpec("a2"), loads, 1000) == [gpu_uuid(2)]
+    assert place(JobSpec("b"), loads, 1001) == [gpu_uuid(1)]
+    # unknown user: constrained by nothing, the fewest jobs win
+    assert place(JobSpec("x"), loads, None) == [gpu_uuid(1)]
+
+
 def test_a_job_is_refused_where_every_fitting_device_has_another_user() -> None:
     loads = {
         gpu_uuid(1): DeviceLoad(0, ("a",), users=((1000, "a"),)),

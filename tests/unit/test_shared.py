@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpud.cli import output
 from gpud.shared import first_few, format_number, is_about
 
 
@@ -47,3 +48,10 @@ def test_first_few_names_what_fits_and_says_when_there_are_more() -> None:
     assert first_few([], 2) == ""
     assert first_few(["a", "b"], 2) == "a, b"
     assert first_few([1, 2, 3], 2) == "1, 2, ..."
+
+
+def test_a_table_cell_shortens_a_list_under_its_own_name_not_a_messages() -> None:
+    # two forms, two names: importing the one a module does not mean fails, not misprints
+    assert not hasattr(output, "first_few")
+    assert output.cell_first_few(["a", "b", "c"], 2) == "a,b,... (+1 more)"
+    assert first_few(["a", "b", "c"], 2) == "a, b, ..."

@@ -329,7 +329,10 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 def pass_ms(fit: PlacementFit, queued: int = 1000, repeats: int = 21) -> float:
     """Median time of one pass over ``queued`` jobs of every class, on a node whose every
     device is full (nothing starts: every job is looked at)."""
-    holdings = [Holding(f"run{i}", (d.uuid,), d.capacity) for i, d in enumerate(fit.devices())]
+    holdings = [
+        Holding(f"run{i}", (d.uuid,), d.capacity, name=f"run{i}")
+        for i, d in enumerate(fit.devices())
+    ]
     queue = [Queued(f"q{i}", CLASSES[i % len(CLASSES)].request, i, float(i)) for i in range(queued)]
     times = []
     for _ in range(repeats):

@@ -85,7 +85,7 @@ def simulate(
         for s in result.starts:
             gone.add(s.id)
             started[s.id] = now
-            holdings[s.id] = Holding(s.id, s.devices, by_id[s.id].request.per_device)
+            holdings[s.id] = Holding(s.id, s.devices, by_id[s.id].request.per_device, name=s.id)
             heapq.heappush(events, (now + by_id[s.id].service, 0, seq, s.id))
             seq += 1
         if gone:
