@@ -58,9 +58,9 @@ from gpud.net.service import (
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
+from tests.unit.cluster_support import Clock as AgentClock
+from tests.unit.cluster_support import LoopbackPeers, agent
 from tests.unit.store_support import CountingStore
-from tests.unit.test_cluster_agent import Clock as AgentClock
-from tests.unit.test_cluster_agent import LoopbackPeers, agent
 
 if TYPE_CHECKING:
     from gpud.jobs.service import JobService, Launch
