@@ -511,6 +511,23 @@ async def test_a_node_started_again_reports_the_kernels_levels_until_its_first_o
     assert {j.job: j.applied_level for j in n1.local_report().jobs} == {"a-train": 1, "runner": 0}
 
 
+async def test_a_node_started_into_a_partition_reports_the_kernels_levels_meanwhile() -> None:
+    """gpud started again with its leader out of reach: the local policy runs, and the
+    levels its tc tree held (for the jobs that policy left there) go to whichever leader
+    it reaches next, as of epoch 0."""
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((dataclasses.replace(job("a-train", None), level=1),))
+    traffic.adopted = {"a-train": 1}
+    n1 = agent("n1", LeaderInfo("n0", "a0", 2, False), traffic, peers, clock)
+    for _ in range(4):
+        await n1.tick()
+        clock.now += 15.0
+    assert n1.mode is Mode.LOCAL and traffic.order is None
+    report = n1.local_report()
+    assert report.applied_epoch == 0
+    assert {j.job: j.applied_level for j in report.jobs} == {"a-train": 1}
+
+
 async def test_a_node_reports_ended_and_silent_jobs_unranked_unless_pinned() -> None:
     clock, peers = Clock(), LoopbackPeers()
     ended = dataclasses.replace(job("ended", 0.05), ended_s=3.0)
