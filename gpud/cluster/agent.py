@@ -289,10 +289,12 @@ class ClusterAgent:
         # The levels of the cluster order in force, for a new leader to start from: none
         # once the local policy decides again, nor while an order newer than the one in
         # force (the traffic service refused it) would stamp them with its epoch. Before
-        # the first order since the start, those the traffic service found in the kernel
-        # (the run before's order), as of epoch 0: a gpud started again keeps its jobs'
-        # levels where rates allow, rather than have its new leader rank jobs of unknown
-        # rates by job id, then again once their rates are known.
+        # the first order since the start, the levels its tc tree held, as the traffic
+        # service found them in the kernel (the run before's order, or its local
+        # policy's), as of epoch 0 -- also while a start into a partition runs the local
+        # policy, for the jobs it has not moved: a new leader then keeps those jobs'
+        # levels where rates allow, rather than rank jobs of unknown rates by job id, then
+        # again once their rates are known. A leader that stays does not read them.
         order, epoch = self.order, self.fence.epoch  # read once: _apply may run meanwhile
         applied: Mapping[str, int] = (
             order.levels

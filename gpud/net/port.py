@@ -100,9 +100,12 @@ class LocalReport:
 
     ``epoch`` is the epoch of the cluster order in force (0: the local policy decides);
     ``levels`` is how many priority levels the node enforces; ``adopted`` job -> the level
-    its tc class held when gpud started (the run before's order, read from the kernel's
-    tree) and still holds, until the first cluster order since the start is applied: what
-    a new leader starts from rather than ranking those jobs afresh.
+    its tc class held when gpud started (the levels its tc tree held, read from the
+    kernel: the run before's order, or its local policy's; of a job whose interfaces held
+    different levels, the highest priority) and still holds, until the first cluster order
+    since the start is applied -- also while a start into a partition (LOCAL mode) runs
+    the local policy, for the jobs it has not moved: what a new leader starts from rather
+    than ranking those jobs afresh.
     """
 
     at: float
@@ -165,7 +168,13 @@ class FakeTraffic:
         self.adopted: dict[str, int] = {}  # levels found in the kernel at start
 
     def local_report(self) -> LocalReport:
-        return LocalReport(self.clock, self.jobs, self.epoch, self.levels, self.adopted)
+        return LocalReport(
+            at=self.clock,
+            jobs=self.jobs,
+            epoch=self.epoch,
+            levels=self.levels,
+            adopted=self.adopted,
+        )
 
     def apply_order(
         self,

@@ -1802,6 +1802,7 @@ class TrafficService:
         if not self.config.enabled or self._tc is None:
             return
         adopted: dict[str, int] = {}
+        disagree: set[str] = set()
         with self._lock:
             tags = self.tags.allocations()
             for iface, found in self._tc.adopt(self.config.interfaces).items():
@@ -1810,7 +1811,14 @@ class TrafficService:
                     self._adopt_due.add(iface)
                     continue
                 self._take(iface, found)
-                adopted.update(self._levels_in(found.state, tags))
+                for job, level in self._levels_in(found.state, tags).items():
+                    # a kill -9 between two interfaces' syncs leaves a job at two levels:
+                    # the highest priority (the lowest level) is the one kept, as the
+                    # cluster leader's seed_levels breaks ties, not the last interface's
+                    was = adopted.get(job, level)
+                    if was != level:
+                        disagree.add(job)
+                    adopted[job] = min(was, level)
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
             if self._leveller.last is None:
@@ -1824,8 +1832,13 @@ class TrafficService:
             # at its level reads as in the default class (no level) meanwhile
             self._levels = dict(adopted)
             if adopted:
+                split = "".join(
+                    f"; {job}'s interfaces held different levels: {adopted[job]} kept"
+                    for job in sorted(disagree)
+                )
                 self._events.emit(
-                    "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
+                    "net.adopt",
+                    f"adopted the levels of {len(adopted)} job(s) from the kernel{split}",
                 )
             self._unshape_dropped()
 

@@ -25,7 +25,7 @@ from gpud.net.port import FakeTraffic, JobTraffic
 from tools.etcd_local import LocalEtcd, etcd_binary
 
 if TYPE_CHECKING:
-    from tests.unit.test_cluster_agent import FixedElection
+    from tests.unit.cluster_support import FixedElection
 
 pytestmark = [
     pytest.mark.integration,
@@ -555,8 +555,8 @@ class Twins:
     leader."""
 
     def __init__(self, etcd: LocalEtcd) -> None:
-        from tests.unit.test_cluster_agent import Clock as AgentClock
-        from tests.unit.test_cluster_agent import LoopbackPeers, agent, job
+        from tests.unit.cluster_support import Clock as AgentClock
+        from tests.unit.cluster_support import LoopbackPeers, agent, job
 
         self._endpoint, self._prefix = etcd.endpoint, f"/gpud-test-{time.monotonic_ns()}"
         clock, self.peers, self.twins_peers = AgentClock(), LoopbackPeers(), LoopbackPeers()
@@ -740,8 +740,8 @@ class LedTags:
 
     @classmethod
     def start(cls, etcd: LocalEtcd) -> LedTags:
-        from tests.unit.test_cluster_agent import Clock as AgentClock
-        from tests.unit.test_cluster_agent import FixedElection, LoopbackPeers, agent, job
+        from tests.unit.cluster_support import Clock as AgentClock
+        from tests.unit.cluster_support import FixedElection, LoopbackPeers, agent, job
 
         prefix = f"/gpud-test-{time.monotonic_ns()}"
         client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))

@@ -12,139 +12,22 @@ import pytest
 
 from gpud.cluster.agent import ClusterAgent, LeaderHint
 from gpud.cluster.api import status_to_pb
-from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo, SingleElection
 from gpud.cluster.fencing import Mode
-from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
-from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms, TagStore
-from gpud.cluster.problems import NODE, REPUBLISH_S, Problem, ProblemBoard, Writer
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.cluster.problems import NODE, REPUBLISH_S, Problem, Writer
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, LocalReport, OrderResult
-from netshaper.leveller import LevellerConfig
-
-
-class FixedElection:
-    def __init__(self, info: LeaderInfo) -> None:
-        self.info = info
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def state(self) -> LeaderInfo:
-        return self.info
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class LoopbackPeers:
-    """Delivers reports straight to the leader agent, or fails like an unreachable one."""
-
-    def __init__(self) -> None:
-        self.leader: ClusterAgent | None = None
-        self.forced: Order | None = None
-
-    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
-        if self.forced is not None:
-            return self.forced
-        if self.leader is None:
-            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
-        return self.leader.receive(report)
-
-    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
-        if self.leader is None:
-            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
-        return self.leader.seen_nodes()
-
-
-class RoutedPeers:
-    """Delivers each report to the agent at its address, as mTLS would only to the node
-    its certificate names; an address nobody listens on is unreachable."""
-
-    def __init__(self) -> None:
-        self.at: dict[str, ClusterAgent] = {}
-        self.asked: list[str] = []
-        self.asked_nodes: list[str] = []
-
-    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
-        self.asked.append(leader)
-        target = self.at.get(address)
-        if target is None or target.node != leader:
-            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
-        return target.receive(report)
-
-    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
-        self.asked_nodes.append(leader)
-        target = self.at.get(address)
-        if target is None or target.node != leader:
-            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
-        return target.seen_nodes()
-
-
-def job(name: str, rate: float | None) -> JobTraffic:
-    return JobTraffic(
-        job=name,
-        dscp=10,
-        level=None,
-        rate=rate,
-        iterations=None,
-        iteration_s=0.5,
-        contention_free_iteration_s=None,
-        last_report_unix_s=None,
-    )
-
-
-def agent(
-    name: str,
-    info: LeaderInfo,
-    traffic: FakeTraffic,
-    peers: LoopbackPeers | RoutedPeers,
-    clock: Clock,
-    *,
-    view: StaticNodeView | None = None,
-    store: TagStore | None = None,
-    tag_store: Callable[[int, int], TagStore] | None = None,
-    credential_problem: Callable[[float], str] | None = None,
-    settle_s: float = 0.0,
-    problems: ProblemBoard | None = None,
-    wall: Callable[[], float] = lambda: 1.7e9,
-    alarms: StoreAlarms | None = None,
-    events: EventLog | None = None,
-    certs: CertWatch | None = None,
-) -> ClusterAgent:
-    tags: TagStore = store or MemoryTagStore()
-    return ClusterAgent(
-        node=name,
-        election_kind="etcd",
-        election=FixedElection(info),
-        traffic=traffic,
-        view=view or StaticNodeView(),
-        tag_store=tag_store or (lambda epoch, lease: tags),
-        leveller=LevellerConfig(levels=4),
-        reserved_tags=(0, 46, 48, 56),
-        peers=peers,
-        grace_s=30,
-        fresh_s=3,
-        node_timeout_s=5,
-        settle_s=settle_s,
-        clock=clock,
-        wall=wall,
-        credential_problem=credential_problem,
-        problems=problems,
-        alarms=alarms,
-        events=events,
-        certs=certs,
-    )
+from tests.unit.cluster_support import (
+    Clock,
+    FixedElection,
+    LoopbackPeers,
+    RoutedPeers,
+    agent,
+    job,
+)
 
 
 async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
@@ -626,6 +509,23 @@ async def test_a_node_started_again_reports_the_kernels_levels_until_its_first_o
     assert traffic.epoch == 2 and traffic.order == {"a-train": 1, "runner": 0}
     traffic.adopted = {"a-train": 0}  # not said once an order is in force: the order's are
     assert {j.job: j.applied_level for j in n1.local_report().jobs} == {"a-train": 1, "runner": 0}
+
+
+async def test_a_node_started_into_a_partition_reports_the_kernels_levels_meanwhile() -> None:
+    """gpud started again with its leader out of reach: the local policy runs, and the
+    levels its tc tree held (for the jobs that policy left there) go to whichever leader
+    it reaches next, as of epoch 0."""
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((dataclasses.replace(job("a-train", None), level=1),))
+    traffic.adopted = {"a-train": 1}
+    n1 = agent("n1", LeaderInfo("n0", "a0", 2, False), traffic, peers, clock)
+    for _ in range(4):
+        await n1.tick()
+        clock.now += 15.0
+    assert n1.mode is Mode.LOCAL and traffic.order is None
+    report = n1.local_report()
+    assert report.applied_epoch == 0
+    assert {j.job: j.applied_level for j in report.jobs} == {"a-train": 1}
 
 
 async def test_a_node_reports_ended_and_silent_jobs_unranked_unless_pinned() -> None:

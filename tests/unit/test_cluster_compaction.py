@@ -11,7 +11,7 @@ import pytest
 
 from gpud.cluster.election import EtcdElection
 from gpud.cluster.etcd import EtcdClient, KeyValue
-from tests.unit.test_cluster_agent import Clock
+from tests.unit.cluster_support import Clock
 from tests.unit.test_cluster_suspend import SuspendingWatch
 
 KEY = "/c/leader"

@@ -25,7 +25,8 @@ from gpud.cluster.problems import EtcdProblemBoard
 from gpud.errors import StoreFull
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic
-from tests.unit.test_cluster_agent import Board, Clock, LoopbackPeers, agent, job
+from tests.unit.cluster_support import Clock, LoopbackPeers, agent, job
+from tests.unit.test_cluster_agent import Board
 from tests.unit.test_cluster_candidacy import MemoryEtcd
 from tools.certs import make_ca, make_node
 

@@ -32,7 +32,7 @@ from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
 from tests.unit.api_support import identity, mig
-from tests.unit.test_cluster_agent import FixedElection
+from tests.unit.cluster_support import FixedElection
 from tools.certs import make_ca, make_node
 
 

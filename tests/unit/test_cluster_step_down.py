@@ -11,7 +11,7 @@ from gpud.cluster.election import EtcdElection, LeaderInfo
 from gpud.cluster.etcd import EtcdClient, KeyValue
 from gpud.errors import Unavailable
 from tests.unit.api_support import ServerThread
-from tests.unit.test_cluster_agent import Clock
+from tests.unit.cluster_support import Clock
 from tests.unit.test_cluster_gpuctl import served  # noqa: F401  # the fixture
 from tests.unit.test_cluster_suspend import TTL, ExpiringEtcd
 

@@ -13,7 +13,7 @@ from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import Leveller, LevellerConfig
-from tests.unit.test_cluster_agent import Clock, FixedElection, LoopbackPeers, agent, job
+from tests.unit.cluster_support import Clock, FixedElection, LoopbackPeers, agent, job
 from tests.unit.test_cluster_candidacy import MemoryEtcd
 
 

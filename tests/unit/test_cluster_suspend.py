@@ -20,7 +20,7 @@ from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.errors import NotLeader
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import LevellerConfig
-from tests.unit.test_cluster_agent import Clock, LoopbackPeers, job
+from tests.unit.cluster_support import Clock, LoopbackPeers, job
 
 TTL = 8  # the leader leads until its last renewal was sent + 6 s (TTL less a quarter)
 

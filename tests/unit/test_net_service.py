@@ -58,9 +58,9 @@ from gpud.net.service import (
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
+from tests.unit.cluster_support import Clock as AgentClock
+from tests.unit.cluster_support import LoopbackPeers, agent
 from tests.unit.store_support import CountingStore
-from tests.unit.test_cluster_agent import Clock as AgentClock
-from tests.unit.test_cluster_agent import LoopbackPeers, agent
 
 if TYPE_CHECKING:
     from gpud.jobs.service import JobService, Launch
@@ -1157,6 +1157,34 @@ def test_the_levels_found_in_the_kernel_are_reported_until_the_first_order(rig: 
     assert rig.service.local_report().adopted == {}
     rig.service.clear_order()  # the local policy decides: not the run before's order
     assert rig.service.local_report().adopted == {}
+
+
+def test_a_job_whose_interfaces_disagree_at_start_keeps_its_highest_priority_level(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """kill -9 between two interfaces' syncs of a new order: eth0 holds the new levels,
+    eth1 the old ones. The start keeps each job's highest priority (lowest level) of the
+    two, whichever interface is read last, and says which jobs disagreed."""
+    (sysfs / "class" / "net" / "eth1").mkdir()
+    (sysfs / "class" / "net" / "eth1" / "speed").write_text("1000\n")
+    rig = Rig(tmp_path, sysfs, interfaces=("eth0", "eth1"))
+    rig.jobs = ["a", "b"]
+    rig.active = {"a", "b"}
+    assert rig.service.apply_order(1, {"a": 1, "b": 0}).applied
+    rig.service.tick()
+    old = rig.tc.states["eth1"]
+    assert rig.service.apply_order(2, {"a": 0, "b": 1}).applied
+    rig.service.tick()
+    rig.tc.states["eth1"] = old  # eth0 synced to the new order, eth1 not yet
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.service.local_report().adopted == {"a": 0, "b": 0}
+    assert {j.job: j.level for j in rig.service.local_report().jobs} == {"a": 0, "b": 0}
+    said = [e.message for e in rig.events.recent(1000) if e.kind == "net.adopt"]
+    assert said == [
+        "adopted the levels of 2 job(s) from the kernel; a's interfaces held different"
+        " levels: 0 kept; b's interfaces held different levels: 0 kept"
+    ]
 
 
 def test_marks_follow_job_cgroups(rig: Rig) -> None:
