@@ -54,7 +54,7 @@ from gpud.config import ColocateConfig
 from gpud.errors import ColocationOff, FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
 from gpud.files import STATE_FILE_MODE, keep_aside, write_atomically
-from gpud.shared import MAX_PEAK_LOAD, check_slo_ms, user_name
+from gpud.shared import MAX_PEAK_LOAD, check_slo_ms, first_few, shown, user_name
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -517,22 +517,65 @@ def read_boot_id(path: Path = BOOT_ID_PATH) -> str | None:
 _Entry = TypeVar("_Entry")
 
 
+SKIPPED_SUFFIX = ".skipped"
+
+
+class _SkippedCopy:
+    """The state file as read, copied once to ``<name>.skipped`` beside it when an entry of
+    it is skipped: the next save writes the file without that entry, and what it held stays
+    for an operator to recover by hand (an earlier copy is replaced). Another name than the
+    ``.unreadable`` a whole file not read is renamed to: the two are kept apart."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self._path, self._text = path, text
+        self._said: str | None = None
+
+    def made(self) -> str:
+        """Copy the file, the first time; says where it went, or why it is not there."""
+        if self._said is None:
+            aside = self._path.with_name(self._path.name + SKIPPED_SUFFIX)
+            try:
+                write_atomically(aside, self._text, mode=STATE_FILE_MODE)
+            except OSError as err:
+                self._said = f"the file could not be copied to {aside}: {err.strerror or err}"
+            else:
+                self._said = f"the file as read is copied to {aside}"
+        return self._said
+
+
 def _saved_entries(
-    path: Path, data: Mapping[str, Any], key: str, read: Callable[[str, Any], _Entry | None]
+    path: Path,
+    data: Mapping[str, Any],
+    key: str,
+    read: Callable[[str, Any], _Entry | None],
+    aside: _SkippedCopy,
 ) -> list[_Entry]:
     """The entries of the state file's object ``key`` as ``read`` makes them (None: not
-    kept). One it refuses is logged, naming the file and its key, and skipped: the rest,
-    and the rest of the file, are kept."""
+    kept). One it refuses is logged, naming the file and its key, and skipped, the file as
+    read copied ``aside`` first: the rest, and the rest of the file, are kept."""
     saved = data.get(key) or {}
     if not isinstance(saved, dict):
-        log.error("co-location state %s: %s is not an object (%r): not read", path, key, saved)
+        log.error(
+            "co-location state %s: %s is not an object (%s): not read; %s",
+            path,
+            key,
+            _value(saved),
+            aside.made(),
+        )
         return []
     read_: list[_Entry] = []
     for name, entry in saved.items():
         try:
             one = read(str(name), entry)
         except ValueError as err:
-            log.error("co-location state %s: %s.%s not read (%s): skipped", path, key, name, err)
+            log.error(
+                "co-location state %s: %s.%s not read (%s): skipped; %s",
+                path,
+                key,
+                name,
+                err,
+                aside.made(),
+            )
             continue
         if one is not None:
             read_.append(one)
@@ -611,10 +654,43 @@ def _share_of(config: str) -> float:
     """The MPS share a :func:`_config` names: "30%", "30%, 30%": 0.3; shares that differ
     ("100%, 30%"), their least, so that no whole GPU's footprint is taken from them;
     anything else (a MIG instance, none) a whole GPU's."""
-    parts = config.split(", ")
-    if not all(p.endswith("%") and p[:-1].isdigit() for p in parts):
+    shares = [_percent(p) for p in config.split(", ")]
+    if None in shares:
         return 1.0
-    return min(int(p[:-1]) for p in parts) / 100.0
+    return min(s or 100 for s in shares) / 100.0
+
+
+def _percent(part: str) -> int | None:
+    """The MPS thread percentage one device's part of a :func:`_config` names ("30%": 30);
+    None for anything else (a MIG instance). Only ASCII digits count: ``str.isdigit`` takes
+    "²" too, which ``int`` refuses."""
+    digits = part.removesuffix("%")
+    if digits == part or not (0 < len(digits) <= 3 and digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits)
+
+
+def _saved_config(config: object, where: str) -> str:
+    """An ``alone_config`` of the state file, as :func:`_config` writes it: each device's
+    part an MPS thread percentage from 1 to 100 ("50%") or a MIG instance ("MIG 3g.40gb"),
+    joined by ", " (``where``: its key, for the error)."""
+    if isinstance(config, str) and all(
+        p.startswith("MIG ") or 0 < (_percent(p) or 0) <= 100 for p in config.split(", ")
+    ):
+        return config
+    raise ValueError(
+        f"{where}: a text like '50%' or 'MIG 3g.40gb' expected (MPS shares from 1% to"
+        f" 100%), not {_value(config)}"
+    )
+
+
+def _value(value: object) -> str:
+    """A value of the state file as an error repeats it: a long one shortened (a hand edit
+    may hold thousands of characters)."""
+    if isinstance(value, str):
+        return shown(value, 40)
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
 def _place(r: RunningJob) -> str:
@@ -1473,7 +1549,8 @@ class ColoService:
         Jobs that ``registered`` does not list, or lists registered at another time, are
         dropped (their removal committed, the file not written since)."""
         try:
-            data = json.loads(path.read_text())
+            text = path.read_text()
+            data = json.loads(text)
         except FileNotFoundError:
             return
         except (OSError, ValueError) as err:
@@ -1491,9 +1568,10 @@ class ColoService:
                 )
             if not isinstance(data.get("jobs"), dict):
                 raise ValueError('not a co-location state: no "jobs" object')
-            skipped = self._load_jobs(path, data["jobs"])
-            whole = self._load_evicted(path, data, skipped) and not skipped
-            self._load_off(path, data)
+            aside = _SkippedCopy(path, text)
+            skipped = self._load_jobs(path, data["jobs"], aside)
+            whole = self._load_evicted(path, data, skipped, aside) and not skipped
+            self._load_off(path, data, aside)
             if registered is not None:
                 self._drop_unregistered(path, registered())
             # those it wrote as running (a job that had ended, with how long ago it ran)
@@ -1528,49 +1606,64 @@ class ColoService:
         # (a start that fails at once, again and again) writes nothing
         self._saved, self._saved_clock, self._saved_idle = _unclocked(data)
 
-    def _load_jobs(self, path: Path, jobs: Mapping[str, Any]) -> set[str]:
+    def _load_jobs(self, path: Path, jobs: Mapping[str, Any], aside: _SkippedCopy) -> set[str]:
         """Each job's saved state (:meth:`_load_job`). One not read (a hand edit, a bug: a
         value out of its range, of another type) is logged, naming the file and its key,
         and skipped, as if gpud had not seen the job: its footprints, rates, duty, eviction
-        and guard start afresh, the other jobs' kept. Returns the jobs skipped."""
+        and guard start afresh, the other jobs' kept. The file as read is copied ``aside``
+        first, as the next save writes it without the job. Returns the jobs skipped."""
         skipped: set[str] = set()
         for key, saved in jobs.items():
             name = str(key)
             try:
                 self._load_job(name, saved)
-            except (ValueError, KeyError, TypeError, AttributeError) as err:
+            except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as err:
                 # what it read of the job before the bad value is dropped with it
                 self._forget_job(name)
                 skipped.add(name)
                 log.error(
-                    "co-location state %s: jobs.%s not read (%s): that job starts afresh",
+                    "co-location state %s: jobs.%s not read (%s): that job starts afresh; %s",
                     path,
                     name,
                     err if isinstance(err, ValueError) else f"jobs.{name}: {err!r}",
+                    aside.made(),
                 )
         return skipped
 
-    def _load_evicted(self, path: Path, data: Mapping[str, Any], skipped: set[str]) -> bool:
+    def _load_evicted(
+        self, path: Path, data: Mapping[str, Any], skipped: set[str], aside: _SkippedCopy
+    ) -> bool:
         """The jobs the file says the loop evicted, less those ``skipped`` (a job whose
         entry was not read is one gpud has not seen: no GPU is held for a run of it). A
-        list that is not one of names is logged, naming the file, and not read: no eviction
-        is kept, the rest of the file is. Says whether the list was read."""
+        value that is not a list, or an entry of it that is not a job's name, is logged,
+        naming the file, and not read, the file as read copied ``aside`` first: no GPU is
+        held for a rerun of the jobs it would name, while the evictions their own entries
+        keep (``jobs.NAME.evict``) are still told; the rest of the file is read. Says
+        whether the list was read whole."""
         evicted = data.get("evicted", [])  # absent from files written before it was kept
-        if not isinstance(evicted, list) or not all(isinstance(n, str) for n in evicted):
+        unread = (
+            [] if not isinstance(evicted, list) else [n for n in evicted if not isinstance(n, str)]
+        )
+        if not isinstance(evicted, list) or unread:
+            whole = not isinstance(evicted, list)
             log.error(
-                "co-location state %s: evicted not read (a list of job names expected, not"
-                " %r): no eviction is kept",
+                "co-location state %s: evicted %s (job names expected, not %s): no GPU is held"
+                " for a rerun of %s (evictions already told stand); %s",
                 path,
-                evicted,
+                "not read" if whole else "entries skipped",
+                f"[{first_few(map(repr, unread), 5)}]" if not whole else _value(evicted),
+                "an evicted job" if whole else "the jobs they stand for",
+                aside.made(),
             )
+        if not isinstance(evicted, list):
             return False
         for name in evicted:
-            if name not in skipped:
+            if isinstance(name, str) and name not in skipped:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
-        return True
+        return not unread
 
-    def _load_off(self, path: Path, data: Mapping[str, Any]) -> None:
+    def _load_off(self, path: Path, data: Mapping[str, Any], aside: _SkippedCopy) -> None:
         """The waiting runs taken out and the jobs removed under a waiting run, as
         :meth:`_state` wrote them (absent from files written before they were kept).
         Written on this boot, each is as old on the loop's clock as it was written; on
@@ -1578,7 +1671,7 @@ class ColoService:
         boot (its id unknown when written), or an entry with no clock, is read by its Unix
         times, none later than now: a wall clock stepped back since does not make one
         recent again. An entry not read is logged, naming the file and its key, and
-        skipped: the rest of the file is kept."""
+        skipped, the file as read copied ``aside`` first: the rest of the file is kept."""
         now, wall = self._clock(), self._wall()
         boot, saved_boot = self._boot, data.get("boot_id")
         if saved_boot is not None and not isinstance(saved_boot, str):
@@ -1641,8 +1734,8 @@ class ColoService:
             came = at(f"removed.{job}", saved[0], saved[2] if len(saved) == 3 else None)
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
-        left = _saved_entries(path, data, "left", one_left)
-        removed = _saved_entries(path, data, "removed", one_removed)
+        left = _saved_entries(path, data, "left", one_left, aside)
+        removed = _saved_entries(path, data, "removed", one_removed, aside)
         self._left = {wid: off for _, wid, off in sorted(left)}
         self._removed = {job: r for _, job, r in sorted(removed)}
         _forget_old(self._left, now, self._remember)
@@ -1722,11 +1815,7 @@ class ColoService:
         if saved.get("alone_rate") is not None:
             st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         if (config := saved.get("alone_config")) is not None:
-            if not isinstance(config, str):
-                raise ValueError(
-                    f"jobs.{name}.alone_config: a text like '50%' expected, not {config!r}"
-                )
-            st.alone_config = config
+            st.alone_config = _saved_config(config, f"jobs.{name}.alone_config")
         rates = saved.get("alone_rates") or {}
         if not isinstance(rates, dict):
             raise ValueError(f"jobs.{name}.alone_rates: share -> rate expected, not {rates!r}")
@@ -1749,7 +1838,8 @@ class ColoService:
         # the job ran at alone, which its rate alone names ("30%") where it ran on one GPU
         shown = _share_of(st.alone_config or "")
         for place, f in devices.items():
-            where = f"jobs.{name}.devices.{place}"
+            # a file from before kept the job's footprint at its top level
+            where = f"jobs.{name}.devices.{place}" if place else f"jobs.{name}"
             share = _saved_number(f.get("share", shown), f"{where}.share", 0.01, 1.0)
             # a saved footprint is taken as settled: a restart does not let its next
             # reading replace it (the readings it averages are not kept)

@@ -52,7 +52,7 @@ from gpud.colo.service import (
 from gpud.config import ColocateConfig
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpud.events import EventLog
-from gpud.files import write_atomically
+from gpud.files import STATE_FILE_MODE, write_atomically
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 from gpud.v1 import colo_pb2
 from tests.unit.api_support import GIB, identity
@@ -4001,8 +4001,9 @@ def test_a_bad_leave_or_removal_in_colo_json_is_skipped_and_the_rest_is_read(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A leave or a removal colo.json holds that is not read (a hand edit, a bug) is
-    logged, naming the file and its key, and skipped: the other leaves, the jobs' duties
-    and the predictor are kept. The whole file was set aside and all it held forgotten."""
+    logged, naming the file and its key, and skipped, the file as read copied to
+    colo.json.skipped: the other leaves, the jobs' duties and the predictor are kept. The
+    whole file was set aside and all it held forgotten."""
     from gpud.errors import LeftQueue
 
     host = Restarts(tmp_path)
@@ -4030,6 +4031,8 @@ def test_a_bad_leave_or_removal_in_colo_json_is_skipped_and_the_rest_is_read(
     assert all(str(host.file) in m for m in said)
     assert any("left.0123456789cd" in m for m in said)
     assert any("removed.x" in m for m in said)
+    copy = tmp_path / "colo.json.skipped"
+    assert all(f"copied to {copy}" in m for m in said) and copy.exists()
 
 
 def write_with_huge_ints(path: Path, state: dict[str, Any]) -> None:
@@ -4133,6 +4136,105 @@ def test_one_bad_job_in_colo_json_costs_that_job_alone_not_the_others(
     written = json.loads(state.read_text())
     assert sorted(written["jobs"]) == ["big", "chat", "train"]
     assert written["evicted"] == ["big"]
+
+
+def loaded(state: Path, text: str) -> ColoService:
+    """A loop made over colo.json holding ``text``, who runs read from no one."""
+    state.write_text(text)
+    return ColoService(
+        ColocateConfig(), EventLog(state.with_name("e.jsonl")), running=list, state_file=state
+    )
+
+
+def test_an_alone_config_that_names_no_mps_share_skips_its_job_not_gpud(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job's alone_config in colo.json that is no MPS share nor MIG instance (400 ones
+    and a percent sign, a superscript two, 0 %, 150 %, a word): that job alone is not read,
+    the error naming jobs.NAME.alone_config, and the loop is made with the other job. gpud
+    did not start on the 400 ones (the share's division overflowed past what reads the
+    file), and "²%" was refused naming no field."""
+    state = tmp_path / "colo.json"
+    for config in ("1" * 400 + "%", "²%", "0%", "150%", "50%, fast", "fast", ""):
+        caplog.clear()
+        jobs = {"other": {"duty": 0.5}, "train": {"alone_rate": 10.0, "alone_config": config}}
+        svc = loaded(state, json.dumps({"version": STATE_FILE_VERSION, "jobs": jobs}))
+        assert "train" not in svc._jobs and svc.duty("other") == 0.5, config
+        (said,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert str(state) in said and "jobs.train.alone_config:" in said, config
+        assert len(said) < 600, config
+    for config in ("30%", "30%, 100%", "MIG 3g.40gb", "MIG 1g.10gb, 50%"):
+        jobs = {"train": {"alone_rate": 10.0, "alone_config": config}}
+        svc = loaded(state, json.dumps({"jobs": jobs}))
+        assert svc._jobs["train"].alone_config == config
+
+
+def test_an_evicted_list_not_read_takes_back_no_eviction_told_and_keeps_its_names(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json's evicted is a text, or a list with an entry that is no name: the
+    evictions the jobs' own entries keep are still told, and the error says so rather than
+    that no eviction is kept; in a list, the names are read (a GPU held for their next
+    run), the other entries alone skipped."""
+    state = tmp_path / "colo.json"
+    jobs = {"big": {"kind": "training", "evict": "memory over its limit"}, "b": {"duty": 0.5}}
+    svc = loaded(state, json.dumps({"jobs": jobs, "evicted": "big"}))
+    assert svc._directives["big"].evict and not svc._jobs["big"].evicted
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "evicted not read" in said and "no eviction is kept" not in said
+    assert "evictions already told stand" in said
+    caplog.clear()
+    svc = loaded(state, json.dumps({"jobs": jobs, "evicted": ["big", 1, None]}))
+    assert svc._directives["big"].evict and svc._jobs["big"].evicted
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "evicted entries skipped" in said and "[1, None]" in said
+    svc.tick(snapshot())
+    assert json.loads(state.read_text())["evicted"] == ["big"]
+
+
+def test_a_skipped_entry_is_kept_in_a_copy_of_the_file_as_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job of colo.json not read: the file as read is copied, once, to colo.json.skipped
+    (byte for byte, with the state file's mode) and each error names the copy; the next
+    save writes colo.json with the jobs read. The save wrote over the entry, which nothing
+    kept but a log line. A whole file not read is still renamed to colo.json.unreadable,
+    with no copy."""
+    state = tmp_path / "colo.json"
+    text = json.dumps(
+        {
+            "jobs": {
+                "train": {"kind": "training", "duty": 0.5, "alone_rate": 10.0},
+                "bad": {"duty": 7},
+                "worse": {"alone_rate": -1},
+            },
+            "evicted": [3],
+        }
+    )
+    svc = loaded(state, text)
+    copy = tmp_path / "colo.json.skipped"
+    assert copy.read_bytes() == text.encode()
+    assert copy.stat().st_mode & 0o777 == STATE_FILE_MODE
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 3 and all(f"the file as read is copied to {copy}" in s for s in said)
+    svc.tick(snapshot())
+    assert sorted(json.loads(state.read_text())["jobs"]) == ["train"]
+    assert copy.read_bytes() == text.encode()
+    assert not (tmp_path / "colo.json.unreadable").exists()
+    copy.unlink()
+    loaded(state, "{not json")
+    assert (tmp_path / "colo.json.unreadable").read_text() == "{not json"
+    assert not copy.exists()
+
+
+def test_a_footprint_at_a_jobs_top_level_is_named_by_its_field(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file from before footprints were kept per device holds a job's at its top level:
+    a bad value there is named jobs.NAME.sm, not jobs.NAME.devices..sm."""
+    loaded(tmp_path / "colo.json", '{"jobs": {"train": {"sm": NaN, "mem_bw": 0.1}}}')
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "(jobs.train.sm: nan outside [0, 1])" in record.getMessage()
 
 
 def test_a_predictor_number_too_large_for_a_float_restarts_the_predictor_not_gpud(
@@ -5517,7 +5619,7 @@ WRITER = """
 import sys
 from pathlib import Path
 
-from gpud.files import write_atomically
+from gpud.files import STATE_FILE_MODE, write_atomically
 
 path = Path(sys.argv[1])
 print("ready", flush=True)
