@@ -20,6 +20,7 @@ its number).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import grpc
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         done += 1
         counted = all_hung(stub, args.hang)
-        print(f"all {GPUS} hung: status counted them healthy for {counted:.2f} s", flush=True)
+        # every GPU stalled no longer than the call timeout is a starved host, not a fault
+        took = f"all the {args.hang:g} s hang" if math.isnan(counted) else f"{counted:.2f} s"
+        print(f"all {GPUS} hung: status counted them healthy for {took}", flush=True)
         done += 1
     if stopped.by:
         return cut_short(stopped.by, f"{done} of 2 scenarios")

@@ -817,6 +817,79 @@ def test_hung_gpu_is_not_answering_at_once_and_unhealthy_at_the_timeout(
         s.close()
 
 
+def test_gpus_all_slow_together_on_a_starved_host_keep_their_health(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    # Every core busy (data loaders): gpud's threads wait for a CPU and every GPU's calls
+    # run past the tick's wait together. No GPU answered while the others did not.
+    before = sampler.tick()
+    gate = threading.Event()
+    try:
+        for gpu in range(4):
+            backend.hang[gpu] = gate
+        clock.now += 1
+        snap = sampler.tick()
+        assert _read_outstanding(sampler, 0)  # the tick did not wait for it
+        assert [g.healthy for g in snap.gpus] == [True] * 4
+        # late: each GPU as last read, its age growing
+        assert [g.sampled_at for g in snap.gpus] == [g.sampled_at for g in before.gpus]
+        clock.now += 0.2  # still within call_timeout_s (0.3)
+        assert all(g.healthy for g in sampler.tick().gpus)
+    finally:
+        backend.hang.clear()
+        gate.set()
+    _wait_for(lambda: not any(_read_outstanding(sampler, gpu) for gpu in range(4)))
+    clock.now += 1
+    snap = sampler.tick()
+    assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus)
+    assert "gpu.unhealthy" not in events.counts()
+
+
+def test_the_last_gpu_read_late_is_not_answering_once_the_others_answer_after_it(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    # GPU 3 is read last: the others answered before its call began, which says nothing
+    # of it (a host starved from that moment on looks the same). The next tick's reads of
+    # the others, begun after it, answer while it does not: it is hung.
+    sampler.tick()
+    gate = threading.Event()
+    try:
+        backend.hang[3] = gate
+        clock.now += 1
+        snap = sampler.tick()
+        assert snap.gpus[3].healthy
+        clock.now += 0.1  # within call_timeout_s (0.3): the others' answers decide
+        snap = sampler.tick()
+        assert not snap.gpus[3].healthy
+        assert snap.gpus[3].reason == "not answering: a driver call is outstanding"
+        assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus[:3])
+    finally:
+        backend.hang.clear()
+        gate.set()
+    _wait_for(lambda: not _read_outstanding(sampler, 3))
+    assert sampler.tick().gpus[3].healthy
+    assert events.counts() == {"gpu.unhealthy": 1, "gpu.recovered": 1}
+
+
+def test_gpus_all_hung_are_not_answering_once_outstanding_the_call_timeout(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    # With no GPU answering, a hang is told from a starved host by how long it lasts.
+    sampler.tick()
+    gate = threading.Event()
+    try:
+        for gpu in range(4):
+            backend.hang[gpu] = gate
+        clock.now += 1
+        assert all(g.healthy for g in sampler.tick().gpus)
+        clock.now += 0.4  # past call_timeout_s (0.3)
+        snap = sampler.tick()
+        assert [g.reason for g in snap.gpus] == ["not answering: a driver call is outstanding"] * 4
+    finally:
+        backend.hang.clear()
+        gate.set()
+
+
 def test_a_change_of_unhealthy_reason_is_logged(
     sampler: Sampler,
     backend: FakeBackend,
