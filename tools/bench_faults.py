@@ -20,7 +20,6 @@ its number).
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import grpc
@@ -117,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         done += 1
         counted = all_hung(stub, args.hang)
-        # every GPU stalled no longer than the call timeout is a starved host, not a fault
-        took = f"all the {args.hang:g} s hang" if math.isnan(counted) else f"{counted:.2f} s"
-        print(f"all {GPUS} hung: status counted them healthy for {took}", flush=True)
+        print(f"all {GPUS} hung: status counted them healthy for {counted:.2f} s", flush=True)
         done += 1
     if stopped.by:
         return cut_short(stopped.by, f"{done} of 2 scenarios")

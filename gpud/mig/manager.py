@@ -1381,13 +1381,6 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
-    # The reconcile's reads (its check, the view): a GPU past VIEW_TIMEOUT_S is given up on
-    # only once its outstanding driver call has waited VIEW_TIMEOUT_S while another GPU
-    # answered a call begun after it (it alone is slow), else once that call has waited
-    # VIEW_LATE_S (or read_timeout_s, telemetry's measure of a hung GPU, if shorter): on a
-    # host whose CPUs are all busy every GPU's calls are slow together, and none of them is
-    # faulty; the bound keeps a hang of every GPU from holding the step (and the watchdog).
-    VIEW_LATE_S = 10.0
     # How often a GPU shown faulty in the view (telemetry found it so, or its read failed)
     # that answers now is read again on its own between refreshes: a GPU whose health flaps
     # costs no more than this.
@@ -1846,10 +1839,6 @@ class MigManager:
         then, is shown as not answering (:meth:`_bounded`): a driver call that hangs delays
         the answer by no more than that, and that GPU gets no new call until the stuck one
         returns."""
-        return self._show(self._read_timeout_s if timeout_s is None else timeout_s, None)
-
-    def _show(self, wait_s: float, late_s: float | None) -> list[GpuView]:
-        """:meth:`show`, its reads waited for as :meth:`_bounded` waits."""
         ids, faults = self._gpus()
         desired = self._store.desired()
         healthy = [g for g in ids if g.index not in faults]
@@ -1865,15 +1854,12 @@ class MigManager:
             )
             for i, reason in faults.items()
         }
-        views.update(self._read_views(healthy, desired, wait_s, late_s))
+        wait_s = self._read_timeout_s if timeout_s is None else timeout_s
+        views.update(self._read_views(healthy, desired, wait_s))
         return [views[i] for i in sorted(views)]
 
     def _read_views(
-        self,
-        gpus: list[GpuIdentity],
-        desired: Mapping[str, DesiredRecord],
-        wait_s: float,
-        late_s: float | None = None,
+        self, gpus: list[GpuIdentity], desired: Mapping[str, DesiredRecord], wait_s: float
     ) -> Iterator[tuple[int, GpuView]]:
         """:meth:`show`'s reads of ``gpus``, each GPU's view by its index."""
 
@@ -1885,7 +1871,7 @@ class MigManager:
             except BackendError as err:
                 return faulty_view(gpu, desired.get(gpu.uuid), _fault_reason(err))
 
-        return self._read_bounded(gpus, read, wait_s, desired, late_s)
+        return self._read_bounded(gpus, read, wait_s, desired)
 
     def _refresh_view(self, now: float) -> None:
         """Keep :meth:`latest_view` the driver's state without a full :meth:`show` per
@@ -1898,7 +1884,7 @@ class MigManager:
         faulty = self._faulty_now()
         if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
             try:
-                self._view = self._show(self.VIEW_TIMEOUT_S, self._late_s())
+                self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
                 self._view_at = now
             except GpudError as err:
                 log.warning("cannot read MIG instances: %s", err)
@@ -1922,8 +1908,7 @@ class MigManager:
                 self._reread_at[gpu.index] = now
             try:
                 desired = self._store.desired()
-                late_s = self._late_s()
-                for i, view in self._read_views(due, desired, self.VIEW_TIMEOUT_S, late_s):
+                for i, view in self._read_views(due, desired, self.VIEW_TIMEOUT_S):
                     views[i] = view
             except GpudError as err:
                 log.warning("cannot read MIG instances: %s", err)
@@ -1952,18 +1937,7 @@ class MigManager:
         def plan(gpu: GpuIdentity) -> GpuPlan:
             return self._plan(gpu, by_index[gpu.index], self._table(gpu))[1]
 
-        return self._bounded(
-            [gpu for gpu, _ in layouts],
-            plan,
-            self.VIEW_TIMEOUT_S,
-            "check",
-            late_s=self._late_s(),
-        )
-
-    def _late_s(self) -> float:
-        """How long the reconcile's reads wait for GPUs that are all slow together (see
-        ``VIEW_LATE_S``)."""
-        return max(self.VIEW_TIMEOUT_S, min(self._read_timeout_s, self.VIEW_LATE_S))
+        return self._bounded([gpu for gpu, _ in layouts], plan, self.VIEW_TIMEOUT_S, "check")
 
     def _read(
         self,
@@ -1989,7 +1963,6 @@ class MigManager:
         what: str,
         *,
         wait: ReadWait = "in_all",
-        late_s: float | None = None,
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
         or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
@@ -2006,12 +1979,6 @@ class MigManager:
         not called at all. A call not waited for stays on its own thread, and later calls
         leave its GPU alone until it returns.
 
-        With ``late_s`` (the reconcile's reads), a GPU past its deadline is given up on only
-        once its outstanding call has waited ``timeout_s`` while another GPU of ``gpus``
-        answered a call begun after it (this GPU alone is slow), or ``late_s``: calls slow
-        on every GPU together are a host whose CPUs are all busy, not a hung GPU, and a read
-        whose calls are answered is waited for however many it makes.
-
         Only for reads (``nvidia-smi mig -lgi``, ``-lci``, the process lists), which change
         nothing in the driver: one that returns late is only a late answer. A change left
         running in the driver could not be told apart from one not made, so an apply's
@@ -2021,18 +1988,12 @@ class MigManager:
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
         started = self._monotonic()
-        # GPU index -> when the driver last answered a call of its read, and when that call
-        # began (the answer before it: the next call is made at once)
+        # GPU index -> when the driver last answered a call of its read
         answer_at: dict[int, float] = {}
-        answered_begun: dict[int, float] = {}
-
-        def answered_now(index: int) -> None:
-            answered_begun[index] = answer_at.get(index, started)
-            answer_at[index] = self._monotonic()
 
         def run(gpu: GpuIdentity) -> None:
             result: T | Exception
-            self._reading.answered = lambda: answered_now(gpu.index)
+            self._reading.answered = lambda: answer_at.__setitem__(gpu.index, self._monotonic())
             try:
                 result = call(gpu)
             except Exception as err:
@@ -2067,17 +2028,10 @@ class MigManager:
                         continue
                     since = answer_at.get(gpu.index, started) if wait != "in_all" else started
                     deadline = since + timeout_s
-                    waited = timeout_s
-                    if late_s is not None and deadline <= now:
-                        call_since = answer_at.get(gpu.index, started)
-                        others = [t for i, t in answered_begun.items() if i != gpu.index]
-                        alone = bool(others) and max(others) > call_since
-                        deadline = _late_deadline(deadline, call_since, timeout_s, late_s, alone)
-                        waited = timeout_s if alone else late_s
                     if gpu.index in telemetry:
                         given_up[gpu.index] = telemetry[gpu.index]
                     elif deadline <= now:
-                        given_up[gpu.index] = _no_answer(waited)
+                        given_up[gpu.index] = _no_answer(timeout_s)
                     else:
                         deadlines.append(deadline)
                         waiting.add(gpu.index)
@@ -2100,9 +2054,8 @@ class MigManager:
         read: Callable[[GpuIdentity], GpuView],
         timeout_s: float,
         desired: Mapping[str, DesiredRecord],
-        late_s: float | None,
     ) -> Iterator[tuple[int, GpuView]]:
-        answered = self._bounded(gpus, read, timeout_s, "show", late_s=late_s)
+        answered = self._bounded(gpus, read, timeout_s, "show")
         for gpu in gpus:
             view = answered[gpu.index]
             if isinstance(view, _GivenUp):  # hung, or found hung by telemetry meanwhile
@@ -2201,18 +2154,6 @@ def _begun(wait: ReadWait, done: list[str]) -> ReadWait:
 
 def _who(pid: int, job: str | None) -> str:
     return f"pid {pid}" + (f" (job {job})" if job else "")
-
-
-def _late_deadline(
-    deadline: float, call_since: float, timeout_s: float, late_s: float, alone: bool
-) -> float:
-    """When a read past its ``deadline`` is given up on (:meth:`MigManager._bounded`'s
-    ``late_s``): its outstanding call, begun at ``call_since``, once it has waited
-    ``timeout_s`` while another GPU answered a call begun after it (``alone``: this GPU alone
-    is slow), else once it has waited ``late_s`` (every GPU slow together)."""
-    if alone:
-        return max(deadline, call_since + timeout_s)
-    return call_since + late_s
 
 
 def _no_answer(timeout_s: float) -> str:

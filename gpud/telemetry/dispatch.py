@@ -7,27 +7,20 @@ cheap driver calls costs more CPU than the calls themselves.
 
 When a GPU's read runs past ``wait_s`` (the sampler makes it at most half its interval) the
 pass is abandoned on that GPU (a call inside the driver cannot be cancelled; its daemon
-thread returns when the driver does), and the GPUs not read yet are each read on a fresh
-thread of their own within one more ``wait_s``, so even a driver-wide hang costs a tick two
-waits, not one per GPU, and the GPUs that answer keep samples no older than the interval
-allows. A GPU whose call is still outstanding gets no new call until it has returned.
+thread returns when the driver does), the GPU is reported as not answering, and the GPUs
+not read yet are each read on a fresh thread of their own within one more ``wait_s``, so
+even a driver-wide hang costs a tick two waits, not one per GPU, and the GPUs that answer
+keep samples no older than the interval allows. A hung GPU gets no new call until its
+stuck one has returned.
 
-A call outstanding past ``wait_s`` is late, not yet hung: on a host whose cores are all
-busy (data loaders), gpud's threads wait for a CPU and every GPU's calls take longer
-together. :meth:`Dispatcher.not_answering` judges it hung only once another GPU answered a
-call begun after it (the process runs and the driver answers, but not for this GPU), or
-once it has been outstanding ``hung_after_s`` (every GPU hung at once, or a node with one).
-
-Timeouts use the real monotonic clock: they bound real waits, not simulated time. How long a
-call has been outstanding is measured on the injected ``clock`` (the sampler's).
+Timeouts use the real monotonic clock: they bound real waits, not simulated time.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 from gpud.telemetry.snapshot import GpuSample
 from gpud.telemetry.worker import Worker
@@ -39,21 +32,12 @@ Result = GpuSample | BaseException  # what a read returned or raised
 class Target:
     """One GPU to read: its read function and whether a call on it is still stuck."""
 
-    __slots__ = ("answered", "busy", "index", "read", "since", "started")
+    __slots__ = ("busy", "index", "read")
 
     def __init__(self, index: int, read: Read) -> None:
         self.index = index
         self.read = read
         self.busy = False  # True while a read runs; stays True while it is stuck
-        # the order its latest read began in, among every GPU's reads, and when (the
-        # dispatcher's clock); ``answered``: ``started`` of its latest read that returned
-        self.started = 0
-        self.since = 0.0
-        self.answered = 0
-
-    def outstanding(self) -> bool:
-        """Whether its latest read began and has not returned (stuck or slow)."""
-        return self.answered < self.started
 
 
 class _Pass:
@@ -65,7 +49,6 @@ class _Pass:
 
     __slots__ = (
         "abandoned",
-        "begin",
         "complete",
         "current",
         "finished",
@@ -75,9 +58,8 @@ class _Pass:
         "targets",
     )
 
-    def __init__(self, targets: Sequence[Target], begin: Callable[[Target], None]) -> None:
+    def __init__(self, targets: Sequence[Target]) -> None:
         self.targets = targets
-        self.begin = begin  # stamps a read as it begins (called under ``lock``)
         self.results: dict[int, Result] = {}
         self.lock = threading.Lock()  # guards the fields below and the targets' ``busy``
         self.current: Target | None = None
@@ -97,7 +79,6 @@ class _Pass:
                         return
                     self.current = target
                     self.started = time.monotonic()
-                    self.begin(target)
                     target.busy = True
                 try:
                     result: Result = target.read()
@@ -105,8 +86,6 @@ class _Pass:
                     result = err
                 with lock:
                     target.busy = False
-                    # also when given up on: a late answer still shows the GPU answers
-                    target.answered = target.started
                     if self.abandoned:
                         return  # the caller gave up on this read: its values are stale
                     results[target.index] = result
@@ -141,16 +120,9 @@ class Dispatcher:
     """Reads targets, waiting at most ``wait_s`` for a GPU that does not answer (see the
     module doc). ``wait_s`` may be changed between reads."""
 
-    def __init__(
-        self,
-        wait_s: float,
-        name: str = "gpud-sampler",
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, wait_s: float, name: str = "gpud-sampler") -> None:
         self.wait_s = wait_s
         self._name = name
-        self._clock = clock
-        self._order = itertools.count(1)
         self._worker = Worker(name)
         self._spare = 0
 
@@ -159,7 +131,7 @@ class Dispatcher:
         todo = [t for t in targets if not t.busy]
         if not todo:
             return {}
-        p = _Pass(todo, self._begin)
+        p = _Pass(todo)
         if not self._worker.submit(p.run):
             return {}  # closed (gpud is stopping): no GPU is read, each reported hung
         timeout = self.wait_s
@@ -181,10 +153,7 @@ class Dispatcher:
     def _fan_out(self, targets: Sequence[Target], timeout: float) -> dict[int, Result]:
         passes: list[_Pass] = []
         for target in targets:
-            # stamped here, in the order of the GPUs: a GPU after a hung one that answers
-            # shows it hung, whichever thread the OS happens to run first
-            self._begin(target)
-            p = _Pass((target,), _stamped)
+            p = _Pass((target,))
             self._spare += 1
             worker = Worker(f"{self._name}-{self._spare}")
             worker.submit(p.run)
@@ -202,28 +171,5 @@ class Dispatcher:
             results.update(p.results)
         return results
 
-    def not_answering(self, targets: Collection[Target], hung_after_s: float) -> set[int]:
-        """The indexes of the targets whose call is outstanding and judged hung: another
-        target answered a call begun after it, or it has been outstanding ``hung_after_s``
-        on the dispatcher's clock. A call outstanding while no other GPU answered is late,
-        not hung: the threads waiting in the driver (or for a CPU) are all slow together."""
-        now = self._clock()
-        hung: set[int] = set()
-        for target in targets:
-            if not target.outstanding():
-                continue
-            latest = max((t.answered for t in targets if t is not target), default=0)
-            if latest > target.started or now - target.since >= hung_after_s:
-                hung.add(target.index)
-        return hung
-
-    def _begin(self, target: Target) -> None:
-        target.started = next(self._order)
-        target.since = self._clock()
-
     def close(self) -> None:
         self._worker.close()
-
-
-def _stamped(target: Target) -> None:
-    """A fan-out read, stamped by the dispatcher when it handed the read to its thread."""

@@ -7,12 +7,8 @@ shorter) is left behind while the rest are read on threads of their own. So:
 - a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
   other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
 - a GPU whose call hangs is ``healthy=False`` with one reason (:data:`NOT_ANSWERING`) from
-  the first tick that finds it hung until the call returns; it gets no new call until then,
-  while the others keep samples no older than twice the interval. Hung, not late: another
-  GPU answered a call begun after it (that tick, or the next for the last GPU read), or it
-  has been outstanding ``call_timeout_s``. A call that is merely late keeps the GPU's last
-  sample (older each tick: ``gpud_gpu_sample_age_seconds``): on a host whose CPUs are all
-  busy every GPU's calls are late together, and none of them is faulty;
+  the first tick its call is outstanding until it returns; it gets no new call until then,
+  while the others keep samples no older than twice the interval;
 - health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
@@ -154,7 +150,6 @@ class _Slot:
     __slots__ = (
         "critical",
         "healthy",
-        "last",
         "reader",
         "reason",
         "target",
@@ -167,7 +162,6 @@ class _Slot:
         self.target = Target(reader.index, reader.read)
         self.healthy = True
         self.reason = ""
-        self.last: GpuSample | None = None  # the reader's last sample, shown while one is late
         self.critical: dict[int, CriticalXid] = {}  # by code, until a reset or a clear
         self.xid_total = 0
         self.xid_last: int | None = None
@@ -227,7 +221,7 @@ class Sampler:
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
         # a tick waits at most twice (see tick_bound_s): each wait is half its bound
-        self._dispatcher = Dispatcher(self.tick_bound_s() / 2, clock=clock)
+        self._dispatcher = Dispatcher(self.tick_bound_s() / 2)
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._events_handled = 0  # GPU events taken in, of any kind
         self._handled = threading.Condition()
@@ -309,13 +303,8 @@ class Sampler:
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()
             self._dispatcher.wait_s = self.tick_bound_s() / 2  # the interval may have changed
-            targets = [slot.target for slot in slots]
-            results = self._dispatcher.read(targets)
-            hung = self._dispatcher.not_answering(targets, self.call_timeout_s)
-            samples = tuple(
-                self._collect(slot, results.get(slot.reader.index), slot.reader.index in hung)
-                for slot in slots
-            )
+            results = self._dispatcher.read([slot.target for slot in slots])
+            samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
             snapshot = Snapshot(
                 wall_time=wall,
                 monotonic=start,
@@ -376,14 +365,10 @@ class Sampler:
             self._slots = slots
         return slots
 
-    def _collect(
-        self, slot: _Slot, result: GpuSample | BaseException | None, hung: bool
-    ) -> GpuSample:
+    def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
         reader = slot.reader
         if isinstance(result, GpuSample):
-            sample = slot.last = result
-        elif result is None and not hung and slot.last is not None:
-            sample = slot.last  # late, not hung: as last read, its sampled_at says how old
+            sample = result
         elif result is not None:
             # Not a driver error (the reader handles those): a bug. Report it and go on. The
             # reason names the exception's type alone: it is a metric label and each change
