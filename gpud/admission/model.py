@@ -250,10 +250,11 @@ class FitCheck(Protocol):
         ``names``, ``users``: the names of the jobs holding each device and their known
         users (:attr:`Loads.names`, :attr:`Loads.users`); ``uid``: the request's user, where
         MPS serves the devices. Among the devices that fit, the order is the reservation's
-        own (:func:`gpud.jobs.placement.choose_devices`): one already serving ``uid`` first
-        (its MPS control daemon serves that user: the devices left stay open to others),
-        then the least held, so runs that set no limits (a zero load) spread rather than
-        pile onto the first device listed."""
+        own (:func:`gpud.jobs.placement.choose_devices`): the least held first, so runs
+        that set no limits (a zero load) spread rather than pile onto the first device
+        listed; but where the idle devices that fit (no known user) number no more than the
+        request wants, one already serving ``uid`` first (its MPS control daemon serves that
+        user: the last idle device stays open to others)."""
         ...
 
 

@@ -284,3 +284,18 @@ def test_a_users_runs_share_the_gpu_serving_them_and_leave_the_other_to_another_
         ("c", ("GPU-1",)),
     ]
     assert result.head is None
+
+
+def test_a_users_queued_runs_keep_the_last_idle_gpu_for_another_user() -> None:
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(4)]
+    fit = PlacementFit(node)
+    queue = [Queued(f"a{i}", Request(), i, 0.0, uid=1000) for i in range(4)]
+    queue.append(Queued("b", Request(), 4, 0.0, uid=2000))
+    result = admission_pass(queue, fit, [], backfill=True)
+    assert [(s.id, s.devices) for s in result.starts] == [
+        ("a0", ("GPU-0",)),
+        ("a1", ("GPU-1",)),
+        ("a2", ("GPU-2",)),
+        ("a3", ("GPU-0",)),
+        ("b", ("GPU-3",)),
+    ]
