@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gpud.admission.model import THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
 from gpud.admission.placement_fit import PlacementFit
-from gpud.admission.queue import Queued, admission_pass, harmless
+from gpud.admission.queue import Queued, Start, admission_pass, harmless
 
 GIB = 1 << 30
 
@@ -52,19 +52,42 @@ def nodes(draw: st.DrawFn) -> list[Device]:
     return devices
 
 
-def holding(fit: PlacementFit, job: str, devices: tuple[str, ...], r: Request) -> list[Holding]:
+# a run's user where MPS serves the devices (None: unknown), and its job's name: runs of
+# one job count once on a device, and a device serving a user orders the devices that fit
+uids = st.sampled_from([None, 1000, 1001])
+job_names = st.sampled_from(["t", "u", "v"])
+runs = st.tuples(requests, uids, job_names)
+
+
+def holding(
+    fit: PlacementFit,
+    job: str,
+    devices: tuple[str, ...],
+    r: Request,
+    *,
+    uid: int | None = None,
+    name: str | None = None,
+) -> list[Holding]:
     """What ``r`` holds on each of ``devices``: its limits, else each one's MPS default."""
     by_uuid = {d.uuid: d for d in fit.devices()}
-    return [Holding(job, (u,), r.on(by_uuid[u])) for u in devices]
+    return [Holding(job, (u,), r.on(by_uuid[u]), uid, name=name or job) for u in devices]
 
 
-def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
+def place(fit: PlacementFit, r: Request, loads: Loads, uid: int | None) -> tuple[str, ...] | None:
+    """Where ``r`` of user ``uid`` goes beside ``loads``: never a device another known
+    user's run holds, as the reservation's own placement keeps users apart under MPS."""
+    others = {u for u, seen in loads.users.items() if any(i != uid for i, _ in seen)}
+    allowed = None if uid is None else {d.uuid for d in fit.devices()} - others
+    return fit.place(r, loads.total, allowed=allowed, names=loads.names, users=loads.users, uid=uid)
+
+
+def running(fit: PlacementFit, wanted: list[tuple[Request, int | None, str]]) -> list[Holding]:
     loads = Loads()
     out = []
-    for i, r in enumerate(wanted):
-        devices = fit.place(r, loads.total, allowed=None)
+    for i, (r, uid, name) in enumerate(wanted):
+        devices = place(fit, r, loads, uid)
         if devices is not None:
-            for h in holding(fit, f"r{i}", devices, r):
+            for h in holding(fit, f"r{i}", devices, r, uid=uid, name=name):
                 loads.add(h)
                 out.append(h)
     return out
@@ -73,14 +96,25 @@ def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
 @settings(max_examples=300, deadline=None)
 @given(
     node=nodes(),
-    wanted=st.lists(requests, max_size=10),
-    queued=st.lists(requests, min_size=1, max_size=10),
+    wanted=st.lists(runs, max_size=10),
+    queued=st.lists(runs, min_size=1, max_size=10),
     order=st.randoms(use_true_random=False),
 )
 def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
     fit = PlacementFit(node)
     holdings = running(fit, wanted)
-    queue = [Queued(f"q{i}", r, i, 0.0) for i, r in enumerate(queued)]
+    queue = [
+        Queued(f"q{i}", r, i, 0.0, uid=uid, name=name) for i, (r, uid, name) in enumerate(queued)
+    ]
+    by_id = {q.id: q for q in queue}
+
+    def held(starts: list[Start]) -> list[Holding]:
+        out = []
+        for s in starts:
+            q = by_id[s.id]
+            out += holding(fit, s.id, s.devices, q.request, uid=q.uid, name=q.name)
+        return out
+
     first = admission_pass(queue, fit, holdings, backfill=True)
     if first.head is None:
         return
@@ -91,32 +125,22 @@ def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
     # The FIFO world holds only what started ahead of the head; the backfill world also holds
     # the backfilled jobs, never releases them, and backfills again after every release.
     started = {s.id for s in first.starts}
-    fifo_held = holdings + [
-        h
-        for s in fifo.starts
-        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
-    ]
-    bf_held = holdings + [
-        h
-        for s in first.starts
-        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
-    ]
+    fifo_held = holdings + held(fifo.starts)
+    bf_held = holdings + held(first.starts)
     waiting = [q for q in queue if q.id not in started]
     releases = sorted({h.job for h in holdings})
     order.shuffle(releases)
     for gone_job in releases:
         fifo_held = [h for h in fifo_held if h.job != gone_job]
         bf_held = [h for h in bf_held if h.job != gone_job]
-        fifo_fits = fit.place(head.request, Loads.of(fifo_held).total, allowed=None) is not None
+        fifo_fits = place(fit, head.request, Loads.of(fifo_held), head.uid) is not None
         step = admission_pass(waiting, fit, bf_held, backfill=True)
         bf_started = {s.id for s in step.starts}
         if fifo_fits:
             assert head.id in bf_started, "backfill delayed the head"
             return
         assert head.id not in bf_started or fifo_fits is False
-        for s in step.starts:
-            req = next(q for q in waiting if q.id == s.id).request
-            bf_held += holding(fit, s.id, s.devices, req)
+        bf_held += held(step.starts)
         waiting = [q for q in waiting if q.id not in bf_started]
         if head.id in bf_started:
             return
