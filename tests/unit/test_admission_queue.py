@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.admission.model import THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
+from gpud.admission.model import NO_JOB, THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, Start, admission_pass, harmless
 
@@ -167,7 +168,7 @@ def test_backfill_uses_what_the_head_cannot() -> None:
         Device("MIG-1-0", 1, 0, "1g.10gb", Vec(10 * GIB, 100)),
     ]
     fit = PlacementFit(node)
-    held = [Holding("x", ("GPU-0",), Vec(80 * GIB, 0))]
+    held = [Holding("x", ("GPU-0",), Vec(80 * GIB, 0), name="x")]
     queue = [
         Queued("big", Request(gpu_count=1, memory_bytes=80 * GIB), 0, 0.0),
         Queued("small", Request(mig_profile="1g.10gb", memory_bytes=10 * GIB), 1, 0.0),
@@ -209,9 +210,9 @@ def test_a_queued_job_starts_only_where_no_other_user_runs() -> None:
     fit = PlacementFit(node)
     ten = Request(gpu_count=1, memory_bytes=10 * GIB)
     held = [
-        Holding("x", ("GPU-0",), Vec(10 * GIB, 0), uid=1000),
-        Holding("y1", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
-        Holding("y2", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
+        Holding("x", ("GPU-0",), Vec(10 * GIB, 0), uid=1000, name="x"),
+        Holding("y1", ("GPU-1",), Vec(10 * GIB, 0), uid=1001, name="y1"),
+        Holding("y2", ("GPU-1",), Vec(10 * GIB, 0), uid=1001, name="y2"),
     ]
     result = admission_pass([Queued("b", ten, 0, 0.0, uid=1001)], fit, held)
     assert [(s.id, s.devices) for s in result.starts] == [("b", ("GPU-1",))]
@@ -235,7 +236,7 @@ def test_a_queued_job_starts_only_where_no_other_user_runs() -> None:
 def test_backfill_of_another_user_is_harmful_on_the_heads_devices() -> None:
     node = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
     fit = PlacementFit(node)
-    held = [Holding("x", ("GPU-0",), Vec(70 * GIB, 0))]  # of no known user
+    held = [Holding("x", ("GPU-0",), Vec(70 * GIB, 0), name="x")]  # of no known user
     head = Queued("h", Request(gpu_count=1, memory_bytes=20 * GIB), 0, 0.0, uid=1000)
     small = Request(gpu_count=1, memory_bytes=5 * GIB)
     other = admission_pass([head, Queued("s", small, 1, 0.0, uid=1001)], fit, held)
@@ -271,7 +272,7 @@ def test_memory_beyond_reservations_is_no_job_on_its_device() -> None:
     node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
     fit = PlacementFit(node)
     held = [
-        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0)),  # no job name: no job there
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), name=NO_JOB),  # no job there
         Holding("r1", ("GPU-1",), Vec(0, 0), name="j1"),
     ]
     result = admission_pass([Queued("a", Request(), 0, 0.0)], fit, held, backfill=True)
@@ -323,3 +324,18 @@ def test_a_users_queued_runs_keep_the_last_idle_gpu_for_another_user() -> None:
         ("a3", ("GPU-0",)),
         ("b", ("GPU-3",)),
     ]
+
+
+def test_a_holding_says_whether_it_is_a_job_in_so_many_words() -> None:
+    # a holding left without its job's name would silently count as no job on its device
+    with pytest.raises(TypeError, match="name"):
+        Holding("r1", ("GPU-0",), Vec(0, 0))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Holding("r1", ("GPU-0",), Vec(0, 0), 1000, "t")  # type: ignore[misc]
+    loads = Loads.of([
+        Holding("r1", ("GPU-0",), Vec(0, 0), 1000, name="t"),
+        Holding("r2", ("GPU-0",), Vec(0, 0), 1000, name="t"),
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), name=NO_JOB),
+    ])  # fmt: skip
+    assert loads.names == {"GPU-0": {"t"}}
+    assert loads.users == {"GPU-0": {(1000, "t")}}
