@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from gpud.shared import format_size
 
@@ -122,21 +122,26 @@ class Device:
         return self.mig is not None
 
 
+NO_JOB: Final = None
+"""A :class:`Holding`'s ``name`` for what holds a device without being a job there: the
+memory processes use beyond reservations, an unhealthy GPU's fill."""
+
+
 @dataclass(frozen=True, slots=True)
 class Holding:
     """What one running job holds: the same demand vector on each of its devices.
     ``uid``: the user its processes run as, where MPS serves the devices and it is known
     (a control daemon serves one user at a time: no job of another user goes there).
-    ``name``: the name of the job it is a run of; None for what holds a device without
-    being a job there (memory processes use beyond reservations, an unhealthy GPU's fill).
-    Placement orders devices by the distinct job names on each, as the reservation's own
-    placement counts them: two runs of one job on a device are one job there."""
+    ``name`` (keyword, always given): the name of the job it is a run of, or
+    :data:`NO_JOB`. Placement orders devices by the distinct job names on each, as the
+    reservation's own placement counts them: two runs of one job on a device are one job
+    there, and a :data:`NO_JOB` holding is none."""
 
     job: str
     devices: tuple[str, ...]
     per_device: Vec
     uid: int | None = None
-    name: str | None = None
+    name: str | None = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +199,8 @@ class Unfeasible:
 @dataclass(slots=True)
 class Loads:
     """Per-device sums of holdings, the holdings on each device, the names of the jobs among
-    them (``names``) and the known users of those (``users``: (UID, job name))."""
+    them (``names``) and the known users of what holds each (``users``: (UID, the
+    holding's job name, or its ``job`` id where it is :data:`NO_JOB`))."""
 
     total: dict[str, Vec] = field(default_factory=dict)
     on: dict[str, list[Vec]] = field(default_factory=dict)
@@ -212,7 +218,7 @@ class Loads:
         for uuid in holding.devices:
             self.total[uuid] = self.total.get(uuid, ZERO) + holding.per_device
             self.on.setdefault(uuid, []).append(holding.per_device)
-            if holding.name is not None:
+            if holding.name is not NO_JOB:
                 self.names.setdefault(uuid, set()).add(holding.name)
             if holding.uid is not None:
                 who = (holding.uid, holding.name or holding.job)
@@ -250,10 +256,11 @@ class FitCheck(Protocol):
         ``names``, ``users``: the names of the jobs holding each device and their known
         users (:attr:`Loads.names`, :attr:`Loads.users`); ``uid``: the request's user, where
         MPS serves the devices. Among the devices that fit, the order is the reservation's
-        own (:func:`gpud.jobs.placement.choose_devices`): one already serving ``uid`` first
-        (its MPS control daemon serves that user: the devices left stay open to others),
-        then the least held, so runs that set no limits (a zero load) spread rather than
-        pile onto the first device listed."""
+        own (:func:`gpud.jobs.placement.choose_devices`): the least held first, so runs
+        that set no limits (a zero load) spread rather than pile onto the first device
+        listed; but where the idle devices that fit (no known user) number no more than the
+        request wants, one already serving ``uid`` first (its MPS control daemon serves that
+        user: the last idle device stays open to others)."""
         ...
 
 

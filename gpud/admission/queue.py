@@ -142,7 +142,7 @@ def admission_pass(
             continue
         starts.append(Start(job.id, devices, backfilled=head is not None))
         for uuid in devices:  # per device: an MPS default memory limit differs between them
-            loads.add(Holding(job.id, (uuid,), demand.on(uuid), job.uid, job.name or job.id))
+            loads.add(Holding(job.id, (uuid,), demand.on(uuid), job.uid, name=job.name or job.id))
         stuck.clear()
     return PassResult(starts, head.id if head else None, unfeasible)
 

@@ -40,6 +40,7 @@ from gpud.admission.feasibility import classify, resolve_configs
 from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
     NEVER_READ,
+    NO_JOB,
     THREADS_CAPACITY,
     Demand,
     Device,
@@ -408,19 +409,19 @@ class AdmissionService:
         for t in self._mps.targets():
             if t.gpu in sick:
                 full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
-                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
+                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full, name=NO_JOB))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
             uid = r.uid if self._mps.enabled else None  # MPS off: users share devices
             if r.memory_bytes is not None:
-                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid, r.job))
+                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid, name=r.job))
                 continue
             # no limit of its own: on each device the MPS default its client started with
             for uuid in r.devices:
                 memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
-                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid, r.job))
+                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid, name=r.job))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
-            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
+            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0), name=NO_JOB))
         return out
 
     # -- queue rows -----------------------------------------------------------------------

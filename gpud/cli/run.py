@@ -292,7 +292,11 @@ def register(subparsers: Subparsers) -> None:
 
 def run_env(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.GetJobEnvResponse = ctx.call(
-        ctx.stub(pb_grpc.JobsStub).GetJobEnv, pb.GetJobEnvRequest(job=args.job)
+        ctx.stub(pb_grpc.JobsStub).GetJobEnv,
+        # the run would be held by a process of this user: a preview placed for it
+        pb.GetJobEnvRequest(
+            job=args.job, holder_pid=os.getpid(), holder_pid_namespace=own_namespace()
+        ),
     )
     preview = "GPUD_RESERVATION" not in resp.env  # gpud.jobs.env
     if preview:

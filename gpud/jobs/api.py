@@ -240,7 +240,11 @@ class JobsServicer(pb_grpc.JobsServicer):
 
     async def GetJobEnv(self, request: pb.GetJobEnvRequest, context: Any) -> pb.GetJobEnvResponse:  # noqa: N802
         def env() -> pb.GetJobEnvResponse:
-            env = self._service.env(check_name(request.job))
+            env = self._service.env(
+                check_name(request.job),
+                holder_pid=optional_pid(request, "holder_pid"),
+                holder_pid_namespace=optional(request, "holder_pid_namespace"),
+            )
             return pb.GetJobEnvResponse(
                 env=env if self._tokens.reveals(context) else without_token(env)
             )

@@ -168,10 +168,14 @@ def choose_devices(
     at least the job's own ``threads_percent`` and ``memory_bytes`` comes first: an MPS
     client only narrows its server's limits, so on a device with lower defaults the job would
     get those, not what it asks (``gpuctl run`` warns when it lands on one all the same).
-    Then one where a reservation of ``uid`` is held, even with more jobs (its MPS server
-    runs as that user already: the devices left stay open to other users), then the one
-    with the fewest distinct jobs (``DeviceLoad.jobs``), then the most free memory. The
-    admission queue places through this function too, so both order devices alike.
+    Then, only where the idle devices that fit (no reservation of a known user) number no
+    more than the job wants, one where a reservation of ``uid`` is held, even with more
+    jobs (its MPS server runs as that user already: taking the last idle ones would leave
+    none for another user); then the one with the fewest distinct jobs
+    (``DeviceLoad.jobs``), then the most free memory. So one user's runs that set no limits
+    spread over all but the last idle GPU: on four GPUs the fourth shares a GPU serving its
+    user and one stays idle. The admission queue places through this function too, so both
+    order devices alike.
 
     ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
     hung, or held off by a MIG apply): a refusal for want of whole GPUs counts them, and
@@ -248,12 +252,13 @@ def choose_devices(
         """A reservation of the job's own user holds ``d``: its MPS server runs as them."""
         return uid is not None and any(u == uid for u, _ in loads.get(d.uuid, empty).users)
 
-    def order(d: MpsTarget) -> tuple[bool, bool, int, int, int, int]:
-        # A device already serving the user before an idle one, even with more jobs: a
-        # control daemon serves one user at a time, so a user's runs spread over every idle
-        # device would leave none for another user's.
-        load = loads.get(d.uuid, empty)
-        return (narrowed(d), not serves(d), len(load.jobs), -free(d), d.gpu, d.mig or 0)
+    def order_by(join: bool) -> Callable[[MpsTarget], tuple[bool, bool, int, int, int, int]]:
+        def order(d: MpsTarget) -> tuple[bool, bool, int, int, int, int]:
+            load = loads.get(d.uuid, empty)
+            first = join and not serves(d)
+            return (narrowed(d), first, len(load.jobs), -free(d), d.gpu, d.mig or 0)
+
+        return order
 
     if spec.mig_profile is not None:
         pool = [d for d in devices if d.mig is not None and d.profile == spec.mig_profile]
@@ -274,7 +279,11 @@ def choose_devices(
                 f"job {spec.name!r} asks {want} whole GPU{'s' if want > 1 else ''}; this node "
                 f"has {whole} GPU{'' if whole == 1 else 's'} not in MIG mode{now}"
             )
-    pool.sort(key=order)
+    # A control daemon serves one user at a time: a user's runs join a device already
+    # serving them, even one with more jobs, only where taking the idle ones (no known user)
+    # would leave none idle for another user; with idle devices to spare they spread.
+    idle = [d for d in pool if fits(d) and not loads.get(d.uuid, empty).users]
+    pool.sort(key=order_by(len(idle) <= want))
     fitting = [d for d in pool if fits(d)]
     if len(fitting) < want:
         blocked = [d for d in pool if not fits(d)]

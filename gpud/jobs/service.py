@@ -845,15 +845,29 @@ class JobService:
         dscp = self._tag_held(reservation.job) if self._tag_of is not None else None
         return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes, dscp=dscp)
 
-    def env(self, name: str) -> dict[str, str]:
+    def env(
+        self,
+        name: str,
+        *,
+        holder_pid: int | None = None,
+        holder_pid_namespace: int | None = None,
+    ) -> dict[str, str]:
         """``gpuctl env --job NAME``: the environment of the job's latest reservation, or of
         where it would be placed now (a preview: nothing is reserved, and no DSCP tag is
-        taken; ``GPUD_DSCP`` only if the job holds one already)."""
+        taken; ``GPUD_DSCP`` only if the job holds one already).
+
+        ``holder_pid`` (of ``holder_pid_namespace``): the process its run would be held by
+        (``gpuctl env``'s own): with MPS on the preview is placed for that process's real
+        UID (:meth:`placement_uid`), as the run's reservation is; None previews for no
+        known user."""
         self.registry.get(name)
         held = self.reservations.held(name)
         if held:
             return self.env_for(held[-1])
-        return self.reserve(RunRequest(job=name), preview=True).env
+        request = RunRequest(
+            job=name, holder_pid=holder_pid, holder_pid_namespace=holder_pid_namespace
+        )
+        return self.reserve(request, preview=True).env
 
     def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation | None:
         """Release a reservation; ``end``: how its run ended, for the job history. None: a

@@ -622,17 +622,35 @@ class GetJobEnvRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    HOLDER_PID_FIELD_NUMBER: _builtins.int
+    HOLDER_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
+    holder_pid: _builtins.int
+    """The process the run would be held by (gpuctl env sends its own): a preview of a job
+    holding no reservation is placed for that process's user, as its run would be with MPS
+    on. Unset (an older gpuctl): placed for no known user. holder_pid_namespace as in
+    ReserveRequest.
+    """
+    holder_pid_namespace: _builtins.int
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
+        holder_pid: _builtins.int | None = ...,
+        holder_pid_namespace: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
+    _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
+    _WhichOneofReturnType__holder_pid_namespace: _TypeAlias = _typing.Literal["holder_pid_namespace"]  # noqa: Y015
+    _WhichOneofArgType__holder_pid_namespace: _TypeAlias = _typing.Literal["_holder_pid_namespace", b"_holder_pid_namespace"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid) -> _WhichOneofReturnType__holder_pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid_namespace) -> _WhichOneofReturnType__holder_pid_namespace | None: ...
 
 Global___GetJobEnvRequest: _TypeAlias = GetJobEnvRequest  # noqa: Y015
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.admission.model import THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
+from gpud.admission.model import NO_JOB, THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
 from gpud.admission.placement_fit import PlacementFit
-from gpud.admission.queue import Queued, admission_pass, harmless
+from gpud.admission.queue import Queued, Start, admission_pass, harmless
 
 GIB = 1 << 30
 
@@ -52,19 +53,42 @@ def nodes(draw: st.DrawFn) -> list[Device]:
     return devices
 
 
-def holding(fit: PlacementFit, job: str, devices: tuple[str, ...], r: Request) -> list[Holding]:
+# a run's user where MPS serves the devices (None: unknown), and its job's name: runs of
+# one job count once on a device, and a device serving a user orders the devices that fit
+uids = st.sampled_from([None, 1000, 1001])
+job_names = st.sampled_from(["t", "u", "v"])
+runs = st.tuples(requests, uids, job_names)
+
+
+def holding(
+    fit: PlacementFit,
+    job: str,
+    devices: tuple[str, ...],
+    r: Request,
+    *,
+    uid: int | None = None,
+    name: str | None = None,
+) -> list[Holding]:
     """What ``r`` holds on each of ``devices``: its limits, else each one's MPS default."""
     by_uuid = {d.uuid: d for d in fit.devices()}
-    return [Holding(job, (u,), r.on(by_uuid[u])) for u in devices]
+    return [Holding(job, (u,), r.on(by_uuid[u]), uid, name=name or job) for u in devices]
 
 
-def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
+def place(fit: PlacementFit, r: Request, loads: Loads, uid: int | None) -> tuple[str, ...] | None:
+    """Where ``r`` of user ``uid`` goes beside ``loads``: never a device another known
+    user's run holds, as the reservation's own placement keeps users apart under MPS."""
+    others = {u for u, seen in loads.users.items() if any(i != uid for i, _ in seen)}
+    allowed = None if uid is None else {d.uuid for d in fit.devices()} - others
+    return fit.place(r, loads.total, allowed=allowed, names=loads.names, users=loads.users, uid=uid)
+
+
+def running(fit: PlacementFit, wanted: list[tuple[Request, int | None, str]]) -> list[Holding]:
     loads = Loads()
     out = []
-    for i, r in enumerate(wanted):
-        devices = fit.place(r, loads.total, allowed=None)
+    for i, (r, uid, name) in enumerate(wanted):
+        devices = place(fit, r, loads, uid)
         if devices is not None:
-            for h in holding(fit, f"r{i}", devices, r):
+            for h in holding(fit, f"r{i}", devices, r, uid=uid, name=name):
                 loads.add(h)
                 out.append(h)
     return out
@@ -73,14 +97,25 @@ def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
 @settings(max_examples=300, deadline=None)
 @given(
     node=nodes(),
-    wanted=st.lists(requests, max_size=10),
-    queued=st.lists(requests, min_size=1, max_size=10),
+    wanted=st.lists(runs, max_size=10),
+    queued=st.lists(runs, min_size=1, max_size=10),
     order=st.randoms(use_true_random=False),
 )
 def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
     fit = PlacementFit(node)
     holdings = running(fit, wanted)
-    queue = [Queued(f"q{i}", r, i, 0.0) for i, r in enumerate(queued)]
+    queue = [
+        Queued(f"q{i}", r, i, 0.0, uid=uid, name=name) for i, (r, uid, name) in enumerate(queued)
+    ]
+    by_id = {q.id: q for q in queue}
+
+    def held(starts: list[Start]) -> list[Holding]:
+        out = []
+        for s in starts:
+            q = by_id[s.id]
+            out += holding(fit, s.id, s.devices, q.request, uid=q.uid, name=q.name)
+        return out
+
     first = admission_pass(queue, fit, holdings, backfill=True)
     if first.head is None:
         return
@@ -91,32 +126,22 @@ def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
     # The FIFO world holds only what started ahead of the head; the backfill world also holds
     # the backfilled jobs, never releases them, and backfills again after every release.
     started = {s.id for s in first.starts}
-    fifo_held = holdings + [
-        h
-        for s in fifo.starts
-        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
-    ]
-    bf_held = holdings + [
-        h
-        for s in first.starts
-        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
-    ]
+    fifo_held = holdings + held(fifo.starts)
+    bf_held = holdings + held(first.starts)
     waiting = [q for q in queue if q.id not in started]
     releases = sorted({h.job for h in holdings})
     order.shuffle(releases)
     for gone_job in releases:
         fifo_held = [h for h in fifo_held if h.job != gone_job]
         bf_held = [h for h in bf_held if h.job != gone_job]
-        fifo_fits = fit.place(head.request, Loads.of(fifo_held).total, allowed=None) is not None
+        fifo_fits = place(fit, head.request, Loads.of(fifo_held), head.uid) is not None
         step = admission_pass(waiting, fit, bf_held, backfill=True)
         bf_started = {s.id for s in step.starts}
         if fifo_fits:
             assert head.id in bf_started, "backfill delayed the head"
             return
         assert head.id not in bf_started or fifo_fits is False
-        for s in step.starts:
-            req = next(q for q in waiting if q.id == s.id).request
-            bf_held += holding(fit, s.id, s.devices, req)
+        bf_held += held(step.starts)
         waiting = [q for q in waiting if q.id not in bf_started]
         if head.id in bf_started:
             return
@@ -143,7 +168,7 @@ def test_backfill_uses_what_the_head_cannot() -> None:
         Device("MIG-1-0", 1, 0, "1g.10gb", Vec(10 * GIB, 100)),
     ]
     fit = PlacementFit(node)
-    held = [Holding("x", ("GPU-0",), Vec(80 * GIB, 0))]
+    held = [Holding("x", ("GPU-0",), Vec(80 * GIB, 0), name="x")]
     queue = [
         Queued("big", Request(gpu_count=1, memory_bytes=80 * GIB), 0, 0.0),
         Queued("small", Request(mig_profile="1g.10gb", memory_bytes=10 * GIB), 1, 0.0),
@@ -185,9 +210,9 @@ def test_a_queued_job_starts_only_where_no_other_user_runs() -> None:
     fit = PlacementFit(node)
     ten = Request(gpu_count=1, memory_bytes=10 * GIB)
     held = [
-        Holding("x", ("GPU-0",), Vec(10 * GIB, 0), uid=1000),
-        Holding("y1", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
-        Holding("y2", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
+        Holding("x", ("GPU-0",), Vec(10 * GIB, 0), uid=1000, name="x"),
+        Holding("y1", ("GPU-1",), Vec(10 * GIB, 0), uid=1001, name="y1"),
+        Holding("y2", ("GPU-1",), Vec(10 * GIB, 0), uid=1001, name="y2"),
     ]
     result = admission_pass([Queued("b", ten, 0, 0.0, uid=1001)], fit, held)
     assert [(s.id, s.devices) for s in result.starts] == [("b", ("GPU-1",))]
@@ -211,7 +236,7 @@ def test_a_queued_job_starts_only_where_no_other_user_runs() -> None:
 def test_backfill_of_another_user_is_harmful_on_the_heads_devices() -> None:
     node = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
     fit = PlacementFit(node)
-    held = [Holding("x", ("GPU-0",), Vec(70 * GIB, 0))]  # of no known user
+    held = [Holding("x", ("GPU-0",), Vec(70 * GIB, 0), name="x")]  # of no known user
     head = Queued("h", Request(gpu_count=1, memory_bytes=20 * GIB), 0, 0.0, uid=1000)
     small = Request(gpu_count=1, memory_bytes=5 * GIB)
     other = admission_pass([head, Queued("s", small, 1, 0.0, uid=1001)], fit, held)
@@ -247,7 +272,7 @@ def test_memory_beyond_reservations_is_no_job_on_its_device() -> None:
     node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
     fit = PlacementFit(node)
     held = [
-        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0)),  # no job name: no job there
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), name=NO_JOB),  # no job there
         Holding("r1", ("GPU-1",), Vec(0, 0), name="j1"),
     ]
     result = admission_pass([Queued("a", Request(), 0, 0.0)], fit, held, backfill=True)
@@ -284,3 +309,33 @@ def test_a_users_runs_share_the_gpu_serving_them_and_leave_the_other_to_another_
         ("c", ("GPU-1",)),
     ]
     assert result.head is None
+
+
+def test_a_users_queued_runs_keep_the_last_idle_gpu_for_another_user() -> None:
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(4)]
+    fit = PlacementFit(node)
+    queue = [Queued(f"a{i}", Request(), i, 0.0, uid=1000) for i in range(4)]
+    queue.append(Queued("b", Request(), 4, 0.0, uid=2000))
+    result = admission_pass(queue, fit, [], backfill=True)
+    assert [(s.id, s.devices) for s in result.starts] == [
+        ("a0", ("GPU-0",)),
+        ("a1", ("GPU-1",)),
+        ("a2", ("GPU-2",)),
+        ("a3", ("GPU-0",)),
+        ("b", ("GPU-3",)),
+    ]
+
+
+def test_a_holding_says_whether_it_is_a_job_in_so_many_words() -> None:
+    # a holding left without its job's name would silently count as no job on its device
+    with pytest.raises(TypeError, match="name"):
+        Holding("r1", ("GPU-0",), Vec(0, 0))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Holding("r1", ("GPU-0",), Vec(0, 0), 1000, "t")  # type: ignore[misc]
+    loads = Loads.of([
+        Holding("r1", ("GPU-0",), Vec(0, 0), 1000, name="t"),
+        Holding("r2", ("GPU-0",), Vec(0, 0), 1000, name="t"),
+        Holding("unreserved:GPU-0", ("GPU-0",), Vec(GIB, 0), name=NO_JOB),
+    ])  # fmt: skip
+    assert loads.names == {"GPU-0": {"t"}}
+    assert loads.users == {"GPU-0": {(1000, "t")}}

@@ -170,7 +170,9 @@ def test_a_job_holding_a_gpu_twice_counts_once_there_in_the_preview_and_the_run(
     node: Node,
 ) -> None:
     # the gate and the reservation's own placement count the jobs on a device, not its
-    # reservations: a preview (gpuctl env) names the GPU the run then gets
+    # reservations: a preview of a run with no known holder names the GPU such a run then
+    # gets (with MPS on and a holder, gpuctl env's own PID places its preview for that user:
+    # test_gpuctl_env_previews_the_gpu_its_users_run_then_gets_under_mps)
     def reserve(job: str, *, preview: bool = False) -> list[int]:
         launch = node.jobs.reserve(RunRequest(job=job, gpu_count=1), preview=preview)
         return node.jobs.gpu_indexes(launch.reservation.devices)

@@ -34,7 +34,7 @@ from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobSpec
-from gpud.jobs.service import JobService
+from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.procs import alive
@@ -3763,3 +3763,22 @@ def test_gpud_refusing_a_try_again_is_said_as_its_refusal() -> None:
     finally:
         stop.close()
     assert raised.value is refused and ctx.calls == 2
+
+
+def test_gpuctl_env_previews_the_gpu_its_users_run_then_gets_under_mps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """MPS on, two GPUs, GPU 0 serving this process's user: the next run of that user joins
+    GPU 0 (taking GPU 1 would leave none idle for another user). ``gpuctl env`` sends its
+    own PID, so its preview is placed for the same user and names GPU 0 too."""
+    with serving(gpus=snapshot(gpu_sample(0), gpu_sample(1))) as node:
+        node.jobs.reserve(RunRequest("a", devices=(gpu_uuid(0),), holder_pid=os.getpid()))
+        node.jobs.add(JobSpec("b"))
+        # an older gpuctl sends no PID: previewed for no known user, the fewest jobs
+        assert node.jobs.env("b")["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+        capsys.readouterr()
+        assert node.ctl("--json", "env", "--job", "b") == 0
+        preview = json.loads(capsys.readouterr().out)
+        assert preview["preview"] is True
+        run = node.jobs.reserve(RunRequest("b", holder_pid=os.getpid())).reservation
+        assert preview["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(run.devices) == gpu_uuid(0)

@@ -81,6 +81,22 @@ def test_a_job_joins_a_device_serving_its_user_before_an_idle_one() -> None:
     assert place(JobSpec("x"), loads, None) == [gpu_uuid(1)]
 
 
+def test_one_users_runs_spread_over_all_but_the_last_idle_gpu(
+    tmp_path: Path, store: StateStore, proc: Path
+) -> None:
+    """One user's runs that set no limits take GPUs 0, 1 and 2 in turn; the fourth joins a
+    GPU serving that user (the fewest jobs, then the first) and GPU 3 stays idle for
+    another user's run, which then goes there."""
+    jobs, _ = node(tmp_path, store, proc, mps=True, gpus=4)
+
+    def run(job: str, holder: int) -> list[int]:
+        reservation = jobs.reserve(RunRequest(job, holder_pid=holder)).reservation
+        return jobs.gpu_indexes(reservation.devices)
+
+    assert [run(f"a{i}", 4242) for i in range(4)] == [[0], [1], [2], [0]]
+    assert run("b", 4343) == [3]
+
+
 def test_a_job_is_refused_where_every_fitting_device_has_another_user() -> None:
     loads = {
         gpu_uuid(1): DeviceLoad(0, ("a",), users=((1000, "a"),)),
