@@ -858,8 +858,8 @@ class JobService:
 
         ``holder_pid`` (of ``holder_pid_namespace``): the process its run would be held by
         (``gpuctl env``'s own): with MPS on the preview is placed for that process's real
-        UID (:meth:`placement_uid`), as the run's reservation is; None previews for no
-        known user."""
+        UID (:meth:`placement_uid`), as the run's reservation is; None, or a process gpud
+        cannot see in that namespace, previews for no known user."""
         self.registry.get(name)
         held = self.reservations.held(name)
         if held:
@@ -867,6 +867,12 @@ class JobService:
         request = RunRequest(
             job=name, holder_pid=holder_pid, holder_pid_namespace=holder_pid_namespace
         )
+        try:
+            request = self.resolved(request)
+        except FailedPrecondition:
+            # a caller in a PID namespace gpud cannot see: previewed for no known user, as
+            # an older gpuctl's is (a preview reserves nothing, so it is not refused for it)
+            request = RunRequest(job=name)
         return self.reserve(request, preview=True).env
 
     def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation | None:

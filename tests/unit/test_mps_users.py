@@ -97,6 +97,19 @@ def test_one_users_runs_spread_over_all_but_the_last_idle_gpu(
     assert run("b", 4343) == [3]
 
 
+def test_a_preview_from_a_pid_namespace_gpud_cannot_see_is_for_no_known_user(
+    tmp_path: Path, store: StateStore, proc: Path
+) -> None:
+    """``gpuctl env`` run where gpud sees no such process (another container's PID
+    namespace) previews the job as for no known user, rather than being refused: a preview
+    reserves nothing."""
+    jobs, _ = node(tmp_path, store, proc, mps=True, gpus=2)
+    jobs.reserve(RunRequest("a", holder_pid=4242))
+    jobs.registry.add(JobSpec("b"))
+    env = jobs.env("b", holder_pid=999_999, holder_pid_namespace=4_026_531_999)
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+
+
 def test_a_job_is_refused_where_every_fitting_device_has_another_user() -> None:
     loads = {
         gpu_uuid(1): DeviceLoad(0, ("a",), users=((1000, "a"),)),
