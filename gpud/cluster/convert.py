@@ -7,12 +7,13 @@ import math
 from gpud.api.validate import non_empty, optional
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
 from gpud.errors import InvalidArgument
+from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS
 from gpud.v1 import cluster_pb2 as pb
 from netshaper.leveller import MAX_LEVELS
 
-MAX_JOBS = 4096  # per node report or request
+MAX_JOBS = CLUSTER_MAX_JOBS  # per node report or request
 MAX_GPUS = 64  # per job and node
-MAX_XIDS = 1024  # critical XIDs per job and node: a few codes on each of its devices
+MAX_XIDS = CLUSTER_MAX_XIDS  # critical XIDs per job and node: a few codes on each of its devices
 MAX_NAME = 256
 
 

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from gpud import config
+from gpud.api.validate import request_bounds
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import PeerClient, PeerServer
 from gpud.cluster.convert import MAX_JOBS, MAX_XIDS, report_from_pb, report_to_pb
@@ -106,6 +107,28 @@ def test_reports_are_checked_and_round_trip() -> None:
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", dscp=64)]))
     with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.applied_level"):
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", applied_level=8)]))
+
+
+def test_a_report_within_the_clusters_bounds_passes_the_apis_generic_ones() -> None:
+    """The error interceptor checks every request against the API's generic bounds (256
+    entries a repeated field) before the peer servicer runs: a node with more jobs, or a
+    job with more critical XIDs, must reach report_from_pb, which holds them to its own."""
+    jobs = [
+        pb.JobReport(job=f"j{i}", critical_xids=["G1:79"] * (MAX_XIDS if i == 0 else 0))
+        for i in range(MAX_JOBS)
+    ]
+    full = pb.ReportRequest(node="n1", jobs=jobs)
+    request_bounds(full)
+    assert len(report_from_pb(full).jobs) == MAX_JOBS
+    request_bounds(pb.GetOrderRequest(node="n1", jobs=[f"j{i}" for i in range(MAX_JOBS)]))
+    jobs.append(pb.JobReport(job="one-more"))
+    with pytest.raises(InvalidArgument, match=f"more than {MAX_JOBS}") as err:
+        request_bounds(pb.ReportRequest(node="n1", jobs=jobs))
+    assert err.value.field == "jobs"
+    xids = pb.JobReport(job="a", critical_xids=["G1:79"] * (MAX_XIDS + 1))
+    with pytest.raises(InvalidArgument) as err:
+        request_bounds(pb.ReportRequest(node="n1", jobs=[xids]))
+    assert err.value.field == "jobs[0].critical_xids"
 
 
 def test_node_view_gives_each_device_its_gpus_uncleared_critical_xids() -> None:
