@@ -109,6 +109,74 @@ def test_reports_are_checked_and_round_trip() -> None:
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", applied_level=8)]))
 
 
+@pytest.mark.parametrize(
+    ("job", "why"),
+    [
+        ("a\nb", r"letters, digits"),  # a forged line in every log that names it
+        ("a\x1b[31m", r"letters, digits"),  # an escape sequence for gpuctl's terminal
+        ("a b", r"letters, digits"),
+        ("x" * 64, r"up to 63"),
+        ("", r"letters, digits"),
+    ],
+)
+def test_a_reported_job_name_the_registry_would_refuse_is_refused_naming_the_field(
+    job: str, why: str
+) -> None:
+    """A peer's job names reach every node's order and `gpuctl cluster status`: they are
+    held to the rule every node's registry holds its own to, as GetOrder's are."""
+    fine = pb.JobReport(job="a")
+    msg = pb.ReportRequest(node="n1", jobs=[fine, pb.JobReport(job=job)])
+    with pytest.raises(InvalidArgument, match=why) as err:
+        report_from_pb(msg)
+    assert err.value.field == "jobs[1].job"
+
+
+def test_a_job_reported_twice_in_one_report_is_refused_naming_both_places() -> None:
+    """Taken, the job's node would be listed twice in its attributes and its counters
+    summed twice, in the order every node of the job gets."""
+    twice = pb.ReportRequest(
+        node="n1",
+        jobs=[
+            pb.JobReport(job="a", tx_bytes=10),
+            pb.JobReport(job="b"),
+            pb.JobReport(job="a", tx_bytes=10),
+        ],
+    )
+    with pytest.raises(InvalidArgument, match=r"'a' is reported twice, at jobs\[0\]") as err:
+        report_from_pb(twice)
+    assert err.value.field == "jobs[2].job"
+
+
+def test_a_pinned_level_out_of_range_is_refused_as_an_applied_one_is() -> None:
+    """Taken, it would count as a pin: a job its node marks unranked would be ranked."""
+    pinned = pb.JobReport(job="a", unranked=True, pinned_level=4_000_000_000)
+    with pytest.raises(InvalidArgument, match=r"level must be in \[0, 8\), got 4000000000") as err:
+        report_from_pb(pb.ReportRequest(node="n1", jobs=[pinned]))
+    assert err.value.field == "jobs[0].pinned_level"
+    kept = pb.JobReport(job="a", pinned_level=7)
+    assert report_from_pb(pb.ReportRequest(node="n1", jobs=[kept])).jobs[0].pinned_level == 7
+
+
+@pytest.mark.parametrize(
+    ("job", "fields", "field"),
+    [
+        (pb.JobReport(job="a", gpus=["G1", "G2\nforged"]), {}, "jobs[0].gpus[1]"),
+        (pb.JobReport(job="a", unhealthy_gpus=["G 1"]), {}, "jobs[0].unhealthy_gpus[0]"),
+        (pb.JobReport(job="a", critical_xids=["G1:79\x1b[2J"]), {}, "jobs[0].critical_xids[0]"),
+        (pb.JobReport(job="a"), {"build": "\x1b[2J3f2a"}, "build"),
+        (pb.JobReport(job="a"), {"instance": "5f3a\n"}, "instance"),
+        (pb.JobReport(job="a"), {"build": "caf\u00e9"}, "build"),
+    ],
+)
+def test_a_reported_uuid_xid_build_or_instance_must_be_printable_ascii(
+    job: pb.JobReport, fields: dict[str, str], field: str
+) -> None:
+    """They are handed on to every node of the job and shown by `gpuctl cluster status`."""
+    with pytest.raises(InvalidArgument, match="printable ASCII without spaces") as err:
+        report_from_pb(pb.ReportRequest(node="n1", jobs=[job], **fields))
+    assert err.value.field == field
+
+
 def test_a_report_within_the_clusters_bounds_passes_the_apis_generic_ones() -> None:
     """The error interceptor checks every request against the API's generic bounds (256
     entries a repeated field) before the peer servicer runs: a node with more jobs, or a
