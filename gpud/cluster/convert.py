@@ -16,6 +16,9 @@ MAX_JOBS = CLUSTER_MAX_JOBS  # per node report or request
 MAX_GPUS = 64  # per job and node
 MAX_XIDS = CLUSTER_MAX_XIDS  # critical XIDs per job and node: a few codes on each of its devices
 MAX_NAME = 256
+# uint64, the counters' wire type: a job's counters are the sum over its nodes, which a
+# node's counter near it (a peer that sends 2**64 - 1) carries past it
+_MAX_COUNTER = 2**64 - 1
 
 
 def _bounded(values: object, limit: int, *, field: str) -> None:
@@ -154,8 +157,10 @@ def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
         unhealthy_gpus=a.unhealthy_gpus,
         xids=a.xids,
         links_down=a.links_down,
-        drops=a.drops,
-        tx_bytes=a.tx_bytes,
+        # saturated: past the wire type, the message could not be built and every node of
+        # the job would get INTERNAL for its reports instead of its order
+        drops=min(a.drops, _MAX_COUNTER),
+        tx_bytes=min(a.tx_bytes, _MAX_COUNTER),
         computed_unix_seconds=a.computed_at,
         critical_xids=a.critical_xids,
     )

@@ -15,10 +15,19 @@ from gpud import config
 from gpud.api.validate import request_bounds
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import PeerClient, PeerServer
-from gpud.cluster.convert import MAX_JOBS, MAX_XIDS, report_from_pb, report_to_pb
+from gpud.cluster.convert import (
+    MAX_JOBS,
+    MAX_XIDS,
+    order_from_pb,
+    order_to_pb,
+    report_from_pb,
+    report_to_pb,
+)
 from gpud.cluster.election import LeaderInfo
+from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
+from gpud.cluster.ports import MemoryTagStore
 from gpud.cluster.tls import PeerTls
 from gpud.errors import (
     ConfigError,
@@ -32,6 +41,7 @@ from gpud.errors import (
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
+from netshaper.leveller import Leveller, LevellerConfig
 from tests.unit.api_support import identity, mig
 from tests.unit.test_cluster_agent import FixedElection
 from tools.certs import make_ca, make_node
@@ -175,6 +185,27 @@ def test_a_reported_uuid_xid_build_or_instance_must_be_printable_ascii(
     with pytest.raises(InvalidArgument, match="printable ASCII without spaces") as err:
         report_from_pb(pb.ReportRequest(node="n1", jobs=[job], **fields))
     assert err.value.field == field
+
+
+def test_a_jobs_counters_summed_past_uint64_reach_its_nodes_saturated() -> None:
+    """A job's counters are summed over its nodes: one peer's 2**64 - 1 and another's 5
+    made an order no message could hold, and every node of the job got INTERNAL (and the
+    leader logged a traceback) for each report, until the peer stopped sending it."""
+    leader = Aggregator(
+        leader="leader",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=MemoryTagStore(),
+        node_timeout_s=5,
+    )
+    top = 2**64 - 1
+    leader.receive(NodeReport("n1", (JobReport("a", tx_bytes=top, drops=top),)), 0.0)
+    leader.receive(NodeReport("n2", (JobReport("a", 0.5, tx_bytes=5, drops=1),)), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("n2")
+    assert answer is not None
+    sent = order_from_pb(pb.Order.FromString(order_to_pb(answer).SerializeToString()))
+    assert (sent.attributes["a"].tx_bytes, sent.attributes["a"].drops) == (top, top)
+    assert sent.levels == {"a": 0}
 
 
 def test_a_report_within_the_clusters_bounds_passes_the_apis_generic_ones() -> None:
