@@ -432,6 +432,12 @@ def expiring_certificates(cfg: config.Config) -> list[str]:
 
 def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     """``gpud``; ``nvml``: the pynvml-shaped module for real GPUs (None: ``pynvml``)."""
+    # gRPC's core writes a line to stderr (the journal) at INFO for each TLS handshake it
+    # refuses: anyone who can reach cluster.listen (or a TLS api.tcp_address) with a
+    # certificate of another CA, an expired one or none would add a line per connection.
+    # Its errors (a port it cannot bind) still show; GRPC_VERBOSITY set by an operator wins.
+    # gRPC reads it when it makes its first server, well after this.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
     path, flags = str(args.config or config.DEFAULT_PATH), flag_overrides(args)

@@ -45,6 +45,13 @@ from gpud.errors import InvalidArgument
 # in the hundreds at most): one a config could not name would be one it could not ignore.
 MAX_XID = 999
 
+# What one node's report to the cluster leader (gpud.v1.ClusterPeer) may carry: jobs a report
+# (or GetOrder names), critical XIDs a job (a few codes on each of its devices). Here, not in
+# gpud.cluster.convert, as the API's generic bounds (gpud.api.validate.FIELD_LIMITS) widen
+# those fields to them: under the generic 256, a node with more jobs had every report refused.
+CLUSTER_MAX_JOBS = 4096
+CLUSTER_MAX_XIDS = 1024
+
 # The most events one ListEvents or WatchEvents may ask for (`gpuctl events --limit`): gpud
 # refuses a larger limit, and gpuctl does before asking, in the same range.
 MAX_EVENT_LIMIT = 10_000

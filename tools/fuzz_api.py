@@ -7,7 +7,7 @@
 Starts a simulated node (MPS on), then sends ``--requests`` requests to random methods of
 every service on its socket (a server stream is read for its first message, then
 cancelled, a WatchEvents, which may match nothing for hours, only until gpud has set it up;
-ClusterPeer, served only on the peer port, is left out): messages filled field
+ClusterPeer, served only on the peer port, is left out unless ``--peer``): messages filled field
 by field from the descriptors with random values (odd unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
 long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
 random string field, and one in twenty raw bytes that are no valid message at all. Half
@@ -24,6 +24,15 @@ daemon died, answered INTERNAL or UNKNOWN, answered a 1 MB request otherwise tha
 RESOURCE_EXHAUSTED, or grew more than ``--max-growth-mb`` (default 20) from the warm state. A SIGTERM
 or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
 removed, what was measured so far printed, "cut short by SIGNAL", dying by it (128 + its number).
+
+``--peer`` fuzzes ``gpud.v1.ClusterPeer`` instead, as a certified but buggy or hostile
+node would: the simulated node leads a cluster of its own (a throw-away etcd,
+:mod:`tools.etcd_local`; a CA and certificates, :mod:`tools.certs`), and the requests go to
+its peer port over mutual TLS with a certificate of that CA for node ``fuzz-peer``, half the
+Report and GetOrder ones naming that node (so that they pass the identity check and reach
+the report's own bounds), once it answers as leader. The peer port takes messages up to
+16 MiB, so a request with 1 MB in it is refused by gpud (INVALID_ARGUMENT, naming the field)
+rather than by gRPC: any other outcome of one is the failure there.
 """
 
 from __future__ import annotations
@@ -31,10 +40,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -43,14 +54,18 @@ import psutil
 from gpud.shared import WATCHING_KEY
 from gpud.v1 import (
     cluster_pb2,
+    cluster_pb2_grpc,
     colo_pb2,
     jobs_pb2,
     mig_pb2,
     mps_pb2,
     net_pb2,
     node_pb2,
+    node_pb2_grpc,
     queue_pb2,
 )
+from tools.certs import make_ca, make_node
+from tools.etcd_local import LocalEtcd, free_port
 from tools.simdaemon import (
     SimDaemon,
     cut_short,
@@ -62,6 +77,7 @@ from tools.simdaemon import (
 
 MB = 1_000_000
 SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
+CONFIG = "[mps]\nenabled = true\n"
 MODULES = (node_pb2, mig_pb2, mps_pb2, jobs_pb2, queue_pb2, colo_pb2, net_pb2, cluster_pb2)
 # Served on the peer port under mutual TLS, not on the local socket.
 PEER_ONLY = ("gpud.v1.ClusterPeer",)
@@ -172,13 +188,13 @@ class Fuzzer:
         return ""
 
 
-def methods() -> list[tuple[str, Any, Any, bool]]:
+def methods(*, peer: bool = False) -> list[tuple[str, Any, Any, bool]]:
     """(path, request class, response class, whether it answers with a stream) of every RPC
-    served on the local socket."""
+    served on the local socket, or (``peer``) on the cluster peer port."""
     found = []
     for module in MODULES:
         for service in module.DESCRIPTOR.services_by_name.values():
-            if service.full_name in PEER_ONLY:
+            if (service.full_name in PEER_ONLY) != peer:
                 continue
             for m in service.methods:
                 request = getattr(module, m.input_type.name)
@@ -196,6 +212,73 @@ def _queued_entry(calls: dict[str, Any]) -> str:
     ask = jobs_pb2.ReserveRequest(job="fuzz-waits", gpu_count=1, memory_limit_bytes=60 * 2**30)
     entry = calls["/gpud.v1.Queue/Enqueue"](queue_pb2.EnqueueRequest(request=ask), timeout=30)
     return str(entry.id)
+
+
+PEER_NODE = "fuzz-peer"  # the node the peer certificate names
+PEER_LEADER = "fuzz-leader"  # the simulated node's cluster.node
+
+
+@dataclass(frozen=True)
+class PeerTarget:
+    """The simulated node's peer port and a certificate of its cluster CA for
+    :data:`PEER_NODE`."""
+
+    address: str
+    credentials: grpc.ChannelCredentials
+
+    def channel(self) -> grpc.Channel:
+        return grpc.secure_channel(
+            self.address,
+            self.credentials,
+            options=[
+                ("grpc.ssl_target_name_override", PEER_LEADER),
+                # past the peer port's 16 MiB: gpud refuses what is too long, not this client
+                ("grpc.max_send_message_length", 64 * MB),
+            ],
+        )
+
+
+@contextlib.contextmanager
+def leading_gpud(root: Path) -> Iterator[tuple[SimDaemon, PeerTarget]]:
+    """A simulated node that leads a cluster of its own (etcd election on a throw-away
+    etcd, certificates under ``root``), and how to reach its peer port as another node."""
+    make_ca(root)
+    for name in (PEER_LEADER, PEER_NODE):
+        make_node(root, name, root)
+    port = free_port()
+    with LocalEtcd() as etcd:
+        cluster = f"""
+[cluster]
+election = "etcd"
+node = "{PEER_LEADER}"
+listen = "127.0.0.1:{port}"
+ca_file = "{root / "ca.pem"}"
+cert_file = "{root / f"{PEER_LEADER}.pem"}"
+key_file = "{root / f"{PEER_LEADER}-key.pem"}"
+etcd_endpoints = "{etcd.endpoint}"
+"""
+        with simulated_gpud(SPEC, config_text=CONFIG + cluster) as daemon:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=(root / "ca.pem").read_bytes(),
+                private_key=(root / f"{PEER_NODE}-key.pem").read_bytes(),
+                certificate_chain=(root / f"{PEER_NODE}.pem").read_bytes(),
+            )
+            yield daemon, PeerTarget(f"127.0.0.1:{port}", credentials)
+
+
+def _until_leading(channel: grpc.Channel, timeout_s: float = 60.0) -> None:
+    """Wait until the simulated node answers a report as the leader (elected, its first
+    round run), so that the fuzzed reports are not all refused as "does not lead"."""
+    report = cluster_pb2_grpc.ClusterPeerStub(channel).Report
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            report(cluster_pb2.ReportRequest(node=PEER_NODE), timeout=5)
+            return
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def rss_mb(pid: int) -> float:
@@ -262,15 +345,16 @@ def first_of_stream(
     return first
 
 
-def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
-    """Warm ``daemon`` up, then send it ``run.requests`` fuzzed requests, recording into
-    ``run`` as it goes."""
-    rpcs = methods()
+def fuzz(daemon: SimDaemon, rng: random.Random, run: Run, peer: PeerTarget | None = None) -> None:
+    """Warm ``daemon`` up, then send it ``run.requests`` fuzzed requests (to its peer port
+    with ``peer``), recording into ``run`` as it goes."""
+    rpcs = methods(peer=peer is not None)
     # drawn first, before any request: a seed's requests are the same as they were
     big_at = set(rng.sample(range(run.requests), run.big))
-    channel = grpc.insecure_channel(
+    local = grpc.insecure_channel(
         f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
     )
+    channel = local if peer is None else peer.channel()
 
     def serialize(m: Any) -> bytes:
         return m if isinstance(m, bytes) else bytes(m.SerializeToString())
@@ -290,21 +374,33 @@ def fuzz(daemon: SimDaemon, rng: random.Random, run: Run) -> None:
             for path, _, response, stream in rpcs
         }
         run.rss_start = rss_mb(daemon.pid)
+        if peer is not None:
+            _until_leading(channel)
         for path, empty, _, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
             with contextlib.suppress(grpc.RpcError):
                 calls[path](empty(), timeout=30)
-        queued = _queued_entry(calls)
+        queued = _queued_entry(calls) if peer is None else ""
         run.rss_warm = rss_mb(daemon.pid)
         print(f"fuzzing: {run.requests} requests", flush=True)
-        send_fuzzed(calls, rpcs, rng, run, big_at=big_at, queued=queued)
+        send_fuzzed(
+            calls,
+            rpcs,
+            rng,
+            run,
+            big_at=big_at,
+            queued=queued,
+            node=PEER_NODE if peer is not None else "",
+        )
         try:
-            calls["/gpud.v1.Node/GetStatus"](node_pb2.GetStatusRequest(), timeout=30)
+            node_pb2_grpc.NodeStub(local).GetStatus(node_pb2.GetStatusRequest(), timeout=30)
             run.alive = True
         except grpc.RpcError:
             run.alive = False
         run.rss_end = rss_mb(daemon.pid)
     finally:
-        channel.close()
+        if channel is not local:
+            channel.close()
+        local.close()
 
 
 def send_fuzzed(
@@ -315,9 +411,12 @@ def send_fuzzed(
     *,
     big_at: set[int],
     queued: str,
+    node: str = "",
 ) -> None:
     """Send ``run.requests`` fuzzed requests through ``calls`` (by method path), the
-    ``big_at``-th of them with 1 MB in them, half the GetEntry ones asking for ``queued``.
+    ``big_at``-th of them with 1 MB in them, half the GetEntry ones asking for ``queued``,
+    and with ``node`` (the peer's), half those with a ``node`` field naming it: a big one
+    is then expected refused by gpud (INVALID_ARGUMENT), not by gRPC for its size.
     A request is counted in ``run.sent`` (and ``run.big_sent``) once its call returned, so
     that one a signal cuts short is in neither."""
     fuzzer = Fuzzer(rng)
@@ -337,6 +436,8 @@ def send_fuzzed(
             request = fuzzer.fill(request_cls())
             if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
                 request.id = queued
+            elif node and hasattr(request, "node") and rng.random() < 0.5:
+                request.node = node
         asked = time.monotonic()
         said = ""
         try:
@@ -354,8 +455,20 @@ def send_fuzzed(
         if big:
             run.big_sent += 1
             run.big_outcomes[outcome] += 1
-            if outcome != "RESOURCE_EXHAUSTED":
+            if outcome not in _big_refusals(node, request_cls, planted):
                 run.big_other[f"{path} {planted}: {outcome}: {said[:120]}"] += 1
+
+
+def _big_refusals(node: str, request_cls: Any, planted: str) -> tuple[str, ...]:
+    """How a request with 1 MB in it may end: on the local socket, refused by gRPC for its
+    size; on the peer port (``node``), by gpud naming the field, or by gRPC past 16 MiB (a
+    long repeated field of 1 MB strings), and taken where it is raw bytes to a method whose
+    request has no field (its bytes kept as unknown fields, as protobuf does)."""
+    if not node:
+        return ("RESOURCE_EXHAUSTED",)
+    if planted == "request" and not request_cls.DESCRIPTOR.fields:
+        return ("OK", "INVALID_ARGUMENT")  # INVALID_ARGUMENT: bytes that do not parse
+    return ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
 
 
 def _mib(value: float | None) -> str:
@@ -408,15 +521,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", type=int, default=300, help="requests with a 1 MB string")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-growth-mb", type=float, default=20.0)
+    parser.add_argument(
+        "--peer", action="store_true", help="fuzz gpud.v1.ClusterPeer on the peer port instead"
+    )
     args = parser.parse_args(argv)
-    run = Run(args.requests, args.big, args.seed, len(methods()))
+    run = Run(args.requests, args.big, args.seed, len(methods(peer=args.peer)))
     # a signal: its daemon stopped and its directory removed as the with unwinds
-    with (
-        stopped_by_signal() as stopped,
-        simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon,
-    ):
+    with contextlib.ExitStack() as stack:
+        stopped = stack.enter_context(stopped_by_signal())
+        peer = None
+        if args.peer:
+            pki = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz-pki-")))
+            daemon, peer = stack.enter_context(leading_gpud(pki))
+        else:
+            daemon = stack.enter_context(simulated_gpud(SPEC, config_text=CONFIG))
         print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
-        fuzz(daemon, random.Random(args.seed), run)
+        fuzz(daemon, random.Random(args.seed), run, peer)
     run.cut_by = stopped.by
     return report(run, args.max_growth_mb)
 

@@ -20,7 +20,7 @@ from typing import Any
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.registry import check_name
 from gpud.mps.procs import PID_MAX
-from gpud.shared import MAX_LAYOUT_BYTES, MAX_XID
+from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS, MAX_LAYOUT_BYTES, MAX_XID
 
 # The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
 MAX_REQUEST_BYTES = 256 * 1024
@@ -34,6 +34,10 @@ FIELD_LIMITS: dict[str, int] = {
     "gpud.v1.MigConfigSource.text": MAX_LAYOUT_BYTES,  # the file's content
     # a second's latencies of a busy service: gpud.client.Latency sends up to 4096 at once
     "gpud.v1.ReportLatencyRequest.seconds": 4096,
+    # a node's report to the cluster leader, checked to these by gpud.cluster.convert
+    "gpud.v1.ReportRequest.jobs": CLUSTER_MAX_JOBS,
+    "gpud.v1.GetOrderRequest.jobs": CLUSTER_MAX_JOBS,
+    "gpud.v1.JobReport.critical_xids": CLUSTER_MAX_XIDS,
 }
 
 # Job names, by full field name, and the field their servicer's refusal names: one over the

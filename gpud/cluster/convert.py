@@ -7,18 +7,43 @@ import math
 from gpud.api.validate import non_empty, optional
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
 from gpud.errors import InvalidArgument
+from gpud.jobs.registry import check_name
+from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS, shown
 from gpud.v1 import cluster_pb2 as pb
 from netshaper.leveller import MAX_LEVELS
 
-MAX_JOBS = 4096  # per node report or request
+MAX_JOBS = CLUSTER_MAX_JOBS  # per node report or request
 MAX_GPUS = 64  # per job and node
-MAX_XIDS = 1024  # critical XIDs per job and node: a few codes on each of its devices
+MAX_XIDS = CLUSTER_MAX_XIDS  # critical XIDs per job and node: a few codes on each of its devices
 MAX_NAME = 256
+# uint64, the counters' wire type: a job's counters are the sum over its nodes, which a
+# node's counter near it (a peer that sends 2**64 - 1) carries past it
+_MAX_COUNTER = 2**64 - 1
 
 
 def _bounded(values: object, limit: int, *, field: str) -> None:
     if len(values) > limit:  # type: ignore[arg-type]
         raise InvalidArgument(f"at most {limit} entries, got {len(values)}", field=field)  # type: ignore[arg-type]
+
+
+def _token(value: str, *, field: str) -> str:
+    """A GPU UUID, a ``uuid:code`` pair, an instance or a build as gpud writes them: printable
+    ASCII without spaces. The leader hands them on to every node (in ``node/uuid`` form) and
+    to ``gpuctl cluster status``: a line break or an escape sequence there would forge a line
+    of their output or reach an operator's terminal."""
+    if len(value) > MAX_NAME:
+        raise InvalidArgument(f"longer than {MAX_NAME} characters", field=field)
+    if not (value.isascii() and value.isprintable()) or " " in value:
+        raise InvalidArgument(
+            f"{shown(value, MAX_NAME)}: printable ASCII without spaces only", field=field
+        )
+    return value
+
+
+def _level(value: int | None, *, field: str) -> int | None:
+    if value is not None and value >= MAX_LEVELS:
+        raise InvalidArgument(f"level must be in [0, {MAX_LEVELS}), got {value}", field=field)
+    return value
 
 
 def _rate(value: float | None, *, field: str) -> float | None:
@@ -64,28 +89,34 @@ def report_to_pb(report: NodeReport) -> pb.ReportRequest:
 
 
 def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
-    """A checked report: names bounded, rates finite, at most ``MAX_JOBS`` jobs."""
+    """A checked report: job names as the registry takes them, each once; GPU UUIDs and
+    XID pairs printable; levels within ``MAX_LEVELS``; rates finite; at most ``MAX_JOBS``
+    jobs."""
     node = non_empty(msg.node, field="node", max_len=MAX_NAME)
     _bounded(msg.jobs, MAX_JOBS, field="jobs")
     jobs = []
+    first: dict[str, int] = {}  # job -> the index it was first reported at
     for i, j in enumerate(msg.jobs):
         where = f"jobs[{i}]"
-        non_empty(j.job, field=f"{where}.job", max_len=MAX_NAME)
+        check_name(j.job, field=f"{where}.job")
+        # twice in one report, a job's node would count twice in its attributes and its
+        # traffic counters be summed twice (a node's own report lists each job once)
+        if (before := first.setdefault(j.job, i)) != i:
+            raise InvalidArgument(
+                f"job {j.job!r} is reported twice, at jobs[{before}] too", field=f"{where}.job"
+            )
         for name in ("gpus", "unhealthy_gpus", "xids"):
             _bounded(getattr(j, name), MAX_GPUS, field=f"{where}.{name}")
         _bounded(j.critical_xids, MAX_XIDS, field=f"{where}.critical_xids")
-        for uuid in (*j.gpus, *j.unhealthy_gpus):
-            non_empty(uuid, field=f"{where}.gpus", max_len=MAX_NAME)
-        for pair in j.critical_xids:
-            non_empty(pair, field=f"{where}.critical_xids", max_len=MAX_NAME)
+        for name in ("gpus", "unhealthy_gpus", "critical_xids"):
+            for k, value in enumerate(getattr(j, name)):
+                non_empty(value, field=f"{where}.{name}[{k}]", max_len=MAX_NAME)
+                _token(value, field=f"{where}.{name}[{k}]")
         dscp = optional(j, "dscp")
         if dscp is not None and dscp > 63:
             raise InvalidArgument(f"DSCP must be in [0, 63], got {dscp}", field=f"{where}.dscp")
-        applied = optional(j, "applied_level")
-        if applied is not None and applied >= MAX_LEVELS:
-            raise InvalidArgument(
-                f"level must be in [0, {MAX_LEVELS}), got {applied}", field=f"{where}.applied_level"
-            )
+        applied = _level(optional(j, "applied_level"), field=f"{where}.applied_level")
+        pinned = _level(optional(j, "pinned_level"), field=f"{where}.pinned_level")
         jobs.append(
             JobReport(
                 job=j.job,
@@ -100,15 +131,14 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 link_up=optional(j, "link_up"),
                 tx_bytes=j.tx_bytes,
                 drops=j.drops,
-                pinned_level=optional(j, "pinned_level"),
+                pinned_level=pinned,
                 applied_level=applied,
                 critical_xids=tuple(j.critical_xids),
                 unranked=j.unranked,
             )
         )
     for name in ("instance", "build"):
-        if len(getattr(msg, name)) > MAX_NAME:
-            raise InvalidArgument(f"at most {MAX_NAME} characters", field=name)
+        _token(getattr(msg, name), field=name)
     return NodeReport(
         node=node,
         jobs=tuple(jobs),
@@ -127,8 +157,10 @@ def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
         unhealthy_gpus=a.unhealthy_gpus,
         xids=a.xids,
         links_down=a.links_down,
-        drops=a.drops,
-        tx_bytes=a.tx_bytes,
+        # saturated: past the wire type, the message could not be built and every node of
+        # the job would get INTERNAL for its reports instead of its order
+        drops=min(a.drops, _MAX_COUNTER),
+        tx_bytes=min(a.tx_bytes, _MAX_COUNTER),
         computed_unix_seconds=a.computed_at,
         critical_xids=a.critical_xids,
     )

@@ -233,6 +233,10 @@ def test_peers_without_a_certificate_of_the_cluster_ca_are_refused(
             pb_grpc.ClusterPeerStub(channel).GetOrder(pb.GetOrderRequest(node="x"), timeout=5)
     with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError):
         pb_grpc.ClusterPeerStub(channel).GetOrder(pb.GetOrderRequest(node="x"), timeout=5)
+    # refused at the handshake, each connection without a line of its own in the leader's
+    # log (the journal): anyone who reaches the port could fill it
+    leader = next(n for n in cluster.nodes if n.name == name)
+    assert "Handshake failed" not in leader.daemon.log.read_text(errors="replace")
     # a certificate of the cluster CA gets in
     make_node(pki, "n9", tmp_path)
     ok = grpc.ssl_channel_credentials(

@@ -12,12 +12,22 @@ import grpc
 import pytest
 
 from gpud import config
+from gpud.api.validate import request_bounds
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import PeerClient, PeerServer
-from gpud.cluster.convert import MAX_JOBS, MAX_XIDS, report_from_pb, report_to_pb
+from gpud.cluster.convert import (
+    MAX_JOBS,
+    MAX_XIDS,
+    order_from_pb,
+    order_to_pb,
+    report_from_pb,
+    report_to_pb,
+)
 from gpud.cluster.election import LeaderInfo
+from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
+from gpud.cluster.ports import MemoryTagStore
 from gpud.cluster.tls import PeerTls
 from gpud.errors import (
     ConfigError,
@@ -31,6 +41,7 @@ from gpud.errors import (
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
+from netshaper.leveller import Leveller, LevellerConfig
 from tests.unit.api_support import identity, mig
 from tests.unit.cluster_support import FixedElection
 from tools.certs import make_ca, make_node
@@ -106,6 +117,117 @@ def test_reports_are_checked_and_round_trip() -> None:
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", dscp=64)]))
     with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.applied_level"):
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", applied_level=8)]))
+
+
+@pytest.mark.parametrize(
+    ("job", "why"),
+    [
+        ("a\nb", r"letters, digits"),  # a forged line in every log that names it
+        ("a\x1b[31m", r"letters, digits"),  # an escape sequence for gpuctl's terminal
+        ("a b", r"letters, digits"),
+        ("x" * 64, r"up to 63"),
+        ("", r"letters, digits"),
+    ],
+)
+def test_a_reported_job_name_the_registry_would_refuse_is_refused_naming_the_field(
+    job: str, why: str
+) -> None:
+    """A peer's job names reach every node's order and `gpuctl cluster status`: they are
+    held to the rule every node's registry holds its own to, as GetOrder's are."""
+    fine = pb.JobReport(job="a")
+    msg = pb.ReportRequest(node="n1", jobs=[fine, pb.JobReport(job=job)])
+    with pytest.raises(InvalidArgument, match=why) as err:
+        report_from_pb(msg)
+    assert err.value.field == "jobs[1].job"
+
+
+def test_a_job_reported_twice_in_one_report_is_refused_naming_both_places() -> None:
+    """Taken, the job's node would be listed twice in its attributes and its counters
+    summed twice, in the order every node of the job gets."""
+    twice = pb.ReportRequest(
+        node="n1",
+        jobs=[
+            pb.JobReport(job="a", tx_bytes=10),
+            pb.JobReport(job="b"),
+            pb.JobReport(job="a", tx_bytes=10),
+        ],
+    )
+    with pytest.raises(InvalidArgument, match=r"'a' is reported twice, at jobs\[0\]") as err:
+        report_from_pb(twice)
+    assert err.value.field == "jobs[2].job"
+
+
+def test_a_pinned_level_out_of_range_is_refused_as_an_applied_one_is() -> None:
+    """Taken, it would count as a pin: a job its node marks unranked would be ranked."""
+    pinned = pb.JobReport(job="a", unranked=True, pinned_level=4_000_000_000)
+    with pytest.raises(InvalidArgument, match=r"level must be in \[0, 8\), got 4000000000") as err:
+        report_from_pb(pb.ReportRequest(node="n1", jobs=[pinned]))
+    assert err.value.field == "jobs[0].pinned_level"
+    kept = pb.JobReport(job="a", pinned_level=7)
+    assert report_from_pb(pb.ReportRequest(node="n1", jobs=[kept])).jobs[0].pinned_level == 7
+
+
+@pytest.mark.parametrize(
+    ("job", "fields", "field"),
+    [
+        (pb.JobReport(job="a", gpus=["G1", "G2\nforged"]), {}, "jobs[0].gpus[1]"),
+        (pb.JobReport(job="a", unhealthy_gpus=["G 1"]), {}, "jobs[0].unhealthy_gpus[0]"),
+        (pb.JobReport(job="a", critical_xids=["G1:79\x1b[2J"]), {}, "jobs[0].critical_xids[0]"),
+        (pb.JobReport(job="a"), {"build": "\x1b[2J3f2a"}, "build"),
+        (pb.JobReport(job="a"), {"instance": "5f3a\n"}, "instance"),
+        (pb.JobReport(job="a"), {"build": "caf\u00e9"}, "build"),
+    ],
+)
+def test_a_reported_uuid_xid_build_or_instance_must_be_printable_ascii(
+    job: pb.JobReport, fields: dict[str, str], field: str
+) -> None:
+    """They are handed on to every node of the job and shown by `gpuctl cluster status`."""
+    with pytest.raises(InvalidArgument, match="printable ASCII without spaces") as err:
+        report_from_pb(pb.ReportRequest(node="n1", jobs=[job], **fields))
+    assert err.value.field == field
+
+
+def test_a_jobs_counters_summed_past_uint64_reach_its_nodes_saturated() -> None:
+    """A job's counters are summed over its nodes: one peer's 2**64 - 1 and another's 5
+    made an order no message could hold, and every node of the job got INTERNAL (and the
+    leader logged a traceback) for each report, until the peer stopped sending it."""
+    leader = Aggregator(
+        leader="leader",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=MemoryTagStore(),
+        node_timeout_s=5,
+    )
+    top = 2**64 - 1
+    leader.receive(NodeReport("n1", (JobReport("a", tx_bytes=top, drops=top),)), 0.0)
+    leader.receive(NodeReport("n2", (JobReport("a", 0.5, tx_bytes=5, drops=1),)), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("n2")
+    assert answer is not None
+    sent = order_from_pb(pb.Order.FromString(order_to_pb(answer).SerializeToString()))
+    assert (sent.attributes["a"].tx_bytes, sent.attributes["a"].drops) == (top, top)
+    assert sent.levels == {"a": 0}
+
+
+def test_a_report_within_the_clusters_bounds_passes_the_apis_generic_ones() -> None:
+    """The error interceptor checks every request against the API's generic bounds (256
+    entries a repeated field) before the peer servicer runs: a node with more jobs, or a
+    job with more critical XIDs, must reach report_from_pb, which holds them to its own."""
+    jobs = [
+        pb.JobReport(job=f"j{i}", critical_xids=["G1:79"] * (MAX_XIDS if i == 0 else 0))
+        for i in range(MAX_JOBS)
+    ]
+    full = pb.ReportRequest(node="n1", jobs=jobs)
+    request_bounds(full)
+    assert len(report_from_pb(full).jobs) == MAX_JOBS
+    request_bounds(pb.GetOrderRequest(node="n1", jobs=[f"j{i}" for i in range(MAX_JOBS)]))
+    jobs.append(pb.JobReport(job="one-more"))
+    with pytest.raises(InvalidArgument, match=f"more than {MAX_JOBS}") as err:
+        request_bounds(pb.ReportRequest(node="n1", jobs=jobs))
+    assert err.value.field == "jobs"
+    xids = pb.JobReport(job="a", critical_xids=["G1:79"] * (MAX_XIDS + 1))
+    with pytest.raises(InvalidArgument) as err:
+        request_bounds(pb.ReportRequest(node="n1", jobs=[xids]))
+    assert err.value.field == "jobs[0].critical_xids"
 
 
 def test_node_view_gives_each_device_its_gpus_uncleared_critical_xids() -> None:

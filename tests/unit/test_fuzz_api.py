@@ -175,6 +175,41 @@ def test_the_summary_names_each_big_request_not_refused_for_its_size_by_method_a
     ), out
 
 
+class _Invalid(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self) -> str:
+        return "jobs[0].job: longer than 256 characters"
+
+
+def test_the_peer_mode_sends_the_peer_methods_as_the_peer_and_wants_big_ones_refused_by_gpud(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ClusterPeer only, with the peer's own node name in half the requests that name one
+    (so they pass the identity check), and a 1 MB request refused by gpud (INVALID_ARGUMENT)
+    rather than by gRPC for its size: the peer port takes up to 16 MiB."""
+    rpcs = methods(peer=True)
+    paths = {r[0] for r in rpcs}
+    assert paths == {f"/gpud.v1.ClusterPeer/{m}" for m in ("Report", "GetOrder", "GetNodes")}
+    assert not paths & {r[0] for r in methods()}
+    named: list[str] = []
+
+    def call(request: Any, timeout: float) -> None:
+        if not isinstance(request, bytes) and "node" in request.DESCRIPTOR.fields_by_name:
+            named.append(request.node)
+        raise _Invalid()
+
+    run = Run(requests=60, big=20, seed=1, methods=len(rpcs))
+    calls = {path: call for path in paths}
+    send_fuzzed(
+        calls, rpcs, random.Random(1), run, big_at=set(range(20)), queued="", node="fuzz-peer"
+    )
+    assert 0 < named.count("fuzz-peer") < len(named)
+    run.alive, run.rss_warm, run.rss_end = True, 70.0, 71.0
+    assert report(run, max_growth_mb=20) == 0, capsys.readouterr().out
+
+
 # a benchmark's shape: a simulated gpud, then work it prints nothing about until its end
 BENCHMARK = """
 import time
