@@ -290,13 +290,20 @@ def register(subparsers: Subparsers) -> None:
     env.set_defaults(run=run_env)
 
 
+def env_request(job: str, *, uid: int, pid: int, namespace: int | None) -> pb.GetJobEnvRequest:
+    """``gpuctl env``'s request, sent by process ``pid`` (of PID namespace ``namespace``)
+    of user ``uid``: the job's run would be held by a process of this user, so the preview
+    is placed for it. Root is most often a Slurm prolog or a container hook asking for
+    another user's job: its preview is for no known user, as an older gpuctl's is."""
+    if uid == 0:
+        return pb.GetJobEnvRequest(job=job)
+    return pb.GetJobEnvRequest(job=job, holder_pid=pid, holder_pid_namespace=namespace)
+
+
 def run_env(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.GetJobEnvResponse = ctx.call(
         ctx.stub(pb_grpc.JobsStub).GetJobEnv,
-        # the run would be held by a process of this user: a preview placed for it
-        pb.GetJobEnvRequest(
-            job=args.job, holder_pid=os.getpid(), holder_pid_namespace=own_namespace()
-        ),
+        env_request(args.job, uid=os.getuid(), pid=os.getpid(), namespace=own_namespace()),
     )
     preview = "GPUD_RESERVATION" not in resp.env  # gpud.jobs.env
     if preview:

@@ -864,8 +864,11 @@ class JobService:
         held = self.reservations.held(name)
         if held:
             return self.env_for(held[-1])
+        # the holder matters only where MPS keeps users apart (no /proc scan otherwise)
         request = RunRequest(
-            job=name, holder_pid=holder_pid, holder_pid_namespace=holder_pid_namespace
+            job=name,
+            holder_pid=holder_pid if self._mps.enabled else None,
+            holder_pid_namespace=holder_pid_namespace,
         )
         try:
             request = self.resolved(request)

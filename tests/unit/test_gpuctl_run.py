@@ -24,7 +24,7 @@ import pytest
 from gpud.api import ApiServer
 from gpud.cli.context import CliError
 from gpud.cli.main import main as gpuctl
-from gpud.cli.run import RELEASE_RETRY_S, _Stop
+from gpud.cli.run import RELEASE_RETRY_S, _Stop, env_request
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
@@ -38,6 +38,7 @@ from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.procs import alive
+from gpud.pidns import own_namespace
 from gpud.shared import GIB
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import (
@@ -3765,20 +3766,28 @@ def test_gpud_refusing_a_try_again_is_said_as_its_refusal() -> None:
     assert raised.value is refused and ctx.calls == 2
 
 
-def test_gpuctl_env_previews_the_gpu_its_users_run_then_gets_under_mps(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_gpuctl_env_previews_the_gpu_its_users_run_then_gets_under_mps() -> None:
     """MPS on, two GPUs, GPU 0 serving this process's user: the next run of that user joins
-    GPU 0 (taking GPU 1 would leave none idle for another user). ``gpuctl env`` sends its
-    own PID, so its preview is placed for the same user and names GPU 0 too."""
+    GPU 0 (taking GPU 1 would leave none idle for another user). A preview asked with the
+    caller's PID (``gpuctl env`` of a user other than root) is placed for the same user and
+    names GPU 0 too; one without (root's, an older gpuctl's) for no known user."""
     with serving(gpus=snapshot(gpu_sample(0), gpu_sample(1))) as node:
         node.jobs.reserve(RunRequest("a", devices=(gpu_uuid(0),), holder_pid=os.getpid()))
         node.jobs.add(JobSpec("b"))
-        # an older gpuctl sends no PID: previewed for no known user, the fewest jobs
         assert node.jobs.env("b")["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
-        capsys.readouterr()
-        assert node.ctl("--json", "env", "--job", "b") == 0
-        preview = json.loads(capsys.readouterr().out)
-        assert preview["preview"] is True
+        request = env_request("b", uid=1000, pid=os.getpid(), namespace=own_namespace())
+        previewed = node.jobs.env(
+            "b", holder_pid=request.holder_pid, holder_pid_namespace=request.holder_pid_namespace
+        )
         run = node.jobs.reserve(RunRequest("b", holder_pid=os.getpid())).reservation
-        assert preview["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(run.devices) == gpu_uuid(0)
+        assert previewed["CUDA_VISIBLE_DEVICES"] == ",".join(run.devices) == gpu_uuid(0)
+
+
+def test_gpuctl_env_sends_its_pid_except_as_root() -> None:
+    """A user's ``gpuctl env`` names its own process, so the preview is placed for that
+    user; root's (a Slurm prolog, a container hook, asking for another user's job) names
+    none, so it is never placed for root nor refused for root's user."""
+    mine = env_request("b", uid=1000, pid=4242, namespace=4_026_531_836)
+    assert (mine.holder_pid, mine.holder_pid_namespace) == (4242, 4_026_531_836)
+    roots = env_request("b", uid=0, pid=4242, namespace=4_026_531_836)
+    assert not roots.HasField("holder_pid") and not roots.HasField("holder_pid_namespace")
