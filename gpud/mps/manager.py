@@ -7,7 +7,9 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
 
 - a device without a running daemon gets one (``nvidia-cuda-mps-control -d``) and the limits
   are written (``set_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``)
-  and read back; a daemon that died is restarted the same way, with a backoff after failures;
+  and read back; a daemon that died is restarted the same way, with a backoff after failures
+  (one that keeps dying sooner than ``backoff_max_s`` after its start, a crash loop, waits
+  longer before each restart: :meth:`MpsManager._ended`);
 - every ``health_interval_s`` the daemon is queried; a daemon that does not answer
   ``max_failures`` times in a row is killed and restarted; limits that drifted are re-applied.
   Devices are reconciled at once, each on a thread of its own: a hung daemon (its GPU hung,
@@ -226,6 +228,13 @@ class _Device:
     up: bool = False
     restarts: int = 0
     failures: int = 0  # consecutive failed health checks or starts
+    # when its running daemon was started by this process (the manager's clock; None: none
+    # runs, or it was adopted, or stopped by gpud): one that ends sooner than the longest
+    # back-off after it is one more of a crash loop (``crashes``)
+    up_since: float | None = None
+    # daemons started in a row that died (or were killed for not answering) sooner than the
+    # longest back-off after their start: each restart waits longer (:meth:`MpsManager._ended`)
+    crashes: int = 0
     requested: bool = False  # limits changed while it did not answer: the next check applies
     next_start_at: float = 0.0
     next_check_at: float = 0.0
@@ -1477,6 +1486,7 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
+            self._ended(target, dev, now)
             if not self._kill_orphan(target.uuid, dev):
                 return
             dev.killing = ""
@@ -1516,6 +1526,8 @@ class MpsManager:
             self._start(target, dev, desired)
             return
         self._end_skip(target, dev)  # one runs there (adopted): it is no longer passed over
+        if dev.up_since is not None and now - dev.up_since >= self._backoff_max_s:
+            dev.crashes = 0  # it stayed up: the next that dies is restarted at once again
         if dev.killing:
             # gone or not, nothing of it is checked or adopted: the next pass starts the
             # device's new daemon once it has gone
@@ -1541,6 +1553,46 @@ class MpsManager:
             self._check(
                 target, dev, desired, requested=requested or dev.requested, timeout_s=timeout_s
             )
+
+    def _backoff(self, failures: int) -> float:
+        """Seconds before the next start after ``failures`` in a row (failed starts and
+        daemons that died young): 1 s, doubling, up to ``backoff_max_s``."""
+        return min(self._backoff_max_s, 2.0 ** min(max(failures, 1) - 1, 16))
+
+    def _ended(self, target: MpsTarget, dev: _Device, now: float) -> None:
+        """The daemon this process started is gone (its PID file names no live process): one
+        that stayed up ``backoff_max_s`` is restarted at once, as it always was; one that
+        ended sooner is one more of a crash loop: the first is restarted at once, the next
+        after 1 s, then 2, 4, ... up to ``backoff_max_s``, until one stays up that long. Each restart still counts
+        (``gpud_mps_daemon_restarts_total``); the loop is said (``mps.crash_loop``, with how
+        many in a row) as it begins, at the second, and again each time the count doubles,
+        instead of an ``mps.restart`` for every death."""
+        if dev.up_since is None:
+            return
+        lived, dev.up_since = now - dev.up_since, None
+        if lived >= self._backoff_max_s:
+            dev.crashes = 0
+            return
+        dev.crashes += 1
+        # the first that died young is restarted at once, as any that exited: one death is
+        # no loop yet
+        delay = 0.0 if dev.crashes == 1 else self._backoff(dev.crashes - 1)
+        dev.next_start_at = max(dev.next_start_at, now + delay)
+        if dev.crashes < 2 or dev.crashes & (dev.crashes - 1):
+            return
+        self._events.emit(
+            "mps.crash_loop",
+            f"the MPS control daemon of {_label(target)} ({target.uuid}) ended {lived:.0f} s"
+            f" after its start, {dev.crashes} in a row within {self._backoff_max_s:g} s: each"
+            f" restart now waits twice as long, up to {self._backoff_max_s:g} s (the next in"
+            f" {delay:g} s), until one stays up {self._backoff_max_s:g} s; said again at"
+            f" {2 * dev.crashes} in a row",
+            **_where(target),
+            crashes=dev.crashes,
+            up_s=round(lived, 1),
+            retry_in_s=delay,
+            restarts=dev.restarts,
+        )
 
     def _skip_start(self, target: MpsTarget, dev: _Device) -> None:
         """Start no control daemon on a device whose GPU is unhealthy in the sample, for
@@ -1629,7 +1681,7 @@ class MpsManager:
         before, dev.before_skip = dev.before_skip, ""
         if self._clock() - skipped_at >= self._backoff_max_s:
             dev.next_start_at = 0.0
-            dev.failures = 0
+            dev.failures = dev.crashes = 0
         if dev.last_error == mps_unhealthy_wait(target.gpu):
             dev.last_error = before if dev.failures else ""
 
@@ -1651,7 +1703,7 @@ class MpsManager:
             dev.up = False
             dev.failures += 1
             dev.last_error = str(err)
-            delay = min(self._backoff_max_s, 2.0 ** min(dev.failures - 1, 16))
+            delay = self._backoff(dev.failures + dev.crashes)
             dev.next_start_at = self._clock() + delay
             if dev.failures == 1:
                 self._events.emit(
@@ -1669,6 +1721,7 @@ class MpsManager:
             self._stop_tries.pop(target.uuid, None)
         dev.failures = 0
         dev.last_error = ""
+        dev.up_since = self._clock()
         dev.next_check_at = self._clock() + self._health_interval_s
         if restart:
             dev.restarts += 1
@@ -1684,6 +1737,8 @@ class MpsManager:
                 restarts=dev.restarts,
             )
             return
+        if dev.crashes > 1:
+            return  # one of a crash loop: mps.crash_loop counts them (the metric each)
         # the daemon before (dead, or killed for not answering) took its MPS servers with it,
         # and their clients' contexts: nothing else tells a job that its processes lost them
         jobs = self._holding_jobs(target)
@@ -1935,9 +1990,11 @@ class MpsManager:
             dev.killing = ""
             dev.started = False
             dev.killed_unanswering = False
-            # a stop that went as planned ends the daemon's run of failed checks: the next
-            # start is a first start, said if it fails and backed off from the shortest delay
+            # a stop that went as planned ends the daemon's run of failed checks, and any
+            # crash loop: the next start is a first start, said if it fails and backed off
+            # from the shortest delay
             dev.failures = 0
+            dev.up_since, dev.crashes = None, 0
             self._forget(uuid)
             self._remove_cgroup(uuid)
             if remove:

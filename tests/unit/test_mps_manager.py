@@ -4139,3 +4139,87 @@ def test_a_device_many_jobs_share_names_the_first_few_and_counts_the_rest() -> N
     assert cell == ",".join(f"infer-{i:02}" for i in range(8)) + ",... (+22 more)"
     assert device_row(mps_pb2.MpsDevice(gpu=0, jobs=["a", "b"]))[8] == "a,b"
     assert device_row(mps_pb2.MpsDevice(gpu=0))[8] == "-"
+
+
+class Hand:
+    """A manager's clock moved by the test alone."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kill_and_wait_restart(mgr: MpsManager, clock: Hand, *, up_s: float) -> float:
+    """Let the daemon of the node's one device run ``up_s`` (the clock), SIGKILL it, and
+    pass each second (the clock) until a new daemon runs: the seconds it waited."""
+    clock.now += up_s
+    mgr.reconcile()  # a pass sees it up
+    old = mgr.status()[0].pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    wait_dead(old)
+    mgr.reconcile()
+    waited = 0.0
+    while mgr.status()[0].pid in (None, old):
+        assert waited < 120, "not restarted"
+        clock.now += 1
+        waited += 1
+        mgr.reconcile()
+    return waited
+
+
+def test_a_daemon_that_dies_a_second_after_each_start_is_restarted_ever_later(
+    root: Path,
+) -> None:
+    """A daemon that can start but not stay up: after the first, each restart waits longer
+    (1 s, 2 s, 4 s, ...) instead of restarting it on every pass; each restart still counts."""
+    clock = Hand()
+    mgr, store, _ = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        waits = [kill_and_wait_restart(mgr, clock, up_s=1) for _ in range(4)]
+        assert waits == sorted(waits) and waits[-1] > waits[0], waits
+        assert waits == [0, 1, 2, 4]
+        assert mgr.status()[0].restarts == 4
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_stayed_up_two_minutes_is_restarted_at_once_after_a_crash_loop(
+    root: Path,
+) -> None:
+    clock = Hand()
+    mgr, store, _ = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(3):
+            kill_and_wait_restart(mgr, clock, up_s=1)
+        assert kill_and_wait_restart(mgr, clock, up_s=120) == 0
+        assert kill_and_wait_restart(mgr, clock, up_s=1) <= 1
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_crash_loop_is_said_as_it_begins_and_as_its_count_doubles_not_per_death(
+    root: Path,
+) -> None:
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(5):
+            kill_and_wait_restart(mgr, clock, up_s=1)
+        said = events.recent(kind_prefix="mps.crash_loop")
+        assert [e.fields["crashes"] for e in said] == [2, 4]
+        assert said[1].fields["retry_in_s"] == 4
+        assert "4 in a row within 60 s" in said[1].message
+        # the first death after a stable run is a plain restart; the loop's are counted
+        assert len(events.recent(kind_prefix="mps.restart")) == 1
+        assert mgr.status()[0].restarts == 5
+    finally:
+        mgr.stop()
+        store.close()
