@@ -34,7 +34,7 @@ EMITTERS = frozenset({"emit", "_emit", "_notify"})
 DYNAMIC = {"sim.fault.": ("gpud/api/node.py", "_FAULT_NAMES")}
 
 # Backquoted dotted names in the docs that look like event kinds but are files.
-NOT_KINDS = frozenset({"colo.json", "colo.json.unreadable"})
+NOT_KINDS = frozenset({"colo.json", "colo.json.unreadable", "colo.json.skipped"})
 
 
 # Kinds whose fields differ from one call site to another, and why (docs/events.md says
