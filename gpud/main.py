@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     # refuses: anyone who can reach cluster.listen (or a TLS api.tcp_address) with a
     # certificate of another CA, an expired one or none would add a line per connection.
     # Its errors (a port it cannot bind) still show; GRPC_VERBOSITY set by an operator wins.
-    # gRPC reads it when it makes its first server, well after this.
+    # gRPC reads it once, when grpc is first imported: nothing imported above loads grpc
+    # (tests/unit/test_main_grpc_verbosity.py holds it), so this comes first.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
