@@ -209,8 +209,13 @@ def _mode(resp: pb.GetClusterStatusResponse) -> str:
     if resp.HasField("last_order_age_seconds"):
         left_s = max(0.0, resp.grace_seconds - resp.last_order_age_seconds)
         left = f"; local policy in {seconds(left_s)} unless an order comes"
-    if refused(resp) and resp.mode in ("holding", "local"):
+    why = ""
+    if refused(resp):
         why = f"the leader refuses this gpud: another gpud reports as {resp.node}"
+    elif not resp.leading and error_kind(resp) == "report_refused":
+        # the leader answered: "no leader reachable" would send the operator to the network
+        why = "the leader answers and refuses this node's report, as the error says"
+    if why and resp.mode in ("holding", "local"):
         if resp.mode == "local":
             return f"local ({why}; this node's own policy decides)"
         return f"holding ({why}; the last order stays in force{left})"
@@ -352,6 +357,8 @@ def error_kind(resp: pb.GetClusterStatusResponse) -> str:
         return "duplicate_node"
     if "does not lead yet" in error:
         return "leader_not_ready"
+    if ": INVALID_ARGUMENT " in error or ": PERMISSION_DENIED " in error:
+        return "report_refused"  # an older gpud typed the leader's refusal so
     return "leader_unreachable"
 
 
@@ -410,6 +417,13 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             "give each gpud its own cluster.node: another gpud reports under this node's name"
             " (the error names its address), and the leader takes the newest one only;"
             " rename one (a restart) or stop it; the node follows again by itself"
+        )
+    elif kind == "report_refused":
+        actions.append(
+            "the leader is reachable and refuses this node's report: the error names the"
+            " field it refuses (gpuds of two versions: upgrade the older, BUILD in gpuctl"
+            " cluster status on the leader) or says this node's certificate does not name"
+            " cluster.node; the node follows again by itself once a report is taken"
         )
     elif resp.mode in ("holding", "local") and kind == "leader_not_ready":
         actions.append(

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,12 +35,19 @@ from gpud.clock import elapsed
 from gpud.cluster import election as store
 from gpud.cluster import problems
 from gpud.cluster.certexpiry import CertExpiry, CertWatch
-from gpud.cluster.convert import MAX_GPUS, MAX_XIDS
+from gpud.cluster.convert import MAX_GPUS, MAX_NAME, MAX_XIDS
 from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen, RoundCut
-from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
+from gpud.cluster.model import (
+    JobAttributes,
+    JobReport,
+    LeftOutJob,
+    NodeReport,
+    Order,
+    node_name,
+)
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard, Writer
 from gpud.errors import (
@@ -48,12 +55,15 @@ from gpud.errors import (
     FailedPrecondition,
     GpudError,
     HandshakeFailed,
+    InvalidArgument,
     LeaderNotReady,
     NotLeader,
+    PermissionDenied,
     StoreFull,
 )
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
+from gpud.shared import shown
 from netshaper.leveller import Leveller, LevellerConfig
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,7 @@ ALARM_CHECK_S = 10.0
 # scripts to branch on rather than on the message's words.
 LEADER_UNREACHABLE = "leader_unreachable"  # the report to the leader failed
 TLS_HANDSHAKE = "tls_handshake"  # ... in the TLS handshake: a certificate refused
+REPORT_REFUSED = "report_refused"  # the leader answered, refusing the report (its words)
 LEADER_NOT_READY = "leader_not_ready"  # ... the leader restarted within its old lease
 NOT_LEADER = "not_leader"  # ... the node etcd names does not lead
 DUPLICATE_NODE = "duplicate_node"  # ... another gpud reports under this node's name
@@ -88,6 +99,8 @@ def report_error_kind(err: GpudError) -> str:
         return NOT_LEADER
     if isinstance(err, HandshakeFailed):
         return TLS_HANDSHAKE
+    if isinstance(err, (InvalidArgument, PermissionDenied)):
+        return REPORT_REFUSED
     return LEADER_UNREACHABLE
 
 
@@ -96,6 +109,7 @@ def report_error_kind(err: GpudError) -> str:
 LEADER_KINDS = frozenset(
     {
         LEADER_UNREACHABLE,
+        REPORT_REFUSED,
         TLS_HANDSHAKE,
         LEADER_NOT_READY,
         NOT_LEADER,
@@ -247,6 +261,8 @@ class ClusterAgent:
         self.last_error = ""
         self.last_error_kind = ""  # LEADER_UNREACHABLE...: what last_error is
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
+        # node -> the job names the leader left out of its last report (said once each)
+        self._left_out: dict[str, frozenset[str]] = {}
         # ((leader, epoch) the election names, the leader that one named instead)
         self._hint: tuple[tuple[str, int], LeaderHint] | None = None
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
@@ -755,10 +771,13 @@ class ClusterAgent:
         if self._events is not None:
             self._events.emit("cluster.tags_republished", message, jobs=len(tags))
 
-    def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
+    def receive(
+        self, report: NodeReport, *, peer: str = "", left_out: Sequence[LeftOutJob] = ()
+    ) -> Order | None:
         """A peer's report (peer servicer; ``peer``: its address): kept for the next
         round; the answer is the latest order for its jobs, None until a round has
-        included it."""
+        included it. ``left_out``: the jobs the servicer took out of it, their names
+        refused (logged once per node and name)."""
         info = self.election.state()
         if report.node != node_name(report.node):
             # one node however a peer spells it (an older gpud sends cluster.node as
@@ -798,12 +817,34 @@ class ClusterAgent:
                 self._duplicates.add(report.node)
                 log.warning("cluster: refused a report from %s: %s", peer or "?", err)
             raise
+        self._say_left_out(report.node, peer, left_out)
         answer = agg.answer(report.node)
         if answer is None and self._clock() >= self._settled_at:
             # a node new to this leader (a failover): fold it in now, not at the next tick
             # (a leadership still settling has its round scheduled already)
             self.request_round(0.0)
         return answer
+
+    def _say_left_out(self, node: str, peer: str, left_out: Sequence[LeftOutJob]) -> None:
+        """A warning for each job name of ``node`` left out that its last report did not
+        leave out already: the node sends it every tick. Only the names its last report
+        left out are kept, so what is kept stays within one report's jobs per node."""
+        said = self._left_out.get(node, frozenset())
+        for job in left_out:
+            if job.job not in said:
+                log.warning(
+                    "cluster: left job %s out of the report of node %s (%s), its other jobs "
+                    "taken: %s; no order names it",
+                    shown(job.job, MAX_NAME),
+                    node,
+                    peer or "?",
+                    job.reason,
+                )
+        names = frozenset(j.job for j in left_out)
+        if names:
+            self._left_out[node] = names
+        else:
+            self._left_out.pop(node, None)
 
     def seen_nodes(self) -> list[NodeSeen]:
         """Nodes heard from (peer servicer; the leader only)."""

@@ -27,6 +27,7 @@ from gpud.api.server import connection_options
 from gpud.cluster.agent import ClusterAgent, ClusterStatus
 from gpud.cluster.convert import (
     MAX_JOBS,
+    MAX_NAME,
     attributes_to_pb,
     order_from_pb,
     order_to_pb,
@@ -34,7 +35,7 @@ from gpud.cluster.convert import (
     report_to_pb,
 )
 from gpud.cluster.leader import NodeSeen
-from gpud.cluster.model import NodeReport, Order, node_name
+from gpud.cluster.model import LeftOutJob, NodeReport, Order, node_name
 from gpud.cluster.tls import PeerTls
 from gpud.config import parse_address
 from gpud.errors import (
@@ -52,6 +53,7 @@ from gpud.errors import (
     Unavailable,
 )
 from gpud.jobs.registry import check_name
+from gpud.shared import shown
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -80,14 +82,16 @@ def peer_names(context: Any) -> set[str]:
 
 
 def _check_identity(context: Any, node: str) -> None:
-    """A node reports only as itself: the name in its report must be in its certificate."""
+    """A node reports only as itself: the name in its report must be in its certificate.
+    Checked on the report's name as it came, before the report is read: a peer reporting
+    as another node costs no more than this comparison."""
     names = peer_names(context)
     # DNS names compare without case (RFC 4343), as TLS and the start's check of
     # cluster.node against this node's own certificate do
     if node.lower() not in {name.lower() for name in names}:
         raise PermissionDenied(
             f"a peer whose certificate names {', '.join(sorted(names)) or 'nothing'} "
-            f"cannot report as {node!r}"
+            f"cannot report as {shown(node, MAX_NAME)}"
         )
 
 
@@ -101,12 +105,18 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
     async def Report(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ReportRequest, context: Any
     ) -> pb.ReportResponse:
-        report = report_from_pb(request)
-        _check_identity(context, report.node)
-        order = self._agent.receive(report, peer=context.peer())
-        if order is None:
-            return pb.ReportResponse()
-        return pb.ReportResponse(order=order_to_pb(order))
+        _check_identity(context, request.node)
+        # a job whose name this gpud refuses (an older node's) is left out, not the report:
+        # refused whole, the node would get no order for any of its jobs
+        left_out: list[LeftOutJob] = []
+        report = report_from_pb(request, left_out=left_out)
+        order = self._agent.receive(report, peer=context.peer(), left_out=left_out)
+        response = pb.ReportResponse(
+            left_out=[pb.LeftOutJob(job=j.job, reason=j.reason) for j in left_out]
+        )
+        if order is not None:
+            response.order.CopyFrom(order_to_pb(order))
+        return response
 
     async def GetNodes(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetNodesRequest, context: Any
@@ -310,8 +320,9 @@ _OLDER_NOT_READY = "does not lead yet"
 def report_error(err: grpc.aio.AioRpcError, leader: str, address: str) -> GpudError:
     """Why the leader at ``address`` did not answer a report, as the error tree has it:
     :class:`DuplicateNode`, :class:`LeaderNotReady`, :class:`NotLeader` (with the leader
-    it names), :class:`HandshakeFailed` (gRPC says only so in its text), otherwise
-    :class:`Unavailable`. The leader names its error's class in trailing metadata
+    it names), :class:`InvalidArgument` or :class:`PermissionDenied` (it refused the
+    report, in its words), :class:`HandshakeFailed` (gRPC says only so in its text),
+    otherwise :class:`Unavailable`. The leader names its error's class in trailing metadata
     (``ERROR_KEY``); an older leader's class is the base, and its words tell."""
     code, details = err.code(), err.details() or ""
     message = f"leader {leader} at {address}: {code.name} {details}".rstrip()
@@ -330,6 +341,12 @@ def report_error(err: grpc.aio.AioRpcError, leader: str, address: str) -> GpudEr
                 leader=node_name(str(meta[LEADER_KEY])),
                 address=str(meta.get(LEADER_ADDRESS_KEY, "")),
             )
+    elif code == grpc.StatusCode.INVALID_ARGUMENT:
+        # it answered and refused the report (a field it does not take): reaching it
+        # again mends nothing, so this is no unreachable leader
+        return InvalidArgument(message)
+    elif code == grpc.StatusCode.PERMISSION_DENIED:  # the report's node is not the certificate's
+        return PermissionDenied(message)
     elif not error and "handshake" in details.lower():
         return HandshakeFailed(message)
     return Unavailable(message)
@@ -347,6 +364,7 @@ class PeerClient:
         self._node_as_named = tls.node_as_named
         self._channels: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()  # old leaders' channels
+        self._left_out: set[tuple[str, str]] = set()  # (job, reason) the leader left out
 
     async def _stub(self, address: str, leader: str) -> Any:
         key = (address, leader)
@@ -385,7 +403,24 @@ class PeerClient:
             )
         except grpc.aio.AioRpcError as err:
             raise report_error(err, leader, address) from err
+        self._say_left_out(leader, response.left_out)
         return order_from_pb(response.order) if response.HasField("order") else None
+
+    def _say_left_out(self, leader: str, left_out: Any) -> None:
+        """A warning when the jobs the leader left out of this node's report change (it
+        leaves them out every tick): their names it refuses, so no order names them."""
+        said = {(j.job, j.reason) for j in left_out}
+        if said == self._left_out:
+            return
+        self._left_out = said
+        for job in left_out:
+            log.warning(
+                "cluster: leader %s left job %s out of this node's report, the others taken:"
+                " %s; no order names it",
+                leader,
+                shown(job.job, MAX_NAME),
+                job.reason,
+            )
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from gpud.api.validate import non_empty, optional
-from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
+from gpud.cluster.model import JobAttributes, JobReport, LeftOutJob, NodeReport, Order
 from gpud.errors import InvalidArgument
 from gpud.jobs.registry import check_name
 from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS, shown
@@ -88,17 +88,28 @@ def report_to_pb(report: NodeReport) -> pb.ReportRequest:
     )
 
 
-def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
+def report_from_pb(
+    msg: pb.ReportRequest, *, left_out: list[LeftOutJob] | None = None
+) -> NodeReport:
     """A checked report: job names as the registry takes them, each once; GPU UUIDs and
     XID pairs printable; levels within ``MAX_LEVELS``; rates finite; at most ``MAX_JOBS``
-    jobs."""
+    jobs. With ``left_out``, a job whose name the registry refuses is left out of the
+    report and added there (the leader takes the rest: a gpud before 2026-12-06 took a
+    name ending in a line break, and an upgraded leader meets it from an older node);
+    without, it refuses the whole report."""
     node = non_empty(msg.node, field="node", max_len=MAX_NAME)
     _bounded(msg.jobs, MAX_JOBS, field="jobs")
     jobs = []
     first: dict[str, int] = {}  # job -> the index it was first reported at
     for i, j in enumerate(msg.jobs):
         where = f"jobs[{i}]"
-        check_name(j.job, field=f"{where}.job")
+        try:
+            check_name(j.job, field=f"{where}.job")
+        except InvalidArgument as err:
+            if left_out is None:
+                raise
+            left_out.append(LeftOutJob(j.job[:MAX_NAME], str(err)))  # the reason says its length
+            continue
         # twice in one report, a job's node would count twice in its attributes and its
         # traffic counters be summed twice (a node's own report lists each job once)
         if (before := first.setdefault(j.job, i)) != i:

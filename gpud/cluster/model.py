@@ -74,6 +74,14 @@ class NodeReport:
     build: str = ""
 
 
+class LeftOutJob(NamedTuple):
+    """A job the leader left out of a node's report, its name refused (``reason``: the
+    leader's words, naming the field); the rest of the report is taken."""
+
+    job: str
+    reason: str
+
+
 class JobAttributes(NamedTuple):
     """What the cluster knows of one job, as the leader computed it in ``epoch``.
 

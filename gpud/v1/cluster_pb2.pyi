@@ -353,20 +353,53 @@ class ReportResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ORDER_FIELD_NUMBER: _builtins.int
+    LEFT_OUT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def order(self) -> Global___Order: ...
+    @_builtins.property
+    def left_out(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeftOutJob]:
+        """the report's jobs the leader left out, their names refused (a gpud before 2026-12-06
+        took a name ending in a line break): no order names them, the rest of the report is
+        taken. Empty from an older leader, which refused such a report whole (INVALID_ARGUMENT).
+        """
+
     def __init__(
         self,
         *,
         order: Global___Order | None = ...,
+        left_out: _abc.Iterable[Global___LeftOutJob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["order", b"order"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["order", b"order"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["left_out", b"left_out", "order", b"order"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
+
+@_typing.final
+class LeftOutJob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """as the node reported it (its first 256 characters)"""
+    reason: _builtins.str
+    """the leader's words, naming the field (`jobs[1].job: ...`)"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeftOutJob: _TypeAlias = LeftOutJob  # noqa: Y015
 
 @_typing.final
 class GetOrderRequest(_message.Message):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -24,8 +26,9 @@ from gpud.cluster.convert import (
     report_to_pb,
 )
 from gpud.cluster.election import LeaderInfo
+from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import Aggregator
-from gpud.cluster.model import JobReport, NodeReport
+from gpud.cluster.model import JobReport, LeftOutJob, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.ports import MemoryTagStore
 from gpud.cluster.tls import PeerTls
@@ -36,6 +39,7 @@ from gpud.errors import (
     InvalidArgument,
     LeaderNotReady,
     NotLeader,
+    PermissionDenied,
     Unavailable,
 )
 from gpud.telemetry.reader import placeholder_identity
@@ -139,6 +143,20 @@ def test_a_reported_job_name_the_registry_would_refuse_is_refused_naming_the_fie
     with pytest.raises(InvalidArgument, match=why) as err:
         report_from_pb(msg)
     assert err.value.field == "jobs[1].job"
+
+
+def test_a_job_name_the_leader_refuses_is_left_out_and_the_rest_of_the_report_read() -> None:
+    """A gpud before 2026-12-06 took a job name ending in a line break: its node's report
+    reaches an upgraded leader, which reads its other jobs and says which it left out."""
+    msg = pb.ReportRequest(
+        node="n1",
+        jobs=[pb.JobReport(job="a"), pb.JobReport(job="old\n"), pb.JobReport(job="b")],
+    )
+    left_out: list[LeftOutJob] = []
+    report = report_from_pb(msg, left_out=left_out)
+    assert [j.job for j in report.jobs] == ["a", "b"]
+    ((job, reason),) = left_out
+    assert job == "old\n" and reason.startswith("jobs[1].job: 'old\\n': letters, digits")
 
 
 def test_a_job_reported_twice_in_one_report_is_refused_naming_both_places() -> None:
@@ -460,7 +478,7 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         assert order is not None and order.epoch == 3 and set(order.levels) == {"a"}
         with pytest.raises(HandshakeFailed):  # what gpuctl's action names
             await stranger.report(address, "leader", report)
-        with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
+        with pytest.raises(PermissionDenied, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
             await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
         # DNS names compare without case (RFC 4343), as the start's check of cluster.node
         # against the certificate does: node "N1" with a certificate for n1 reports, and
@@ -497,6 +515,110 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         await stranger.close()
         await server.stop(None)
         await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def _served_leader(tmp_path: Path) -> AsyncIterator[tuple[ClusterAgent, str, PeerClient]]:
+    """`_leader()` serving the peer API (one round done), its address, and a client with
+    node n1's certificate."""
+    make_ca(tmp_path)
+    for name in ("leader", "n1"):
+        make_node(tmp_path, name, tmp_path)
+    leader = _leader()
+    server = PeerServer(
+        "127.0.0.1:0",
+        PeerTls.load(tmp_path / "ca.pem", tmp_path / "leader.pem", tmp_path / "leader-key.pem"),
+        leader,
+    )
+    await server.start()
+    client = PeerClient(
+        PeerTls.load(tmp_path / "ca.pem", tmp_path / "n1.pem", tmp_path / "n1-key.pem"),
+        timeout_s=5,
+    )
+    try:
+        await leader.tick()
+        yield leader, f"127.0.0.1:{server.port}", client
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def _follower(node: str, info: LeaderInfo, peers: PeerClient | None, *jobs: str) -> ClusterAgent:
+    """An agent following the leader ``info`` names, running ``jobs``."""
+    from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+    from gpud.net.port import FakeTraffic
+    from tests.unit.cluster_support import job
+
+    return ClusterAgent(
+        node=node,
+        election_kind="etcd",
+        election=FixedElection(info),
+        traffic=FakeTraffic(tuple(job(name, 0.5) for name in jobs)),
+        view=StaticNodeView(),
+        tag_store=lambda epoch, lease: MemoryTagStore(),
+        leveller=LevellerConfig(levels=4),
+        reserved_tags=(0,),
+        peers=peers,
+        grace_s=30,
+        fresh_s=3,
+        node_timeout_s=5,
+    )
+
+
+async def test_a_job_name_the_leader_refuses_costs_the_node_that_job_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older node runs a job whose name the upgraded leader refuses ("old\n"): the
+    leader takes the rest of its report, answers with an order for its other jobs, and
+    says once which job it left out, as the node does; the node follows, with no error."""
+    async with _served_leader(tmp_path) as (leader, address, client):
+        follower = _follower("n1", LeaderInfo("leader", address, 3, False), client, "a", "old\n")
+        with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
+            for _ in range(3):  # the first report is folded in at the leader's next round
+                await follower.tick()
+                await leader.tick()
+        status = follower.status()
+        assert (status.last_error, status.last_error_kind) == ("", "")
+        assert follower.mode is Mode.FOLLOWER and follower.order is not None
+        assert set(follower.order.levels) == {"a"}
+        assert [(n.node, n.jobs) for n in leader.status().nodes] == [("leader", 1), ("n1", 1)]
+        said = [r.getMessage() for r in caplog.records]
+        (by_leader,) = [m for m in said if "out of the report of node n1" in m]
+        assert by_leader.startswith("cluster: left job 'old\\n' out of the report of node n1")
+        assert by_leader.endswith(
+            "its other jobs taken: jobs[1].job: 'old\\n': letters, digits, '_', '.', '-'"
+            " (up to 63, starting alphanumeric); no order names it"
+        )
+        (by_node,) = [m for m in said if "out of this node's report" in m]
+        assert by_node.startswith("cluster: leader leader left job 'old\\n' out of this node")
+
+
+async def test_a_report_the_leader_refuses_whole_is_said_refused_not_unreachable(
+    tmp_path: Path,
+) -> None:
+    """The leader answers, refusing the report (here: a node reporting under a name its
+    certificate does not carry): the node's error is the leader's words, of its own kind,
+    for gpuctl not to send the operator to the network."""
+    async with _served_leader(tmp_path) as (_, address, client):
+        renamed = _follower("n7", LeaderInfo("leader", address, 3, False), client, "a")
+        await renamed.tick()
+        status = renamed.status()
+        assert status.last_error_kind == "report_refused"
+        assert status.last_error.startswith(
+            f"leader leader at {address}: PERMISSION_DENIED a peer whose certificate names"
+        )
+        assert status.last_error.endswith("cannot report as 'n7'")
+
+
+async def test_a_peer_reporting_as_another_node_is_refused_before_its_report_is_read(
+    tmp_path: Path,
+) -> None:
+    """The certificate's node is checked first: a report under another node's name is
+    refused as such however malformed the rest (here a job twice), and nothing of it read."""
+    twice = NodeReport("n2", (JobReport("a", 0.5), JobReport("a", 0.5)))
+    async with _served_leader(tmp_path) as (_, address, client):
+        with pytest.raises(PermissionDenied, match=r"cannot report as 'n2'"):
+            await client.report(address, "leader", twice)
 
 
 async def test_each_node_reports_its_build_and_the_leader_keeps_it(tmp_path: Path) -> None:
@@ -550,25 +672,7 @@ async def test_each_node_reports_its_build_and_the_leader_keeps_it(tmp_path: Pat
 async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     pki: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gpud.cluster.agent import ClusterAgent
-    from gpud.cluster.ports import MemoryTagStore, StaticNodeView
-    from gpud.net.port import FakeTraffic
-    from netshaper.leveller import LevellerConfig
-
-    agent = ClusterAgent(
-        node="n1",
-        election_kind="etcd",
-        election=FixedElection(LeaderInfo("n2", "127.0.0.1:1", 4, False)),
-        traffic=FakeTraffic(),
-        view=StaticNodeView(),
-        tag_store=lambda epoch, lease: MemoryTagStore(),
-        leveller=LevellerConfig(levels=4),
-        reserved_tags=(0,),
-        peers=None,
-        grace_s=30,
-        fresh_s=3,
-        node_timeout_s=5,
-    )
+    agent = _follower("n1", LeaderInfo("n2", "127.0.0.1:1", 4, False), None)
     server = PeerServer(
         "127.0.0.1:0", PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem"), agent
     )
@@ -711,6 +815,16 @@ def test_a_leaders_refusal_is_typed_by_the_class_it_names_or_an_older_leaders_wo
     assert isinstance(handshake, HandshakeFailed)
     down = _refusal(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
     assert type(down) is Unavailable
+    # the leader answered and refused the report: typed as such, not as unreachable
+    from gpud.cluster.agent import REPORT_REFUSED, report_error_kind
+
+    invalid = _refusal(grpc.StatusCode.INVALID_ARGUMENT, "jobs[2].job: 'a' is reported twice")
+    denied = _refusal(grpc.StatusCode.PERMISSION_DENIED, "cannot report as 'n2'")
+    assert isinstance(invalid, InvalidArgument) and isinstance(denied, PermissionDenied)
+    assert report_error_kind(invalid) == report_error_kind(denied) == REPORT_REFUSED
+    assert str(invalid) == (
+        "leader n0 at 10.0.0.1:7443: INVALID_ARGUMENT jobs[2].job: 'a' is reported twice"
+    )
     # a refusal without a leader to name is not one to follow
     assert type(_refusal(precondition, "n0 does not lead", ("gpud-error", "NotLeader"))) is (
         Unavailable

@@ -586,3 +586,26 @@ def test_a_leader_that_answers_it_does_not_lead_is_not_said_unreachable() -> Non
     waiting = status(base(mode="holding", last_error=error, last_error_kind="not_leader"))
     assert "action:      wait: the leader etcd named answered that it no longer leads" in waiting
     assert "make the leader reachable" not in waiting
+
+
+def test_a_report_the_leader_refuses_is_said_refused_with_its_words_not_unreachable() -> None:
+    """The leader answered and refused this node's report: the mode line says so, the error
+    is the leader's words, and no action sends the operator to the network between them."""
+    error = (
+        "leader n0 at 10.0.0.1:7443: INVALID_ARGUMENT jobs[2].job: 'a' is reported twice,"
+        " at jobs[0] too"
+    )
+    for fields in ({"last_error_kind": "report_refused"}, {}):  # {}: an older gpud's answer
+        text = status(base(mode="holding", last_error=error, **fields))
+        assert (
+            "mode:        holding (the leader answers and refuses this node's report, as the error says;"
+            in text
+        )
+        assert f"error:       {error}" in text
+        assert "action:      the leader is reachable and refuses this node's report" in text
+        assert "no leader reachable" not in text
+        assert "make the leader reachable" not in text
+    _, shown = exit_and_text(
+        base(mode="holding", last_error=error, last_error_kind="report_refused"), json_output=True
+    )
+    assert json.loads(shown)["last_error_kind"] == "report_refused"
