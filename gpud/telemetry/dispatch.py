@@ -7,13 +7,31 @@ cheap driver calls costs more CPU than the calls themselves.
 
 When a GPU's read runs past ``wait_s`` (the sampler makes it at most half its interval) the
 pass is abandoned on that GPU (a call inside the driver cannot be cancelled; its daemon
-thread returns when the driver does), the GPU is reported as not answering, and the GPUs
-not read yet are each read on a fresh thread of their own within one more ``wait_s``, so
-even a driver-wide hang costs a tick two waits, not one per GPU, and the GPUs that answer
-keep samples no older than the interval allows. A hung GPU gets no new call until its
-stuck one has returned.
+thread returns when the driver does), the GPU's read is *late*, and the GPUs not read yet
+are each read on a fresh thread of their own within one more ``wait_s``, so even a
+driver-wide hang costs a tick two waits, not one per GPU, and the GPUs that answer keep
+samples no older than the interval allows. A GPU whose call is outstanding gets no
+new call until it has returned.
 
-Timeouts use the real monotonic clock: they bound real waits, not simulated time.
+Whether a late read is hung is judged by :meth:`Dispatcher.late`, by this rule:
+
+    A GPU whose read passed its deadline is not answering at once when no other GPU's read
+    begun in that tick or since is late too (a GPU hung alone, or on a node of one GPU, is
+    found in the tick it hangs, as before), and otherwise (reads late together, as when the
+    host starves gpud of CPU) as soon as another GPU answers a read begun in a later tick
+    while its own is still outstanding, or once it has been outstanding ``call_timeout_s``.
+    Only a read that returned a sample without a driver error, begun since the GPU's last
+    reset or MIG change (:meth:`Target.renew`), is an answer, to show or to prove another
+    GPU hung: a late GPU shows its last answer, and one with none since its last failure,
+    reset or MIG change is not answering at the deadline.
+
+Starvation slows every thread of the process alike, so a read late with others is slow, not
+stuck; a hung call never returns, which the next tick's reads of the other GPUs show while
+it is still outstanding. A read whose GPU was reset or changed while it ran is read again
+once (its reader reads the GPU's identity anew), and that one's sample taken.
+
+Waits use the real monotonic clock: they bound real waits. How long a read has been
+outstanding (against ``call_timeout_s``) is measured on the injected ``clock``.
 """
 
 from __future__ import annotations
@@ -21,23 +39,101 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from gpud.telemetry.snapshot import GpuSample
 from gpud.telemetry.worker import Worker
 
 Read = Callable[[], GpuSample]
 Result = GpuSample | BaseException  # what a read returned or raised
+Outcome = Literal["", "answer", "failed", "dropped"]
+
+
+def is_answer(result: Result) -> bool:
+    """Whether ``result`` answers for its GPU: a sample read without a driver error (the
+    reader makes a sample unhealthy for each error the driver returned)."""
+    return isinstance(result, GpuSample) and result.healthy
 
 
 class Target:
-    """One GPU to read: its read function and whether a call on it is still stuck."""
+    """One GPU to read: its read function, whether a call on it is still stuck, and how its
+    latest read went (guarded by ``lock``), which :meth:`Dispatcher.late` judges."""
 
-    __slots__ = ("busy", "index", "read")
+    __slots__ = (
+        "answered_tick",
+        "busy",
+        "entered",
+        "generation",
+        "index",
+        "last",
+        "late",
+        "lock",
+        "outcome",
+        "read",
+        "since",
+        "tick",
+    )
 
     def __init__(self, index: int, read: Read) -> None:
         self.index = index
         self.read = read
         self.busy = False  # True while a read runs; stays True while it is stuck
+        self.lock = threading.Lock()
+        self.generation = 0  # one more at each reset or MIG change of the GPU (renew)
+        # its latest read: the tick it was handed out in and when (the dispatcher's clock),
+        # whether it called the driver (a starved thread may not have begun by the deadline),
+        # whether it passed its deadline, and how it returned ("" while it has not)
+        self.tick = -1
+        self.since = 0.0
+        self.entered = False
+        self.late = False
+        self.outcome: Outcome = ""
+        self.last: GpuSample | None = None  # its latest answer; None after a failure or renew
+        self.answered_tick = -1  # the tick of its latest read that answered
+
+    def renew(self) -> None:
+        """The GPU was reset or its MIG layout changed: no read begun before is its answer
+        (a read running now is read again once it returns)."""
+        with self.lock:
+            self.generation += 1
+            self.last = None
+
+    def _begin(self, tick: int, now: float, entered: bool) -> None:
+        with self.lock:
+            self.tick, self.since, self.entered = tick, now, entered
+            self.late = False
+            self.outcome = ""
+
+    def _mark_late(self) -> None:
+        with self.lock:
+            self.late = True
+
+
+def _read(target: Target) -> tuple[Result, bool]:
+    """Read ``target`` (again once if it was renewed meanwhile); its result and whether that
+    is of a read begun since the last renew (else it is dropped)."""
+    with target.lock:
+        target.entered = True
+        generation = target.generation
+    result: Result = RuntimeError("not read")
+    for _ in range(2):
+        try:
+            result = target.read()
+        except BaseException as err:  # reported as that GPU's result
+            result = err
+        with target.lock:
+            if target.generation == generation:
+                if is_answer(result):
+                    assert isinstance(result, GpuSample)
+                    target.outcome, target.last = "answer", result
+                    target.answered_tick = target.tick
+                else:
+                    target.outcome, target.last = "failed", None
+                return result, True
+            generation = target.generation
+    with target.lock:
+        target.outcome = "dropped"
+    return result, False
 
 
 class _Pass:
@@ -49,17 +145,29 @@ class _Pass:
 
     __slots__ = (
         "abandoned",
+        "clock",
         "complete",
         "current",
         "finished",
         "lock",
         "results",
+        "stamped",
         "started",
         "targets",
+        "tick",
     )
 
-    def __init__(self, targets: Sequence[Target]) -> None:
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        tick: int,
+        clock: Callable[[], float],
+        stamped: bool = False,
+    ) -> None:
         self.targets = targets
+        self.tick = tick
+        self.clock = clock
+        self.stamped = stamped  # the targets' reads were stamped as handed out
         self.results: dict[int, Result] = {}
         self.lock = threading.Lock()  # guards the fields below and the targets' ``busy``
         self.current: Target | None = None
@@ -80,15 +188,15 @@ class _Pass:
                     self.current = target
                     self.started = time.monotonic()
                     target.busy = True
-                try:
-                    result: Result = target.read()
-                except BaseException as err:  # reported as that GPU's result
-                    result = err
+                if not self.stamped:
+                    target._begin(self.tick, self.clock(), entered=True)
+                result, fresh = _read(target)
                 with lock:
                     target.busy = False
                     if self.abandoned:
-                        return  # the caller gave up on this read: its values are stale
-                    results[target.index] = result
+                        return  # the caller gave up on this read: the tick has ended
+                    if fresh:
+                        results[target.index] = result
                     self.current = None
             with lock:
                 self.complete = True
@@ -107,6 +215,7 @@ class _Pass:
             if time.monotonic() - self.started < timeout_s:
                 return None
             self.abandoned = True
+            self.current._mark_late()
             return self.current
 
     def next_deadline(self, timeout_s: float) -> float:
@@ -120,18 +229,27 @@ class Dispatcher:
     """Reads targets, waiting at most ``wait_s`` for a GPU that does not answer (see the
     module doc). ``wait_s`` may be changed between reads."""
 
-    def __init__(self, wait_s: float, name: str = "gpud-sampler") -> None:
+    def __init__(
+        self,
+        wait_s: float,
+        name: str = "gpud-sampler",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.wait_s = wait_s
         self._name = name
+        self._clock = clock
+        self._tick = 0
         self._worker = Worker(name)
         self._spare = 0
 
     def read(self, targets: Sequence[Target]) -> dict[int, Result]:
-        """Results by GPU index; a GPU missing from the result is hung (stuck or timed out)."""
+        """Results by GPU index; a GPU missing from the result is late or hung (stuck or
+        timed out): :meth:`late` tells which."""
+        self._tick += 1
         todo = [t for t in targets if not t.busy]
         if not todo:
             return {}
-        p = _Pass(todo)
+        p = _Pass(todo, self._tick, self._clock)
         if not self._worker.submit(p.run):
             return {}  # closed (gpud is stopping): no GPU is read, each reported hung
         timeout = self.wait_s
@@ -153,7 +271,10 @@ class Dispatcher:
     def _fan_out(self, targets: Sequence[Target], timeout: float) -> dict[int, Result]:
         passes: list[_Pass] = []
         for target in targets:
-            p = _Pass((target,))
+            # stamped as handed out: a thread the OS has not run by the deadline is late
+            # without having called the driver
+            target._begin(self._tick, self._clock(), entered=False)
+            p = _Pass((target,), self._tick, self._clock, stamped=True)
             self._spare += 1
             worker = Worker(f"{self._name}-{self._spare}")
             worker.submit(p.run)
@@ -167,9 +288,39 @@ class Dispatcher:
                 with p.lock:
                     if not p.results:
                         p.abandoned = True
+                        p.targets[0]._mark_late()
                         continue
             results.update(p.results)
         return results
+
+    def late(
+        self, target: Target, targets: Sequence[Target], hung_after_s: float
+    ) -> GpuSample | None:
+        """What ``target``, which has no result from the last :meth:`read`, shows: its last
+        answer while its read is late and not judged hung (the module doc has the rule), else
+        None: it is not answering. ``targets``: every GPU's, ``hung_after_s``: the longest a
+        read may be outstanding (``telemetry.call_timeout_s``) on the dispatcher's clock."""
+        with target.lock:
+            late, outcome, entered = target.late, target.outcome, target.entered
+            last, tick, since = target.last, target.tick, target.since
+        if not late or last is None or outcome in ("failed", "dropped"):
+            return None
+        if outcome == "answer" or not entered:
+            # it answered after its deadline (its latest sample), or its thread had not begun
+            # by then: the GPU was not called, and is read again next tick
+            return last
+        if self._clock() - since >= hung_after_s:
+            return None
+        together = False
+        for other in targets:
+            if other is target:
+                continue
+            with other.lock:
+                if other.answered_tick > tick:
+                    return None  # the driver answers another GPU read since: this one hangs
+                if other.tick >= tick and other.late and other.outcome in ("", "answer"):
+                    together = True
+        return last if together else None
 
     def close(self) -> None:
         self._worker.close()

@@ -7,8 +7,12 @@ shorter) is left behind while the rest are read on threads of their own. So:
 - a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
   other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
 - a GPU whose call hangs is ``healthy=False`` with one reason (:data:`NOT_ANSWERING`) from
-  the first tick its call is outstanding until it returns; it gets no new call until then,
-  while the others keep samples no older than twice the interval;
+  the first tick that finds it hung until the call returns; it gets no new call until then,
+  while the others keep samples no older than twice the interval. A call past its deadline
+  with other GPUs' calls late too (a host that starves gpud of CPU) is late, not hung: the
+  GPU shows its last answer (older each tick, ``gpud_gpu_sample_age_seconds``) until the
+  next tick's reads of other GPUs answer while it is still outstanding, or it has been
+  outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch` has the rule);
 - health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
@@ -53,7 +57,7 @@ from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported, Unavailable
 from gpud.events import EventLog
 from gpud.files import keep_aside, write_atomically
-from gpud.telemetry.dispatch import Dispatcher, Target
+from gpud.telemetry.dispatch import Dispatcher, Result, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.seen import Seen
 from gpud.telemetry.seen import identity as seen_identity
@@ -221,7 +225,7 @@ class Sampler:
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
         # a tick waits at most twice (see tick_bound_s): each wait is half its bound
-        self._dispatcher = Dispatcher(self.tick_bound_s() / 2)
+        self._dispatcher = Dispatcher(self.tick_bound_s() / 2, clock=clock)
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._events_handled = 0  # GPU events taken in, of any kind
         self._handled = threading.Condition()
@@ -289,6 +293,7 @@ class Sampler:
         for slot in self._slots or ():
             if gpu is None or slot.reader.index == gpu:
                 slot.reader.refresh_identity()
+                slot.target.renew()  # after: a read renewed reads the identity anew
 
     # -- sampling -----------------------------------------------------------------------
 
@@ -303,8 +308,11 @@ class Sampler:
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()
             self._dispatcher.wait_s = self.tick_bound_s() / 2  # the interval may have changed
-            results = self._dispatcher.read([slot.target for slot in slots])
-            samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
+            targets = [slot.target for slot in slots]
+            results = self._dispatcher.read(targets)
+            samples = tuple(
+                self._collect(slot, self._result(slot, results, targets)) for slot in slots
+            )
             snapshot = Snapshot(
                 wall_time=wall,
                 monotonic=start,
@@ -365,6 +373,16 @@ class Sampler:
             self._slots = slots
         return slots
 
+    def _result(
+        self, slot: _Slot, results: Mapping[int, Result], targets: Sequence[Target]
+    ) -> Result | None:
+        """``slot``'s result of the tick; where its read gave none, its last answer while the
+        read is late and not judged hung (None: not answering)."""
+        result = results.get(slot.reader.index)
+        if result is not None:
+            return result
+        return self._dispatcher.late(slot.target, targets, self.call_timeout_s)
+
     def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
         reader = slot.reader
         if isinstance(result, GpuSample):
@@ -381,7 +399,7 @@ class Sampler:
                 sampled_at=reader.last_good_at,
                 mig_devices_read=False,
             )
-        else:  # hung: stuck since an earlier tick, or given up on in this one
+        else:  # hung: judged so by the dispatcher (late alone, or shown stuck)
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
@@ -608,6 +626,7 @@ class Sampler:
                 with self._lock:
                     slot.critical = {}
                 slot.reader.refresh_identity()
+                slot.target.renew()  # a read begun before the reset is not its answer
         with self._lock:
             if gpu is None:
                 self._unslotted_xids = {}

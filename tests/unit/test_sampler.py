@@ -43,7 +43,7 @@ from gpud.telemetry.sampler import (
     xid_state_document,
 )
 from gpud.telemetry.seen import Seen, SeenGpus, describe, parse
-from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, SeenIdentity
+from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.telemetry.worker import Worker
 
 GIB = 1 << 30
@@ -754,8 +754,10 @@ def test_several_hung_gpus_cost_two_timeouts_not_one_each(
     # GPU 0 stalls the pass; 1 and 2 are then read on threads of their own, in parallel
     # (each is called once, while 0 still hangs), and 3 keeps a fresh sample.
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
-    assert [g.healthy for g in snap.gpus] == [False, False, False, True]
     assert snap.gpus[3].sampled_at == clock.now
+    # Three reads late together are what a starved host looks like: each shows its last
+    # answer this tick. The next tick's read of GPU 3 answers while theirs are outstanding.
+    assert [g.sampled_at < clock.now for g in snap.gpus] == [True, True, True, False]
     snap = sampler.tick()  # all three still stuck: not called again
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
     assert [g.healthy for g in snap.gpus] == [False, False, False, True]
@@ -812,6 +814,189 @@ def test_hung_gpu_is_not_answering_at_once_and_unhealthy_at_the_timeout(
         while not s.tick().gpus[2].healthy:
             assert time.monotonic() < deadline, "GPU 2 did not recover"
             time.sleep(0.01)
+    finally:
+        gate.set()
+        s.close()
+
+
+NOT_ANSWERING = "not answering: a driver call is outstanding"
+
+
+def _starve(backend: FakeBackend, gpus: Sequence[int]) -> dict[int, threading.Event]:
+    """Hold every call of ``gpus`` past the tick's deadlines: what a host that gives gpud no
+    CPU does to reads a simulated driver makes in Python (or a hang, until released)."""
+    gates = {gpu: threading.Event() for gpu in gpus}
+    backend.hang.update(gates)
+    return gates
+
+
+def _answer(backend: FakeBackend, sampler: Sampler, gates: dict[int, threading.Event]) -> None:
+    """Let the held reads of ``gates``' GPUs return, and wait until they have."""
+    for gpu, gate in gates.items():
+        del backend.hang[gpu]
+        gate.set()
+    _wait_for(lambda: not any(_read_outstanding(sampler, gpu) for gpu in gates))
+
+
+def test_gpus_late_together_on_a_starved_host_keep_their_health(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    first = sampler.tick()
+    gates = _starve(backend, range(4))
+    clock.now += 1
+    snap = sampler.tick()
+    # every read late together: each GPU shows its last answer, as old as it is
+    assert [g.healthy for g in snap.gpus] == [True] * 4
+    assert [g.sampled_at for g in snap.gpus] == [g.sampled_at for g in first.gpus]
+    _answer(backend, sampler, gates)
+    clock.now += 1
+    snap = sampler.tick()
+    assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus)
+    assert "gpu.unhealthy" not in events.counts()
+
+
+def test_a_read_late_through_ticks_of_starvation_keeps_its_gpus_health(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    """The reads late with it may be of a later tick: the host still starves gpud."""
+    sampler.tick()
+    first = _starve(backend, [0, 1])
+    clock.now += 0.1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    _answer(backend, sampler, {1: first[1]})
+    _starve(backend, [1, 2, 3])
+    clock.now += 0.1
+    snap = sampler.tick()  # GPU 0 still outstanding, the others late in this tick
+    assert [g.healthy for g in snap.gpus] == [True] * 4
+
+
+def test_a_gpu_hung_among_starved_ones_is_not_answering_once_the_next_tick_reads_another(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    sampler.tick()
+    gates = _starve(backend, range(4))
+    clock.now += 1
+    assert all(g.healthy for g in sampler.tick().gpus)  # late together: not judged yet
+    _answer(backend, sampler, {g: gates[g] for g in (0, 1, 3)})  # GPU 2 never returns
+    clock.now += 0.1  # well within call_timeout_s
+    snap = sampler.tick()
+    assert [g.healthy for g in snap.gpus] == [True, True, False, True]
+    assert snap.gpus[2].reason == NOT_ANSWERING
+
+
+def test_gpus_late_together_are_not_answering_once_outstanding_the_call_timeout(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    """Every GPU hung at once (the driver's own hang) shows no read answering: the call
+    timeout bounds how long reads late together keep their GPUs' health."""
+    sampler.tick()
+    _starve(backend, range(4))
+    clock.now += 1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    clock.now += 1  # past call_timeout_s (0.3 s)
+    snap = sampler.tick()
+    assert [g.reason for g in snap.gpus] == [NOT_ANSWERING] * 4
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_the_last_gpu_read_hung_alone_is_not_answering_in_the_tick_it_hangs(
+    gpus: int, clock: FakeClock, events: EventLog
+) -> None:
+    """No read after it in the tick to compare with (on a node of one GPU, none at all): a
+    read late alone is hung at its deadline, as fast as ever."""
+    backend = FakeBackend(gpus=gpus)
+    s = Sampler(backend, call_timeout_s=0.3, clock=clock, events=events)  # type: ignore[arg-type]
+    try:
+        s.tick()
+        gates = _starve(backend, [gpus - 1])
+        clock.now += 1
+        snap = s.tick()
+        assert [g.healthy for g in snap.gpus] == [True] * (gpus - 1) + [False]
+        assert snap.gpus[-1].reason == NOT_ANSWERING
+    finally:
+        for gate in gates.values():
+            gate.set()
+        s.close()
+
+
+def test_a_lost_gpus_fast_failures_do_not_make_gpus_late_together_not_answering(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    """A failed read is no answer: a GPU that fails at once (lost) neither shows that the
+    driver answers while the others' reads are late, nor keeps a sample from before."""
+    sampler.tick()
+    backend.lost.add(3)
+    gates = _starve(backend, range(3))
+    for _ in range(2):
+        clock.now += 0.1
+        snap = sampler.tick()
+        assert [g.healthy for g in snap.gpus] == [True, True, True, False]
+        assert snap.gpus[3].reason.startswith("GPU lost")
+    _starve(backend, [3])  # lost, then late: it has no answer since its failure to show
+    _answer(backend, sampler, gates)
+    clock.now += 0.1
+    snap = sampler.tick()  # 0 to 2 read again in a later tick, 3 late alone
+    assert [g.healthy for g in snap.gpus] == [True, True, True, False]
+    assert snap.gpus[3].reason == NOT_ANSWERING
+    backend.hang[3].set()
+
+
+def test_a_read_begun_before_a_reset_is_not_the_gpus_answer(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    sampler.tick()
+    gates = _starve(backend, range(4))
+    clock.now += 1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    sampler.gpu_reset(1)  # while every read is late
+    clock.now += 0.1
+    snap = sampler.tick()
+    # its last answer is of the GPU before the reset: not shown as the GPU now
+    assert [g.healthy for g in snap.gpus] == [True, False, True, True]
+    assert snap.gpus[1].reason == NOT_ANSWERING
+    _answer(backend, sampler, gates)
+    # the read held across the reset was made again, reading the GPU's identity anew
+    assert backend.calls[(1, "identity")] == 2
+    assert backend.calls[(0, "identity")] == 1
+    clock.now += 0.1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    assert backend.calls[(1, "identity")] == 2
+
+
+class _Replaced(FakeBackend):
+    """A backend whose GPU 1 is another board after ``replace()`` (a reset that swapped it,
+    as far as a read can tell: another UUID)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.board = 0
+
+    def identity(self, gpu: int) -> GpuIdentity:
+        ident = super().identity(gpu)
+        return dataclasses.replace(ident, uuid=f"{ident.uuid}-{self.board}") if gpu == 1 else ident
+
+
+def test_a_read_in_progress_when_its_gpu_is_reset_is_made_again(
+    clock: FakeClock, events: EventLog
+) -> None:
+    backend = _Replaced()
+    # deadlines of a minute: the held read is within its deadline however slow the host
+    s = Sampler(backend, interval_s=120.0, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
+    gate = threading.Event()
+    try:
+        s.tick()
+        backend.hang[1] = gate
+        got: list[Snapshot] = []
+        ticking = threading.Thread(target=lambda: got.append(s.tick()), daemon=True)
+        ticking.start()
+        _wait_for(lambda: backend.calls[(1, "memory")] == 2)  # held inside its read
+        backend.board = 1
+        s.gpu_reset(1)
+        del backend.hang[1]
+        gate.set()
+        ticking.join(30)
+        assert got[0].gpus[1].healthy
+        assert got[0].gpus[1].identity.uuid == "GPU-00000001-1"
     finally:
         gate.set()
         s.close()
