@@ -1279,6 +1279,21 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
 
 
+def test_net_show_counts_the_marking_tables_written_again(rig: Rig) -> None:
+    """``gpuctl net show --json`` carries each restore of gpud's table (what
+    ``gpud_net_marking_restores_total`` counts), so the operator sees a ruleset flushed
+    while the marking reads ok again."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    assert show_message(rig.service.view(), rig.clock.t).marking_restores == 0
+    for _ in range(3):
+        rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+        rig.service.tick()
+    shown = show_message(rig.service.view(), rig.clock.t)
+    assert (shown.marking_restores, shown.marking_error) == (3, "")
+
+
 def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_minute(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
