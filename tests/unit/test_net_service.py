@@ -992,6 +992,27 @@ def test_a_job_left_under_two_homes_by_a_sync_cut_short_keeps_each_leaf_and_its_
     assert _level_bytes(rig)["1"] == 600
 
 
+def test_an_interface_read_after_the_start_keeps_the_level_class_its_leaf_has_there(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """eth1 cannot be read at the start (its adopt fails), its leaf of job a under level
+    class 3 while eth0's is under 1: read before its first pass, it keeps its own."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",), interfaces=("eth0", "eth1"))
+    rig.active = {"a"}
+    rig.service.pin("a", 1)
+    rig.service.tick()
+    dscp = rig.service.tags.allocations()["a"]
+    rig.tc.states["eth1"] = _leaf_moved(rig.tc.states["eth1"], dscp, 3)
+    kernel = dict(rig.tc.states)
+    rig.service = rig.make()
+    rig.tc.missing.add("eth1")
+    rig.service.start()
+    rig.service.tick()
+    rig.tc.missing.clear()
+    rig.service.tick()
+    assert rig.tc.states == kernel
+
+
 def test_a_leaf_left_twice_on_an_interface_keeps_the_one_its_filters_point_to(
     rig: Rig,
 ) -> None:
