@@ -964,18 +964,25 @@ def _leaf_moved(
     )
 
 
-def test_a_job_left_under_two_homes_by_a_sync_cut_short_keeps_each_leaf_and_its_counts(
-    tmp_path: Path, sysfs: Path
-) -> None:
-    """gpud killed -9 in a sync that moved job a's leaf: on eth1 it sits under level
-    class 3, on eth0 still under 1. The start reads each interface's home, so the first
-    pass moves neither leaf (no packet of a's queue dropped) and counts each from it."""
+def _a_under_two_homes(tmp_path: Path, sysfs: Path) -> tuple[Rig, int]:
+    """Job a pinned at level 1 on eth0 and eth1, its leaf on eth1 then moved under level
+    class 3 (on eth0 still under 1): the rig, and a's tag."""
     rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",), interfaces=("eth0", "eth1"))
     rig.active = {"a"}
     rig.service.pin("a", 1)
     rig.service.tick()
     dscp = rig.service.tags.allocations()["a"]
     rig.tc.states["eth1"] = _leaf_moved(rig.tc.states["eth1"], dscp, 3)
+    return rig, dscp
+
+
+def test_a_job_left_under_two_homes_by_a_sync_cut_short_keeps_each_leaf_and_its_counts(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """gpud killed -9 in a sync that moved job a's leaf: on eth1 it sits under level
+    class 3, on eth0 still under 1. The start reads each interface's home, so the first
+    pass moves neither leaf (no packet of a's queue dropped) and counts each from it."""
+    rig, dscp = _a_under_two_homes(tmp_path, sysfs)
     kernel = dict(rig.tc.states)
     at_home = {"eth0": tcplan.leaf_classid(1, dscp), "eth1": tcplan.leaf_classid(3, dscp)}
     for iface, leaf in at_home.items():
@@ -997,12 +1004,7 @@ def test_an_interface_read_after_the_start_keeps_the_level_class_its_leaf_has_th
 ) -> None:
     """eth1 cannot be read at the start (its adopt fails), its leaf of job a under level
     class 3 while eth0's is under 1: read before its first pass, it keeps its own."""
-    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",), interfaces=("eth0", "eth1"))
-    rig.active = {"a"}
-    rig.service.pin("a", 1)
-    rig.service.tick()
-    dscp = rig.service.tags.allocations()["a"]
-    rig.tc.states["eth1"] = _leaf_moved(rig.tc.states["eth1"], dscp, 3)
+    rig, _ = _a_under_two_homes(tmp_path, sysfs)
     kernel = dict(rig.tc.states)
     rig.service = rig.make()
     rig.tc.missing.add("eth1")
