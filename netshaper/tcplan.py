@@ -372,6 +372,7 @@ def plan(
     *,
     weights: Mapping[str, float] | None = None,
     homes: Mapping[str, int] | None = None,
+    interface_homes: Mapping[str, Mapping[str, int]] | None = None,
 ) -> TcPlan:
     """The HTB tree and filters for every interface in ``links``.
 
@@ -383,6 +384,10 @@ def plan(
     quantum is ``quantum_bytes`` times it, at least ``MIN_QUANTUM``); absent jobs weigh 1.
     ``homes``: job -> the level class its leaf sits under (default: its level); the leaf's
     ``prio`` is always the job's level, so a job moves between levels in place.
+    ``interface_homes``: interface -> job -> the level class its leaf sits under on that
+    interface, over ``homes`` (leaves a sync cut short left under different level classes
+    on different interfaces stay where each is). ``TcPlan.job_classes`` gives each job's
+    leaf by ``homes``; an interface's own leaves are in its plan's classes.
 
     Raises ValueError naming the job, level, interface or tag that is wrong.
     """
@@ -411,10 +416,7 @@ def plan(
             raise ValueError(f"{job}: has level {lvl} but no DSCP tag")
         if not 0 <= lvl < len(shares):
             raise ValueError(f"{job}: level {lvl} is outside [0, {len(shares) - 1}]")
-        home = (homes or {}).get(job, lvl)
-        if not 0 <= home < len(shares):
-            raise ValueError(f"{job}: home level {home} is outside [0, {len(shares) - 1}]")
-        placed.append((tags[job], job, lvl, home))
+        placed.append((tags[job], job, lvl, _home(job, (homes or {}).get(job, lvl), shares)))
     placed.sort()
     quanta: dict[str, int] = {}
     for job, w in (weights or {}).items():
@@ -451,7 +453,9 @@ def plan(
         leaf_rate = round(link * opts.leaf_share)
         top_rate = max(leaf_rate, round(link * opts.top_share))
         filters: list[DscpFilter] = []
-        for dscp, job, lvl, home in placed:
+        here = (interface_homes or {}).get(iface, {})
+        for dscp, job, lvl, job_home in placed:
+            home = _home(f"{iface}: {job}", here[job], shares) if job in here else job_home
             leaf = leaf_classid(home, dscp, major)
             leaf_cls = _cls(
                 leaf,
@@ -482,6 +486,13 @@ def plan(
         interfaces=tuple(ifaces),
         job_classes={job: leaf_classid(home, dscp, major) for dscp, job, _, home in placed},
     )
+
+
+def _home(what: str, home: int, shares: Sequence[float]) -> int:
+    """``home``, a level class a leaf may sit under; ValueError naming ``what`` if not."""
+    if not 0 <= home < len(shares):
+        raise ValueError(f"{what}: home level {home} is outside [0, {len(shares) - 1}]")
+    return home
 
 
 # --- what the kernel holds, and the operations from there to the plan -------------------

@@ -156,6 +156,16 @@ def _shaped_nothing(resp: pb.ShowNetResponse) -> str:
     return f"interfaces: none (traffic.interfaces is empty): no HTB tree anywhere; {listed} only"
 
 
+def _marking(resp: pb.ShowNetResponse) -> str:
+    """The marking's state: off (a setting), its error, or ok; with how many times gpud's
+    table was found removed outside gpud and written again (the restores tell of a
+    firewall flushing the ruleset, which the marking being ok now does not)."""
+    if resp.marking_off:
+        return "off (traffic.marking = false)"
+    restores = f" (restores: {resp.marking_restores})" if resp.marking_restores else ""
+    return (resp.marking_error or "ok") + restores
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowNetResponse = ctx.call(ctx.stub(pb_grpc.NetStub).ShowNet, pb.ShowNetRequest())
     if ctx.out.json:
@@ -240,7 +250,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     ctx.out.print()
     order = resp.order_source + (f" (epoch {resp.epoch})" if resp.epoch else "")
     ctx.out.print(f"order: {order}; level changes: {resp.level_changes_total}")
-    ctx.out.print(f"marking by cgroup (nftables): {resp.marking_error or 'ok'}")
+    ctx.out.print(f"marking by cgroup (nftables): {_marking(resp)}")
     if resp.rdma_backend != "none":
         repairs = f" (repairs: {resp.rdma_repairs})" if resp.rdma_repairs else ""
         ctx.out.print(f"RDMA DSCP map ({resp.rdma_backend}): {resp.rdma_error or 'ok'}{repairs}")

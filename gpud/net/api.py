@@ -104,6 +104,7 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
         marking_off=not view.marking,
         stop_after_spacings=view.gap_spacings,
         rdma_repairs=view.rdma_repairs,
+        marking_restores=view.marking_restores,
     )
 
 

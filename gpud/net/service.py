@@ -569,9 +569,12 @@ class TrafficService:
         # removed of what the run before left (event net.takeover)
         self._found: dict[str, tcplan.InterfaceState] = {}
         self._marks_found = False
-        # job -> the level class its leaf sits under: a level change only changes the
-        # leaf's prio, in place (see netshaper.tcplan)
-        self._homes: dict[str, int] = {}
+        # job -> interface -> the level class its leaf sits under there: a level change
+        # only changes the leaf's prio, in place (see netshaper.tcplan). Kept per interface:
+        # a gpud killed in the middle of a sync that moved a leaf leaves it under one level
+        # class on the interfaces synced and under another on the rest, and each is kept
+        # where it is (its class and counters with it) rather than moved to one home
+        self._homes: dict[str, dict[str, int]] = {}
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
@@ -1819,7 +1822,8 @@ class TrafficService:
                     if was != level:
                         disagree.add(job)
                     adopted[job] = min(was, level)
-                self._homes.update(self._levels_in(found.state, tags, homes=True))
+                for job, home in self._levels_in(found.state, tags, homes=True).items():
+                    self._homes.setdefault(job, {})[iface] = home
             self._adopted = adopted
             if self._leveller.last is None:
                 # the policy starts from the levels in force, as a new cluster leader does:
@@ -1853,8 +1857,8 @@ class TrafficService:
     def _adopt_late(self, tags: Mapping[str, int]) -> None:
         """Read the interfaces the start could not, before their first pass. The levels
         found are not taken (the start's window for them is over: the jobs' levels now are
-        decided), the home level of a job's leaf is, where the job has none yet, so that
-        its class and its counters stay."""
+        decided), the home level of a job's leaf on that interface is, so that its class
+        and its counters stay there whatever home its leaves have on the others."""
         if not self._adopt_due or self._tc is None:
             return
         for iface, found in self._tc.adopt(sorted(self._adopt_due)).items():
@@ -1864,7 +1868,7 @@ class TrafficService:
             self._adopt_due.discard(iface)
             self._take(iface, found)
             for job, home in self._levels_in(found.state, tags, homes=True).items():
-                self._homes.setdefault(job, home)
+                self._homes.setdefault(job, {}).setdefault(iface, home)
 
     def _original(self, iface: str, found: AdoptedLike) -> tcplan.RootQdisc | None:
         """The root qdisc ``iface`` had before gpud took it. ``found.original`` is the root
@@ -1967,7 +1971,11 @@ class TrafficService:
         ``homes`` the level class each leaf sits under."""
         by_tag = {d: j for j, d in tags.items()}
         out: dict[str, int] = {}
-        for c in state.classes:
+        # a sync cut short in a move leaves a job two leaves here (the new one added, the
+        # old not yet deleted): the one its filters send its packets to is taken (last),
+        # so the first pass keeps that one and deletes the other, moving no packet again
+        aimed = {f.flowid for _, f in state.filters}
+        for c in sorted(state.classes, key=lambda c: c.classid in aimed):
             leaf = tcplan.parse_leaf(c.classid)
             if leaf is None or leaf[1] not in by_tag or not 0 <= leaf[0] < self.config.levels:
                 continue
@@ -2006,7 +2014,14 @@ class TrafficService:
                     default_share=self.config.default_share, top_share=self.config.top_share
                 ),
                 weights={j: w for j, w in (weights or {}).items() if j in levels},
-                homes={j: self._homes.setdefault(j, lv) for j, lv in levels.items() if j in tags},
+                interface_homes={
+                    iface: {
+                        j: self._homes.setdefault(j, {}).setdefault(iface, lv)
+                        for j, lv in levels.items()
+                        if j in tags
+                    }
+                    for iface in links
+                },
             )
         except ValueError as err:
             for iface in links:
@@ -2018,10 +2033,11 @@ class TrafficService:
         # (sync also re-reads an interface whose plan is unchanged).
         result = self._tc.drift(plan) if plan == self._last_plan else self._tc.sync(plan)
         self._last_plan = plan if all(r.error is None for r in result.interfaces.values()) else None
-        by_class = {cid: job for job, cid in plan.job_classes.items()}
         for iface, res in result.interfaces.items():
             status = self._ifaces[iface]
             want = plan.interface(iface)
+            # the job leaves of this interface: their classids may differ from another's
+            by_class = {c.classid: c.job for c in want.classes if c.job is not None}
             unchanged = self._applied.get(iface) == want
             found = self._found.pop(iface, None) if res.error is None else None
             if res.replaced:

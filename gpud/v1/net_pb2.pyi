@@ -409,6 +409,7 @@ class ShowNetResponse(_message.Message):
     MARKING_OFF_FIELD_NUMBER: _builtins.int
     STOP_AFTER_SPACINGS_FIELD_NUMBER: _builtins.int
     RDMA_REPAIRS_FIELD_NUMBER: _builtins.int
+    MARKING_RESTORES_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """traffic.enabled in the daemon's config"""
     level_changes_total: _builtins.int
@@ -435,6 +436,11 @@ class ShowNetResponse(_message.Message):
     """writes of the NIC DSCP -> priority map that found an entry changed outside gpud and
     wrote it back
     """
+    marking_restores: _builtins.int
+    """times gpud's nftables table was found removed outside gpud (nft flush ruleset, a
+    firewall reload) and written again since gpud started: every one, also those its
+    net.marking event says only once a minute (gpud_net_marking_restores_total)
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetJob]: ...
     @_builtins.property
@@ -458,10 +464,11 @@ class ShowNetResponse(_message.Message):
         marking_off: _builtins.bool = ...,
         stop_after_spacings: _builtins.float = ...,
         rdma_repairs: _builtins.int = ...,
+        marking_restores: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "idle_untagged_jobs", b"idle_untagged_jobs", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "marking_off", b"marking_off", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error", "rdma_repairs", b"rdma_repairs", "stop_after_spacings", b"stop_after_spacings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "idle_untagged_jobs", b"idle_untagged_jobs", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "marking_off", b"marking_off", "marking_restores", b"marking_restores", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error", "rdma_repairs", b"rdma_repairs", "stop_after_spacings", b"stop_after_spacings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,10 +16,17 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from gpud.config import TrafficConfig
+from gpud.events import EventLog
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
+from gpud.store import StateStore
 from netshaper import tcplan as tp
 from netshaper.tc_netlink import (
     RTM_DELQDISC,
@@ -303,6 +310,58 @@ def test_a_restart_adopts_the_tree_and_restore_brings_back_the_original(net: Net
 
 def _index(net: Net, iface: str) -> str:
     return _run("ip", "-n", net.snd, "-o", "link", "show", iface).split(":")[0]
+
+
+@contextmanager
+def _shaping(
+    net: Net, store: StateStore, ifaces: tuple[str, ...], pin: int
+) -> Iterator[TrafficService]:
+    """A gpud shaping ``ifaces`` of ``net`` with job alpha pinned at level ``pin``, after
+    its start and first pass; killed on leaving (nothing torn down)."""
+    config = TrafficConfig(
+        enabled=True, interfaces=ifaces, link_rates=tuple(f"{i}=1gbit" for i in ifaces)
+    )
+    tc = TcNetlink(netns=net.snd)
+    try:
+        service = TrafficService(
+            config,
+            tags=TagStore(store, pool=job_pool(config)),
+            events=EventLog(None),
+            jobs=lambda: ["alpha"],
+            active=lambda: {"alpha"},
+            tc=tc,
+            link_index=lambda iface: int(_index(net, iface)),
+        )
+        service.start()
+        service.pin("alpha", pin)
+        service.tick()
+        yield service
+    finally:
+        tc.close()
+
+
+def test_a_job_left_under_two_level_classes_keeps_each_leaf_and_its_counts(
+    net: Net, tmp_path: Path
+) -> None:
+    """Job alpha's leaf under level class 3 on a1 and under 1 on a0, as a gpud killed in
+    the middle of a sync moving it leaves it: the next gpud's first pass moves neither
+    (each keeps its class, its queue and its kernel counters), and counts from them."""
+    store = StateStore(tmp_path / "state")
+    with _shaping(net, store, ("a1",), pin=3):
+        pass
+    with _shaping(net, store, ("a0",), pin=1) as service:
+        dscp = service.tags.allocations()["alpha"]
+    leaves = {"a0": f"6764:11{dscp:02x}", "a1": f"6764:13{dscp:02x}"}
+    net.send_udp(dscp << 2, 20)  # over a0: sent before the restart, not counted after it
+    before = {i: int(net.classes(i)[leaf]["pkts"]) for i, leaf in leaves.items()}
+    with _shaping(net, store, ("a0", "a1"), pin=1) as service:
+        for iface, leaf in leaves.items():
+            assert int(net.classes(iface)[leaf]["pkts"]) == before[iface]
+            assert {flowid for flowid, _ in net.filters(iface).values()} == {leaf}
+        net.send_udp(dscp << 2, 10)
+        service.tick()
+        (alpha,) = service.view().jobs
+        assert alpha.counters.packets == int(net.classes("a0")[leaves["a0"]]["pkts"]) - before["a0"]
 
 
 def test_restore_on_a_netdev_made_again_leaves_the_root_the_kernel_gave_it(

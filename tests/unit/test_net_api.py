@@ -30,6 +30,7 @@ from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
+from gpud.v1 import net_pb2, net_pb2_grpc
 from tests.unit.api_support import ServerThread, fork_mid_grpc_import, short_dir
 from tests.unit.other_user import as_nobody, needs_root
 
@@ -1162,3 +1163,49 @@ def test_a_progress_report_from_one_session_too_many_is_resource_exhausted(
     assert rejected.code == "RESOURCE_EXHAUSTED"
     assert rejected.message.startswith(f"job 'train-a': {MAX_JOB_SESSIONS} sessions")
     assert node.service.accepted_reports == MAX_JOB_SESSIONS
+
+
+class _Shows(net_pb2_grpc.NetServicer):
+    """A Net service whose ShowNet answers ``shown``."""
+
+    def __init__(self, shown: net_pb2.ShowNetResponse) -> None:
+        self.shown = shown
+
+    def register(self, server: Any) -> None:
+        net_pb2_grpc.add_NetServicer_to_server(self, server)
+
+    async def ShowNet(self, request: Any, context: Any) -> net_pb2.ShowNetResponse:
+        return self.shown
+
+
+@pytest.mark.parametrize(
+    ("shown", "line"),
+    [
+        (net_pb2.ShowNetResponse(enabled=True), "marking by cgroup (nftables): ok"),
+        (
+            net_pb2.ShowNetResponse(enabled=True, marking_restores=3),
+            "marking by cgroup (nftables): ok (restores: 3)",
+        ),
+        (
+            net_pb2.ShowNetResponse(
+                enabled=True, marking_error="nft: timed out", marking_restores=1
+            ),
+            "marking by cgroup (nftables): nft: timed out (restores: 1)",
+        ),
+        (
+            net_pb2.ShowNetResponse(enabled=True, marking_off=True),
+            "marking by cgroup (nftables): off (traffic.marking = false)",
+        ),
+    ],
+    ids=["ok", "restores", "failing", "off"],
+)
+def test_net_show_says_the_marking_and_how_often_its_table_was_written_again(
+    capsys: pytest.CaptureFixture[str], shown: net_pb2.ShowNetResponse, line: str
+) -> None:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[_Shows(shown).register])):
+            code, out, _ = gpuctl(capsys, path, "net", "show")
+            assert code == 0 and line in out.splitlines()
+            code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
+    assert code == 0 and json.loads(out).get("marking_restores", 0) == shown.marking_restores

@@ -943,6 +943,100 @@ def test_a_restart_counts_from_the_kernels_reading_at_its_first_pass(rig: Rig) -
     assert _sent(rig, "a") == (200, 2, 0)
 
 
+def _leaf_moved(
+    state: tcplan.InterfaceState, dscp: int, home: int, *, keep: bool = False
+) -> tcplan.InterfaceState:
+    """``state`` with the leaf of tag ``dscp`` under level class ``home`` and its filters
+    pointing there, as a sync moving it leaves it; ``keep``: the old leaf still there too
+    (the sync cut short before its delete)."""
+    leaf = tcplan.leaf_classid(home, dscp)
+    classes = [*state.classes]
+    for c in state.classes:
+        if (p := tcplan.parse_leaf(c.classid)) and p[1] == dscp:
+            if not keep:
+                classes.remove(c)
+            classes.append(dataclasses.replace(c, classid=leaf, parent=tcplan.level_classid(home)))
+    filters = tuple(
+        (h, dataclasses.replace(f, flowid=leaf) if f.dscp == dscp else f) for h, f in state.filters
+    )
+    return dataclasses.replace(
+        state, classes=tuple(sorted(classes, key=lambda c: c.classid)), filters=filters
+    )
+
+
+def _a_under_two_homes(tmp_path: Path, sysfs: Path) -> tuple[Rig, int]:
+    """Job a pinned at level 1 on eth0 and eth1, its leaf on eth1 then moved under level
+    class 3 (on eth0 still under 1): the rig, and a's tag."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",), interfaces=("eth0", "eth1"))
+    rig.active = {"a"}
+    rig.service.pin("a", 1)
+    rig.service.tick()
+    dscp = rig.service.tags.allocations()["a"]
+    rig.tc.states["eth1"] = _leaf_moved(rig.tc.states["eth1"], dscp, 3)
+    return rig, dscp
+
+
+def test_a_job_left_under_two_homes_by_a_sync_cut_short_keeps_each_leaf_and_its_counts(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """gpud killed -9 in a sync that moved job a's leaf: on eth1 it sits under level
+    class 3, on eth0 still under 1. The start reads each interface's home, so the first
+    pass moves neither leaf (no packet of a's queue dropped) and counts each from it."""
+    rig, dscp = _a_under_two_homes(tmp_path, sysfs)
+    kernel = dict(rig.tc.states)
+    at_home = {"eth0": tcplan.leaf_classid(1, dscp), "eth1": tcplan.leaf_classid(3, dscp)}
+    for iface, leaf in at_home.items():
+        rig.tc.sent[(iface, leaf)] = FakeCounters(1000, 10, 0)
+    rig.service = rig.make()  # gpud restarts: the tree stays
+    rig.service.start()
+    rig.service.tick()
+    assert rig.tc.states == kernel
+    assert _sent(rig, "a") == (0, 0, 0)
+    for iface, leaf in at_home.items():
+        rig.tc.sent[(iface, leaf)] = FakeCounters(1300, 13, 0)
+    rig.service.tick()
+    assert _sent(rig, "a") == (600, 6, 0)
+    assert _level_bytes(rig)["1"] == 600
+
+
+def test_an_interface_read_after_the_start_keeps_the_level_class_its_leaf_has_there(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """eth1 cannot be read at the start (its adopt fails), its leaf of job a under level
+    class 3 while eth0's is under 1: read before its first pass, it keeps its own."""
+    rig, _ = _a_under_two_homes(tmp_path, sysfs)
+    kernel = dict(rig.tc.states)
+    rig.service = rig.make()
+    rig.tc.missing.add("eth1")
+    rig.service.start()
+    rig.service.tick()
+    rig.tc.missing.clear()
+    rig.service.tick()
+    assert rig.tc.states == kernel
+
+
+def test_a_leaf_left_twice_on_an_interface_keeps_the_one_its_filters_point_to(
+    rig: Rig,
+) -> None:
+    """A sync moving job a's leaf from level class 3 to 1 cut short after its filters were
+    pointed at the new leaf, before the old one was deleted: the start takes the one the
+    packets go to, and the first pass deletes the other, moving no packet back."""
+    rig.active = {"a"}
+    rig.service.pin("a", 1)
+    rig.service.tick()
+    dscp = rig.service.tags.allocations()["a"]
+    rig.tc.states["eth0"] = _leaf_moved(
+        _leaf_moved(rig.tc.states["eth0"], dscp, 3), dscp, 1, keep=True
+    )
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    assert [c.classid for c in rig.tc.states["eth0"].classes if c.job] == [
+        tcplan.leaf_classid(1, dscp)
+    ]
+    assert {f.flowid for _, f in rig.tc.states["eth0"].filters} == {tcplan.leaf_classid(1, dscp)}
+
+
 @dataclasses.dataclass
 class UnreadTc(FakeTc):
     """The next ``unread`` counter reads fail; the next one leaves out the ``cut`` classes
@@ -1277,6 +1371,21 @@ def test_a_ruleset_flushed_while_jobs_are_marked_is_written_again_and_said_so(ri
     )
     rig.service.tick()
     assert len(rig.events.recent(100, "net.marking")) == len(marking)
+
+
+def test_net_show_counts_the_marking_tables_written_again(rig: Rig) -> None:
+    """``gpuctl net show --json`` carries each restore of gpud's table (what
+    ``gpud_net_marking_restores_total`` counts), so the operator sees a ruleset flushed
+    while the marking reads ok again."""
+    rig.active = {"a"}
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    assert show_message(rig.service.view(), rig.clock.t).marking_restores == 0
+    for _ in range(3):
+        rig.marker.table, rig.marker.marks = False, set()  # nft flush ruleset
+        rig.service.tick()
+    shown = show_message(rig.service.view(), rig.clock.t)
+    assert (shown.marking_restores, shown.marking_error) == (3, "")
 
 
 def test_a_ruleset_flushed_on_every_tick_is_restored_each_time_and_said_once_a_minute(

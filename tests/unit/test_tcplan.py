@@ -351,6 +351,29 @@ def test_a_move_at_home_is_one_change_in_place() -> None:
         tp.plan({"eth0": GBIT}, tags, {"a": 0}, SHARES, homes={"a": 9})
 
 
+def test_a_leaf_stays_under_the_home_it_has_on_each_interface() -> None:
+    """A job whose leaves sit under different level classes on two interfaces (a sync cut
+    short) keeps each where it is: no op on either, its filters pointing at that leaf."""
+    tags, levels = {"a": 26, "b": 34}, {"a": 2, "b": 3}
+    links = {"eth0": GBIT, "eth1": GBIT}
+    homes = {"eth0": {"a": 0}, "eth1": {"a": 2}}
+    planned = tp.plan(links, tags, levels, SHARES, homes={"a": 0}, interface_homes=homes)
+    for iface, home in (("eth0", 0), ("eth1", 2)):
+        want = planned.interface(iface)
+        (leaf,) = [c for c in want.classes if c.job == "a"]
+        assert (leaf.classid, leaf.parent, leaf.prio) == (
+            tp.leaf_classid(home, 26),
+            tp.level_classid(home),
+            2,
+        )
+        assert {f.flowid for f in want.filters if f.job == "a"} == {leaf.classid}
+        alone = one(tp.plan({iface: GBIT}, tags, levels, SHARES, homes={"a": home}))
+        assert not tp.diff(tp.state_after(alone), want)
+    assert planned.job_classes["a"] == tp.leaf_classid(0, 26)  # by homes
+    with pytest.raises(ValueError, match="eth1: a: home level 9"):
+        tp.plan(links, tags, levels, SHARES, interface_homes={"eth1": {"a": 9}})
+
+
 def test_top_share_is_the_rate_of_level_0_leaves_and_moves_with_the_level() -> None:
     tags, homes = {"a": 26, "b": 34}, {"a": 0, "b": 3}
     opts = tp.TcOptions(top_share=0.8)
