@@ -51,6 +51,13 @@ MAX_XID = 999
 # those fields to them: under the generic 256, a node with more jobs had every report refused.
 CLUSTER_MAX_JOBS = 4096
 CLUSTER_MAX_XIDS = 1024
+# ... and across all the jobs of one report, so that one certified peer cannot make the
+# leader convert and fold millions of entries (4096 jobs x 1024 XIDs: seconds of its event
+# loop and hundreds of MiB). A node holds a few GPUs x 7 MIG devices (64 at most), each with
+# a few uncleared codes, shared by its jobs: hundreds of jobs with every device faulted stay
+# within some thousand entries, a sixteenth of these.
+CLUSTER_MAX_REPORT_XIDS = 16384  # critical_xids, summed over the report's jobs
+CLUSTER_MAX_REPORT_GPUS = 16384  # gpus, unhealthy_gpus and xids, each summed over its jobs
 
 # The most events one ListEvents or WatchEvents may ask for (`gpuctl events --limit`): gpud
 # refuses a larger limit, and gpuctl does before asking, in the same range.

@@ -9,7 +9,9 @@ Sizes are bounded before any servicer sees a request: gRPC refuses a message ove
 :func:`request_bounds`, run by the error interceptor on every decoded request of every
 service, refuses a string longer than :data:`MAX_STRING_CHARS` or a repeated field with more
 than :data:`MAX_REPEATED` entries, unless :data:`FIELD_LIMITS` names a wider bound for that
-field. A new field is bounded without anyone having to remember it.
+field. A new field is bounded without anyone having to remember it. :data:`TOTAL_LIMITS`
+bounds a field summed over one request (the critical XIDs of all the jobs of a node's
+report), so that each entry within its own bound does not add up to millions.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from typing import Any
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.registry import check_name
 from gpud.mps.procs import PID_MAX
-from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS, MAX_LAYOUT_BYTES, MAX_XID
+from gpud.shared import (
+    CLUSTER_MAX_JOBS,
+    CLUSTER_MAX_REPORT_GPUS,
+    CLUSTER_MAX_REPORT_XIDS,
+    CLUSTER_MAX_XIDS,
+    MAX_LAYOUT_BYTES,
+    MAX_XID,
+)
 
 # The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
 MAX_REQUEST_BYTES = 256 * 1024
@@ -39,6 +48,16 @@ FIELD_LIMITS: dict[str, int] = {
     "gpud.v1.GetOrderRequest.jobs": CLUSTER_MAX_JOBS,
     "gpud.v1.JobReport.critical_xids": CLUSTER_MAX_XIDS,
 }
+# Entries a repeated field may have summed over one request (a field of a repeated message),
+# counted as the walk reaches them, so that a request past the sum is refused having walked
+# no more than it: a node's report to the cluster leader, whose jobs each stay within their
+# own bound, may not reach them all at once (gpud.shared.CLUSTER_MAX_REPORT_XIDS says why).
+TOTAL_LIMITS: dict[str, int] = {
+    "gpud.v1.JobReport.critical_xids": CLUSTER_MAX_REPORT_XIDS,
+    "gpud.v1.JobReport.gpus": CLUSTER_MAX_REPORT_GPUS,
+    "gpud.v1.JobReport.unhealthy_gpus": CLUSTER_MAX_REPORT_GPUS,
+    "gpud.v1.JobReport.xids": CLUSTER_MAX_REPORT_GPUS,
+}
 
 # Job names, by full field name, and the field their servicer's refusal names: one over the
 # bound is refused as any other name that breaks the name rule, saying the rule, not the
@@ -56,8 +75,13 @@ _TYPE_MESSAGE = 11  # FieldDescriptor.TYPE_MESSAGE
 
 def request_bounds(message: Any, prefix: str = "") -> None:
     """Every string and bytes field of ``message`` (at any depth) within its length bound,
-    every repeated and map field within its count bound; ``InvalidArgument`` names the
-    field's path (``job.devices[3]``) otherwise."""
+    every repeated and map field within its count bound, and the fields of
+    :data:`TOTAL_LIMITS` within theirs summed over the request; ``InvalidArgument`` names
+    the field's path (``job.devices[3]``) otherwise."""
+    _walk(message, prefix, {})
+
+
+def _walk(message: Any, prefix: str, totals: dict[str, int]) -> None:
     for fd, value in message.ListFields():
         path = f"{prefix}{fd.name}"
         limit = FIELD_LIMITS.get(fd.full_name)
@@ -66,13 +90,24 @@ def request_bounds(message: Any, prefix: str = "") -> None:
             value_fd = fd.message_type.fields_by_name["value"]
             for key, item in value.items():
                 _scalar(fd.message_type.fields_by_name["key"], key, None, f"{path}[{key!r}]")
-                _item(value_fd, item, None, f"{path}[{key!r}]")
+                _item(value_fd, item, None, f"{path}[{key!r}]", totals)
         elif fd.is_repeated:
             _count(len(value), limit, path)
+            if (most := TOTAL_LIMITS.get(fd.full_name)) is not None:
+                _total(fd, len(value), most, path, totals)
             for i, item in enumerate(value):  # the entries get the default bounds
-                _item(fd, item, None, f"{path}[{i}]")
+                _item(fd, item, None, f"{path}[{i}]", totals)
         else:
-            _item(fd, value, limit, path)
+            _item(fd, value, limit, path, totals)
+
+
+def _total(fd: Any, n: int, most: int, path: str, totals: dict[str, int]) -> None:
+    total = totals[fd.full_name] = totals.get(fd.full_name, 0) + n
+    if total > most:
+        raise InvalidArgument(
+            f"brings the request's {fd.name} to {total} entries, more than {most} in all",
+            field=path,
+        )
 
 
 def _count(n: int, limit: int | None, path: str) -> None:
@@ -81,9 +116,9 @@ def _count(n: int, limit: int | None, path: str) -> None:
         raise InvalidArgument(f"has {n} entries, more than {most}", field=path)
 
 
-def _item(fd: Any, value: Any, limit: int | None, path: str) -> None:
+def _item(fd: Any, value: Any, limit: int | None, path: str, totals: dict[str, int]) -> None:
     if fd.type == _TYPE_MESSAGE:
-        request_bounds(value, f"{path}.")
+        _walk(value, f"{path}.", totals)
     else:
         _scalar(fd, value, limit, path)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpud.cluster.model import JobAttributes, NodeReport, Order
+from gpud.cluster.model import MAX_JOB_FAULTS, JobAttributes, NodeReport, Order
 from gpud.cluster.ports import TagStore
 from gpud.errors import DuplicateNode
 from netshaper.leveller import Leveller
@@ -269,18 +269,21 @@ class Aggregator:
                     f[_TX] += tx
                 if jr.drops:
                     f[_DROPS] += jr.drops
+                # each list within MAX_JOB_FAULTS, whatever the job's nodes reported
                 if jr.unhealthy_gpus:
-                    if f[_UNHEALTHY] is None:
-                        f[_UNHEALTHY] = []
-                    f[_UNHEALTHY].extend(f"{name}/{u}" for u in jr.unhealthy_gpus)
+                    if (kept := f[_UNHEALTHY]) is None:
+                        kept = f[_UNHEALTHY] = []
+                    more = jr.unhealthy_gpus[: MAX_JOB_FAULTS - len(kept)]
+                    kept.extend(f"{name}/{u}" for u in more)
                 if jr.xids:
-                    if f[_XIDS] is None:
-                        f[_XIDS] = []
-                    f[_XIDS].extend(f"{name}:{x}" for x in jr.xids)
+                    if (kept := f[_XIDS]) is None:
+                        kept = f[_XIDS] = []
+                    kept.extend(f"{name}:{x}" for x in jr.xids[: MAX_JOB_FAULTS - len(kept)])
                 if jr.critical_xids:
-                    if f[_CRITICAL] is None:
-                        f[_CRITICAL] = []
-                    f[_CRITICAL].extend(f"{name}/{x}" for x in jr.critical_xids)
+                    if (kept := f[_CRITICAL]) is None:
+                        kept = f[_CRITICAL] = []
+                    more = jr.critical_xids[: MAX_JOB_FAULTS - len(kept)]
+                    kept.extend(f"{name}/{x}" for x in more)
                 if jr.link_up is False:
                     if f[_LINKS_DOWN] is None:
                         f[_LINKS_DOWN] = []

@@ -12,6 +12,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+# Fault entries (``unhealthy_gpus``, ``xids``, ``critical_xids``: ``node/uuid:code``, 513
+# characters at most) the leader keeps per job and list, and hands one node in all of its
+# order's attributes, whatever its peers reported: a job faulted on every device of a
+# hundred nodes stays within them, and an order's faults within some 4 MiB, a quarter of the
+# peer port's 16 MiB message limit past which the node would get no order at all.
+MAX_JOB_FAULTS = 1024
+MAX_ORDER_FAULTS = 8192
+
 
 def node_name(name: str) -> str:
     """The cluster's form of a node name: lower case. Node names are DNS names, which
@@ -132,8 +140,23 @@ class Order:
     lease: int = 0
 
     def for_jobs(self, jobs: Iterable[str]) -> Order:
-        """The part of this order that concerns ``jobs``."""
+        """The part of this order that concerns ``jobs``, with at most
+        :data:`MAX_ORDER_FAULTS` fault entries in all its attributes (the first jobs'
+        first)."""
         jobs = tuple(jobs)
+        attributes = {}
+        left = MAX_ORDER_FAULTS
+        for j in jobs:
+            a = self.attributes.get(j)
+            if a is None:
+                continue
+            if len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids) > left:
+                unhealthy = a.unhealthy_gpus[:left]
+                xids = a.xids[: left - len(unhealthy)]
+                critical = a.critical_xids[: left - len(unhealthy) - len(xids)]
+                a = a._replace(unhealthy_gpus=unhealthy, xids=xids, critical_xids=critical)
+            left -= len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids)
+            attributes[j] = a
         return Order(
             epoch=self.epoch,
             seq=self.seq,
@@ -141,7 +164,7 @@ class Order:
             levels={j: self.levels[j] for j in jobs if j in self.levels},
             tags={j: self.tags[j] for j in jobs if j in self.tags},
             shares=self.shares,
-            attributes={j: self.attributes[j] for j in jobs if j in self.attributes},
+            attributes=attributes,
             computed_at=self.computed_at,
             lease=self.lease,
         )

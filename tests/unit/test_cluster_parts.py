@@ -18,7 +18,9 @@ from gpud.api.validate import request_bounds
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import PeerClient, PeerServer
 from gpud.cluster.convert import (
+    MAX_GPUS,
     MAX_JOBS,
+    MAX_NAME,
     MAX_XIDS,
     order_from_pb,
     order_to_pb,
@@ -28,7 +30,13 @@ from gpud.cluster.convert import (
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import Aggregator
-from gpud.cluster.model import JobReport, LeftOutJob, NodeReport
+from gpud.cluster.model import (
+    MAX_JOB_FAULTS,
+    MAX_ORDER_FAULTS,
+    JobReport,
+    LeftOutJob,
+    NodeReport,
+)
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.ports import MemoryTagStore
 from gpud.cluster.tls import PeerTls
@@ -42,6 +50,8 @@ from gpud.errors import (
     PermissionDenied,
     Unavailable,
 )
+from gpud.jobs.registry import MAX_NAME as JOB_NAME_MAX
+from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_REPORT_GPUS, CLUSTER_MAX_REPORT_XIDS
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
@@ -246,6 +256,78 @@ def test_a_report_within_the_clusters_bounds_passes_the_apis_generic_ones() -> N
     with pytest.raises(InvalidArgument) as err:
         request_bounds(pb.ReportRequest(node="n1", jobs=[xids]))
     assert err.value.field == "jobs[0].critical_xids"
+
+
+def _fullest_report(node: str, jobs: list[str]) -> pb.ReportRequest:
+    """The largest report of ``node`` the request bounds let through, its entries as long
+    as report_from_pb takes them, spread over ``jobs`` (each job within its own bounds)."""
+    left = dict.fromkeys(("gpus", "unhealthy_gpus", "xids"), CLUSTER_MAX_REPORT_GPUS)
+    left["critical_xids"] = CLUSTER_MAX_REPORT_XIDS
+    device, pair = "G" * MAX_NAME, "G" * (MAX_NAME - 3) + ":79"
+    msg = pb.ReportRequest(node=node)
+    for job in jobs:
+        j = msg.jobs.add(job=job)
+        for name, value, most in (
+            ("gpus", device, MAX_GPUS),
+            ("unhealthy_gpus", device, MAX_GPUS),
+            ("xids", 79, MAX_GPUS),
+            ("critical_xids", pair, MAX_XIDS),
+        ):
+            n = min(most, left[name])
+            left[name] -= n
+            getattr(j, name).extend([value] * n)
+    return msg
+
+
+@pytest.mark.parametrize("field", ["critical_xids", "gpus", "unhealthy_gpus", "xids"])
+def test_a_report_past_its_entries_in_all_is_refused_before_its_conversion(field: str) -> None:
+    """Every job within its own bound, 4096 of them made one report of 4 million XIDs
+    (16 MiB): seconds of the leader's event loop and hundreds of MiB to convert and fold.
+    The request bounds, which run before the peer servicer, refuse it at the job that
+    takes its field past the report's bound, naming that field and the bound."""
+    jobs = [f"j{i}" for i in range(CLUSTER_MAX_JOBS)]
+    full = _fullest_report("n1", jobs)
+    request_bounds(full)
+    most = CLUSTER_MAX_REPORT_XIDS if field == "critical_xids" else CLUSTER_MAX_REPORT_GPUS
+    assert sum(len(getattr(j, field)) for j in full.jobs) == most
+    spare = next(i for i, j in enumerate(full.jobs) if not getattr(j, field))
+    getattr(full.jobs[spare], field).append(79 if field == "xids" else "G1:79")
+    with pytest.raises(InvalidArgument, match=f"{most + 1} entries, more than {most} in all") as e:
+        request_bounds(full)
+    assert e.value.field == f"jobs[{spare}].{field}"
+
+
+def test_the_fullest_reports_make_an_order_far_within_the_message_limit() -> None:
+    """Two peers send the largest reports that pass, their faults on the jobs of a third
+    node: the order that node gets keeps MAX_JOB_FAULTS a job and list, MAX_ORDER_FAULTS
+    in all (some 4 MiB of them), and stays within half the peer port's 16 MiB (past it the
+    node would get no order at all) with 4096 jobs, each naming its three nodes, whose
+    names are as long as report_from_pb takes them."""
+    leader = Aggregator(
+        leader="leader",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=MemoryTagStore(),
+        node_timeout_s=5,
+    )
+    jobs = [f"{i:0{JOB_NAME_MAX}d}" for i in range(CLUSTER_MAX_JOBS)]
+    for peer in ("a" * (MAX_NAME - 1) + "1", "a" * (MAX_NAME - 1) + "2"):
+        sent = _fullest_report(peer, jobs)
+        request_bounds(sent)
+        leader.receive(report_from_pb(sent), 0.0)
+    leader.receive(NodeReport("n3", tuple(JobReport(j, 0.5) for j in jobs)), 0.0)
+    leader.compute(1, 0.0)
+    assert leader.order is not None
+    folded = leader.order.attributes.values()
+    assert max(len(a.critical_xids) for a in folded) == MAX_JOB_FAULTS
+    answer = leader.answer("n3")
+    assert answer is not None and len(answer.attributes) == CLUSTER_MAX_JOBS
+    faults = sum(
+        len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids)
+        for a in answer.attributes.values()
+    )
+    assert faults == MAX_ORDER_FAULTS
+    size = order_to_pb(answer).ByteSize()
+    assert size < 16 * 1024 * 1024 // 2, size
 
 
 def test_node_view_gives_each_device_its_gpus_uncleared_critical_xids() -> None:
