@@ -2,7 +2,9 @@
 
 :func:`gpud.jobs.placement.choose_devices` accounts MPS pinned memory per device; this adds
 the MPS active thread share (the percentages of the clients on a device add up to at most
-100 %), so that a request that sets ``--threads`` queues instead of over-subscribing SMs.
+100 %), so that a request that sets ``--threads`` queues instead of over-subscribing SMs:
+placement itself keeps that sum (:attr:`~gpud.jobs.placement.DeviceLoad.threads_percent`),
+given here as the loads hold it, so the gate and ``gpuctl env``'s preview choose alike.
 A request without a memory limit asks for each device's MPS default limit
 (:attr:`~gpud.admission.model.Device.default_memory`) there, as placement does.
 Both checks are monotone in the loads, as :class:`~gpud.admission.model.FitCheck` asks.
@@ -100,19 +102,18 @@ class PlacementFit:
         users: Mapping[str, Collection[tuple[int, str]]] | None = None,
         uid: int | None = None,
     ) -> tuple[str, ...] | None:
-        need = request.per_device
         candidates = [
-            self._targets[d.uuid]
-            for d in self._devices
-            if (allowed is None or d.uuid in allowed)
-            and loads.get(d.uuid, ZERO).threads + need.threads <= THREADS_CAPACITY
+            self._targets[d.uuid] for d in self._devices if allowed is None or d.uuid in allowed
         ]
         held, known = names or {}, users or {}
+        # placement leaves out the devices without room for the thread share itself, before
+        # it counts the idle ones, as it does for gpuctl env's preview from the same loads
         device_loads = {
             uuid: DeviceLoad(
                 loads.get(uuid, ZERO).memory,
                 tuple(sorted(held.get(uuid, ()))),
                 users=tuple(sorted(known.get(uuid, ()))),
+                threads_percent=loads.get(uuid, ZERO).threads,
             )
             for uuid in loads.keys() | held.keys() | known.keys()
         }

@@ -1415,10 +1415,10 @@ class _Held:
     """Why a queued entry waits while its devices are healthy: what holds them (the
     numbers a refused reservation gives), or, where it would fit now, the head it may not
     pass. The node's devices and loads are read once, at the first entry that asks, and
-    placement is asked once per shape of request (the devices, MIG profile, GPU count and
-    memory it asks, and its user where MPS is on: all that placement reads besides the
-    job's name, which its refusal names: the answer is kept with a stand-in name and said
-    with each entry's own)."""
+    placement is asked once per shape of request (the devices, MIG profile, GPU count,
+    memory and thread share it asks, and its user where MPS is on: all that placement reads
+    besides the job's name, which its refusal names: the answer is kept with a stand-in
+    name and said with each entry's own)."""
 
     STAND_IN = "\0job"
     NAMED = 4  # the held devices named in full; past them, how many more
@@ -1446,7 +1446,7 @@ class _Held:
             self._now = (self._jobs.healthy_targets(self._sick), self.loads())
         r = e.request
         uid = self._jobs.placement_uid(r.holder_pid, e.holder_uid)
-        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
+        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, r.threads_percent, uid)
         if shape not in self._refused:
             try:
                 spec = _effective(JobSpec(self.STAND_IN), r)

@@ -19,6 +19,12 @@ client of that server has ended). A reservation keeps the real UID of its holder
 with MPS on a job of a known user is not placed on a device that holds a reservation of a
 known other user (:mod:`colocate.users`, the rule co-location's planner keeps too): another
 device that fits takes it, or it is refused naming that user.
+
+Threads: the MPS active thread shares (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) of the
+reservations on a device never add up to more than :data:`THREADS_CAPACITY`; a device
+without room for a job's share is no candidate for it, so it is not counted among the idle
+ones either. ``gpuctl env``'s preview and the admission gate both place through
+:func:`choose_devices` with these loads, so both name the same devices.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from gpud.mps.manager import MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
 from gpud.shared import format_size, user_name
 from gpud.store import StateStore
+
+THREADS_CAPACITY = 100  # percent of a device's SMs its MPS clients may take, all together
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS job_reservations (
@@ -121,13 +129,15 @@ class DeviceLoad:
     each reservation there that sets no memory limit of its own and was made by an earlier
     version, which recorded no default for it: ``memory_bytes`` counts the device's default
     now for it. ``users``: (UID, job) of each reservation there whose holder's user is
-    known."""
+    known. ``threads_percent``: the MPS active thread shares of the reservations there
+    added up (0 for one that sets none), whatever their user."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
     unreserved_bytes: int = 0
     defaulted: tuple[str, ...] = ()
     users: tuple[tuple[int, str], ...] = ()
+    threads_percent: int = 0
 
 
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
@@ -176,6 +186,10 @@ def choose_devices(
     spread over all but the last idle GPU: on four GPUs the fourth shares a GPU serving its
     user and one stays idle. The admission queue places through this function too, so both
     order devices alike.
+
+    A device where ``spec.threads_percent`` would take the thread shares held there
+    (``DeviceLoad.threads_percent``) over :data:`THREADS_CAPACITY` is no candidate: it is
+    left out before the idle devices are counted, and a pinned one is refused.
 
     ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
     hung, or held off by a MIG apply): a refusal for want of whole GPUs counts them, and
@@ -227,6 +241,23 @@ def choose_devices(
             f" there until {ends} end"
         )
 
+    threads = spec.threads_percent or 0
+
+    def has_threads(d: MpsTarget) -> bool:
+        return loads.get(d.uuid, empty).threads_percent + threads <= THREADS_CAPACITY
+
+    def oversubscribed(full: Sequence[MpsTarget]) -> ResourceExhausted:
+        def held(d: MpsTarget) -> str:
+            load = loads.get(d.uuid, empty)
+            holders = f" by {', '.join(load.jobs)}" if load.jobs else ""
+            return f"{d.uuid} ({load.threads_percent}% held{holders})"
+
+        return ResourceExhausted(
+            f"job {spec.name!r} asks {threads}% of the threads of"
+            f" {', '.join(held(d) for d in full)}: the MPS thread shares on them would add"
+            f" up to over {THREADS_CAPACITY}%"
+        )
+
     if spec.devices:
         chosen = []
         for uuid in spec.devices:
@@ -236,6 +267,8 @@ def choose_devices(
                 raise refusal(by_uuid[uuid])
             if others(by_uuid[uuid]):
                 raise shared(by_uuid[uuid])
+            if not has_threads(by_uuid[uuid]):
+                raise oversubscribed([by_uuid[uuid]])
             chosen.append(by_uuid[uuid])
         return tuple(chosen)
 
@@ -279,6 +312,13 @@ def choose_devices(
                 f"job {spec.name!r} asks {want} whole GPU{'s' if want > 1 else ''}; this node "
                 f"has {whole} GPU{'' if whole == 1 else 's'} not in MIG mode{now}"
             )
+    # A device without room for the job's thread share takes no part, not even as an idle
+    # one: counted, it would spread a user's runs onto the last device another could take.
+    full = [d for d in pool if not has_threads(d)]
+    if full:
+        pool = [d for d in pool if has_threads(d)]
+        if len(pool) < want:
+            raise oversubscribed(full)
     # A control daemon serves one user at a time: a user's runs join a device already
     # serving them, even one with more jobs, only where taking the idle ones (no known user)
     # would leave none idle for another user; with idle devices to spare they spread.

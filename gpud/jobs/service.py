@@ -431,8 +431,9 @@ class JobService:
         return job
 
     def loads(self) -> dict[str, DeviceLoad]:
-        """Per device: what reservations hold, and the memory its GPU processes used beyond
-        that at the last tick (:meth:`unreserved_memory`)."""
+        """Per device: what reservations hold (memory, jobs, users, thread shares), and the
+        memory its GPU processes used beyond that at the last tick
+        (:meth:`unreserved_memory`)."""
         reservations = self.reservations.held()  # one read for the memory and the jobs
         reserved = self.reservations.reserved(self._defaults(), held=reservations)
         held = device_loads(reserved)
@@ -440,7 +441,10 @@ class JobService:
         beyond = self._unreserved(reserved)
         defaulted: dict[str, list[str]] = {}
         users: dict[str, set[tuple[int, str]]] = {}
+        threads: dict[str, int] = {}
         for r in reservations:
+            for uuid in r.devices:
+                threads[uuid] = threads.get(uuid, 0) + (r.threads_percent or 0)
             if r.memory_bytes is None and r.defaults is None:  # made by an earlier version
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
@@ -453,6 +457,7 @@ class JobService:
                 unreserved_bytes=beyond.get(uuid, 0),
                 defaulted=tuple(sorted(defaulted.get(uuid, ()))),
                 users=tuple(sorted(users.get(uuid, ()))),
+                threads_percent=threads.get(uuid, 0),
             )
             for uuid in held.keys() | beyond.keys()
         }

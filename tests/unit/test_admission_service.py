@@ -9,6 +9,7 @@ import logging
 import os
 import sqlite3
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpud.admission.api import class_message, entry_message, history_message, run_request
 from gpud.admission.passes import Inline, Passes, PassRunner
@@ -43,7 +46,7 @@ from gpud.jobs.placement import user_name
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
@@ -52,7 +55,7 @@ from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity
 from gpud.v1 import jobs_pb2, mps_pb2
 from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
-from tests.unit.mps_support import FAKE_CONTROL, fake_proc, gpu_sample, snapshot
+from tests.unit.mps_support import FAKE_CONTROL, fake_proc, gpu_sample, gpu_uuid, snapshot
 from tests.unit.store_support import CountingStore
 
 GIB = 1 << 30
@@ -92,25 +95,32 @@ def make_node(
     config: AdmissionConfig | None = None,
     proc_root: Path = Path("/proc"),
     admission_type: type[AdmissionService] = AdmissionService,
+    gpus: int = 2,
+    mps: bool = False,
 ) -> Node:
     store = store_type(root / "state")
     events = EventLog(None)
-    mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
-    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+    manager = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=mps)
+    seen = snapshot(*(gpu_sample(i) for i in range(gpus)))
+    if mps:
+        # its devices only: placement reads no control daemon, and none is left running
+        manager.observe(targets_from_snapshot(seen))
+    else:
+        manager.reconcile(seen)
     jobs = jobs_type(
-        store, events, mps, socket_path=root / "gpud.sock", clock=clock, proc_root=proc_root
+        store, events, manager, socket_path=root / "gpud.sock", clock=clock, proc_root=proc_root
     )
     admission = admission_type(
         store,
         jobs,
-        mps,
+        manager,
         events,
         config or AdmissionConfig(),
         clock=clock,
         passes=passes,
         proc_root=proc_root,
     )
-    return Node(root, store, mps, jobs, admission, clock, events)
+    return Node(root, store, manager, jobs, admission, clock, events)
 
 
 @pytest.fixture
@@ -223,6 +233,92 @@ def test_thread_shares_are_admitted_up_to_100_percent_with_the_queue_off(tmp_pat
         assert n.jobs.reserve(RunRequest(job="u", devices=share.devices))
     finally:
         n.store.close()
+
+
+def test_gpuctl_env_names_the_gpu_a_run_gets_where_a_run_of_no_known_user_takes_every_thread(
+    tmp_path: Path,
+) -> None:
+    """MPS on, three GPUs: GPU 0 serves alice's run, every thread of GPU 1 is held by a run
+    whose user gpud does not know (no holder it can read), GPU 2 is idle. Alice's next run,
+    asking a thread share, has no room on GPU 1, so GPU 2 is the last idle GPU it could
+    take: it joins GPU 0, and her ``gpuctl env`` preview names GPU 0 too."""
+    proc = tmp_path / "proc"
+    alice = os.getpid()
+    fake_proc(proc, alice, 1000)
+    node = make_node(tmp_path, Clock(), proc_root=proc, gpus=3, mps=True)
+    try:
+        first = RunRequest("a", devices=(gpu_uuid(0),), threads_percent=10, holder_pid=alice)
+        node.jobs.reserve(first)
+        node.jobs.reserve(RunRequest("u", devices=(gpu_uuid(1),), threads_percent=100))
+        node.jobs.add(JobSpec("b", threads_percent=10))
+        previewed = node.jobs.env("b", holder_pid=alice)
+        run = node.jobs.reserve(RunRequest("b", holder_pid=alice)).reservation
+        assert previewed["CUDA_VISIBLE_DEVICES"] == ",".join(run.devices) == gpu_uuid(0)
+    finally:
+        node.store.close()
+
+
+# a reservation held: its user (None: unknown), thread share and memory limit
+held_runs = st.tuples(
+    st.sampled_from((None, 1000, 1001)),
+    st.sampled_from((None, 10, 50, 100)),
+    st.sampled_from((None, 20 * GIB, 60 * GIB)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    held=st.lists(st.lists(held_runs, max_size=2), min_size=3, max_size=3),
+    user=st.sampled_from((None, 1000, 1001)),
+    threads=st.sampled_from((None, 10, 50)),
+    memory=st.sampled_from((None, 20 * GIB, 60 * GIB)),
+    gpus=st.integers(1, 2),
+)
+def test_gpuctl_env_previews_the_devices_the_run_then_gets(
+    held: list[list[tuple[int | None, int | None, int | None]]],
+    user: int | None,
+    threads: int | None,
+    memory: int | None,
+    gpus: int,
+) -> None:
+    """Whatever three GPUs hold (runs of known and unknown users, with and without thread
+    shares and memory limits), ``gpuctl env`` for a user names the devices that user's run
+    then gets through the admission gate, or both refuse it for now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        holders = {1000: os.getpid(), 1001: os.getppid()}
+        for uid, pid in holders.items():
+            fake_proc(root / "proc", pid, uid)
+        node = make_node(root, Clock(), proc_root=root / "proc", gpus=3, mps=True)
+        try:
+            for gpu, runs in enumerate(held):
+                for i, (uid, share, limit) in enumerate(runs):
+                    node.jobs.reservations.add(
+                        f"h{gpu}{i}",
+                        (gpu_uuid(gpu),),
+                        threads_percent=share,
+                        memory_bytes=limit,
+                        client_priority=0,
+                        holder_pid=None,
+                        holder_uid=uid,
+                    )
+            spec = JobSpec("b", gpu_count=gpus, threads_percent=threads, memory_bytes=memory)
+            node.jobs.add(spec)
+            holder = None if user is None else holders[user]
+            try:
+                previewed: str | None = node.jobs.env("b", holder_pid=holder)[
+                    "CUDA_VISIBLE_DEVICES"
+                ]
+            except ResourceExhausted:
+                previewed = None
+            try:
+                run = node.jobs.reserve(RunRequest("b", holder_pid=holder)).reservation
+                placed: str | None = ",".join(run.devices)
+            except ResourceExhausted:
+                placed = None
+            assert previewed == placed
+        finally:
+            node.store.close()
 
 
 def test_entries_queued_before_the_queue_was_turned_off_leave_it_and_never_start(
