@@ -9,13 +9,15 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   are written (``set_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``)
   and read back; a daemon that died is restarted the same way, with a backoff after failures
   (one that keeps dying sooner than ``backoff_max_s`` after its start, a crash loop, waits
-  longer before each restart: :meth:`MpsManager._ended`);
+  longer before each restart: :meth:`MpsManager._ended`; ``mps.crash_loop_ended`` once one
+  stays up that long); a start that fails is said once per trouble (:meth:`MpsManager._start`);
 - every ``health_interval_s`` the daemon is queried; a daemon that does not answer
   ``max_failures`` times in a row is killed and restarted; limits that drifted are re-applied.
   Devices are reconciled at once, each on a thread of its own: a hung daemon (its GPU hung,
   say) costs the pass one query timeout however many hang, and no other device's check waits
   behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
-  ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again.
+  ``mps.check_failed`` otherwise, naming the GPU; later ones are warnings in the log, the
+  last ``mps.unresponsive`` with its error), and ``mps.recovered`` when it answers again.
   A device whose GPU is unhealthy in the sample, for any reason ``gpuctl gpus`` shows (a
   critical XID not cleared, lost, not answering, ...: what the jobs service places no job
   by) gets no new daemon, nor a restart of one that exited (``mps.start_skipped``, once as
@@ -235,6 +237,16 @@ class _Device:
     # daemons started in a row that died (or were killed for not answering) sooner than the
     # longest back-off after their start: each restart waits longer (:meth:`MpsManager._ended`)
     crashes: int = 0
+    # the device's restarts before its crash loop began: what the loop took, said as it ends
+    # (``mps.crash_loop_ended``)
+    loop_from: int = 0
+    # a failed start was said (``mps.start_failed``) and the device has not run well since
+    # (up ``backoff_max_s``), nor been stopped or disabled: its later failed starts, a
+    # daemon that started between them or not, are the same trouble, not said again
+    start_trouble: bool = False
+    # its starts that failed since gpud started, said or not: the count the next
+    # ``mps.start_failed`` gives
+    failed_starts: int = 0
     requested: bool = False  # limits changed while it did not answer: the next check applies
     next_start_at: float = 0.0
     next_check_at: float = 0.0
@@ -1476,6 +1488,9 @@ class MpsManager:
             # after _end_skip, which dates the outage: the operator turned it off, so a
             # later skip is news
             dev.skip_said_till = None
+            # so are its failed starts: turned on again, it starts at once, and a start
+            # that fails is said anew
+            dev.failures, dev.next_start_at, dev.start_trouble = 0, 0.0, False
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1527,7 +1542,7 @@ class MpsManager:
             return
         self._end_skip(target, dev)  # one runs there (adopted): it is no longer passed over
         if dev.up_since is not None and now - dev.up_since >= self._backoff_max_s:
-            dev.crashes = 0  # it stayed up: the next that dies is restarted at once again
+            self._ran_well(target, dev, now - dev.up_since)
         if dev.killing:
             # gone or not, nothing of it is checked or adopted: the next pass starts the
             # device's new daemon once it has gone
@@ -1566,13 +1581,16 @@ class MpsManager:
         after 1 s, then 2, 4, ... up to ``backoff_max_s``, until one stays up that long. Each restart still counts
         (``gpud_mps_daemon_restarts_total``); the loop is said (``mps.crash_loop``, with how
         many in a row) as it begins, at the second, and again each time the count doubles,
-        instead of an ``mps.restart`` for every death."""
+        instead of an ``mps.restart`` for every death, and its end once one stays up
+        (:meth:`_ran_well`)."""
         if dev.up_since is None:
             return
         lived, dev.up_since = now - dev.up_since, None
         if lived >= self._backoff_max_s:
-            dev.crashes = 0
+            self._ran_well(target, dev, lived)
             return
+        if not dev.crashes:
+            dev.loop_from = dev.restarts
         dev.crashes += 1
         # the first that died young is restarted at once, as any that exited: one death is
         # no loop yet
@@ -1591,6 +1609,29 @@ class MpsManager:
             crashes=dev.crashes,
             up_s=round(lived, 1),
             retry_in_s=delay,
+            restarts=dev.restarts,
+        )
+
+    def _ran_well(self, target: MpsTarget, dev: _Device, lived: float) -> None:
+        """The daemon gpud started ran ``backoff_max_s``: the next that dies is restarted
+        at once again, and the next start that fails is a new trouble, said anew
+        (``mps.start_failed``). A crash loop it ends is said over (``mps.crash_loop_ended``,
+        with the restarts it took), as its beginning was said."""
+        dev.start_trouble = False
+        crashes, dev.crashes = dev.crashes, 0
+        if crashes < 2:
+            return  # one that died young is no loop: none was said
+        took = dev.restarts - dev.loop_from
+        self._events.emit(
+            "mps.crash_loop_ended",
+            f"the MPS control daemon of {_label(target)} ({target.uuid}) has run"
+            f" {lived:.0f} s: its crash loop is over after {crashes} in a row that ended"
+            f" within {self._backoff_max_s:g} s of their start, and {took}"
+            f" restart{'' if took == 1 else 's'}; the next that dies is restarted at once",
+            **_where(target),
+            crashes=crashes,
+            loop_restarts=took,
+            up_s=round(lived, 1),
             restarts=dev.restarts,
         )
 
@@ -1682,10 +1723,18 @@ class MpsManager:
         if self._clock() - skipped_at >= self._backoff_max_s:
             dev.next_start_at = 0.0
             dev.failures = dev.crashes = 0
+            dev.start_trouble = False
         if dev.last_error == mps_unhealthy_wait(target.gpu):
             dev.last_error = before if dev.failures else ""
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
+        """Start the device's control daemon (``nvidia-cuda-mps-control -d``) and write
+        ``desired`` to it. A start that fails is retried with back-off and said once per
+        trouble (``mps.start_failed``, with the device's failed starts so far): not again
+        until a daemon of the device ran ``backoff_max_s`` (:meth:`_ran_well`), or the device
+        was stopped or disabled, or a skip for its GPU's health outlasted ``backoff_max_s``
+        (:meth:`_end_skip`); a daemon that starts between failures and dies sooner does not
+        end it."""
         restart = dev.started
         # the servers the daemon before was last seen with, read before the new daemon's
         # (none yet) replace them: what a restart says its clients lost
@@ -1702,15 +1751,24 @@ class MpsManager:
         except GpudError as err:
             dev.up = False
             dev.failures += 1
+            dev.failed_starts += 1
             dev.last_error = str(err)
             delay = self._backoff(dev.failures + dev.crashes)
             dev.next_start_at = self._clock() + delay
-            if dev.failures == 1:
+            if not dev.start_trouble:
+                # once per trouble: a daemon that starts now and then and dies young does
+                # not end it, only one that runs well, or a stop
+                dev.start_trouble = True
+                count = dev.failed_starts
                 self._events.emit(
                     "mps.start_failed",
-                    f"MPS control daemon of {_label(target)} ({target.uuid}) did not start: {err}",
+                    f"MPS control daemon of {_label(target)} ({target.uuid}) did not start:"
+                    f" {err} ({count} failed start{'' if count == 1 else 's'} of the device"
+                    f" since gpud started); retried in {delay:g} s, not said again until it"
+                    f" has run {self._backoff_max_s:g} s or is stopped",
                     **_where(target),
                     retry_in_s=delay,
+                    failed_starts=count,
                 )
             self._kill(dev, "a new one is started once it has gone")
             return
@@ -1813,8 +1871,11 @@ class MpsManager:
             dev.failures += 1
             dev.last_error = str(err)
             dev.up = False
-            log.warning("MPS health check of %s failed (%d): %s", target.uuid, dev.failures, err)
             name = f"MPS control daemon of {_label(target)} ({target.uuid})"
+            if 1 < dev.failures < self._max_failures:
+                # the first is said by its event, the last by mps.unresponsive: the journal
+                # holds each failure once
+                log.warning("%s failed health check %d: %s", name, dev.failures, err)
             if dev.failures == 1:
                 hung = isinstance(err, DriverTimeout)
                 self._events.emit(
@@ -1840,8 +1901,9 @@ class MpsManager:
                     then, said = "it is restarted once it has gone", "killing it to restart"
                 self._events.emit(
                     "mps.unresponsive",
-                    f"{name} failed {dev.failures} health checks; {said}",
+                    f"{name} failed {dev.failures} health checks, the last: {err}; {said}",
                     **_where(target),
+                    error=str(err),
                 )
                 dev.killed_unanswering = True
                 self._kill(dev, then)
@@ -1995,6 +2057,7 @@ class MpsManager:
             # from the shortest delay
             dev.failures = 0
             dev.up_since, dev.crashes = None, 0
+            dev.start_trouble = False
             self._forget(uuid)
             self._remove_cgroup(uuid)
             if remove:
@@ -2420,7 +2483,8 @@ def _held(dev: _Device) -> Iterator[_Device]:
 def _reset(dev: _Device) -> None:
     """Everything of ``dev`` but its daemon and lock as a new device's: as after a reboot."""
     for f in fields(_Device):
-        if f.name not in ("daemon", "io"):
+        # its failed starts are counted since gpud started (mps.start_failed)
+        if f.name not in ("daemon", "io", "failed_starts"):
             default = f.default_factory() if f.default_factory is not MISSING else f.default
             setattr(dev, f.name, default)
 

@@ -1126,9 +1126,10 @@ def test_a_daemon_killed_for_not_answering_on_an_unhealthy_gpu_is_said_killed_no
         mgr.reconcile(SICK_0)  # second: killed
         wait_dead(pid)
         (killed,) = events.recent(kind_prefix="mps.unresponsive")
-        assert killed.message.endswith(
-            "failed 2 health checks; killing it; it is restarted once GPU 0 is healthy"
-        ), killed.message
+        assert "failed 2 health checks, the last: " in killed.message, killed.message
+        assert killed.message.endswith("; killing it; it is restarted once GPU 0 is healthy"), (
+            killed.message
+        )
         mgr.reconcile(SICK_0)  # gone: its restart passed over
         (skipped,) = events.recent(kind_prefix="mps.start_skipped")
         assert (
@@ -4220,6 +4221,158 @@ def test_a_crash_loop_is_said_as_it_begins_and_as_its_count_doubles_not_per_deat
         # the first death after a stable run is a plain restart; the loop's are counted
         assert len(events.recent(kind_prefix="mps.restart")) == 1
         assert mgr.status()[0].restarts == 5
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_crash_loop_that_ends_is_said_over_with_the_restarts_it_took(root: Path) -> None:
+    """A daemon dying a second after each start, then one that stays up 60 s: the loop's
+    end is said once (``mps.crash_loop_ended``), with the deaths and restarts it took."""
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(4):
+            kill_and_wait_restart(mgr, clock, up_s=1)
+        assert not events.recent(kind_prefix="mps.crash_loop_ended")
+        clock.now += 60
+        mgr.reconcile()
+        mgr.reconcile()
+        (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
+        assert ended.fields["crashes"] == 4 and ended.fields["loop_restarts"] == 4
+        assert ended.fields["restarts"] == 4 and ended.fields["gpu"] == 0
+        assert "crash loop is over after 4 in a row" in ended.message, ended.message
+        # one death after a stable run is no loop: its end is not said
+        kill_and_wait_restart(mgr, clock, up_s=1)
+        clock.now += 60
+        mgr.reconcile()
+        assert len(events.recent(kind_prefix="mps.crash_loop_ended")) == 1
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_starts_now_and_then_and_dies_young_says_its_failed_starts_once(
+    root: Path,
+) -> None:
+    """Starts that fail, with a daemon that starts between them and dies a second later:
+    one trouble, said once (``mps.start_failed``); once a daemon ran 60 s, the next start
+    that fails is said anew, with the device's failed starts counted."""
+    failing, tries = root / "failing", root / "tries"
+    wrapper = control_wrapper(
+        root,
+        f'[ "$1" = -d ] && [ -e {shlex.quote(str(failing))} ]'
+        f" && echo >> {shlex.quote(str(tries))} && exit 1",
+    )
+    clock = Hand()
+    mgr, store, events = make_manager(
+        root, [str(wrapper)], clock=clock, sleep=lambda s: None, backoff_max_s=60.0
+    )
+
+    def failed() -> int:
+        return len(tries.read_text().splitlines()) if tries.exists() else 0
+
+    def fail_then_start() -> None:
+        """Kill the daemon, fail its restart once, then let the next start hold."""
+        failing.touch()
+        before, old = failed(), mgr.status()[0].pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        wait_dead(old)
+        mgr.reconcile()
+        for _ in range(120):
+            if failed() > before:
+                break
+            clock.now += 1
+            mgr.reconcile()
+        assert failed() > before, "no start tried"
+        failing.unlink()
+        for _ in range(120):
+            clock.now += 1
+            mgr.reconcile()
+            if mgr.status()[0].pid not in (None, old):
+                return
+        raise AssertionError("not started")
+
+    try:
+        failing.touch()
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        failing.unlink()
+        clock.now += 1
+        mgr.reconcile()
+        assert mgr.status()[0].up
+        for _ in range(3):
+            clock.now += 1
+            fail_then_start()
+        (said,) = events.recent(kind_prefix="mps.start_failed")
+        assert said.fields["failed_starts"] == 1
+        clock.now += 60
+        mgr.reconcile()  # it ran well: the trouble is over
+        fail_then_start()
+        said_again = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["failed_starts"] for e in said_again] == [1, 5]
+        assert "(5 failed starts of the device since gpud started)" in said_again[1].message
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_device_that_cannot_start_turned_off_and_on_again_starts_at_once_and_says_it(
+    root: Path,
+) -> None:
+    """The operator disabling a device whose starts keep failing ends that trouble: turned
+    on again, its start is tried at once and a failure is said anew."""
+    now = [100.0]
+    mgr, store, events = _cannot_start(root, now)
+    try:
+        mgr.reconcile(HEALTHY_0)
+        for _ in range(3):
+            now[0] += 10.0
+            mgr.reconcile(HEALTHY_0)
+        mgr.set_limits("0", enabled=False)
+        mgr.reconcile(HEALTHY_0)
+        mgr.set_limits("0", enabled=True)
+        mgr.reconcile(HEALTHY_0)
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["retry_in_s"] for e in failed] == [1.0, 1.0]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first failed check is its event alone (``mps.hung``, logged as every event is),
+    not also a warning; the second, which no event says, is a warning naming the GPU; the
+    last (``mps.unresponsive``) says its error in the event."""
+    mgr, store, events = make_manager(root, timeout_s=0.3, max_failures=3)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+
+        def warned() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "gpud.mps.manager" and r.levelno >= logging.WARNING
+            ]
+
+        with caplog.at_level(logging.WARNING, logger="gpud.mps.manager"):
+            mgr.reconcile()
+            assert [e.kind for e in events.recent(kind_prefix="mps.hung")] == ["mps.hung"]
+            assert warned() == []
+            mgr.reconcile()
+            (second,) = warned()
+            assert "GPU 0" in second and "failed health check 2" in second, second
+            mgr.reconcile()
+            assert len(warned()) == 1
+        (killed,) = events.recent(kind_prefix="mps.unresponsive")
+        assert killed.fields["error"] and "the last: " in killed.message
+        wait_dead(pid)
     finally:
         mgr.stop()
         store.close()
