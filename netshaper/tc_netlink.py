@@ -1115,7 +1115,7 @@ class TcNetlink:
         ]
         if not stale:
             return first
-        retry = self._apply(TcPlan(tuple(stale), plan.job_classes), reread=True)
+        retry = self._apply(TcPlan(tuple(stale)), reread=True)
         # the first try took the replacement it found: the retry's result must still say it
         retried = {
             iface: replace(res, replaced=res.replaced or first.interfaces[iface].replaced)

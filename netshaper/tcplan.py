@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 
 ROOT_MAJOR = 0x6764
@@ -281,10 +281,11 @@ class InterfacePlan:
 
 @dataclass(frozen=True)
 class TcPlan:
-    """The plan for every configured interface, plus job -> leaf class for counters."""
+    """The plan for every configured interface. A job's leaf (the class its counters are
+    read from) is in each interface's ``classes``: the level class it sits under may
+    differ from one interface to another (``plan``'s ``interface_homes``)."""
 
     interfaces: tuple[InterfacePlan, ...]
-    job_classes: Mapping[str, int] = field(default_factory=dict)
 
     def interface(self, iface: str) -> InterfacePlan:
         for p in self.interfaces:
@@ -386,8 +387,8 @@ def plan(
     ``prio`` is always the job's level, so a job moves between levels in place.
     ``interface_homes``: interface -> job -> the level class its leaf sits under on that
     interface, over ``homes`` (leaves a sync cut short left under different level classes
-    on different interfaces stay where each is). ``TcPlan.job_classes`` gives each job's
-    leaf by ``homes``; an interface's own leaves are in its plan's classes.
+    on different interfaces stay where each is); an interface's leaves are in its plan's
+    classes.
 
     Raises ValueError naming the job, level, interface or tag that is wrong.
     """
@@ -482,10 +483,7 @@ def plan(
                 filters=tuple(filters),
             )
         )
-    return TcPlan(
-        interfaces=tuple(ifaces),
-        job_classes={job: leaf_classid(home, dscp, major) for dscp, job, _, home in placed},
-    )
+    return TcPlan(interfaces=tuple(ifaces))
 
 
 def _home(what: str, home: int, shares: Sequence[float]) -> int:

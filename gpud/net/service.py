@@ -1973,9 +1973,13 @@ class TrafficService:
         out: dict[str, int] = {}
         # a sync cut short in a move leaves a job two leaves here (the new one added, the
         # old not yet deleted): the one its filters send its packets to is taken (last),
-        # so the first pass keeps that one and deletes the other, moving no packet again
-        aimed = {f.flowid for _, f in state.filters}
-        for c in sorted(state.classes, key=lambda c: c.classid in aimed):
+        # so the first pass keeps that one and deletes the other, moving no packet again.
+        # Cut between its two filter changes, the IPv4 filter points to the new leaf and
+        # the IPv6 one to the old (tcplan.diff re-points IPv4 first): the IPv4 filter's
+        # leaf is the one the sync was moving to, so it ranks above the IPv6 filter's
+        aim = {f.flowid: 1 for _, f in state.filters if f.family is tcplan.Family.IPV6}
+        aim |= {f.flowid: 2 for _, f in state.filters if f.family is tcplan.Family.IPV4}
+        for c in sorted(state.classes, key=lambda c: aim.get(c.classid, 0)):
             leaf = tcplan.parse_leaf(c.classid)
             if leaf is None or leaf[1] not in by_tag or not 0 <= leaf[0] < self.config.levels:
                 continue

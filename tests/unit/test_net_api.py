@@ -1193,7 +1193,10 @@ class _Shows(net_pb2_grpc.NetServicer):
             "marking by cgroup (nftables): nft: timed out (restores: 1)",
         ),
         (
-            net_pb2.ShowNetResponse(enabled=True, marking_off=True),
+            # as the daemon sends it: the setting is its reason (gpud.net.wiring)
+            net_pb2.ShowNetResponse(
+                enabled=True, marking_off=True, marking_error="off (traffic.marking = false)"
+            ),
             "marking by cgroup (nftables): off (traffic.marking = false)",
         ),
     ],
@@ -1208,4 +1211,4 @@ def test_net_show_says_the_marking_and_how_often_its_table_was_written_again(
             code, out, _ = gpuctl(capsys, path, "net", "show")
             assert code == 0 and line in out.splitlines()
             code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
-    assert code == 0 and json.loads(out).get("marking_restores", 0) == shown.marking_restores
+    assert code == 0 and json.loads(out)["marking_restores"] == shown.marking_restores

@@ -1015,26 +1015,59 @@ def test_an_interface_read_after_the_start_keeps_the_level_class_its_leaf_has_th
     assert rig.tc.states == kernel
 
 
+def _a_left_twice_restarted(rig: Rig, *, ipv6_at_old: bool = False) -> int:
+    """Job a pinned at level 1 on eth0, its leaf then moved from level class 3 to 1 by a
+    sync cut short before the old leaf was deleted (``ipv6_at_old``: cut between the two
+    filter changes, the IPv6 filter still at the old leaf); gpud restarted and one pass
+    run. a's tag."""
+    rig.active = {"a"}
+    rig.service.pin("a", 1)
+    rig.service.tick()
+    dscp = rig.service.tags.allocations()["a"]
+    state = _leaf_moved(_leaf_moved(rig.tc.states["eth0"], dscp, 3), dscp, 1, keep=True)
+    if ipv6_at_old:
+        old = tcplan.leaf_classid(3, dscp)
+        state = dataclasses.replace(
+            state,
+            filters=tuple(
+                (h, dataclasses.replace(f, flowid=old) if f.family is tcplan.Family.IPV6 else f)
+                for h, f in state.filters
+            ),
+        )
+    rig.tc.states["eth0"] = state
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    return dscp
+
+
+def _only_leaf_and_aim(rig: Rig) -> tuple[list[int], set[int]]:
+    """eth0's job leaves, and the leaves its filters point to."""
+    state = rig.tc.states["eth0"]
+    return [c.classid for c in state.classes if c.job], {f.flowid for _, f in state.filters}
+
+
 def test_a_leaf_left_twice_on_an_interface_keeps_the_one_its_filters_point_to(
     rig: Rig,
 ) -> None:
     """A sync moving job a's leaf from level class 3 to 1 cut short after its filters were
     pointed at the new leaf, before the old one was deleted: the start takes the one the
     packets go to, and the first pass deletes the other, moving no packet back."""
-    rig.active = {"a"}
-    rig.service.pin("a", 1)
-    rig.service.tick()
-    dscp = rig.service.tags.allocations()["a"]
-    rig.tc.states["eth0"] = _leaf_moved(
-        _leaf_moved(rig.tc.states["eth0"], dscp, 3), dscp, 1, keep=True
-    )
-    rig.service = rig.make()
-    rig.service.start()
-    rig.service.tick()
-    assert [c.classid for c in rig.tc.states["eth0"].classes if c.job] == [
-        tcplan.leaf_classid(1, dscp)
-    ]
-    assert {f.flowid for _, f in rig.tc.states["eth0"].filters} == {tcplan.leaf_classid(1, dscp)}
+    dscp = _a_left_twice_restarted(rig)
+    new = tcplan.leaf_classid(1, dscp)
+    assert _only_leaf_and_aim(rig) == ([new], {new})
+
+
+def test_a_leaf_left_twice_with_its_filters_split_keeps_the_one_its_ipv4_filter_points_to(
+    rig: Rig,
+) -> None:
+    """The sync cut short between its two filter changes: the IPv4 filter at the new leaf
+    (under level class 1), the IPv6 one still at the old (under 3, the higher classid).
+    The planner re-points IPv4 first, so the IPv4 filter's leaf is the one the sync was
+    moving to: the first pass keeps it, points IPv6 there too and deletes the old one."""
+    dscp = _a_left_twice_restarted(rig, ipv6_at_old=True)
+    new = tcplan.leaf_classid(1, dscp)
+    assert _only_leaf_and_aim(rig) == ([new], {new})
 
 
 @dataclasses.dataclass

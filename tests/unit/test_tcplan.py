@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import pytest
 from hypothesis import given, settings
@@ -53,7 +53,7 @@ def test_tree_shape_ids_and_explicit_parameters() -> None:
     for c in ip.classes:
         assert c.parent in seen
         seen.add(c.classid)
-    assert p.job_classes == {"a": 0x6764101A, "b": 0x67641322}
+    assert {c.job: c.classid for c in ip.classes if c.job} == {"a": 0x6764101A, "b": 0x67641322}
 
 
 def test_filters_match_dscp_for_ipv4_and_ipv6() -> None:
@@ -369,9 +369,23 @@ def test_a_leaf_stays_under_the_home_it_has_on_each_interface() -> None:
         assert {f.flowid for f in want.filters if f.job == "a"} == {leaf.classid}
         alone = one(tp.plan({iface: GBIT}, tags, levels, SHARES, homes={"a": home}))
         assert not tp.diff(tp.state_after(alone), want)
-    assert planned.job_classes["a"] == tp.leaf_classid(0, 26)  # by homes
     with pytest.raises(ValueError, match="eth1: a: home level 9"):
         tp.plan(links, tags, levels, SHARES, interface_homes={"eth1": {"a": 9}})
+
+
+def test_a_plan_names_a_jobs_leaf_only_in_each_interfaces_classes() -> None:
+    """A job's leaf may sit under a different level class on each interface: the plan
+    holds no one job -> leaf map for all of them, which would name a class some interface
+    does not have."""
+    tags, levels = {"a": 26}, {"a": 2}
+    links = {"eth0": GBIT, "eth1": GBIT}
+    homes = {"eth0": {"a": 0}, "eth1": {"a": 2}}
+    planned = tp.plan(links, tags, levels, SHARES, interface_homes=homes)
+    assert [f.name for f in fields(planned)] == ["interfaces"]
+    assert {p.iface: [c.classid for c in p.classes if c.job] for p in planned.interfaces} == {
+        "eth0": [tp.leaf_classid(0, 26)],
+        "eth1": [tp.leaf_classid(2, 26)],
+    }
 
 
 def test_top_share_is_the_rate_of_level_0_leaves_and_moves_with_the_level() -> None:
