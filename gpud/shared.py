@@ -55,7 +55,8 @@ CLUSTER_MAX_XIDS = 1024
 # leader convert and fold millions of entries (4096 jobs x 1024 XIDs: seconds of its event
 # loop and hundreds of MiB). A node holds a few GPUs x 7 MIG devices (64 at most), each with
 # a few uncleared codes, shared by its jobs: hundreds of jobs with every device faulted stay
-# within some thousand entries, a sixteenth of these.
+# within some thousand entries, a sixteenth of these; a node past them cuts its own report
+# (gpud.cluster.agent.trim_report) rather than have it refused whole.
 CLUSTER_MAX_REPORT_XIDS = 16384  # critical_xids, summed over the report's jobs
 CLUSTER_MAX_REPORT_GPUS = 16384  # gpus, unhealthy_gpus and xids, each summed over its jobs
 

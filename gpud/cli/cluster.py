@@ -482,6 +482,7 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse, *, line: boo
             "SLOWEST",
             "UNHEALTHY GPUS",
             "CRITICAL XIDS",
+            "FAULTS LEFT OUT",
             "LINKS DOWN",
             "DROPS",
         ),
@@ -494,6 +495,8 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse, *, line: boo
                 a.slowest_node or "-",
                 ",".join(a.unhealthy_gpus) or "-",
                 _xids_cell(a),
+                # the leader cut these to bound its order: fewer faults listed than there are
+                str(a.faults_left_out) if a.faults_left_out else "-",
                 ",".join(a.links_down) or "-",
                 str(a.drops),
             )

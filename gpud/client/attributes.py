@@ -42,7 +42,10 @@ class Attributes:
     GPU (or under a MIG device) it holds and not cleared or reset since, as ``gpuctl xid``
     lists them; ``xids``: their ``node:code`` alone (from a node of an older gpud: the last
     XID of any kind); ``links_down``: nodes whose links for it are down; ``drops`` /
-    ``tx_bytes``: its tag's counters summed over its nodes.
+    ``tx_bytes``: its tag's counters summed over its nodes; ``faults_left_out``: entries
+    of ``unhealthy_gpus``, ``xids`` and ``critical_xids`` the leader cut to bound its
+    answer (each node and job keeps an even share; 0: none cut), so that fewer faults
+    listed than there are never reads as healthy.
     """
 
     job: str
@@ -60,6 +63,7 @@ class Attributes:
     tx_bytes: int
     computed_unix_s: float
     critical_xids: tuple[str, ...] = ()
+    faults_left_out: int = 0
 
 
 class GrpcUnavailable(RuntimeError):
@@ -119,6 +123,7 @@ def _from_pb(m: Any) -> Attributes:
         tx_bytes=m.tx_bytes,
         computed_unix_s=m.computed_unix_seconds,
         critical_xids=tuple(m.critical_xids),
+        faults_left_out=m.faults_left_out,
     )
 
 

@@ -46,6 +46,7 @@ from gpud.cluster.model import (
     LeftOutJob,
     NodeReport,
     Order,
+    fair_shares,
     node_name,
 )
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
@@ -63,7 +64,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
-from gpud.shared import shown
+from gpud.shared import CLUSTER_MAX_REPORT_GPUS, CLUSTER_MAX_REPORT_XIDS, shown
 from netshaper.leveller import Leveller, LevellerConfig
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,36 @@ def _pairs(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tupl
     return tuple(f"{u}:{x}" for u in held for x in critical.get(u, ()))[:MAX_XIDS]
 
 
+# A report's fields that the leader bounds summed over its jobs (gpud.api.validate's
+# TOTAL_LIMITS), and those bounds: one past them would be refused whole, every tick.
+_REPORT_TOTALS = (
+    ("gpus", CLUSTER_MAX_REPORT_GPUS),
+    ("unhealthy_gpus", CLUSTER_MAX_REPORT_GPUS),
+    ("xids", CLUSTER_MAX_REPORT_GPUS),
+    ("critical_xids", CLUSTER_MAX_REPORT_XIDS),
+)
+
+
+def trim_report(jobs: Sequence[JobReport]) -> tuple[list[JobReport], dict[str, int]]:
+    """``jobs`` with each field of ``_REPORT_TOTALS`` within its bound summed over them
+    (each job an even share, :func:`fair_shares`, its first entries), so that the leader
+    never refuses this node's report for its size; and how many entries of each field
+    were cut (none: empty)."""
+    trimmed = list(jobs)
+    cut: dict[str, int] = {}
+    for name, most in _REPORT_TOTALS:
+        sizes = [len(getattr(j, name)) for j in trimmed]
+        if sum(sizes) <= most:
+            continue
+        shares = fair_shares(sizes, most)
+        cut[name] = sum(sizes) - most
+        trimmed = [
+            j if n == size else dataclasses.replace(j, **{name: getattr(j, name)[:n]})
+            for j, size, n in zip(trimmed, sizes, shares, strict=True)
+        ]
+    return trimmed, cut
+
+
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
     """Equal but for when it was computed (a new round that changed nothing)."""
     return b is not None and a._replace(computed_at=0, epoch=0) == b._replace(
@@ -225,6 +256,7 @@ class ClusterAgent:
         # <pid>" (two gpuds under one node name are told apart by it)
         self.gpud = f"{socket.gethostname()} pid {os.getpid()}" if gpud is None else gpud
         self.build = build  # the code this gpud runs (gpud.build), sent in each report
+        self._report_trimmed = False  # the last report was cut to the cluster's bounds
         self.election_kind = election_kind
         self.election = election
         self._traffic = traffic
@@ -352,9 +384,17 @@ class ClusterAgent:
                     critical_xids=_pairs(held, critical),
                     applied_level=applied.get(job),
                 )
+        sent, cut = trim_report([jobs[j] for j in sorted(jobs)])
+        if cut and not self._report_trimmed:  # said once, not every tick it lasts
+            log.warning(
+                "cluster: this node's report cut to the cluster's bounds, each job an even "
+                "share: %s",
+                ", ".join(f"{n} of {name}" for name, n in cut.items()),
+            )
+        self._report_trimmed = bool(cut)
         return NodeReport(
             node=self.node,
-            jobs=tuple(jobs[j] for j in sorted(jobs)),
+            jobs=tuple(sent),
             applied_epoch=epoch,
             instance=self.instance,
             build=self.build,

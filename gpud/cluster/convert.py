@@ -174,6 +174,7 @@ def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
         tx_bytes=min(a.tx_bytes, _MAX_COUNTER),
         computed_unix_seconds=a.computed_at,
         critical_xids=a.critical_xids,
+        faults_left_out=a.faults_left_out,
     )
     if a.level is not None:
         msg.level = a.level
@@ -203,6 +204,7 @@ def attributes_from_pb(m: pb.JobAttributes) -> JobAttributes:
         tx_bytes=m.tx_bytes,
         computed_at=m.computed_unix_seconds,
         critical_xids=tuple(m.critical_xids),
+        faults_left_out=m.faults_left_out,
     )
 
 

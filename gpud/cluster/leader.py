@@ -25,11 +25,11 @@ leader keeps the levels in force where rates allow instead of ranking ties afres
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpud.cluster.model import MAX_JOB_FAULTS, JobAttributes, NodeReport, Order
+from gpud.cluster.model import MAX_JOB_FAULTS, JobAttributes, NodeReport, Order, fair_shares
 from gpud.cluster.ports import TagStore
 from gpud.errors import DuplicateNode
 from netshaper.leveller import Leveller
@@ -53,7 +53,8 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
     _RANKED,
 ) = range(13)
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
-# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN, _CRITICAL: lists, None while empty (the usual case);
+# nodes; _LINKS_DOWN: a list, None while empty (the usual case); _UNHEALTHY, _XIDS,
+# _CRITICAL: the same, of (node, its entries) until the round cuts them (_fair_faults);
 # _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them)
 _Fold = list[Any]
 _new_tuple = tuple.__new__
@@ -269,21 +270,19 @@ class Aggregator:
                     f[_TX] += tx
                 if jr.drops:
                     f[_DROPS] += jr.drops
-                # each list within MAX_JOB_FAULTS, whatever the job's nodes reported
+                # cut to MAX_JOB_FAULTS once every node is in (_fair_faults)
                 if jr.unhealthy_gpus:
-                    if (kept := f[_UNHEALTHY]) is None:
-                        kept = f[_UNHEALTHY] = []
-                    more = jr.unhealthy_gpus[: MAX_JOB_FAULTS - len(kept)]
-                    kept.extend(f"{name}/{u}" for u in more)
+                    if f[_UNHEALTHY] is None:
+                        f[_UNHEALTHY] = []
+                    f[_UNHEALTHY].append((name, jr.unhealthy_gpus))
                 if jr.xids:
-                    if (kept := f[_XIDS]) is None:
-                        kept = f[_XIDS] = []
-                    kept.extend(f"{name}:{x}" for x in jr.xids[: MAX_JOB_FAULTS - len(kept)])
+                    if f[_XIDS] is None:
+                        f[_XIDS] = []
+                    f[_XIDS].append((name, jr.xids))
                 if jr.critical_xids:
-                    if (kept := f[_CRITICAL]) is None:
-                        kept = f[_CRITICAL] = []
-                    more = jr.critical_xids[: MAX_JOB_FAULTS - len(kept)]
-                    kept.extend(f"{name}/{x}" for x in more)
+                    if f[_CRITICAL] is None:
+                        f[_CRITICAL] = []
+                    f[_CRITICAL].append((name, jr.critical_xids))
                 if jr.link_up is False:
                     if f[_LINKS_DOWN] is None:
                         f[_LINKS_DOWN] = []
@@ -362,8 +361,12 @@ class Aggregator:
         self._seq += 1
         get_level, get_tag = levels.get, after.get
         # tuple.__new__ builds the NamedTuple without a call of its Python-level __new__
-        attributes = {
-            job: _new_tuple(
+        attributes = {}
+        for job, f in folds.items():
+            unhealthy, cut_unhealthy = _fair_faults(f[_UNHEALTHY], "/")
+            xids, cut_xids = _fair_faults(f[_XIDS], ":")
+            critical, cut_critical = _fair_faults(f[_CRITICAL], "/")
+            attributes[job] = _new_tuple(
                 JobAttributes,
                 (
                     job,
@@ -374,17 +377,16 @@ class Aggregator:
                     f[_IPS],
                     f[_SLOWEST],
                     tuple(f[_NODES]),
-                    () if f[_UNHEALTHY] is None else tuple(f[_UNHEALTHY]),
-                    () if f[_XIDS] is None else tuple(f[_XIDS]),
+                    unhealthy,
+                    xids,
                     () if f[_LINKS_DOWN] is None else tuple(f[_LINKS_DOWN]),
                     f[_DROPS],
                     f[_TX],
                     stamp,
-                    () if f[_CRITICAL] is None else tuple(f[_CRITICAL]),
+                    critical,
+                    cut_unhealthy + cut_xids + cut_critical,
                 ),
             )
-            for job, f in folds.items()
-        }
         self.untagged = tuple(untagged)
         self.order = Order(
             epoch=epoch,
@@ -424,6 +426,30 @@ class Aggregator:
         entry = self._reports.get(node)
         jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
         return order.for_jobs(jobs)
+
+
+def _node_of(part: tuple[str, Sequence[object]]) -> str:
+    return part[0]
+
+
+def _fair_faults(
+    parts: list[tuple[str, Sequence[object]]] | None, sep: str
+) -> tuple[tuple[str, ...], int]:
+    """One job's fault list over its nodes (``node<sep>entry``), at most
+    :data:`MAX_JOB_FAULTS` of them, and how many were cut: nodes in name order, whatever
+    order their reports arrived in (a new leader keeps the same), each an even share
+    (:func:`fair_shares`), so that one node reporting a thousand faults first hides no
+    other node's."""
+    if parts is None:
+        return (), 0
+    parts.sort(key=_node_of)
+    shares = fair_shares([len(entries) for _, entries in parts], MAX_JOB_FAULTS)
+    kept = tuple(
+        f"{node}{sep}{x}"
+        for (node, entries), n in zip(parts, shares, strict=True)
+        for x in entries[:n]
+    )
+    return kept, sum(len(entries) for _, entries in parts) - len(kept)
 
 
 def _follow_nodes(allocator: TagAllocator, folds: dict[str, _Fold]) -> list[str]:

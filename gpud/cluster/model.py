@@ -8,17 +8,42 @@ aggregated over every node that runs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 # Fault entries (``unhealthy_gpus``, ``xids``, ``critical_xids``: ``node/uuid:code``, 513
 # characters at most) the leader keeps per job and list, and hands one node in all of its
-# order's attributes, whatever its peers reported: a job faulted on every device of a
-# hundred nodes stays within them, and an order's faults within some 4 MiB, a quarter of the
-# peer port's 16 MiB message limit past which the node would get no order at all.
+# order's attributes, whatever its peers reported, so that an order's faults stay within
+# some 4 MiB, a quarter of the peer port's 16 MiB message limit past which the node would
+# get no order at all. A job faulted on every device of a hundred nodes may pass them (two
+# uncleared codes a GPU, or 7 MIG devices a GPU, each listing its GPU's codes): the leader
+# then keeps an even share of each of its nodes' entries (fair_shares, nodes in name
+# order), an order an even share of each of its jobs' (xids, the codes alone, cut before
+# critical_xids and unhealthy_gpus), and JobAttributes.faults_left_out counts what was cut.
 MAX_JOB_FAULTS = 1024
 MAX_ORDER_FAULTS = 8192
+
+
+def fair_shares(sizes: Sequence[int], budget: int) -> list[int]:
+    """How many of each of ``sizes`` entries to keep so that at most ``budget`` are kept
+    in all: as if one were taken from each in turn until the budget is spent, so each keeps
+    an even share, one needing less than its share leaves the rest to the others, and the
+    first ones get the one left over. Every size, where their sum is within the budget."""
+    if sum(sizes) <= budget:
+        return list(sizes)
+    shares = list(sizes)
+    left, waiting = budget, len(sizes)
+    by_size = sorted(range(len(sizes)), key=sizes.__getitem__)
+    for k, i in enumerate(by_size):
+        if sizes[i] * waiting > left:  # this one and all larger get the even share
+            share, extra = divmod(left, waiting)
+            for rank, j in enumerate(sorted(by_size[k:])):
+                shares[j] = share + (rank < extra)
+            break
+        left -= sizes[i]
+        waiting -= 1
+    return shares
 
 
 def node_name(name: str) -> str:
@@ -117,6 +142,7 @@ class JobAttributes(NamedTuple):
     tx_bytes: int
     computed_at: float
     critical_xids: tuple[str, ...]
+    faults_left_out: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,22 +167,28 @@ class Order:
 
     def for_jobs(self, jobs: Iterable[str]) -> Order:
         """The part of this order that concerns ``jobs``, with at most
-        :data:`MAX_ORDER_FAULTS` fault entries in all its attributes (the first jobs'
-        first)."""
+        :data:`MAX_ORDER_FAULTS` fault entries in all its attributes: each job with faults
+        keeps an even share of them (:func:`fair_shares`), cut from its ``xids`` first,
+        then its ``critical_xids``, then its ``unhealthy_gpus``, and its
+        ``faults_left_out`` counts the entries cut."""
         jobs = tuple(jobs)
+        kept = [(j, a) for j in jobs if (a := self.attributes.get(j)) is not None]
+        needs = [len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids) for _, a in kept]
         attributes = {}
-        left = MAX_ORDER_FAULTS
-        for j in jobs:
-            a = self.attributes.get(j)
-            if a is None:
+        for (j, a), need, share in zip(
+            kept, needs, fair_shares(needs, MAX_ORDER_FAULTS), strict=True
+        ):
+            if share >= need:
+                attributes[j] = a
                 continue
-            if len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids) > left:
-                unhealthy = a.unhealthy_gpus[:left]
-                xids = a.xids[: left - len(unhealthy)]
-                critical = a.critical_xids[: left - len(unhealthy) - len(xids)]
-                a = a._replace(unhealthy_gpus=unhealthy, xids=xids, critical_xids=critical)
-            left -= len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids)
-            attributes[j] = a
+            unhealthy = a.unhealthy_gpus[:share]
+            critical = a.critical_xids[: share - len(unhealthy)]
+            attributes[j] = a._replace(
+                unhealthy_gpus=unhealthy,
+                xids=a.xids[: share - len(unhealthy) - len(critical)],
+                critical_xids=critical,
+                faults_left_out=a.faults_left_out + need - share,
+            )
         return Order(
             epoch=self.epoch,
             seq=self.seq,

@@ -184,6 +184,7 @@ class JobAttributes(_message.Message):
     TX_BYTES_FIELD_NUMBER: _builtins.int
     COMPUTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
+    FAULTS_LEFT_OUT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     epoch: _builtins.int
     level: _builtins.int
@@ -196,6 +197,10 @@ class JobAttributes(_message.Message):
     drops: _builtins.int
     tx_bytes: _builtins.int
     computed_unix_seconds: _builtins.float
+    faults_left_out: _builtins.int
+    """entries of unhealthy_gpus, xids and critical_xids the leader cut to bound the order
+    (an even share kept of each node's and each job's, xids cut first); 0 from an older gpud
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -232,10 +237,11 @@ class JobAttributes(_message.Message):
         tx_bytes: _builtins.int = ...,
         computed_unix_seconds: _builtins.float = ...,
         critical_xids: _abc.Iterable[_builtins.str] | None = ...,
+        faults_left_out: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "level", b"level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "computed_unix_seconds", b"computed_unix_seconds", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "epoch", b"epoch", "iterations_per_s", b"iterations_per_s", "job", b"job", "level", b"level", "links_down", b"links_down", "nodes", b"nodes", "progress_rate", b"progress_rate", "slowest_node", b"slowest_node", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "computed_unix_seconds", b"computed_unix_seconds", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "epoch", b"epoch", "faults_left_out", b"faults_left_out", "iterations_per_s", b"iterations_per_s", "job", b"job", "level", b"level", "links_down", b"links_down", "nodes", b"nodes", "progress_rate", b"progress_rate", "slowest_node", b"slowest_node", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dscp: _TypeAlias = _typing.Literal["dscp"]  # noqa: Y015
     _WhichOneofArgType__dscp: _TypeAlias = _typing.Literal["_dscp", b"_dscp"]  # noqa: Y015

@@ -20,7 +20,7 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer, status_to_pb
 from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
-from gpud.cluster.model import JobReport, NodeReport
+from gpud.cluster.model import MAX_JOB_FAULTS, JobReport, NodeReport
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import LevellerConfig
@@ -206,6 +206,24 @@ def test_attributes_show_the_xid_an_older_gpud_reports(
     assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
     out = capsys.readouterr().out
     assert "gpu-01/GPU-2:79,gpu-01/GPU-2:48,gpu-02:31 (code only, older gpud)" in out
+
+
+def test_attributes_say_how_many_faults_the_leader_left_out(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    # A job's fault lists cut to the leader's bound read as all there was: an operator
+    # could not tell 1024 listed from 1024 of thousands.
+    sock, agent, server = served
+    noisy = tuple(f"GPU-{i}:79" for i in range(MAX_JOB_FAULTS))
+    agent.receive(NodeReport("gpu-02", (JobReport("train-a", critical_xids=noisy),)))
+    server.run(agent.tick())
+    assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
+    header, row = capsys.readouterr().out.splitlines()[1:3]
+    assert row[header.index("FAULTS LEFT OUT") :].split()[0] == "2"
+    assert main(["--json", "cluster", "attributes", "--socket", sock], env={}) == 0
+    (data,) = json.loads(capsys.readouterr().out)["attributes"]
+    assert data["faults_left_out"] == 2 and "gpu-01/GPU-2:79" in data["critical_xids"]
+    assert gpud.client.attributes("train-a", socket=sock).faults_left_out == 2  # type: ignore[union-attr]
 
 
 def test_a_leader_lease_is_said_in_sixteen_hex_digits_as_etcdctl_prints_it(

@@ -1,0 +1,150 @@
+"""Which faults the cluster's bounds keep: a node's own report, the leader's fold of a job
+over its nodes, and the order each node gets (each a fair share, and a count of what was
+cut)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gpud.api.validate import request_bounds
+from gpud.cluster.convert import attributes_from_pb, attributes_to_pb, report_to_pb
+from gpud.cluster.election import LeaderInfo
+from gpud.cluster.leader import Aggregator
+from gpud.cluster.model import (
+    MAX_JOB_FAULTS,
+    MAX_ORDER_FAULTS,
+    JobReport,
+    NodeReport,
+    fair_shares,
+)
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.net.port import FakeTraffic
+from gpud.shared import CLUSTER_MAX_REPORT_XIDS
+from netshaper.leveller import Leveller, LevellerConfig
+from tests.unit.cluster_support import Clock, LoopbackPeers, agent, job
+
+
+def _aggregator() -> Aggregator:
+    return Aggregator(
+        leader="leader",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=MemoryTagStore(),
+        node_timeout_s=5,
+    )
+
+
+def _faulted(node: str, jobs: list[str], gpus: int, critical: int) -> NodeReport:
+    """``node`` running every one of ``jobs`` on each of its ``gpus``, the first
+    ``critical`` of them lost with an uncleared XID 79."""
+    held = tuple(f"GPU-{node}-{g}" for g in range(gpus))
+    lost = held[:critical]
+    return NodeReport(
+        node,
+        tuple(
+            JobReport(
+                j,
+                0.5,
+                gpus=held,
+                unhealthy_gpus=lost,
+                xids=(79,) * len(lost),
+                critical_xids=tuple(f"{u}:79" for u in lost),
+            )
+            for j in jobs
+        ),
+    )
+
+
+def test_shares_are_even_and_what_one_needs_less_of_goes_to_the_others() -> None:
+    assert fair_shares([10, 1, 5], 9) == [4, 1, 4]
+    assert fair_shares([3, 3, 3], 7) == [3, 2, 2]  # the first ones get the one left over
+    assert fair_shares([0, 100, 100], 11) == [0, 6, 5]
+    assert fair_shares([5, 5], 20) == [5, 5]
+
+
+def test_a_fleet_wide_fault_leaves_every_job_of_a_node_its_share_of_faults() -> None:
+    """128 nodes of 8 GPUs, 8 jobs on all of them, half the nodes' GPUs lost with XID 79:
+    each job has 512 entries in each list. The order of a node cut at 8192 entries in job
+    name order, so jobs g and h got none (attributes said healthy) while a..e kept their
+    xids, the summary, and f lost its critical_xids to them."""
+    leader = _aggregator()
+    jobs = list("abcdefgh")
+    for n in range(128):
+        leader.receive(_faulted(f"n{n:03d}", jobs, 8, 8 if n % 2 else 0), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("n000")
+    assert answer is not None
+    kept = [answer.attributes[j] for j in jobs]
+    assert sum(len(a.unhealthy_gpus) + len(a.xids) + len(a.critical_xids) for a in kept) == (
+        MAX_ORDER_FAULTS
+    )
+    assert [a.job for a in kept if not (a.unhealthy_gpus and a.critical_xids)] == []
+    for a in kept:  # 1024 each: the lost GPUs and their XIDs kept, the codes alone cut
+        assert (len(a.unhealthy_gpus), len(a.critical_xids), len(a.xids)) == (512, 512, 0)
+        assert a.faults_left_out == 512
+        assert attributes_from_pb(attributes_to_pb(a)).faults_left_out == 512
+
+
+def _noisy_and_quiet() -> list[NodeReport]:
+    noisy = NodeReport(
+        "n0",
+        (JobReport("a", critical_xids=tuple(f"GPU-{i}:79" for i in range(MAX_JOB_FAULTS))),),
+    )
+    return [noisy, NodeReport("n1", (JobReport("a", critical_xids=("GPU-Q:48",)),))]
+
+
+def test_a_noisy_node_hides_no_other_nodes_critical_xid() -> None:
+    """A peer reporting 1024 critical XIDs for a job first took the job's whole bound:
+    the XID another node really had on it was dropped, and nothing said so."""
+    leader = _aggregator()
+    for report in _noisy_and_quiet():
+        leader.receive(report, 0.0)
+    leader.compute(1, 0.0)
+    assert leader.order is not None
+    a = leader.order.attributes["a"]
+    assert "n1/GPU-Q:48" in a.critical_xids
+    assert len(a.critical_xids) == MAX_JOB_FAULTS and a.faults_left_out == 1
+
+
+def test_the_fold_keeps_the_same_faults_whatever_order_the_reports_arrived_in() -> None:
+    """A new leader hears the nodes in another order than the one before: the faults it
+    keeps of a job past its bound were those of whichever nodes reported first."""
+    folded = []
+    for reports in (_noisy_and_quiet(), _noisy_and_quiet()[::-1]):
+        leader = _aggregator()
+        for report in reports:
+            leader.receive(report, 0.0)
+        leader.compute(1, 0.0)
+        assert leader.order is not None
+        folded.append(leader.order.attributes["a"].critical_xids)
+    assert folded[0] == folded[1]
+
+
+def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical XIDs over
+    the report, past the 16384 the leader takes. The node sent them all and was refused
+    whole every tick, cut off the cluster. It now cuts each job to an even share, says so
+    once, and the leader's bounds pass its report."""
+    devices = tuple(f"GPU-{d}" for d in range(64))
+    jobs = [f"j{i:02d}" for i in range(20)]
+    view = StaticNodeView(
+        gpus=dict.fromkeys(jobs, devices), critical=dict.fromkeys(devices, tuple(range(13)))
+    )
+    info = LeaderInfo("leader", "10.0.0.9:7443", 3, False)
+    traffic = FakeTraffic(tuple(job(name, 0.5) for name in jobs))
+    node = agent("n1", info, traffic, LoopbackPeers(), Clock(), view=view)
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
+        report = node.local_report()
+        again = node.local_report()
+    request_bounds(report_to_pb(report))
+    assert report == again
+    kept = [len(j.critical_xids) for j in report.jobs]
+    assert sum(kept) == CLUSTER_MAX_REPORT_XIDS and min(kept) >= CLUSTER_MAX_REPORT_XIDS // 20
+    said = [r.getMessage() for r in caplog.records if "cut to the cluster's bounds" in r.message]
+    assert said == [
+        "cluster: this node's report cut to the cluster's bounds, each job an even share: "
+        "256 of critical_xids"
+    ]
