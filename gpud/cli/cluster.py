@@ -342,13 +342,22 @@ def _problems_note(resp: pb.GetClusterStatusResponse) -> str:
     return ""
 
 
+# the gRPC code of a leader's refusal in a report's error ("leader N at ADDRESS: CODE
+# words"; the words may be empty)
+_LEADER_REFUSED = re.compile(r": (?:INVALID_ARGUMENT|PERMISSION_DENIED)(?: |$)")
+
+
 def error_kind(resp: pb.GetClusterStatusResponse) -> str:
     """What ``last_error`` is (``last_error_kind``: "duplicate_node", "leader_not_ready",
     "tls_handshake"...; "" with none). An older gpud sends no ``last_error_kind``: the
     words of its error tell the kinds this gpuctl acts on."""
-    if resp.HasField("last_error_kind"):
-        return resp.last_error_kind
     error = resp.last_error
+    if resp.HasField("last_error_kind"):
+        kind = resp.last_error_kind
+        if kind == "leader_unreachable" and _LEADER_REFUSED.search(error):
+            # a gpud from 2026-12-06 typed the leader's answered refusal so
+            return "report_refused"
+        return kind
     if not error:
         return ""
     if "handshake" in error.lower():
@@ -357,7 +366,7 @@ def error_kind(resp: pb.GetClusterStatusResponse) -> str:
         return "duplicate_node"
     if "does not lead yet" in error:
         return "leader_not_ready"
-    if ": INVALID_ARGUMENT " in error or ": PERMISSION_DENIED " in error:
+    if _LEADER_REFUSED.search(error):
         return "report_refused"  # an older gpud typed the leader's refusal so
     return "leader_unreachable"
 
@@ -418,7 +427,7 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             " (the error names its address), and the leader takes the newest one only;"
             " rename one (a restart) or stop it; the node follows again by itself"
         )
-    elif kind == "report_refused":
+    elif resp.mode in ("holding", "local") and not resp.leading and kind == "report_refused":
         actions.append(
             "the leader is reachable and refuses this node's report: the error names the"
             " field it refuses (gpuds of two versions: upgrade the older, BUILD in gpuctl"

@@ -35,7 +35,7 @@ from gpud.clock import elapsed
 from gpud.cluster import election as store
 from gpud.cluster import problems
 from gpud.cluster.certexpiry import CertExpiry, CertWatch
-from gpud.cluster.convert import MAX_GPUS, MAX_NAME, MAX_XIDS
+from gpud.cluster.convert import MAX_GPUS, MAX_XIDS
 from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
@@ -47,6 +47,7 @@ from gpud.cluster.model import (
     NodeReport,
     Order,
     fair_shares,
+    left_out_said,
     node_name,
 )
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
@@ -64,7 +65,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
-from gpud.shared import CLUSTER_MAX_REPORT_GPUS, CLUSTER_MAX_REPORT_XIDS, shown
+from gpud.shared import CLUSTER_MAX_REPORT_GPUS, CLUSTER_MAX_REPORT_XIDS
 from netshaper.leveller import Leveller, LevellerConfig
 
 log = logging.getLogger(__name__)
@@ -293,8 +294,6 @@ class ClusterAgent:
         self.last_error = ""
         self.last_error_kind = ""  # LEADER_UNREACHABLE...: what last_error is
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
-        # node -> the job names the leader left out of its last report (said once each)
-        self._left_out: dict[str, frozenset[str]] = {}
         # ((leader, epoch) the election names, the leader that one named instead)
         self._hint: tuple[tuple[str, int], LeaderHint] | None = None
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
@@ -817,7 +816,7 @@ class ClusterAgent:
         """A peer's report (peer servicer; ``peer``: its address): kept for the next
         round; the answer is the latest order for its jobs, None until a round has
         included it. ``left_out``: the jobs the servicer took out of it, their names
-        refused (logged once per node and name)."""
+        refused (logged in one line when one is new to the node's last report)."""
         info = self.election.state()
         if report.node != node_name(report.node):
             # one node however a peer spells it (an older gpud sends cluster.node as
@@ -851,40 +850,28 @@ class ClusterAgent:
                     "without case)",
                     node=report.node,
                 )
-            agg.receive(report, self._clock(), peer=peer)
+            new = agg.receive(report, self._clock(), peer=peer, left_out=[j.job for j in left_out])
         except FailedPrecondition as err:
             if report.node not in self._duplicates:  # once: it is refused every tick
                 self._duplicates.add(report.node)
                 log.warning("cluster: refused a report from %s: %s", peer or "?", err)
             raise
-        self._say_left_out(report.node, peer, left_out)
+        if new:  # the node sends them every tick: said when one is new to its last report
+            fresh = set(new)
+            log.warning(
+                "cluster: left %d job(s) out of the report of node %s (%s), its other jobs"
+                " taken, no order naming them; new since its last report: %s",
+                len(left_out),
+                report.node,
+                peer or "?",
+                left_out_said([j for j in left_out if j.job in fresh]),
+            )
         answer = agg.answer(report.node)
         if answer is None and self._clock() >= self._settled_at:
             # a node new to this leader (a failover): fold it in now, not at the next tick
             # (a leadership still settling has its round scheduled already)
             self.request_round(0.0)
         return answer
-
-    def _say_left_out(self, node: str, peer: str, left_out: Sequence[LeftOutJob]) -> None:
-        """A warning for each job name of ``node`` left out that its last report did not
-        leave out already: the node sends it every tick. Only the names its last report
-        left out are kept, so what is kept stays within one report's jobs per node."""
-        said = self._left_out.get(node, frozenset())
-        for job in left_out:
-            if job.job not in said:
-                log.warning(
-                    "cluster: left job %s out of the report of node %s (%s), its other jobs "
-                    "taken: %s; no order names it",
-                    shown(job.job, MAX_NAME),
-                    node,
-                    peer or "?",
-                    job.reason,
-                )
-        names = frozenset(j.job for j in left_out)
-        if names:
-            self._left_out[node] = names
-        else:
-            self._left_out.pop(node, None)
 
     def seen_nodes(self) -> list[NodeSeen]:
         """Nodes heard from (peer servicer; the leader only)."""

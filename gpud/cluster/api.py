@@ -16,7 +16,7 @@ import dataclasses
 import errno
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -35,7 +35,14 @@ from gpud.cluster.convert import (
     report_to_pb,
 )
 from gpud.cluster.leader import NodeSeen
-from gpud.cluster.model import LeftOutJob, NodeReport, Order, node_name
+from gpud.cluster.model import (
+    LEFT_OUT_KEPT,
+    LeftOutJob,
+    NodeReport,
+    Order,
+    left_out_said,
+    node_name,
+)
 from gpud.cluster.tls import PeerTls
 from gpud.config import parse_address
 from gpud.errors import (
@@ -364,7 +371,9 @@ class PeerClient:
         self._node_as_named = tls.node_as_named
         self._channels: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()  # old leaders' channels
-        self._left_out: set[tuple[str, str]] = set()  # (job, reason) the leader left out
+        # names of the jobs the leader left out of the last report (the reason names the
+        # job's place in the report, which moves as other jobs come and go)
+        self._left_out: frozenset[str] = frozenset()
 
     async def _stub(self, address: str, leader: str) -> Any:
         key = (address, leader)
@@ -406,20 +415,19 @@ class PeerClient:
         self._say_left_out(leader, response.left_out)
         return order_from_pb(response.order) if response.HasField("order") else None
 
-    def _say_left_out(self, leader: str, left_out: Any) -> None:
-        """A warning when the jobs the leader left out of this node's report change (it
-        leaves them out every tick): their names it refuses, so no order names them."""
-        said = {(j.job, j.reason) for j in left_out}
-        if said == self._left_out:
-            return
-        self._left_out = said
-        for job in left_out:
+    def _say_left_out(self, leader: str, left_out: Iterable[pb.LeftOutJob]) -> None:
+        """One warning when the leader leaves out a job its last answer did not (it leaves
+        them out every tick): their names it refuses, so no order names them."""
+        jobs = [LeftOutJob(j.job, j.reason) for j in left_out]
+        said, self._left_out = self._left_out, frozenset(j.job for j in jobs[:LEFT_OUT_KEPT])
+        new = [j for j in jobs if j.job not in said]
+        if new:
             log.warning(
-                "cluster: leader %s left job %s out of this node's report, the others taken:"
-                " %s; no order names it",
+                "cluster: leader %s left %d job(s) out of this node's report, the others"
+                " taken, no order naming them; new since its last answer: %s",
                 leader,
-                shown(job.job, MAX_NAME),
-                job.reason,
+                len(jobs),
+                left_out_said(new),
             )
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:

@@ -11,7 +11,9 @@ leader hands out the same tags; a node elected leader again with no other leader
 since its own (it applied no other leader's order meanwhile) writes back the tags it held
 that etcd lost (``held``: restored from a snapshot, wiped); a gpud restarted meanwhile
 holds none. A job no node has reported
-for ``release_after_s`` gives its tag back, and sooner where a node marks another job with it (the node handed the tag
+for ``release_after_s`` gives its tag back (a job a node reports but whose name this leader
+refuses, left out of the report, counts as reported: an older leader may have tagged it,
+and the node marks its traffic with that tag), and sooner where a node marks another job with it (the node handed the tag
 of a job idle there to a job about to run): the tags nodes mark running jobs with are
 followed, not ordered back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
 cluster tag (:attr:`Aggregator.untagged`) and keep the tag their nodes gave them; their
@@ -25,11 +27,19 @@ leader keeps the levels in force where rates allow instead of ranking ties afres
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpud.cluster.model import MAX_JOB_FAULTS, JobAttributes, NodeReport, Order, fair_shares
+from gpud.cluster.model import (
+    LEFT_OUT_KEPT,
+    MAX_JOB_FAULTS,
+    JobAttributes,
+    NodeReport,
+    Order,
+    fair_shares,
+)
 from gpud.cluster.ports import TagStore
 from gpud.errors import DuplicateNode
 from netshaper.leveller import Leveller
@@ -124,13 +134,23 @@ class Aggregator:
         self._peers: dict[str, str] = {}  # node -> the address its latest report came from
         self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
+        # node -> job names its latest report left out (refused), as _remembered keeps
+        # them; dropped with its report
+        self._left_out: dict[str, frozenset[str]] = {}
         self._epoch, self._seq = after
         self._included: set[str] = set()  # nodes whose reports the last order folded in
         self.untagged: tuple[str, ...] = ()  # jobs of the last round left without a tag
         self.order: Order | None = None
 
-    def receive(self, report: NodeReport, now: float, *, peer: str = "") -> None:
-        """Keep ``report`` as the node's latest (``peer``: where it came from).
+    def receive(
+        self, report: NodeReport, now: float, *, peer: str = "", left_out: Sequence[str] = ()
+    ) -> list[str]:
+        """Keep ``report`` as the node's latest (``peer``: where it came from), and
+        ``left_out``, the names of the jobs taken out of it (refused): a tag one of them
+        holds (an older leader's, in etcd) stays held while the node reports it so, as
+        the node marks the job's packets with that DSCP. Returns the names of
+        ``left_out`` not remembered from the node's previous report (those to log: the
+        node sends them every tick; of more than 64 names, some are new each time).
 
         Raises :class:`~gpud.errors.DuplicateNode` for a report of an instance that a newer one
         replaced under the same node name while the newer one still reports: two gpuds
@@ -155,6 +175,21 @@ class Aggregator:
         self._reports[node] = (now, report)
         if peer:
             self._peers[node] = peer
+        said = self._left_out.get(node, frozenset())
+        if left_out:
+            self._left_out[node] = self._remembered(left_out)
+        else:
+            self._left_out.pop(node, None)
+        return [name for name in left_out if name not in said]
+
+    def _remembered(self, names: Sequence[str]) -> frozenset[str]:
+        """The first of ``names`` (LEFT_OUT_KEPT) and those holding a tag (64 at most) (all, once the tags are read:
+        before, the round that reads them counts every stored tag as seen then)."""
+        kept = set(itertools.islice(names, LEFT_OUT_KEPT))
+        allocator = self._allocator
+        if allocator is not None:
+            kept.update(name for name in names if allocator.get(name) is not None)
+        return frozenset(kept)
 
     def included_others(self) -> bool:
         """Whether the last order folded in the report of a node other than the leader."""
@@ -238,6 +273,7 @@ class Aggregator:
                 # soft state: it comes back with its next report
                 if self._reports.get(name, (None,))[0] == seen:
                     self._reports.pop(name, None)
+                    self._left_out.pop(name, None)
                 continue
             included.add(name)
             for jr in report.jobs:
@@ -298,10 +334,16 @@ class Aggregator:
         before = allocator.allocations()
         for job in self._unsaved:  # held, but lost by etcd: saved as if allocated now
             before.pop(job, None)
-        dropped = _follow_nodes(allocator, folds)
+        left_out = self._left_out
+        # jobs nodes run with names this leader refuses: the tag one holds marks its packets
+        running = {job for name in included for job in left_out.get(name, ()) if job not in folds}
+        dropped = _follow_nodes(allocator, folds, running)
         free = len(allocator.pool) - len(allocator.allocations())
         untagged: list[str] = []
         seen_at = self._job_seen
+        for job in running:
+            if allocator.get(job) is not None:
+                seen_at[job] = now
         for job, f in folds.items():
             seen_at[job] = now
             if allocator.get(job) is not None:
@@ -452,9 +494,13 @@ def _fair_faults(
     return kept, sum(len(entries) for _, entries in parts) - len(kept)
 
 
-def _follow_nodes(allocator: TagAllocator, folds: dict[str, _Fold]) -> list[str]:
+def _follow_nodes(
+    allocator: TagAllocator, folds: dict[str, _Fold], running: Collection[str] = ()
+) -> list[str]:
     """Give each job the tag a node marks it with where this leader holds that tag for no
-    job a node marks with it now; returns the jobs that lost their tag to it.
+    job a node marks with it now; returns the jobs that lost their tag to it. A job of
+    ``running`` (left out of its node's report) keeps its tag: its node may mark it with
+    it, the report does not say.
 
     A node hands the tag of a job idle there to a job about to run (``traffic.dscp_pool``
     used up) and tags the idle job anew when it runs again, while this leader still holds
@@ -474,7 +520,7 @@ def _follow_nodes(allocator: TagAllocator, folds: dict[str, _Fold]) -> list[str]
         if holder is None:
             if allocator.get(job) is None:
                 continue  # a job new here: the round claims the tag for it
-        elif holder in folds and folds[holder][_DSCP] == dscp:
+        elif (holder in folds and folds[holder][_DSCP] == dscp) or holder in running:
             continue
         else:
             allocator.release(holder)

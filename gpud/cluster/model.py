@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gpud.shared import shown
+
 # Fault entries (``unhealthy_gpus``, ``xids``, ``critical_xids``: ``node/uuid:code``, 513
 # characters at most) the leader keeps per job and list, and hands one node in all of its
 # order's attributes, whatever its peers reported, so that an order's faults stay within
@@ -113,6 +115,28 @@ class LeftOutJob(NamedTuple):
 
     job: str
     reason: str
+
+
+# left-out job names remembered per node, to log each once: a node may leave out
+# thousands, each of up to 256 characters, in every report (of more, some are logged again)
+LEFT_OUT_KEPT = 64
+_LEFT_OUT_NAMED = 3  # left-out jobs a log line names; the others it counts
+_LEFT_OUT_NAME = 40  # characters of a left-out job's name a log line shows
+_LEFT_OUT_REASON = 200  # ... of the reason (it may repeat the name, 256 characters)
+
+
+def left_out_said(jobs: Sequence[LeftOutJob]) -> str:
+    """The first few of ``jobs`` for one log line, each its name shortened and the
+    reason, and how many more: a node may leave out thousands, with names of 256
+    characters, in every report."""
+    named = []
+    for job in jobs[:_LEFT_OUT_NAMED]:
+        reason = job.reason
+        if len(reason) > _LEFT_OUT_REASON:
+            reason = reason[:_LEFT_OUT_REASON] + "..."
+        named.append(f"{shown(job.job, _LEFT_OUT_NAME)} ({reason})")
+    more = len(jobs) - _LEFT_OUT_NAMED
+    return ", ".join(named) + (f" and {more} more" if more > 0 else "")
 
 
 class JobAttributes(NamedTuple):

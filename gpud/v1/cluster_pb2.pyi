@@ -761,9 +761,12 @@ class GetClusterStatusResponse(_message.Message):
     """
     last_error_kind: _builtins.str
     """what last_error is ("" when none; absent from an older gpud): "leader_unreachable"
-    (the report to the leader failed), "tls_handshake" (... in the TLS handshake: a
-    certificate refused), "leader_not_ready" (the leader restarted within its previous
-    run's lease), "not_leader" (the node etcd names does not lead), "duplicate_node"
+    (the report to the leader failed; from a gpud of 2026-12-06 also a refusal, as below,
+    its text carrying ": INVALID_ARGUMENT" or ": PERMISSION_DENIED"), "report_refused" (the
+    leader answered and refused the report, INVALID_ARGUMENT or PERMISSION_DENIED, in its
+    words), "tls_handshake" (... in the TLS handshake: a certificate refused),
+    "leader_not_ready" (the leader restarted within its previous run's lease),
+    "not_leader" (the node etcd names does not lead), "duplicate_node"
     (another gpud reports under this node's name), "leader_key_held" (etcd names this node
     while another gpud, or this one's previous run, holds the key), "order_refused" (the
     traffic service refused the order), "stale_order" (the leader's order is older than

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gpud.cluster.convert import order_from_pb, order_to_pb
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, seed_levels
-from gpud.cluster.model import JobReport, NodeReport, Order
+from gpud.cluster.model import LEFT_OUT_KEPT, JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore
 from gpud.errors import FailedPrecondition
 from gpud.v1 import cluster_pb2 as pb
@@ -132,6 +132,55 @@ def test_a_new_leader_releases_the_stored_tags_of_jobs_no_node_reports() -> None
     agg.receive(NodeReport("n1", (JobReport("a"),)), 116)
     agg.compute(2, 116)
     assert set(store.tags) == {"a"}
+
+
+def test_a_tag_stays_held_while_a_node_runs_its_job_under_a_name_the_leader_refuses() -> None:
+    """An older leader tagged "old\n", which this one refuses and leaves out of n1's
+    report: while n1 reports it so (it marks the job's packets with DSCP 10), the tag is
+    neither released nor given to another node's job; once n1 no longer runs it, it goes
+    after release_after_s like any other."""
+    store = MemoryTagStore(tags={"old\n": 10})
+    agg = make(store, timeout=5)
+    for now in (100, 116, 132):
+        agg.receive(NodeReport("n1", (JobReport("a"),)), now, left_out=["old\n"])
+        # n2 marks a job of its own with 10 (its node-local tag)
+        agg.receive(NodeReport("n2", (JobReport("x", dscp=10),)), now)
+        order = agg.compute(2, now)
+        assert store.tags["old\n"] == 10
+        assert order.tags["x"] != 10
+    for now in (140, 156, 172):
+        agg.receive(NodeReport("n1", (JobReport("a"),)), now)
+        agg.compute(2, now)
+    assert "old\n" not in store.tags
+
+
+def test_a_tag_a_silent_node_ran_a_refused_job_with_is_released_as_its_report_goes() -> None:
+    """The left-out names go with the node's report: a node that stops reporting holds
+    no tag for them."""
+    store = MemoryTagStore(tags={"old\n": 10})
+    agg = make(store, timeout=5)
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 100, left_out=["old\n"])
+    agg.compute(2, 100)
+    for now in (110, 120):  # n1 silent
+        agg.receive(NodeReport("n2", (JobReport("b"),)), now)
+        agg.compute(2, now)
+    assert "old\n" not in store.tags
+
+
+def test_a_nodes_refused_job_is_new_once_until_the_node_falls_silent() -> None:
+    """What to log: a name the node's last report left out already is not new, whatever
+    else comes and goes; a node dropped for silence is new again; of thousands of names,
+    only the first LEFT_OUT_KEPT are remembered (the others come back each report)."""
+    agg = make(timeout=5)
+    n1 = NodeReport("n1")
+    assert agg.receive(n1, 0, left_out=["old\n"]) == ["old\n"]
+    assert agg.receive(n1, 1, left_out=["x\n", "old\n"]) == ["x\n"]
+    assert agg.receive(n1, 2, left_out=["old\n"]) == []
+    agg.compute(1, 10)  # n1 silent past the node timeout: dropped
+    assert agg.receive(n1, 11, left_out=["old\n"]) == ["old\n"]
+    many = [f"j{i}\n" for i in range(4096)]
+    assert len(agg.receive(n1, 12, left_out=many)) == 4096
+    assert agg.receive(n1, 13, left_out=many) == many[LEFT_OUT_KEPT:]
 
 
 def test_a_failing_tag_store_publishes_nothing_new() -> None:

@@ -666,13 +666,66 @@ async def test_a_job_name_the_leader_refuses_costs_the_node_that_job_only(
         assert [(n.node, n.jobs) for n in leader.status().nodes] == [("leader", 1), ("n1", 1)]
         said = [r.getMessage() for r in caplog.records]
         (by_leader,) = [m for m in said if "out of the report of node n1" in m]
-        assert by_leader.startswith("cluster: left job 'old\\n' out of the report of node n1")
+        assert by_leader.startswith("cluster: left 1 job(s) out of the report of node n1")
         assert by_leader.endswith(
-            "its other jobs taken: jobs[1].job: 'old\\n': letters, digits, '_', '.', '-'"
-            " (up to 63, starting alphanumeric); no order names it"
+            "new since its last report: 'old\\n' (jobs[1].job: 'old\\n': letters, digits,"
+            " '_', '.', '-' (up to 63, starting alphanumeric))"
         )
         (by_node,) = [m for m in said if "out of this node's report" in m]
-        assert by_node.startswith("cluster: leader leader left job 'old\\n' out of this node")
+        assert by_node.startswith("cluster: leader leader left 1 job(s) out of this node's")
+        assert "new since its last answer: 'old\\n' (jobs[1].job: " in by_node
+
+
+def _said_left_out(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str]]:
+    """The lines the leader and the node logged of the jobs the leader left out."""
+    said = [r.getMessage() for r in caplog.records]
+    return (
+        [m for m in said if "out of the report of node n1" in m],
+        [m for m in said if "out of this node's report" in m],
+    )
+
+
+async def test_a_refused_job_is_said_once_on_each_side_as_other_jobs_come_and_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reason names the refused job's place in the report (``jobs[1].job``), which
+    moves as other jobs start and end: neither side says the job again for that."""
+    async with _served_leader(tmp_path) as (_, address, client):
+        with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
+            for names in (("a", "old\n"), ("a", "b", "old\n"), ("a", "old\n")):
+                report = NodeReport("n1", tuple(JobReport(n) for n in names))
+                await client.report(address, "leader", report)
+        by_leader, by_node = _said_left_out(caplog)
+        assert len(by_leader) == 1
+        assert len(by_node) == 1
+
+
+async def test_a_report_of_thousands_of_refused_names_costs_one_short_line_on_each_side(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node (of any version, certified) leaves out as many jobs as a report holds, one
+    named with 4096 characters (the most a request's string may have): the leader takes
+    the report and each side logs one line per report, naming the first few jobs
+    shortened, and counting them."""
+    huge = "x" * 4096
+    async with _served_leader(tmp_path) as (_, address, client):
+        with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
+            for batch in range(2):  # fresh names each time
+                rest = (JobReport(f"{batch}-{i}\n") for i in range(MAX_JOBS - 1))
+                jobs = (JobReport(huge), *rest)
+                await client.report(address, "leader", NodeReport("n1", jobs))
+        by_leader, by_node = _said_left_out(caplog)
+    assert len(by_leader) == 2
+    assert len(by_node) == 2
+    for line in by_leader + by_node:
+        assert len(line) < 1000
+        assert f"left {MAX_JOBS} job(s) out of" in line
+    for first in (by_leader[0], by_node[0]):  # the leader keeps 256 characters of a name
+        assert f"{'x' * 40!r}... (256 characters) (jobs[0].job: {'x' * 63!r}... (4096" in first
+        assert first.endswith(f" and {MAX_JOBS - 3} more")
+    for second in (by_leader[1], by_node[1]):  # the long name is not new
+        assert "'1-0\\n' (jobs[1].job: '1-0\\n': letters" in second
+        assert second.endswith(f" and {MAX_JOBS - 1 - 3} more")
 
 
 async def test_a_report_the_leader_refuses_whole_is_said_refused_not_unreachable(

@@ -791,3 +791,39 @@ def test_the_exit_code_check_finds_what_is_wrong() -> None:
         "### Exit codes\n\n| Exit | Why |\n|---|---|\n| 0 | ok |\n| 125 | x |\n\n## Next\n| 9 | y |"
     )
     assert readme_exit_codes(f"intro\n{table}") == {0, 125}
+
+
+def error_kinds() -> set[str]:
+    """The ``last_error_kind`` values gpud sets: gpud.cluster.agent's constants spelled as
+    their value (``REPORT_REFUSED = "report_refused"``)."""
+    tree = ast.parse((ROOT / "gpud" / "cluster" / "agent.py").read_text())
+    return {
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        and [ast.unparse(t) for t in node.targets] == [node.value.value.upper()]
+    }
+
+
+def proto_error_kinds(text: str) -> set[str]:
+    """The quoted words of the comment above ``last_error_kind`` in cluster.proto."""
+    comment: list[str] = []
+    for line in text.splitlines():
+        if line.strip().startswith("//"):
+            comment.append(line)
+        elif "last_error_kind = " in line:
+            return set(re.findall(r'"([a-z_]+)"', "\n".join(comment)))
+        else:
+            comment = []
+    return set()
+
+
+def test_the_docs_list_every_error_kind_gpud_sets() -> None:
+    kinds = error_kinds()
+    assert {"leader_unreachable", "report_refused", "own_certificate"} <= kinds
+    proto = proto_error_kinds((ROOT / "proto" / "gpud" / "v1" / "cluster.proto").read_text())
+    assert sorted(kinds - proto) == [], "not in cluster.proto's last_error_kind comment"
+    (row,) = [r for r in README.read_text().splitlines() if r.startswith("| `last_error_kind` |")]
+    assert sorted(kinds - set(re.findall(r"`([a-z_]+)`", row))) == [], "not in README.md"

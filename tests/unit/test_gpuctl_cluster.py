@@ -609,3 +609,30 @@ def test_a_report_the_leader_refuses_is_said_refused_with_its_words_not_unreacha
         base(mode="holding", last_error=error, last_error_kind="report_refused"), json_output=True
     )
     assert json.loads(shown)["last_error_kind"] == "report_refused"
+
+
+def test_a_refusal_an_earlier_gpud_typed_unreachable_is_said_refused() -> None:
+    """A gpud of 2026-12-06 typed the leader's answered refusal ``leader_unreachable``: its
+    error's code (also with no words after it) tells gpuctl the leader answered."""
+    for error in (
+        "leader n0 at 10.0.0.1:7443: INVALID_ARGUMENT jobs[0].job: longer than 256 characters",
+        "leader n0 at 10.0.0.1:7443: PERMISSION_DENIED",
+    ):
+        text = status(base(mode="holding", last_error=error, last_error_kind="leader_unreachable"))
+        assert "mode:        holding (the leader answers and refuses this node's report" in text
+        assert "action:      the leader is reachable and refuses this node's report" in text
+        assert "make the leader reachable" not in text
+    down = "leader n0 at 10.0.0.1:7443: UNAVAILABLE failed to connect to all addresses"
+    text = status(base(mode="holding", last_error=down, last_error_kind="leader_unreachable"))
+    assert "refuses this node's report" not in text
+
+
+def test_a_leader_is_given_no_action_for_a_refusal_of_a_report_it_no_longer_sends() -> None:
+    """A node that leads (it took over since the refusal) reports to no leader: the
+    refusal's action is not for it, as none of the other leader kinds' is."""
+    error = "leader n0 at 10.0.0.1:7443: INVALID_ARGUMENT jobs[0].job: 'old\\n': letters"
+    leading = {"leading": True, "leader": "n1", "elected_leader": "n1"}
+    text = status(
+        base(mode="leading", last_error=error, last_error_kind="report_refused", **leading)
+    )
+    assert "refuses this node's report" not in text
