@@ -13,22 +13,26 @@ driver-wide hang costs a tick two waits, not one per GPU, and the GPUs that answ
 samples no older than the interval allows. A GPU whose call is outstanding gets no
 new call until it has returned.
 
-Whether a late read is hung is judged by :meth:`Dispatcher.late`, by this rule:
+Whether a late read is hung is judged by :meth:`Dispatcher.late_answer`, by this rule:
 
     A GPU whose read passed its deadline is not answering at once when no other GPU's read
     begun in that tick or since is late too (a GPU hung alone, or on a node of one GPU, is
     found in the tick it hangs, as before), and otherwise (reads late together, as when the
-    host starves gpud of CPU) as soon as another GPU answers a read begun in a later tick
-    while its own is still outstanding, or once it has been outstanding ``call_timeout_s``.
-    Only a read that returned a sample without a driver error, begun since the GPU's last
-    reset or MIG change (:meth:`Target.renew`), is an answer, to show or to prove another
-    GPU hung: a late GPU shows its last answer, and one with none since its last failure,
-    reset or MIG change is not answering at the deadline.
+    host starves gpud of CPU) as soon as another GPU answers within its deadline a read
+    begun after this read's deadline, or begun with or after this read and after the
+    deadline of another read still outstanding, or once it has been outstanding
+    ``call_timeout_s``; once found hung it stays so until its call returns. Only a read that
+    returned a sample without a driver error, begun since the GPU's last reset or MIG change
+    made through gpud (:meth:`Target.renew`), is an answer, to show or to prove another GPU
+    hung: a late GPU shows its last answer, and one with none since its last failure, reset
+    or MIG change is not answering at the deadline.
 
 Starvation slows every thread of the process alike, so a read late with others is slow, not
-stuck; a hung call never returns, which the next tick's reads of the other GPUs show while
-it is still outstanding. A read whose GPU was reset or changed while it ran is read again
-once (its reader reads the GPU's identity anew), and that one's sample taken.
+stuck, and no read then answers within its deadline; a hung call never returns, which a
+read of another GPU begun after its deadline, answered in time, shows while it is still
+outstanding. A read whose GPU was reset or changed through gpud while it ran is read again
+once (its reader reads the GPU's identity anew), and that one's sample taken; one changed
+again during that read is :class:`Superseded`.
 
 Waits use the real monotonic clock: they bound real waits. How long a read has been
 outstanding (against ``call_timeout_s``) is measured on the injected ``clock``.
@@ -49,6 +53,11 @@ Result = GpuSample | BaseException  # what a read returned or raised
 Outcome = Literal["", "answer", "failed", "dropped"]
 
 
+class Superseded(Exception):
+    """A read whose GPU was reset or MIG-changed through gpud during it and again during the
+    read made anew: it returned, but no sample of the GPU as it is now; read next tick."""
+
+
 def is_answer(result: Result) -> bool:
     """Whether ``result`` answers for its GPU: a sample read without a driver error (the
     reader makes a sample unhealthy for each error the driver returned)."""
@@ -57,13 +66,16 @@ def is_answer(result: Result) -> bool:
 
 class Target:
     """One GPU to read: its read function, whether a call on it is still stuck, and how its
-    latest read went (guarded by ``lock``), which :meth:`Dispatcher.late` judges."""
+    latest read went (guarded by ``lock``), which :meth:`Dispatcher.late_answer` judges."""
 
     __slots__ = (
-        "answered_tick",
+        "began",
         "busy",
+        "deadline",
         "entered",
         "generation",
+        "hung",
+        "in_time_began",
         "index",
         "last",
         "late",
@@ -88,20 +100,27 @@ class Target:
         self.entered = False
         self.late = False
         self.outcome: Outcome = ""
+        # when its latest read was handed out and its deadline, on the real monotonic clock:
+        # the order of reads and deadlines is what tells a starved host from a hung GPU
+        self.began = 0.0
+        self.deadline = 0.0
+        self.hung = False  # its outstanding read was judged hung: until it returns
         self.last: GpuSample | None = None  # its latest answer; None after a failure or renew
-        self.answered_tick = -1  # the tick of its latest read that answered
+        # when its latest read answered within its deadline began (monotonic); -inf: never
+        self.in_time_began = float("-inf")
 
     def renew(self) -> None:
-        """The GPU was reset or its MIG layout changed: no read begun before is its answer
-        (a read running now is read again once it returns)."""
+        """The GPU was reset or its MIG layout changed through gpud: no read begun before is
+        its answer (a read running now is read again once it returns)."""
         with self.lock:
             self.generation += 1
             self.last = None
 
-    def _begin(self, tick: int, now: float, entered: bool) -> None:
+    def _begin(self, tick: int, now: float, began: float, wait_s: float, entered: bool) -> None:
         with self.lock:
             self.tick, self.since, self.entered = tick, now, entered
-            self.late = False
+            self.began, self.deadline = began, began + wait_s
+            self.late = self.hung = False
             self.outcome = ""
 
     def _mark_late(self) -> None:
@@ -121,12 +140,15 @@ def _read(target: Target) -> tuple[Result, bool]:
             result = target.read()
         except BaseException as err:  # reported as that GPU's result
             result = err
+        returned = time.monotonic()
         with target.lock:
+            target.hung = False  # the call returned: it was not stuck
             if target.generation == generation:
                 if is_answer(result):
                     assert isinstance(result, GpuSample)
                     target.outcome, target.last = "answer", result
-                    target.answered_tick = target.tick
+                    if returned <= target.deadline:
+                        target.in_time_began = target.began
                 else:
                     target.outcome, target.last = "failed", None
                 return result, True
@@ -155,6 +177,7 @@ class _Pass:
         "started",
         "targets",
         "tick",
+        "wait_s",
     )
 
     def __init__(
@@ -162,11 +185,13 @@ class _Pass:
         targets: Sequence[Target],
         tick: int,
         clock: Callable[[], float],
+        wait_s: float,
         stamped: bool = False,
     ) -> None:
         self.targets = targets
         self.tick = tick
         self.clock = clock
+        self.wait_s = wait_s
         self.stamped = stamped  # the targets' reads were stamped as handed out
         self.results: dict[int, Result] = {}
         self.lock = threading.Lock()  # guards the fields below and the targets' ``busy``
@@ -189,7 +214,7 @@ class _Pass:
                     self.started = time.monotonic()
                     target.busy = True
                 if not self.stamped:
-                    target._begin(self.tick, self.clock(), entered=True)
+                    target._begin(self.tick, self.clock(), self.started, self.wait_s, entered=True)
                 result, fresh = _read(target)
                 with lock:
                     target.busy = False
@@ -244,12 +269,12 @@ class Dispatcher:
 
     def read(self, targets: Sequence[Target]) -> dict[int, Result]:
         """Results by GPU index; a GPU missing from the result is late or hung (stuck or
-        timed out): :meth:`late` tells which."""
+        timed out): :meth:`late_answer` tells which."""
         self._tick += 1
         todo = [t for t in targets if not t.busy]
         if not todo:
             return {}
-        p = _Pass(todo, self._tick, self._clock)
+        p = _Pass(todo, self._tick, self._clock, self.wait_s)
         if not self._worker.submit(p.run):
             return {}  # closed (gpud is stopping): no GPU is read, each reported hung
         timeout = self.wait_s
@@ -270,11 +295,13 @@ class Dispatcher:
 
     def _fan_out(self, targets: Sequence[Target], timeout: float) -> dict[int, Result]:
         passes: list[_Pass] = []
+        # one stamp for them all: they are begun together, none before another
+        now, began = self._clock(), time.monotonic()
         for target in targets:
             # stamped as handed out: a thread the OS has not run by the deadline is late
             # without having called the driver
-            target._begin(self._tick, self._clock(), entered=False)
-            p = _Pass((target,), self._tick, self._clock, stamped=True)
+            target._begin(self._tick, now, began, timeout, entered=False)
+            p = _Pass((target,), self._tick, self._clock, timeout, stamped=True)
             self._spare += 1
             worker = Worker(f"{self._name}-{self._spare}")
             worker.submit(p.run)
@@ -293,34 +320,54 @@ class Dispatcher:
             results.update(p.results)
         return results
 
-    def late(
+    def late_answer(
         self, target: Target, targets: Sequence[Target], hung_after_s: float
-    ) -> GpuSample | None:
+    ) -> GpuSample | Superseded | None:
         """What ``target``, which has no result from the last :meth:`read`, shows: its last
-        answer while its read is late and not judged hung (the module doc has the rule), else
-        None: it is not answering. ``targets``: every GPU's, ``hung_after_s``: the longest a
-        read may be outstanding (``telemetry.call_timeout_s``) on the dispatcher's clock."""
+        answer while its read is late and not judged hung (the module doc has the rule);
+        :class:`Superseded` where its read returned none of the GPU as it is now; else None:
+        it is not answering. ``targets``: every GPU's, ``hung_after_s``: the longest a read
+        may be outstanding (``telemetry.call_timeout_s``) on the dispatcher's clock."""
         with target.lock:
-            late, outcome, entered = target.late, target.outcome, target.entered
+            late, outcome, entered, hung = target.late, target.outcome, target.entered, target.hung
             last, tick, since = target.last, target.tick, target.since
-        if not late or last is None or outcome in ("failed", "dropped"):
+            began, deadline = target.began, target.deadline
+        if outcome == "dropped":
+            return Superseded(f"GPU {target.index}: reset or MIG-changed twice during one read")
+        if not late or last is None or outcome == "failed":
             return None
         if outcome == "answer" or not entered:
             # it answered after its deadline (its latest sample), or its thread had not begun
             # by then: the GPU was not called, and is read again next tick
             return last
-        if self._clock() - since >= hung_after_s:
-            return None
+        if hung or self._clock() - since >= hung_after_s:
+            return self._judged_hung(target, tick)
+        # An answer within its deadline to a read begun from ``proof`` on shows that the host
+        # runs gpud: after this read's deadline, or with or after this read once another read
+        # still outstanding was past its own.
+        proof = deadline
+        answered_in_time = float("-inf")  # when the latest such read of another GPU began
         together = False
         for other in targets:
             if other is target:
                 continue
             with other.lock:
-                if other.answered_tick > tick:
-                    return None  # the driver answers another GPU read since: this one hangs
+                if other.late and other.outcome == "":
+                    proof = min(proof, max(began, other.deadline))
                 if other.tick >= tick and other.late and other.outcome in ("", "answer"):
                     together = True
-        return last if together else None
+                answered_in_time = max(answered_in_time, other.in_time_began)
+        if not together or answered_in_time >= proof:
+            return self._judged_hung(target, tick)
+        return last
+
+    @staticmethod
+    def _judged_hung(target: Target, tick: int) -> None:
+        """Keep ``target``'s read of ``tick`` hung until it returns: reads of other GPUs
+        late later (a host starved since) do not show that a stuck call is not stuck."""
+        with target.lock:
+            if target.tick == tick and target.outcome == "":
+                target.hung = True
 
     def close(self) -> None:
         self._worker.close()

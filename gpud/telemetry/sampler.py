@@ -10,9 +10,12 @@ shorter) is left behind while the rest are read on threads of their own. So:
   the first tick that finds it hung until the call returns; it gets no new call until then,
   while the others keep samples no older than twice the interval. A call past its deadline
   with other GPUs' calls late too (a host that starves gpud of CPU) is late, not hung: the
-  GPU shows its last answer (older each tick, ``gpud_gpu_sample_age_seconds``) until the
-  next tick's reads of other GPUs answer while it is still outstanding, or it has been
-  outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch` has the rule);
+  GPU shows its last answer (older each tick, ``gpud_gpu_sample_age_seconds``) until
+  another GPU answers in time a read begun after its deadline while it is still
+  outstanding, or it has been outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch`
+  has the rule); a GPU found hung stays so until the call returns;
+- a GPU reset or MIG-changed through gpud twice during one read is ``healthy=False`` with
+  :data:`SUPERSEDED` for that tick (no call is outstanding), and read again the next;
 - health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
@@ -57,7 +60,7 @@ from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported, Unavailable
 from gpud.events import EventLog
 from gpud.files import keep_aside, write_atomically
-from gpud.telemetry.dispatch import Dispatcher, Result, Target
+from gpud.telemetry.dispatch import Dispatcher, Result, Superseded, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.seen import Seen
 from gpud.telemetry.seen import identity as seen_identity
@@ -78,6 +81,11 @@ NOT_ANSWERING = "not answering: a driver call is outstanding"
 words all along (not how long it has been): it is a metric label, the reason of events and
 of what co-location and admission show, and a label that changed while the GPU stayed hung
 would resolve an alert and fire it again. How long is ``gpud_gpu_sample_age_seconds``."""
+
+SUPERSEDED = "not read: reset or MIG layout changed during its read, read again next tick"
+"""The reason of a GPU whose read returned, but with the GPU reset or its MIG layout changed
+through gpud during it and again during the read made anew: no call is outstanding, and no
+sample of the GPU as it is now was read. The next tick reads it."""
 
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
@@ -381,29 +389,28 @@ class Sampler:
         result = results.get(slot.reader.index)
         if result is not None:
             return result
-        return self._dispatcher.late(slot.target, targets, self.call_timeout_s)
+        return self._dispatcher.late_answer(slot.target, targets, self.call_timeout_s)
 
     def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
         reader = slot.reader
         if isinstance(result, GpuSample):
             sample = result
-        elif result is not None:
-            # Not a driver error (the reader handles those): a bug. Report it and go on. The
-            # reason names the exception's type alone: it is a metric label and each change
-            # of it an event, and a message may change at every tick (numbers, addresses).
-            log.error("reading GPU %d failed", reader.index, exc_info=result)
+        else:
+            if isinstance(result, Superseded):
+                reason = SUPERSEDED
+            elif result is not None:
+                # Not a driver error (the reader handles those): a bug. Report it and go on.
+                # The reason names the exception's type alone: it is a metric label and each
+                # change of it an event, and a message may change at every tick (numbers,
+                # addresses).
+                log.error("reading GPU %d failed", reader.index, exc_info=result)
+                reason = f"internal error: {type(result).__name__} (gpud's log has the details)"
+            else:  # hung: judged so by the dispatcher (late alone, or shown stuck)
+                reason = NOT_ANSWERING
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
-                reason=f"internal error: {type(result).__name__} (gpud's log has the details)",
-                sampled_at=reader.last_good_at,
-                mig_devices_read=False,
-            )
-        else:  # hung: judged so by the dispatcher (late alone, or shown stuck)
-            sample = GpuSample(
-                identity=reader.identity or placeholder_identity(reader.index),
-                healthy=False,
-                reason=NOT_ANSWERING,
+                reason=reason,
                 sampled_at=reader.last_good_at,
                 mig_devices_read=False,
             )

@@ -36,6 +36,7 @@ from gpud.events import EventLog
 from gpud.store import StateStore
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.sampler import (
+    SUPERSEDED,
     XID_STATE_VERSION,
     Sampler,
     XidWatcher,
@@ -755,9 +756,9 @@ def test_several_hung_gpus_cost_two_timeouts_not_one_each(
     # (each is called once, while 0 still hangs), and 3 keeps a fresh sample.
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
     assert snap.gpus[3].sampled_at == clock.now
-    # Three reads late together are what a starved host looks like: each shows its last
-    # answer this tick. The next tick's read of GPU 3 answers while theirs are outstanding.
-    assert [g.sampled_at < clock.now for g in snap.gpus] == [True, True, True, False]
+    # GPU 3's read, begun after GPU 0's deadline with 1's and 2's, answered within its own:
+    # the host runs gpud, so the three late reads are hung, not starved
+    assert [g.healthy for g in snap.gpus] == [False, False, False, True]
     snap = sampler.tick()  # all three still stuck: not called again
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
     assert [g.healthy for g in snap.gpus] == [False, False, False, True]
@@ -860,10 +861,10 @@ def test_a_read_late_through_ticks_of_starvation_keeps_its_gpus_health(
 ) -> None:
     """The reads late with it may be of a later tick: the host still starves gpud."""
     sampler.tick()
-    first = _starve(backend, [0, 1])
+    first = _starve(backend, range(4))
     clock.now += 0.1
     assert all(g.healthy for g in sampler.tick().gpus)
-    _answer(backend, sampler, {1: first[1]})
+    _answer(backend, sampler, {g: first[g] for g in (1, 2, 3)})  # late answers: no proof
     _starve(backend, [1, 2, 3])
     clock.now += 0.1
     snap = sampler.tick()  # GPU 0 still outstanding, the others late in this tick
@@ -999,6 +1000,102 @@ def test_a_read_in_progress_when_its_gpu_is_reset_is_made_again(
         assert got[0].gpus[1].identity.uuid == "GPU-00000001-1"
     finally:
         gate.set()
+        s.close()
+
+
+def test_a_gpu_found_hung_stays_not_answering_when_other_gpus_reads_turn_late(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """Reads of other GPUs late since (a host starved from then on) do not show that a call
+    already found stuck is not: the GPU stays not answering until its call returns."""
+    sampler.tick()
+    hung = _starve(backend, [2])
+    clock.now += 0.1
+    assert [g.healthy for g in sampler.tick().gpus] == [True, True, False, True]
+    starved = _starve(backend, [0, 1, 3])
+    clock.now += 0.1
+    snap = sampler.tick()
+    assert [(g.healthy, g.reason) for g in snap.gpus] == [
+        (True, ""),
+        (True, ""),
+        (False, NOT_ANSWERING),
+        (True, ""),
+    ]
+    assert events.counts() == {"gpu.unhealthy": 1}
+    _answer(backend, sampler, {**starved, **hung})
+    clock.now += 0.1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    assert events.counts() == {"gpu.unhealthy": 1, "gpu.recovered": 1}
+
+
+def test_a_gpu_found_hung_stays_so_when_the_other_gpu_hangs_a_tick_later(
+    clock: FakeClock, events: EventLog
+) -> None:
+    backend = FakeBackend(gpus=2)
+    s = Sampler(backend, call_timeout_s=0.3, clock=clock, events=events)  # type: ignore[arg-type]
+    try:
+        s.tick()
+        _starve(backend, [0])
+        clock.now += 0.1
+        assert [g.healthy for g in s.tick().gpus] == [False, True]
+        _starve(backend, [1])
+        clock.now += 0.1
+        snap = s.tick()
+        assert [g.reason for g in snap.gpus] == [NOT_ANSWERING, NOT_ANSWERING]
+        assert events.counts() == {"gpu.unhealthy": 2}
+    finally:
+        for gate in backend.hang.values():
+            gate.set()
+        s.close()
+
+
+def test_gpus_hung_at_once_while_others_answer_in_time_are_not_answering_in_that_tick(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    """GPUs 2 and 3 are read after GPU 0's deadline and answer within their own: the host
+    runs gpud, so the reads of 0 and 1 late with them are hung, not starved."""
+    sampler.tick()
+    _starve(backend, [0, 1])
+    clock.now += 0.1
+    snap = sampler.tick()
+    assert [g.healthy for g in snap.gpus] == [False, False, True, True]
+    assert [g.reason for g in snap.gpus[:2]] == [NOT_ANSWERING] * 2
+
+
+class _ResetWhileRead(FakeBackend):
+    """A backend whose GPU 1 is reset through ``sampler`` during each of its next ``resets``
+    memory reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampler: Sampler | None = None
+        self.resets = 0
+
+    def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
+        if gpu == 1 and mig is None and self.resets and self.sampler is not None:
+            self.resets -= 1
+            self.sampler.gpu_reset(1)
+        return super().memory(gpu, mig)
+
+
+def test_a_gpu_reset_twice_during_one_read_says_so_not_that_a_call_is_outstanding(
+    clock: FakeClock, events: EventLog
+) -> None:
+    backend = _ResetWhileRead()
+    s = Sampler(backend, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
+    backend.sampler = s
+    try:
+        s.tick()
+        backend.resets = 2  # during the read, and again during the read made anew
+        clock.now += 1
+        snap = s.tick()
+        assert [g.healthy for g in snap.gpus] == [True, False, True, True]
+        assert snap.gpus[1].reason == SUPERSEDED
+        assert not _read_outstanding(s, 1)
+        clock.now += 1
+        snap = s.tick()
+        assert snap.gpus[1].healthy and snap.gpus[1].sampled_at == clock.now
+    finally:
         s.close()
 
 
