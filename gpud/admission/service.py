@@ -22,6 +22,7 @@ still waits if starting it could delay the head of the queue.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -73,7 +74,7 @@ from gpud.jobs.service import (
 )
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
-from gpud.mps.procs import alive, real_uid, start_time
+from gpud.mps.procs import real_uid, runs, start_time, stat_fields
 from gpud.shared import started_not_left, user_name, user_names
 from gpud.store import StateStore
 from gpud.telemetry.sampler import critical_xid_reason
@@ -278,6 +279,7 @@ class AdmissionService:
         mig_layouts: Callable[[], Mapping[str, Mapping[int, DeviceLayout]]] | None = None,
         fit_for: Callable[[Sequence[Device]], FitCheck] = PlacementFit,
         proc_root: Path = Path("/proc"),
+        read_stat: Callable[[int, Path], list[str] | None] = stat_fields,
         clock: Callable[[], float] = time.time,
         passes: Callable[[Callable[[], None]], Passes] = Inline,
     ) -> None:
@@ -290,6 +292,7 @@ class AdmissionService:
         self._mig_layouts = mig_layouts or self._layouts_from_file
         self._fit_for = fit_for
         self._proc_root = proc_root
+        self._read_stat = read_stat  # /proc/<pid>/stat's fields: a holder's check
         self._clock = clock
         self._starting: Entry | None = None
         self._start_failures: dict[str, str] = {}  # entry -> why it could not start last
@@ -1082,7 +1085,8 @@ class AdmissionService:
     def _queued(self, e: Entry) -> Queued:
         """``e`` for a pass, with its user where MPS is on (its holder's real UID, as read
         when it queued)."""
-        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid, e.holder_uid))
+        uid = self._jobs.placement_uid(e.request.holder_pid, e.holder_uid)
+        return Queued(e.id, e.placement, e.seq, e.enqueued_at, uid, e.job)
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -1102,9 +1106,14 @@ class AdmissionService:
             now = self._clock()  # under the lock: concurrent passes account in order
             queued = self.entries()
             self._account(now, len(queued))
+            # each holder's /proc/<pid>/stat read once a pass, however many entries it
+            # holds (one gpuctl, or one client, queues many): the pass checks every entry
+            fields_of = functools.cache(lambda pid: self._read_stat(pid, self._proc_root))
+            gone = False
             for e in queued:
                 pid = e.request.holder_pid
-                if pid and not self._holder_alive(e):
+                # the start time was read with the entry: a PID reused since is not its holder
+                if pid and not runs(pid, e.holder_start, fields_of=fields_of):
                     # a second leave says who took it out (a kill -9 of its gpuctl run)
                     self._set_state(e.id, LEFT, by=f"holder pid {pid} is gone")
                     self._events.emit(
@@ -1113,7 +1122,9 @@ class AdmissionService:
                         job=e.job,
                         entry=e.id,
                     )
-            queued = self.entries()
+                    gone = True
+            if gone:  # else the rows just read are the queue still (the lock is held)
+                queued = self.entries()
             self._trim_demands(queued)
             fit = self.fit()
             if fit is None or not queued:
@@ -1144,15 +1155,6 @@ class AdmissionService:
             # walk the queue, not the dict: a listing's classify() may add to it meanwhile
             held = self._demands
             self._demands = {e.placement: held[e.placement] for e in queued if e.placement in held}
-
-    def _holder_alive(self, e: Entry) -> bool:
-        pid = e.request.holder_pid
-        if pid is None:
-            return True
-        started = e.holder_start  # read with the entry: each pass checks every entry
-        return alive(pid, self._proc_root) and (
-            started is None or start_time(pid, self._proc_root) == started
-        )
 
     def _start(self, entry: Entry, devices: tuple[str, ...], *, backfilled: bool) -> None:
         self._starting = entry
@@ -1534,10 +1536,6 @@ def _classes_of(entries: Sequence[Entry]) -> tuple[str, ...]:
 
 def _classes(entries: Sequence[Entry]) -> Counter[str]:
     return Counter(e.request_class for e in entries)
-
-
-def _queued(e: Entry) -> Queued:
-    return Queued(e.id, e.placement, e.seq, e.enqueued_at, name=e.job)
 
 
 def _draft(entry_id: str, job: str, request: RunRequest, now: float) -> Entry:

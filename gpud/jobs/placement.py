@@ -41,7 +41,7 @@ from colocate.users import other_users, shared_under_mps
 from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
-from gpud.mps.procs import alive, real_uid, start_time
+from gpud.mps.procs import real_uid, runs, start_time
 from gpud.shared import format_size, user_name
 from gpud.store import StateStore
 
@@ -502,9 +502,7 @@ class Reservations:
             ).fetchall()
             for row in rows:
                 pid, started = row["holder_pid"], row["holder_start"]
-                if alive(pid, self._proc_root) and (
-                    started is None or start_time(pid, self._proc_root) == started
-                ):
+                if runs(pid, started, self._proc_root):
                     continue
                 conn.execute("DELETE FROM job_reservations WHERE id = ?", (row["id"],))
                 gone.append(_reservation(row))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from gpud.pidns import status_line
@@ -19,7 +20,10 @@ def stat(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]] | N
     is the state, field 3 of proc(5)); None when the process is gone. ``comm`` may hold
     spaces and parentheses, so it ends at the last ``)``."""
     try:
-        text = (proc_root / str(pid) / "stat").read_text()
+        # a str path, not Path's /: an admission pass reads one per queued holder, and
+        # pathlib's joins cost more than the read
+        with open(f"{proc_root}/{pid}/stat") as f:
+            text = f.read()
     except OSError:
         return None
     close = text.rfind(")")
@@ -53,6 +57,21 @@ def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
     Control daemons are orphans (they daemonize); where nothing reaps orphans, a dead one stays
     a zombie that still answers ``kill(pid, 0)``, so the state in ``/proc/<pid>/stat`` decides.
     """
+    return runs(pid, None, proc_root)
+
+
+def runs(
+    pid: int,
+    started: int | None,
+    proc_root: Path = Path("/proc"),
+    *,
+    fields_of: Callable[[int], list[str] | None] | None = None,
+) -> bool:
+    """``pid`` is :func:`alive` and is the process that started at ``started`` (field 22 of
+    ``/proc/<pid>/stat``, clock ticks since boot; None: whichever process has the PID): a
+    PID the kernel reused for another process is not it. ``/proc/<pid>/stat`` is read once
+    (``fields_of``: how, :func:`stat_fields` under ``proc_root`` by default), and not at
+    all where ``kill(pid, 0)`` already says no such process runs."""
     if not 0 < pid <= PID_MAX:
         return False
     try:
@@ -61,10 +80,11 @@ def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
         return False
     except PermissionError:
         pass
-    fields = stat_fields(pid, proc_root)
+    fields = stat_fields(pid, proc_root) if fields_of is None else fields_of(pid)
     if not fields:
-        return True  # no procfs entry readable: trust kill(0)
-    return not exited(fields)
+        # no procfs entry readable: kill(0) is trusted, but no start time can match
+        return started is None
+    return not exited(fields) and (started is None or start_ticks(fields) == started)
 
 
 def start_time(pid: int, proc_root: Path = Path("/proc")) -> int | None:

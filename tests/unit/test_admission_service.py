@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import sqlite3
 import subprocess
 import tempfile
@@ -47,6 +48,7 @@ from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager, targets_from_snapshot
+from gpud.mps.procs import alive, runs, start_time, stat_fields
 from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
@@ -97,6 +99,7 @@ def make_node(
     admission_type: type[AdmissionService] = AdmissionService,
     gpus: int = 2,
     mps: bool = False,
+    read_stat: Callable[[int, Path], list[str] | None] = stat_fields,
 ) -> Node:
     store = store_type(root / "state")
     events = EventLog(None)
@@ -119,6 +122,7 @@ def make_node(
         clock=clock,
         passes=passes,
         proc_root=proc_root,
+        read_stat=read_stat,
     )
     return Node(root, store, manager, jobs, admission, clock, events)
 
@@ -1655,6 +1659,101 @@ def test_a_pass_reads_the_store_no_more_for_more_waiting_runs(tmp_path: Path) ->
     assert pass_reads() == one
     assert all(e.state == QUEUED for e in admission.entries())
     store.close()
+
+
+def stopped_pid() -> int:
+    """The PID of a process that ran and has been reaped."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_pass_reads_each_holders_proc_stat_once_however_many_entries_it_holds(
+    tmp_path: Path,
+) -> None:
+    """A pass read /proc/PID/stat twice for every queued entry (is it alive, did it start
+    when the entry was queued), though one client (a gpuctl, a scheduler) holds many: with
+    1000 queued that was most of each enqueue's time. Each holder is read once a pass."""
+    proc = tmp_path / "proc"
+    holders = (os.getpid(), os.getppid())
+    for pid in holders:
+        fake_proc(proc, pid, 1000)
+    reads: list[int] = []
+
+    def read_stat(pid: int, root: Path) -> list[str] | None:
+        reads.append(pid)
+        return stat_fields(pid, root)
+
+    node = make_node(tmp_path, Clock(), proc_root=proc, read_stat=read_stat)
+    try:
+        node.jobs.reserve(whole("a", 2))
+        for i in range(12):
+            node.admission.enqueue(whole(f"w{i}", holder=holders[i % 2]))
+        gone = node.admission.enqueue(whole("gone", holder=stopped_pid())).entry.id
+        reads.clear()
+        node.admission.tick()
+        assert sorted(reads) == sorted(holders)  # none for the holder kill(0) finds gone
+        assert node.admission.view(gone).entry.state == LEFT
+        assert len(node.admission.entries()) == 12
+    finally:
+        node.store.close()
+
+
+def test_a_pass_takes_out_the_entries_whose_holder_the_old_two_reads_found_gone(
+    tmp_path: Path,
+) -> None:
+    """Random queues over holders that run, exited, became zombies, vanished from /proc or
+    had their PID reused (another start time) after they queued: each pass takes out
+    exactly the entries that reading /proc twice per entry (alive, then the start time)
+    took out."""
+    rng = random.Random(7)
+    outcomes: set[bool] = set()  # both taken out and kept were seen
+    for trial in range(6):
+        root = tmp_path / str(trial)
+        proc = root / "proc"
+        live = (os.getpid(), os.getppid())
+        for pid in live:
+            fake_proc(proc, pid, 1000)
+        node = make_node(root, Clock(), proc_root=proc)
+        try:
+            node.jobs.reserve(whole("a", 2))
+            holders = [*live, stopped_pid(), None]
+            for i in range(rng.randrange(1, 9)):
+                node.admission.enqueue(whole(f"w{i}", holder=rng.choice(holders)))
+            for pid in live:  # after they queued
+                stat = proc / str(pid) / "stat"
+                change = rng.choice(("same", "zombie", "dead", "reused", "unreadable", "empty"))
+                if change == "unreadable":
+                    stat.unlink()
+                elif change != "same":
+                    state = {"zombie": "Z", "dead": "X"}.get(change, "S")
+                    ticks = 78 if change == "reused" else 77
+                    text = f"{pid} (gpuctl) {state} " + " ".join(["1"] * 17) + f" {ticks} 0\n"
+                    stat.write_text(f"{pid} (gpuctl)\n" if change == "empty" else text)
+            queued = node.admission.entries()
+            old = {
+                e.id
+                for e in queued
+                if (pid := e.request.holder_pid)
+                and not (
+                    alive(pid, proc)
+                    and (e.holder_start is None or start_time(pid, proc) == e.holder_start)
+                )
+            }
+            node.admission.tick()
+            left = {e.id for e in queued if node.admission.view(e.id).entry.state == LEFT}
+            assert left == old
+            outcomes |= {e.id in left for e in queued}
+            assert all(
+                runs(pid, started, proc)
+                == (alive(pid, proc) and (started is None or start_time(pid, proc) == started))
+                for pid in (*holders[:3], 0, 2**31)
+                if pid is not None
+                for started in (None, 77, 78)
+            )
+        finally:
+            node.store.close()
+    assert outcomes == {True, False}
 
 
 def test_unchanged_queue_rows_are_decoded_once(node: Node) -> None:
