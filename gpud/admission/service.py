@@ -42,7 +42,6 @@ from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
     NEVER_READ,
     NO_JOB,
-    THREADS_CAPACITY,
     Demand,
     Device,
     FitCheck,
@@ -75,7 +74,7 @@ from gpud.jobs.service import (
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import real_uid, runs, start_time, stat_fields
-from gpud.shared import started_not_left, user_name, user_names
+from gpud.shared import MAX_THREADS_PERCENT, started_not_left, user_name, user_names
 from gpud.store import StateStore
 from gpud.telemetry.sampler import critical_xid_reason
 
@@ -411,7 +410,7 @@ class AdmissionService:
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
             if t.gpu in sick:
-                full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
+                full = Vec(t.memory_total_bytes + 1, MAX_THREADS_PERCENT + 1)
                 out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full, name=NO_JOB))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0

@@ -21,7 +21,7 @@ known other user (:mod:`colocate.users`, the rule co-location's planner keeps to
 device that fits takes it, or it is refused naming that user.
 
 Threads: the MPS active thread shares (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) of the
-reservations on a device never add up to more than :data:`THREADS_CAPACITY`; a device
+reservations on a device never add up to more than :data:`MAX_THREADS_PERCENT`; a device
 without room for a job's share is no candidate for it, so it is not counted among the idle
 ones either. ``gpuctl env``'s preview and the admission gate both place through
 :func:`choose_devices` with these loads, so both name the same devices.
@@ -42,10 +42,8 @@ from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
 from gpud.mps.procs import real_uid, runs, start_time
-from gpud.shared import format_size, user_name
+from gpud.shared import MAX_THREADS_PERCENT, format_size, user_name
 from gpud.store import StateStore
-
-THREADS_CAPACITY = 100  # percent of a device's SMs its MPS clients may take, all together
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS job_reservations (
@@ -188,7 +186,7 @@ def choose_devices(
     order devices alike.
 
     A device where ``spec.threads_percent`` would take the thread shares held there
-    (``DeviceLoad.threads_percent``) over :data:`THREADS_CAPACITY` is no candidate: it is
+    (``DeviceLoad.threads_percent``) over :data:`MAX_THREADS_PERCENT` is no candidate: it is
     left out before the idle devices are counted, and a pinned one is refused.
 
     ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
@@ -244,7 +242,7 @@ def choose_devices(
     threads = spec.threads_percent or 0
 
     def has_threads(d: MpsTarget) -> bool:
-        return loads.get(d.uuid, empty).threads_percent + threads <= THREADS_CAPACITY
+        return loads.get(d.uuid, empty).threads_percent + threads <= MAX_THREADS_PERCENT
 
     def oversubscribed(full: Sequence[MpsTarget]) -> ResourceExhausted:
         def held(d: MpsTarget) -> str:
@@ -255,7 +253,7 @@ def choose_devices(
         return ResourceExhausted(
             f"job {spec.name!r} asks {threads}% of the threads of"
             f" {', '.join(held(d) for d in full)}: the MPS thread shares on them would add"
-            f" up to over {THREADS_CAPACITY}%"
+            f" up to over {MAX_THREADS_PERCENT}%"
         )
 
     if spec.devices:
