@@ -43,7 +43,7 @@ from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, Resour
 from gpud.events import EventLog
 from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
-from gpud.jobs.placement import user_name
+from gpud.jobs.placement import DeviceLoad, user_name
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
@@ -271,6 +271,35 @@ def test_a_refusal_for_memory_names_the_gpus_left_out_for_want_of_threads_too(
         f" 20GiB free; and 50% of the threads of {gpu_uuid(0)} (60% held by s): the MPS"
         " thread shares there would add up to over 100%"
     )
+
+
+class CountsNoThreads(JobService):
+    """A jobs service whose loads leave the thread shares out, so that its placement and
+    the admission gate (which counts them from the reservations) disagree."""
+
+    def loads(self) -> dict[str, DeviceLoad]:
+        return {
+            uuid: replace(load, threads_percent=0, shares=())
+            for uuid, load in super().loads().items()
+        }
+
+
+def test_where_the_gate_refuses_a_run_placement_would_place_it_is_logged_as_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GPU 0 holds a 60 % thread share; a run pinned there asks 50 %. The gate finds no room,
+    while a placement that counts no thread shares would put it there: the run is refused
+    saying that the two disagree (not guessing at threads), and gpud logs the mismatch."""
+    node = make_node(tmp_path, Clock(), jobs_type=CountsNoThreads)
+    try:
+        node.jobs.reserve(RunRequest("s", devices=(gpu_uuid(0),), threads_percent=60))
+        with caplog.at_level(logging.WARNING), pytest.raises(ResourceExhausted) as refused:
+            node.jobs.reserve(RunRequest("t", devices=(gpu_uuid(0),), threads_percent=50))
+        assert f"placement finds room on {gpu_uuid(0)}" in str(refused.value)
+        assert "admission gate and placement disagree" in caplog.text
+        assert [r.job for r in node.jobs.reservations.held()] == ["s"]
+    finally:
+        node.store.close()
 
 
 def test_gpuctl_env_names_the_gpu_a_run_gets_where_a_run_of_no_known_user_takes_every_thread(
