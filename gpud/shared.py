@@ -91,6 +91,8 @@ def mps_unhealthy_wait(gpu: int) -> str:
 
 # The MPS active thread percentages gpud takes (a job's, a device's default): what
 # nvidia-cuda-mps-control takes, (0, 100] in whole percent (gpud.mps.protocol.check_percent).
+# The most is every SM of the device: all the shares of the MPS clients on one device add
+# up to at most that too (placement and admission keep that sum).
 MIN_THREADS_PERCENT = 1
 MAX_THREADS_PERCENT = 100
 

@@ -20,10 +20,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from gpud.jobs.placement import THREADS_CAPACITY as PLACEMENT_THREADS
 from gpud.shared import format_size
 
-THREADS_CAPACITY = PLACEMENT_THREADS  # percent of a device's SMs its MPS clients may use
 DIMENSIONS = ("memory", "threads")
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from gpud.admission.model import THREADS_CAPACITY, Device, Vec
+from gpud.admission.model import Device, Vec
 from gpud.backend.products import lookup
 from gpud.errors import InvalidArgument
 from gpud.mig.layout import DeviceLayout
+from gpud.shared import MAX_THREADS_PERCENT
 
 if TYPE_CHECKING:
     # annotations alone: loading the MPS manager would load the store and the daemon's
@@ -38,7 +39,7 @@ def from_targets(
     out = []
     for t in targets:
         if t.uuid:
-            capacity = Vec(t.memory_total_bytes, THREADS_CAPACITY)
+            capacity = Vec(t.memory_total_bytes, MAX_THREADS_PERCENT)
             out.append(
                 Device(
                     t.uuid,
@@ -59,7 +60,7 @@ def from_targets(
                 t.gpu,
                 t.mig,
                 spec.key if spec is not None else t.profile,
-                Vec(memory, THREADS_CAPACITY),
+                Vec(memory, MAX_THREADS_PERCENT),
                 size_known=spec is not None,
             )
         )
@@ -82,7 +83,9 @@ def gpu_devices(product: str, gpu: int, layout: DeviceLayout | None) -> list[Dev
         raise InvalidArgument(f"unknown product {product!r}", field="product")
     if layout is None or not layout.mig_enabled:
         return [
-            Device(f"GPU-{gpu}", gpu, None, spec.key, Vec(spec.memory_mib * MIB, THREADS_CAPACITY))
+            Device(
+                f"GPU-{gpu}", gpu, None, spec.key, Vec(spec.memory_mib * MIB, MAX_THREADS_PERCENT)
+            )
         ]
     memory = {p.name: p.memory_mib * MIB for p in spec.mig_profiles}
     out = []
@@ -91,6 +94,6 @@ def gpu_devices(product: str, gpu: int, layout: DeviceLayout | None) -> list[Dev
         if name not in memory:
             raise InvalidArgument(f"{spec.key} has no MIG profile {name}", field="mig-devices")
         out.append(
-            Device(f"MIG-{gpu}-{j}", gpu, j, str(profile), Vec(memory[name], THREADS_CAPACITY))
+            Device(f"MIG-{gpu}-{j}", gpu, j, str(profile), Vec(memory[name], MAX_THREADS_PERCENT))
         )
     return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from gpud.admission.model import (
-    THREADS_CAPACITY,
     ZERO,
     Demand,
     Device,
@@ -27,7 +26,7 @@ from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.placement import DeviceLoad, choose_devices
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
-from gpud.shared import format_size
+from gpud.shared import MAX_THREADS_PERCENT, format_size
 
 
 class PlacementFit:
@@ -52,8 +51,10 @@ class PlacementFit:
 
     def demand(self, request: Request) -> Demand | Unfeasible:
         need = request.per_device
-        if need.threads > THREADS_CAPACITY:
-            return Unfeasible(f"asks {need.threads}% of a device's threads; 100% is all")
+        if need.threads > MAX_THREADS_PERCENT:
+            return Unfeasible(
+                f"asks {need.threads}% of a device's threads; {MAX_THREADS_PERCENT}% is all"
+            )
         if request.devices:
             missing = [u for u in request.devices if u not in self._by_uuid]
             if missing:

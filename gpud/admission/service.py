@@ -42,7 +42,6 @@ from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
     NEVER_READ,
     NO_JOB,
-    THREADS_CAPACITY,
     Demand,
     Device,
     FitCheck,
@@ -63,7 +62,7 @@ from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhaust
 from gpud.events import EventLog
 from gpud.histogram import Histogram
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
-from gpud.jobs.placement import DeviceLoad, Reservation
+from gpud.jobs.placement import DeviceLoad, Reservation, ThreadsFull
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import (
     JobService,
@@ -75,7 +74,7 @@ from gpud.jobs.service import (
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import real_uid, runs, start_time, stat_fields
-from gpud.shared import started_not_left, user_name, user_names
+from gpud.shared import MAX_THREADS_PERCENT, started_not_left, user_name, user_names
 from gpud.store import StateStore
 from gpud.telemetry.sampler import critical_xid_reason
 
@@ -411,7 +410,7 @@ class AdmissionService:
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
             if t.gpu in sick:
-                full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
+                full = Vec(t.memory_total_bytes + 1, MAX_THREADS_PERCENT + 1)
                 out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full, name=NO_JOB))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
@@ -1026,7 +1025,7 @@ class AdmissionService:
             try:
                 self._jobs.choose(spec, uid=uid)
             except ResourceExhausted as err:
-                held = _Held(self._jobs, self._jobs.unhealthy()).holders(spec)
+                held = _Held(self._jobs, self._jobs.unhealthy()).holders(spec, said=_said(err))
                 if held:
                     raise ResourceExhausted(f"{err}; {held}") from None
                 raise
@@ -1052,10 +1051,20 @@ class AdmissionService:
                 f" job(s){why}"
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.
-        self._jobs.choose(spec)
+        # It places from the same loads, so it refuses too; where it does not, the gate's
+        # loads and placement's differ, and saying so beats starting on what the gate refused.
+        chosen = self._jobs.choose(spec, uid=uid)
+        log.warning(
+            "admission gate and placement disagree: the gate finds no room for job %r (%s),"
+            " placement would put it on %s",
+            spec.name,
+            request.label(),
+            ", ".join(d.uuid for d in chosen),
+        )
         raise ResourceExhausted(
-            f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
-            " the MPS thread shares on them would add up to over 100%"
+            f"job {spec.name!r} ({request.label()}) does not fit now by the admission gate's"
+            f" count of its devices' loads, though placement finds room on"
+            f" {', '.join(d.uuid for d in chosen)}: the two counts differ (gpud logs it)"
         )
 
     def _free_for(
@@ -1455,7 +1464,7 @@ class _Held:
                 self._jobs.choose(spec, self._now, uid=uid, sick=self._sick)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
-                held = self.holders(spec)
+                held = self.holders(spec, said=_said(err))
                 self._refused[shape] = f"{err}; {held}" if held else str(err)
         refused = self._refused[shape]
         if refused is not None:
@@ -1463,10 +1472,12 @@ class _Held:
             return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
 
-    def holders(self, spec: JobSpec) -> str:
+    def holders(self, spec: JobSpec, *, said: frozenset[str] = frozenset()) -> str:
         """Where more than one device ``spec`` could take is held, each with its holders
         (``GPU 0 held by a (alice), GPU 1 held by b (bob)``; past :attr:`NAMED`, ``and N
-        more``): a refusal's numbers name one device, and the job waits for any of them."""
+        more``): a refusal's numbers name one device, and the job waits for any of them.
+        ``said``: the devices (UUIDs) whose holders the refusal names itself (one short of
+        threads names each such device): the others held alone are named, if any."""
         if self._now is None:
             self._now = (self._jobs.healthy_targets(self._sick), self.loads())
         targets, loads = self._now
@@ -1479,9 +1490,9 @@ class _Held:
         held = [
             (t, loads[t.uuid])
             for t in sorted(pool, key=lambda t: (t.gpu, t.mig or 0))
-            if t.uuid in loads and loads[t.uuid].jobs
+            if t.uuid in loads and loads[t.uuid].jobs and t.uuid not in said
         ]
-        if len(held) < 2:
+        if len(held) < (1 if said else 2):
             return ""
         named = []
         for t, load in held[: self.NAMED]:
@@ -1493,6 +1504,11 @@ class _Held:
             named.append(f"{where} held by {jobs}")
         more = f" and {len(held) - self.NAMED} more" if len(held) > self.NAMED else ""
         return ", ".join(named) + more
+
+
+def _said(err: Exception) -> frozenset[str]:
+    """The devices whose holders placement's refusal ``err`` names itself."""
+    return err.named if isinstance(err, ThreadsFull) else frozenset()
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

@@ -21,7 +21,7 @@ known other user (:mod:`colocate.users`, the rule co-location's planner keeps to
 device that fits takes it, or it is refused naming that user.
 
 Threads: the MPS active thread shares (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) of the
-reservations on a device never add up to more than :data:`THREADS_CAPACITY`; a device
+reservations on a device never add up to more than :data:`MAX_THREADS_PERCENT`; a device
 without room for a job's share is no candidate for it, so it is not counted among the idle
 ones either. ``gpuctl env``'s preview and the admission gate both place through
 :func:`choose_devices` with these loads, so both name the same devices.
@@ -33,7 +33,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +42,8 @@ from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
 from gpud.mps.procs import real_uid, runs, start_time
-from gpud.shared import format_size, user_name
+from gpud.shared import MAX_THREADS_PERCENT, format_size, user_name
 from gpud.store import StateStore
-
-THREADS_CAPACITY = 100  # percent of a device's SMs its MPS clients may take, all together
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS job_reservations (
@@ -130,7 +128,8 @@ class DeviceLoad:
     version, which recorded no default for it: ``memory_bytes`` counts the device's default
     now for it. ``users``: (UID, job) of each reservation there whose holder's user is
     known. ``threads_percent``: the MPS active thread shares of the reservations there
-    added up (0 for one that sets none), whatever their user."""
+    added up (0 for one that sets none), whatever their user; ``shares``: (job, share) of
+    each reservation there that sets one, which a refusal for want of threads names."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
@@ -138,6 +137,18 @@ class DeviceLoad:
     defaulted: tuple[str, ...] = ()
     users: tuple[tuple[int, str], ...] = ()
     threads_percent: int = 0
+    shares: tuple[tuple[str, int], ...] = ()
+
+
+class ThreadsFull(ResourceExhausted):
+    """A refusal of :func:`choose_devices` that names devices without room for the job's
+    MPS active thread share, with the jobs whose shares hold them. ``named``: the UUIDs of
+    the devices whose holders the message names already (those, and the one it refuses for
+    memory or another user beside them), so a caller that lists holders leaves them out."""
+
+    def __init__(self, message: str, *, named: Collection[str]) -> None:
+        super().__init__(message)
+        self.named = frozenset(named)
 
 
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
@@ -188,7 +199,7 @@ def choose_devices(
     order devices alike.
 
     A device where ``spec.threads_percent`` would take the thread shares held there
-    (``DeviceLoad.threads_percent``) over :data:`THREADS_CAPACITY` is no candidate: it is
+    (``DeviceLoad.threads_percent``) over :data:`MAX_THREADS_PERCENT` is no candidate: it is
     left out before the idle devices are counted, and a pinned one is refused.
 
     ``whole_left_out``: the GPUs not in MIG mode the node has besides ``devices`` (lost or
@@ -244,18 +255,36 @@ def choose_devices(
     threads = spec.threads_percent or 0
 
     def has_threads(d: MpsTarget) -> bool:
-        return loads.get(d.uuid, empty).threads_percent + threads <= THREADS_CAPACITY
+        return loads.get(d.uuid, empty).threads_percent + threads <= MAX_THREADS_PERCENT
 
-    def oversubscribed(full: Sequence[MpsTarget]) -> ResourceExhausted:
+    def short_of_threads(full: Sequence[MpsTarget]) -> str:
         def held(d: MpsTarget) -> str:
             load = loads.get(d.uuid, empty)
-            holders = f" by {', '.join(load.jobs)}" if load.jobs else ""
+            # only the jobs that hold a share: one without takes none of the device's SMs
+            shares = [(job, share) for job, share in load.shares if share > 0]
+            jobs = ", ".join(j if len(shares) == 1 else f"{j} ({s}%)" for j, s in shares)
+            holders = f" by {jobs}" if jobs else ""
             return f"{d.uuid} ({load.threads_percent}% held{holders})"
 
-        return ResourceExhausted(
-            f"job {spec.name!r} asks {threads}% of the threads of"
-            f" {', '.join(held(d) for d in full)}: the MPS thread shares on them would add"
-            f" up to over {THREADS_CAPACITY}%"
+        return (
+            f"{threads}% of the threads of {', '.join(held(d) for d in full)}: the MPS"
+            f" thread shares there would add up to over {MAX_THREADS_PERCENT}%"
+        )
+
+    def oversubscribed(full: Sequence[MpsTarget]) -> ThreadsFull:
+        return ThreadsFull(
+            f"job {spec.name!r} asks {short_of_threads(full)}", named=[d.uuid for d in full]
+        )
+
+    def besides(
+        err: ResourceExhausted, d: MpsTarget, full: Sequence[MpsTarget]
+    ) -> ResourceExhausted:
+        """``err``, refusing ``d``, with the devices left out for want of threads: the job
+        waits for those too."""
+        if not full:
+            return err
+        return ThreadsFull(
+            f"{err}; and {short_of_threads(full)}", named=[d.uuid, *(f.uuid for f in full)]
         )
 
     if spec.devices:
@@ -329,12 +358,16 @@ def choose_devices(
         blocked = [d for d in pool if not fits(d)]
         # name a device the request would fit were less held there; with none, the largest
         could = [d for d in blocked if d.memory_total_bytes >= (asks(d) or 0)]
-        if could:
-            raise refusal(max(could, key=free))
-        raise refusal(max(blocked, key=lambda d: (d.memory_total_bytes, free(d))))
+        named = (
+            max(could, key=free)
+            if could
+            else max(blocked, key=lambda d: (d.memory_total_bytes, free(d)))
+        )
+        raise besides(refusal(named), named, full)
     alone = [d for d in fitting if not others(d)]
     if len(alone) < want:
-        raise shared(next(d for d in fitting if others(d)))
+        busy = next(d for d in fitting if others(d))
+        raise besides(shared(busy), busy, full)
     return tuple(alone[:want])
 
 

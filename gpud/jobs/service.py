@@ -442,9 +442,12 @@ class JobService:
         defaulted: dict[str, list[str]] = {}
         users: dict[str, set[tuple[int, str]]] = {}
         threads: dict[str, int] = {}
+        shares: dict[str, list[tuple[str, int]]] = {}
         for r in reservations:
             for uuid in r.devices:
                 threads[uuid] = threads.get(uuid, 0) + (r.threads_percent or 0)
+                if r.threads_percent:
+                    shares.setdefault(uuid, []).append((r.job, r.threads_percent))
             if r.memory_bytes is None and r.defaults is None:  # made by an earlier version
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
@@ -458,6 +461,7 @@ class JobService:
                 defaulted=tuple(sorted(defaulted.get(uuid, ()))),
                 users=tuple(sorted(users.get(uuid, ()))),
                 threads_percent=threads.get(uuid, 0),
+                shares=tuple(sorted(shares.get(uuid, ()))),
             )
             for uuid in held.keys() | beyond.keys()
         }

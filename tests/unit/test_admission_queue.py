@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.admission.model import NO_JOB, THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
+from gpud.admission.model import NO_JOB, Device, Holding, Loads, Request, Vec
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, Start, admission_pass, harmless
+from gpud.shared import MAX_THREADS_PERCENT
 
 GIB = 1 << 30
 
@@ -194,7 +195,7 @@ def test_unfeasible_jobs_never_block() -> None:
 
 
 def test_harmless_checks_every_subset() -> None:
-    cap = Vec(80, THREADS_CAPACITY)
+    cap = Vec(80, MAX_THREADS_PERCENT)
     head = Vec(40, 0)
     # Jobs 30 + 30 on the device: alone, either leaves room for the head (30 + 40 <= 80);
     # adding 20 to a lone 30 would not (30 + 20 + 40 > 80).

@@ -43,7 +43,7 @@ from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, Resour
 from gpud.events import EventLog
 from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
-from gpud.jobs.placement import user_name
+from gpud.jobs.placement import DeviceLoad, user_name
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
@@ -228,7 +228,7 @@ def test_thread_shares_are_admitted_up_to_100_percent_with_the_queue_off(tmp_pat
         )
         n.jobs.reserve(share)
         with pytest.raises(
-            ResourceExhausted, match="thread shares on them would add up to over 100%"
+            ResourceExhausted, match="thread shares there would add up to over 100%"
         ):
             n.jobs.reserve(RunRequest(job="t", devices=share.devices, threads_percent=50))
         assert [r.job for r in n.jobs.reservations.held()] == ["s"]
@@ -237,6 +237,69 @@ def test_thread_shares_are_admitted_up_to_100_percent_with_the_queue_off(tmp_pat
         assert n.jobs.reserve(RunRequest(job="u", devices=share.devices))
     finally:
         n.store.close()
+
+
+def test_a_refusal_for_want_of_threads_names_the_share_holders_of_each_gpu_once(
+    node: Node,
+) -> None:
+    """GPU 0 holds s's 60 % share, GPU 1 s2's 70 % and z, which sets no share: a run asking
+    50 % fits on neither. The refusal names each GPU with the jobs whose shares fill it (not
+    z, which takes none of its SMs), and the gate adds no second list of the same holders."""
+    node.jobs.reserve(RunRequest("s", devices=(gpu_uuid(0),), threads_percent=60))
+    node.jobs.reserve(RunRequest("s2", devices=(gpu_uuid(1),), threads_percent=70))
+    node.jobs.reserve(RunRequest("z", devices=(gpu_uuid(1),)))
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(RunRequest("t", gpu_count=1, threads_percent=50))
+    assert str(refused.value) == (
+        f"job 't' asks 50% of the threads of {gpu_uuid(0)} (60% held by s), {gpu_uuid(1)}"
+        " (70% held by s2): the MPS thread shares there would add up to over 100%"
+    )
+
+
+def test_a_refusal_for_memory_names_the_gpus_left_out_for_want_of_threads_too(
+    node: Node,
+) -> None:
+    """One GPU wanted: GPU 0 has no room for the run's thread share, GPU 1 no room for its
+    memory. The refusal gives GPU 1's memory and GPU 0's thread shares, the run waiting for
+    either, and names each holder once."""
+    node.jobs.reserve(RunRequest("s", devices=(gpu_uuid(0),), threads_percent=60))
+    node.jobs.reserve(RunRequest("m", devices=(gpu_uuid(1),), memory_bytes=60 * GIB))
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(RunRequest("t", gpu_count=1, threads_percent=50, memory_bytes=40 * GIB))
+    assert str(refused.value) == (
+        f"job 't' asks 40GiB on {gpu_uuid(1)} (H100-SXM5-80GB): 60GiB reserved by m of 80GiB,"
+        f" 20GiB free; and 50% of the threads of {gpu_uuid(0)} (60% held by s): the MPS"
+        " thread shares there would add up to over 100%"
+    )
+
+
+class CountsNoThreads(JobService):
+    """A jobs service whose loads leave the thread shares out, so that its placement and
+    the admission gate (which counts them from the reservations) disagree."""
+
+    def loads(self) -> dict[str, DeviceLoad]:
+        return {
+            uuid: replace(load, threads_percent=0, shares=())
+            for uuid, load in super().loads().items()
+        }
+
+
+def test_where_the_gate_refuses_a_run_placement_would_place_it_is_logged_as_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GPU 0 holds a 60 % thread share; a run pinned there asks 50 %. The gate finds no room,
+    while a placement that counts no thread shares would put it there: the run is refused
+    saying that the two disagree (not guessing at threads), and gpud logs the mismatch."""
+    node = make_node(tmp_path, Clock(), jobs_type=CountsNoThreads)
+    try:
+        node.jobs.reserve(RunRequest("s", devices=(gpu_uuid(0),), threads_percent=60))
+        with caplog.at_level(logging.WARNING), pytest.raises(ResourceExhausted) as refused:
+            node.jobs.reserve(RunRequest("t", devices=(gpu_uuid(0),), threads_percent=50))
+        assert f"placement finds room on {gpu_uuid(0)}" in str(refused.value)
+        assert "admission gate and placement disagree" in caplog.text
+        assert [r.job for r in node.jobs.reservations.held()] == ["s"]
+    finally:
+        node.store.close()
 
 
 def test_gpuctl_env_names_the_gpu_a_run_gets_where_a_run_of_no_known_user_takes_every_thread(
