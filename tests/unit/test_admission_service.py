@@ -1758,6 +1758,28 @@ def test_a_pass_takes_out_the_entries_whose_holder_its_proc_stat_says_is_gone(
         node.store.close()
 
 
+def test_an_entry_takes_its_holders_start_time_from_the_stat_reader_the_passes_use(
+    tmp_path: Path,
+) -> None:
+    """The start time an entry keeps is what each pass compares with: it comes from the
+    same ``read_stat`` as theirs, not from another read of ``proc_root``."""
+    proc = tmp_path / "proc"
+    fake_proc(proc, os.getpid(), 1000)  # its stat says tick 77; the reader says 99
+
+    def read_stat(pid: int, root: Path) -> list[str] | None:
+        return ["S", *["1"] * 18, "99", "0"]
+
+    node = make_node(tmp_path, Clock(), proc_root=proc, read_stat=read_stat)
+    try:
+        node.jobs.reserve(whole("a", 2))
+        entry = node.admission.enqueue(whole("w", holder=os.getpid())).entry
+        node.admission.tick()
+        assert entry.holder_start == 99
+        assert node.admission.view(entry.id).entry.state == QUEUED
+    finally:
+        node.store.close()
+
+
 def test_the_queue_is_read_again_after_a_pass_takes_out_a_gone_holders_entry(
     tmp_path: Path,
 ) -> None:
