@@ -51,9 +51,10 @@ def own_namespace() -> int | None:
 
 def status_line(pid: int | str, name: str, proc_root: Path = Path("/proc")) -> list[str] | None:
     """The fields of line ``name:`` of ``/proc/<pid>/status``; None when the process is
-    gone or the line is missing."""
+    gone or the line is missing. ``Name:`` holds the process's ``comm`` as it set it, any
+    bytes: those that are not UTF-8 come back as surrogate escapes, not a failed read."""
     try:
-        status = (proc_root / str(pid) / "status").read_text()
+        status = (proc_root / str(pid) / "status").read_text(errors="surrogateescape")
     except OSError:
         return None
     for line in status.splitlines():

@@ -73,7 +73,7 @@ from gpud.jobs.service import (
 )
 from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
-from gpud.mps.procs import real_uid, runs, start_time, stat_fields
+from gpud.mps.procs import real_uid, runs, start_ticks, stat_fields
 from gpud.shared import MAX_THREADS_PERCENT, started_not_left, user_name, user_names
 from gpud.store import StateStore
 from gpud.telemetry.sampler import critical_xid_reason
@@ -579,7 +579,8 @@ class AdmissionService:
             now = self._clock()
             holder_start, holder_uid = (
                 (
-                    start_time(request.holder_pid, self._proc_root),
+                    # read as each pass reads it, so a pass compares like with like
+                    self._holder_start(request.holder_pid),
                     real_uid(request.holder_pid, self._proc_root),
                 )
                 if request.holder_pid
@@ -1164,6 +1165,12 @@ class AdmissionService:
             # walk the queue, not the dict: a listing's classify() may add to it meanwhile
             held = self._demands
             self._demands = {e.placement: held[e.placement] for e in queued if e.placement in held}
+
+    def _holder_start(self, pid: int) -> int | None:
+        """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot), read through
+        ``read_stat``; None when procfs does not say."""
+        fields = self._read_stat(pid, self._proc_root)
+        return None if fields is None else start_ticks(fields)
 
     def _start(self, entry: Entry, devices: tuple[str, ...], *, backfilled: bool) -> None:
         self._starting = entry

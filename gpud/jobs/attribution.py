@@ -75,7 +75,8 @@ class Attributor:
             if entry.startswith(prefix):
                 return entry[len(prefix) :].decode(errors="replace"), "environ"
         try:
-            cgroup = (base / "cgroup").read_text()
+            # a cgroup's directory name is any bytes its creator chose
+            cgroup = (base / "cgroup").read_text(errors="surrogateescape")
         except OSError:
             return None, ""
         for line in cgroup.splitlines():

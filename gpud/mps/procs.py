@@ -18,16 +18,20 @@ PID_MAX = 4 * 1024 * 1024
 def stat(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]] | None:
     """``/proc/<pid>/stat`` read once: the name (``comm``) and the fields after it (``[0]``
     is the state, field 3 of proc(5)); None when the process is gone. ``comm`` may hold
-    spaces and parentheses, so it ends at the last ``)``."""
+    spaces and parentheses, so it ends at the last ``)``; the kernel copies it as the
+    process set it (``prctl(PR_SET_NAME)``), any bytes, so bytes that are not UTF-8 come
+    back as surrogate escapes rather than failing the read."""
     try:
         # a str path, not Path's /: an admission pass reads one per queued holder, and
         # pathlib's joins cost more than the read
-        with open(f"{proc_root}/{pid}/stat") as f:
-            text = f.read()
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            raw = f.read()
     except OSError:
         return None
-    close = text.rfind(")")
-    return text[text.find("(") + 1 : close], text[close + 2 :].split()
+    close = raw.rfind(b")")
+    name = raw[raw.find(b"(") + 1 : close].decode(errors="surrogateescape")
+    # after the name the kernel writes only ASCII: numbers and the state letter
+    return name, raw[close + 2 :].decode("ascii", errors="replace").split()
 
 
 def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
@@ -70,8 +74,9 @@ def runs(
     """``pid`` is :func:`alive` and is the process that started at ``started`` (field 22 of
     ``/proc/<pid>/stat``, clock ticks since boot; None: whichever process has the PID): a
     PID the kernel reused for another process is not it. ``/proc/<pid>/stat`` is read once
-    (``fields_of``: how, :func:`stat_fields` under ``proc_root`` by default), and not at
-    all where ``kill(pid, 0)`` already says no such process runs."""
+    (``fields_of``: how, :func:`stat_fields` under ``proc_root`` by default; where given,
+    it replaces ``proc_root``, which is then not read), and not at all where
+    ``kill(pid, 0)`` already says no such process runs."""
     if not 0 < pid <= PID_MAX:
         return False
     try:

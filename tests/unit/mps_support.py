@@ -29,7 +29,7 @@ def fake_proc(root: Path, pid: int, uid: int) -> None:
     (root / str(pid) / "status").write_text(
         f"Name:\tgpuctl\nState:\tS (sleeping)\nUid:\t{uid}\t0\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"
     )
-    (root / str(pid) / "stat").write_text(f"{pid} (gpuctl) S " + " ".join(["1"] * 17) + " 77 0\n")
+    (root / str(pid) / "stat").write_text(f"{pid} (gpuctl) S " + " ".join(["1"] * 18) + " 77 0\n")
 
 
 def gpu_uuid(index: int) -> str:

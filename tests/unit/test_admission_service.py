@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import sqlite3
 import subprocess
 import tempfile
@@ -48,7 +47,7 @@ from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, NotPlacedOn, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager, targets_from_snapshot
-from gpud.mps.procs import alive, runs, start_time, stat_fields
+from gpud.mps.procs import runs, stat_fields
 from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
@@ -1762,61 +1761,138 @@ def test_a_pass_reads_each_holders_proc_stat_once_however_many_entries_it_holds(
         node.store.close()
 
 
-def test_a_pass_takes_out_the_entries_whose_holder_the_old_two_reads_found_gone(
+def still_holds(pid: int, started: int | None, proc: Path, live: tuple[int, ...]) -> bool:
+    """What reading ``/proc/<pid>/stat`` says, worked out from its fields alone: the holder
+    runs, is neither a zombie nor dead, and started when it queued (``started``: field 22,
+    None when it was not read). With no fields to read, only a running process that gave
+    no start time is still the holder (``live``: the PIDs that run)."""
+    fields = stat_fields(pid, proc)
+    if not fields:
+        return started is None and pid in live
+    return fields[0] not in ("Z", "X") and (
+        started is None or (len(fields) > 19 and fields[19] == str(started))
+    )
+
+
+@pytest.mark.parametrize("change", ["same", "zombie", "dead", "reused", "unreadable", "empty"])
+def test_a_pass_takes_out_the_entries_whose_holder_its_proc_stat_says_is_gone(
+    tmp_path: Path, change: str
+) -> None:
+    """A holder that, after it queued, exited (a zombie, dead), vanished from /proc, left
+    an empty stat or had its PID reused (another start time) is gone: a pass takes out
+    exactly the entries whose holder's stat fields say so, and keeps those of the holder
+    that still runs as it queued and those with no holder."""
+    proc = tmp_path / "proc"
+    changed, kept = live = (os.getpid(), os.getppid())
+    for pid in live:
+        fake_proc(proc, pid, 1000)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        node.jobs.reserve(whole("a", 2))
+        stopped = stopped_pid()  # its entry is taken out by the pass its own enqueue runs
+        for i, holder in enumerate((changed, kept, stopped, None, changed, kept)):
+            node.admission.enqueue(whole(f"w{i}", holder=holder))
+        stat = proc / str(changed) / "stat"
+        if change == "unreadable":
+            stat.unlink()
+        elif change != "same":
+            state = {"zombie": "Z", "dead": "X"}.get(change, "S")
+            ticks = 78 if change == "reused" else 77
+            text = f"{changed} (gpuctl) {state} " + " ".join(["1"] * 18) + f" {ticks} 0\n"
+            stat.write_text(f"{changed} (gpuctl)\n" if change == "empty" else text)
+        queued = node.admission.entries()
+        oracle = {
+            e.id
+            for e in queued
+            if (pid := e.request.holder_pid) and not still_holds(pid, e.holder_start, proc, live)
+        }
+        node.admission.tick()
+        left = {e.id for e in queued if node.admission.view(e.id).entry.state == LEFT}
+        assert left == oracle
+        assert len(queued) == 5
+        by_holder = {e.request.holder_pid for e in queued if e.id in left}
+        assert by_holder == (set() if change == "same" else {changed})
+        assert all(
+            runs(pid, started, proc) == still_holds(pid, started, proc, live)
+            for pid in (changed, kept, stopped, 0, 2**31)
+            for started in (None, 77, 78)
+        )
+    finally:
+        node.store.close()
+
+
+def test_an_entry_takes_its_holders_start_time_from_the_stat_reader_the_passes_use(
     tmp_path: Path,
 ) -> None:
-    """Random queues over holders that run, exited, became zombies, vanished from /proc or
-    had their PID reused (another start time) after they queued: each pass takes out
-    exactly the entries that reading /proc twice per entry (alive, then the start time)
-    took out."""
-    rng = random.Random(7)
-    outcomes: set[bool] = set()  # both taken out and kept were seen
-    for trial in range(6):
-        root = tmp_path / str(trial)
-        proc = root / "proc"
-        live = (os.getpid(), os.getppid())
-        for pid in live:
-            fake_proc(proc, pid, 1000)
-        node = make_node(root, Clock(), proc_root=proc)
-        try:
-            node.jobs.reserve(whole("a", 2))
-            holders = [*live, stopped_pid(), None]
-            for i in range(rng.randrange(1, 9)):
-                node.admission.enqueue(whole(f"w{i}", holder=rng.choice(holders)))
-            for pid in live:  # after they queued
-                stat = proc / str(pid) / "stat"
-                change = rng.choice(("same", "zombie", "dead", "reused", "unreadable", "empty"))
-                if change == "unreadable":
-                    stat.unlink()
-                elif change != "same":
-                    state = {"zombie": "Z", "dead": "X"}.get(change, "S")
-                    ticks = 78 if change == "reused" else 77
-                    text = f"{pid} (gpuctl) {state} " + " ".join(["1"] * 17) + f" {ticks} 0\n"
-                    stat.write_text(f"{pid} (gpuctl)\n" if change == "empty" else text)
-            queued = node.admission.entries()
-            old = {
-                e.id
-                for e in queued
-                if (pid := e.request.holder_pid)
-                and not (
-                    alive(pid, proc)
-                    and (e.holder_start is None or start_time(pid, proc) == e.holder_start)
-                )
-            }
-            node.admission.tick()
-            left = {e.id for e in queued if node.admission.view(e.id).entry.state == LEFT}
-            assert left == old
-            outcomes |= {e.id in left for e in queued}
-            assert all(
-                runs(pid, started, proc)
-                == (alive(pid, proc) and (started is None or start_time(pid, proc) == started))
-                for pid in (*holders[:3], 0, 2**31)
-                if pid is not None
-                for started in (None, 77, 78)
-            )
-        finally:
-            node.store.close()
-    assert outcomes == {True, False}
+    """The start time an entry keeps is what each pass compares with: it comes from the
+    same ``read_stat`` as theirs, not from another read of ``proc_root``."""
+    proc = tmp_path / "proc"
+    fake_proc(proc, os.getpid(), 1000)  # its stat says tick 77; the reader says 99
+
+    def read_stat(pid: int, root: Path) -> list[str] | None:
+        return ["S", *["1"] * 18, "99", "0"]
+
+    node = make_node(tmp_path, Clock(), proc_root=proc, read_stat=read_stat)
+    try:
+        node.jobs.reserve(whole("a", 2))
+        entry = node.admission.enqueue(whole("w", holder=os.getpid())).entry
+        node.admission.tick()
+        assert entry.holder_start == 99
+        assert node.admission.view(entry.id).entry.state == QUEUED
+    finally:
+        node.store.close()
+
+
+def test_the_queue_is_read_again_after_a_pass_takes_out_a_gone_holders_entry(
+    tmp_path: Path,
+) -> None:
+    """A pass that takes out an entry whose holder is gone must not then start it from the
+    rows it read before: the next waiting entry starts, the gone one stays left."""
+    proc = tmp_path / "proc"
+    fake_proc(proc, os.getpid(), 1000)
+    fake_proc(proc, os.getppid(), 1000)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        a = node.jobs.reserve(whole("a", 2)).reservation
+        gone = node.admission.enqueue(whole("g", 2, holder=os.getpid())).entry.id
+        node.admission.enqueue(whole("k", 2, holder=os.getppid()))
+        stat = proc / str(os.getpid()) / "stat"
+        stat.write_text(stat.read_text().replace(" S ", " Z ", 1))
+        node.jobs.release(a.id)
+        node.admission.tick()
+        assert node.admission.view(gone).entry.state == LEFT
+        assert [r.job for r in node.jobs.reservations.held()] == ["k"]
+    finally:
+        node.store.close()
+
+
+def test_a_holder_whose_name_is_not_utf8_queues_and_stops_no_pass(tmp_path: Path) -> None:
+    """A process may name itself any bytes (``prctl(PR_SET_NAME, b"\\xffgpu")``) and the
+    kernel writes them into ``/proc/<pid>/stat`` and ``status`` as they are: reading them
+    as UTF-8 failed every pass, and every enqueue runs one, so one such holder stopped the
+    queue for every user. Its start time and UID are read, and its entries wait as any."""
+    proc = tmp_path / "proc"
+    odd, other = os.getpid(), os.getppid()
+    fake_proc(proc, other, 1000)
+    (proc / str(odd)).mkdir(parents=True)
+    (proc / str(odd) / "stat").write_bytes(
+        f"{odd} (".encode() + b"\xff) g(pu" + b") S " + b" ".join([b"1"] * 18) + b" 77 0\n"
+    )
+    (proc / str(odd) / "status").write_bytes(
+        b"Name:\t\xff) g(pu\nState:\tS (sleeping)\nUid:\t1000\t0\t1000\t1000\n"
+    )
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        a = node.jobs.reserve(whole("a", 2)).reservation
+        first = node.admission.enqueue(whole("odd", 2, holder=odd)).entry
+        assert (first.holder_start, first.holder_uid) == (77, 1000)
+        second = node.admission.enqueue(whole("other", 2, holder=other)).entry
+        node.jobs.release(a.id)
+        node.admission.tick()
+        assert [r.job for r in node.jobs.reservations.held()] == ["odd"]
+        assert node.admission.view(second.id).entry.state == QUEUED
+    finally:
+        node.store.close()
 
 
 def test_unchanged_queue_rows_are_decoded_once(node: Node) -> None:

@@ -241,6 +241,20 @@ def fake_proc(
     (d / "cgroup").write_text(cgroup + "\n")
 
 
+def test_a_process_in_a_cgroup_named_with_bytes_not_utf8_is_attributed_to_no_job(
+    tmp_path: Path,
+) -> None:
+    """A cgroup's directory is named with whatever bytes its creator chose, and
+    ``/proc/<pid>/cgroup`` shows them as they are: reading them as UTF-8 failed the whole
+    attribution of the snapshot. Such a process is no job's; the others keep theirs."""
+    fake_proc(tmp_path, 102, environ=None, cgroup="0::/system.slice/gpud-job-train-b.scope")
+    fake_proc(tmp_path, 105, environ=None)
+    (tmp_path / "105" / "cgroup").write_bytes(b"0::/user.slice/\xff\xfe.scope\n")
+    snap = snapshot(gpu_sample(1, processes=(ProcessInfo(102, GIB), ProcessInfo(105, GIB))))
+    uses = Attributor(proc_root=tmp_path).attribute(snap)
+    assert [(u.pid, u.job, u.source) for u in uses] == [(102, "train-b", "cgroup"), (105, None, "")]
+
+
 def test_processes_are_attributed_by_environ_then_cgroup(tmp_path: Path) -> None:
     fake_proc(tmp_path, 101, environ={"PATH": "/bin", "GPUD_JOB": "infer-a"})
     fake_proc(tmp_path, 102, environ=None, cgroup="0::/system.slice/gpud-job-train-b.scope")
