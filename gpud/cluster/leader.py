@@ -478,19 +478,25 @@ def _fair_faults(
     parts: list[tuple[str, Sequence[object]]] | None, sep: str
 ) -> tuple[tuple[str, ...], int]:
     """One job's fault list over its nodes (``node<sep>entry``), at most
-    :data:`MAX_JOB_FAULTS` of them, and how many were cut: nodes in name order, whatever
-    order their reports arrived in (a new leader keeps the same), each an even share
+    :data:`MAX_JOB_FAULTS` of them, and how many were cut: each node an even share
     (:func:`fair_shares`), so that one node reporting a thousand faults first hides no
-    other node's."""
+    other node's, listed round robin (each node's first entry, in node name order whatever
+    order their reports arrived in, so a new leader keeps the same; then each one's second
+    ...), so that the front of the list, which :meth:`Order.for_jobs` keeps of a job past
+    its share of an order, is an even share of each node's too."""
     if parts is None:
         return (), 0
+    if len(parts) == 1:  # the usual case: nothing to interleave
+        node, entries = parts[0]
+        kept = tuple(f"{node}{sep}{x}" for x in entries[:MAX_JOB_FAULTS])
+        return kept, len(entries) - len(kept)
     parts.sort(key=_node_of)
     shares = fair_shares([len(entries) for _, entries in parts], MAX_JOB_FAULTS)
-    kept = tuple(
-        f"{node}{sep}{x}"
+    per_node = [
+        [f"{node}{sep}{x}" for x in entries[:n]]
         for (node, entries), n in zip(parts, shares, strict=True)
-        for x in entries[:n]
-    )
+    ]
+    kept = tuple(x for turn in itertools.zip_longest(*per_node) for x in turn if x is not None)
     return kept, sum(len(entries) for _, entries in parts) - len(kept)
 
 

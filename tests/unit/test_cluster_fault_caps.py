@@ -148,3 +148,22 @@ def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
         "cluster: this node's report cut to the cluster's bounds, each job an even share: "
         "256 of critical_xids"
     ]
+
+
+def test_an_order_cut_past_its_bound_keeps_the_quiet_nodes_fault_of_a_job() -> None:
+    """n0 reports jobs a..i with 1024 critical XIDs each and n1 job a with one; z9 runs
+    a..i. z9's order keeps an even share of each job's list, its front: the fold listed
+    n0's entries before n1's, so job a's share in z9's order lacked n1's XID."""
+    leader = _aggregator()
+    jobs = list("abcdefghi")
+    noisy = tuple(f"GPU-{i}:79" for i in range(MAX_JOB_FAULTS))
+    leader.receive(NodeReport("n0", tuple(JobReport(j, critical_xids=noisy) for j in jobs)), 0.0)
+    leader.receive(NodeReport("n1", (JobReport("a", critical_xids=("GPU-Q:48",)),)), 0.0)
+    leader.receive(NodeReport("z9", tuple(JobReport(j) for j in jobs)), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("z9")
+    assert answer is not None
+    a = answer.attributes["a"]
+    assert len(a.critical_xids) < MAX_JOB_FAULTS  # the order cut it
+    assert "n1/GPU-Q:48" in a.critical_xids
+    assert a.critical_xids[:3] == ("n0/GPU-0:79", "n1/GPU-Q:48", "n0/GPU-1:79")
