@@ -61,11 +61,13 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
     _TX,
     _CRITICAL,
     _RANKED,
-) = range(13)
+    _CUT,
+) = range(14)
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
 # nodes; _LINKS_DOWN: a list, None while empty (the usual case); _UNHEALTHY, _XIDS,
 # _CRITICAL: the same, of (node, its entries) until the round cuts them (_fair_faults);
-# _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them)
+# _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them);
+# _CUT: the fault entries its nodes cut from their own reports
 _Fold = list[Any]
 _new_tuple = tuple.__new__
 _FORMER = 8  # replaced instances remembered per node (restarts)
@@ -284,9 +286,12 @@ class Aggregator:
                     slowest = "" if rate is None else name
                     f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0, None]
                     f.append(not jr.unranked)  # _RANKED
+                    f.append(jr.faults_left_out)  # _CUT
                     folds[job] = f
                 else:
                     f[_NODES].append(name)
+                    if jr.faults_left_out:
+                        f[_CUT] += jr.faults_left_out
                     if not jr.unranked:
                         f[_RANKED] = True
                     if f[_DSCP] is None:
@@ -430,7 +435,7 @@ class Aggregator:
                     f[_TX],
                     stamp,
                     critical,
-                    cut_unhealthy + cut_xids + cut_critical,
+                    cut_unhealthy + cut_xids + cut_critical + f[_CUT],
                 ),
             )
         self.untagged = tuple(untagged)

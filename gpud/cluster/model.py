@@ -73,7 +73,10 @@ class JobReport:
     it, or none is in force; a gpud started again, before its first order, the level its
     tc class held at the start, as of epoch 0), which a new leader starts from; ``unranked`` that the job
     holds no level on this node (its run ended, or it stopped and fell silent; never with
-    a pin): the leader ranks it only where another node reports it ranked.
+    a pin): the leader ranks it only where another node reports it ranked;
+    ``faults_left_out`` how many entries of ``unhealthy_gpus``, ``xids`` and
+    ``critical_xids`` this node cut to the report's bounds (the leader adds them into
+    :attr:`JobAttributes.faults_left_out`).
     """
 
     job: str
@@ -90,6 +93,7 @@ class JobReport:
     applied_level: int | None = None  # its level in the order in force here
     critical_xids: tuple[str, ...] = ()
     unranked: bool = False  # ended or stopped and silent here: no level (False: older gpud)
+    faults_left_out: int = 0  # fault entries this node cut to the report's bounds
 
 
 @dataclass(frozen=True, slots=True)

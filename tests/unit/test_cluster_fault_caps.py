@@ -5,11 +5,18 @@ cut)."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
 from gpud.api.validate import request_bounds
-from gpud.cluster.convert import attributes_from_pb, attributes_to_pb, report_to_pb
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.convert import (
+    attributes_from_pb,
+    attributes_to_pb,
+    report_from_pb,
+    report_to_pb,
+)
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import (
@@ -121,13 +128,9 @@ def test_the_fold_keeps_the_same_faults_whatever_order_the_reports_arrived_in() 
     assert folded[0] == folded[1]
 
 
-def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical XIDs over
-    the report, past the 16384 the leader takes. The node sent them all and was refused
-    whole every tick, cut off the cluster. It now cuts each job to an even share, says so
-    once, and the leader's bounds pass its report."""
+def _crowded_node() -> ClusterAgent:
+    """A node of 64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical
+    XIDs over the report, past the 16384 the leader takes."""
     devices = tuple(f"GPU-{d}" for d in range(64))
     jobs = [f"j{i:02d}" for i in range(20)]
     view = StaticNodeView(
@@ -135,7 +138,17 @@ def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
     )
     info = LeaderInfo("leader", "10.0.0.9:7443", 3, False)
     traffic = FakeTraffic(tuple(job(name, 0.5) for name in jobs))
-    node = agent("n1", info, traffic, LoopbackPeers(), Clock(), view=view)
+    return agent("n1", info, traffic, LoopbackPeers(), Clock(), view=view)
+
+
+def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical XIDs over
+    the report, past the 16384 the leader takes. The node sent them all and was refused
+    whole every tick, cut off the cluster. It now cuts each job to an even share, says so
+    once, and the leader's bounds pass its report."""
+    node = _crowded_node()
     with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
         report = node.local_report()
         again = node.local_report()
@@ -167,3 +180,22 @@ def test_an_order_cut_past_its_bound_keeps_the_quiet_nodes_fault_of_a_job() -> N
     assert len(a.critical_xids) < MAX_JOB_FAULTS  # the order cut it
     assert "n1/GPU-Q:48" in a.critical_xids
     assert a.critical_xids[:3] == ("n0/GPU-0:79", "n1/GPU-Q:48", "n0/GPU-1:79")
+
+
+def test_a_node_cutting_its_report_keeps_every_devices_codes_and_says_how_many_it_cut() -> None:
+    """The crowded node cut each job to its share, the front of its list, which listed
+    device by device: the job's last devices lost all or most of their codes, and the
+    leader's faults_left_out did not count them."""
+    report = _crowded_node().local_report()
+    for j in report.jobs:
+        per_device = Counter(pair.rsplit(":", 1)[0] for pair in j.critical_xids)
+        assert len(per_device) == 64 and min(per_device.values()) >= 12, j.job
+        assert j.faults_left_out == 64 * 13 - len(j.critical_xids)
+    assert sum(j.faults_left_out for j in report.jobs) == 256
+    assert report_from_pb(report_to_pb(report)) == report
+    leader = _aggregator()
+    leader.receive(report, 0.0)
+    leader.receive(NodeReport("n2", (JobReport("j00", faults_left_out=3),)), 0.0)
+    leader.compute(1, 0.0)
+    assert leader.order is not None
+    assert leader.order.attributes["j00"].faults_left_out == report.jobs[0].faults_left_out + 3
