@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 import socket
@@ -30,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from gpud.clock import elapsed
 from gpud.cluster import election as store
@@ -47,6 +46,7 @@ from gpud.cluster.model import (
     LeftOutJob,
     NodeReport,
     Order,
+    by_turns,
     fair_shares,
     left_out_said,
     node_name,
@@ -172,27 +172,17 @@ class ClusterStatus:
     hint: LeaderHint | None = None
 
 
-_T = TypeVar("_T")
-
-
-def _by_turns(per_device: Iterable[Sequence[_T]]) -> list[_T]:
-    """The entries of each device round robin: each one's first, then each one's second...,
-    so that any front of the list (what :func:`trim_report` keeps) is an even share of
-    each device's."""
-    return [x for turn in itertools.zip_longest(*per_device) for x in turn if x is not None]
-
-
 def _codes(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
     """``JobReport.xids``: the uncleared critical XID codes under the devices ``held``, round
     robin over them, at most as many as an older leader takes (the codes alone are a
     summary for it, whose cut ``critical_xids`` lists in full: not counted as left out)."""
-    return tuple(_by_turns(critical.get(u, ()) for u in held)[:MAX_GPUS])
+    return tuple(by_turns(critical.get(u, ()) for u in held)[:MAX_GPUS])
 
 
 def _pairs(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
     """``JobReport.critical_xids``: ``uuid:code`` of each device held, each code, round robin
     over the devices (:func:`trim_report` cuts them to as many as the leader takes)."""
-    return tuple(_by_turns([f"{u}:{x}" for x in critical.get(u, ())] for u in held))
+    return tuple(by_turns([f"{u}:{x}" for x in critical.get(u, ())] for u in held))
 
 
 # A job's fields that the leader bounds (gpud.cluster.convert's) and _codes does not cut,

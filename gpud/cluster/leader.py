@@ -38,6 +38,7 @@ from gpud.cluster.model import (
     JobAttributes,
     NodeReport,
     Order,
+    by_turns,
     fair_shares,
 )
 from gpud.cluster.ports import TagStore
@@ -505,7 +506,7 @@ def _fair_faults(
         [f"{node}{sep}{x}" for x in entries[:n]]
         for (node, entries), n in zip(parts, shares, strict=True)
     ]
-    kept = tuple(x for turn in itertools.zip_longest(*per_node) for x in turn if x is not None)
+    kept = tuple(by_turns(per_node))
     return kept, sum(len(entries) for _, entries in parts) - len(kept)
 
 
