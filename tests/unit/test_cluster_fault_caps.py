@@ -28,7 +28,7 @@ from gpud.cluster.model import (
 )
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.net.port import FakeTraffic
-from gpud.shared import CLUSTER_MAX_REPORT_XIDS
+from gpud.shared import CLUSTER_MAX_REPORT_XIDS, CLUSTER_MAX_XIDS
 from netshaper.leveller import Leveller, LevellerConfig
 from tests.unit.cluster_support import Clock, LoopbackPeers, agent, job
 
@@ -199,3 +199,17 @@ def test_a_node_cutting_its_report_keeps_every_devices_codes_and_says_how_many_i
     leader.compute(1, 0.0)
     assert leader.order is not None
     assert leader.order.attributes["j00"].faults_left_out == report.jobs[0].faults_left_out + 3
+
+
+def test_a_job_past_its_xid_bound_keeps_every_devices_codes_and_counts_the_cut() -> None:
+    """One job on 64 devices with 17 uncleared codes each: 1088 pairs, past the 1024 a
+    job may send. The node kept the first 1024, device by device: the last three devices
+    reported none, and nothing counted the 64 cut."""
+    devices = tuple(f"GPU-{d}" for d in range(64))
+    view = StaticNodeView(gpus={"a": devices}, critical=dict.fromkeys(devices, tuple(range(17))))
+    info = LeaderInfo("leader", "10.0.0.9:7443", 3, False)
+    node = agent("n1", info, FakeTraffic((job("a", 0.5),)), LoopbackPeers(), Clock(), view=view)
+    (a,) = node.local_report().jobs
+    per_device = Counter(pair.rsplit(":", 1)[0] for pair in a.critical_xids)
+    assert len(a.critical_xids) == CLUSTER_MAX_XIDS and a.faults_left_out == 64
+    assert set(per_device.values()) == {16}
