@@ -46,6 +46,7 @@ from gpud.cluster.model import (
     LeftOutJob,
     NodeReport,
     Order,
+    by_turns,
     fair_shares,
     left_out_said,
     node_name,
@@ -172,18 +173,21 @@ class ClusterStatus:
 
 
 def _codes(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """``JobReport.xids``: the uncleared critical XID codes under the devices ``held``, at
-    most as many as an older leader takes (the codes alone are a summary for it)."""
-    codes = [x for u in held for x in critical.get(u, ())]
-    return tuple(codes[:MAX_GPUS])
+    """``JobReport.xids``: the uncleared critical XID codes under the devices ``held``, round
+    robin over them, at most as many as an older leader takes (the codes alone are a
+    summary for it, whose cut ``critical_xids`` lists in full: not counted as left out)."""
+    return tuple(by_turns(critical.get(u, ()) for u in held)[:MAX_GPUS])
 
 
 def _pairs(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """``JobReport.critical_xids``: ``uuid:code`` of each device held, each code (at most
-    as many as the leader takes)."""
-    return tuple(f"{u}:{x}" for u in held for x in critical.get(u, ()))[:MAX_XIDS]
+    """``JobReport.critical_xids``: ``uuid:code`` of each device held, each code, round robin
+    over the devices (:func:`trim_report` cuts them to as many as the leader takes)."""
+    return tuple(by_turns([f"{u}:{x}" for x in critical.get(u, ())] for u in held))
 
 
+# A job's fields that the leader bounds (gpud.cluster.convert's) and _codes does not cut,
+# and those bounds.
+_JOB_BOUNDS = (("critical_xids", MAX_XIDS),)
 # A report's fields that the leader bounds summed over its jobs (gpud.api.validate's
 # TOTAL_LIMITS), and those bounds: one past them would be refused whole, every tick.
 _REPORT_TOTALS = (
@@ -192,26 +196,44 @@ _REPORT_TOTALS = (
     ("xids", CLUSTER_MAX_REPORT_GPUS),
     ("critical_xids", CLUSTER_MAX_REPORT_XIDS),
 )
+# the fields whose entries a job's faults_left_out counts (as the leader's does)
+_FAULTS = frozenset(("unhealthy_gpus", "xids", "critical_xids"))
 
 
 def trim_report(jobs: Sequence[JobReport]) -> tuple[list[JobReport], dict[str, int]]:
-    """``jobs`` with each field of ``_REPORT_TOTALS`` within its bound summed over them
-    (each job an even share, :func:`fair_shares`, its first entries), so that the leader
-    never refuses this node's report for its size; and how many entries of each field
-    were cut (none: empty)."""
+    """``jobs`` with each field of ``_JOB_BOUNDS`` within its bound, and each of
+    ``_REPORT_TOTALS`` within its bound summed over them (each job an even share,
+    :func:`fair_shares`, the front of its list, which :func:`_pairs` and :func:`_codes`
+    list round robin over its devices), so that the leader never refuses this node's
+    report for its fault lists; each job's ``faults_left_out`` counts the fault entries
+    cut of it. Also returns how many entries of each field were cut (none: empty)."""
     trimmed = list(jobs)
     cut: dict[str, int] = {}
+    left_out = [0] * len(trimmed)
+    for name, most in _JOB_BOUNDS:
+        for i, j in enumerate(trimmed):
+            over = len(getattr(j, name)) - most
+            if over > 0:
+                trimmed[i] = dataclasses.replace(j, **{name: getattr(j, name)[:most]})
+                cut[name] = cut.get(name, 0) + over
+                left_out[i] += over
     for name, most in _REPORT_TOTALS:
         sizes = [len(getattr(j, name)) for j in trimmed]
         if sum(sizes) <= most:
             continue
         shares = fair_shares(sizes, most)
-        cut[name] = sum(sizes) - most
-        trimmed = [
-            j if n == size else dataclasses.replace(j, **{name: getattr(j, name)[:n]})
-            for j, size, n in zip(trimmed, sizes, shares, strict=True)
-        ]
-    return trimmed, cut
+        cut[name] = cut.get(name, 0) + sum(sizes) - most
+        for i, (size, n) in enumerate(zip(sizes, shares, strict=True)):
+            if n < size:
+                trimmed[i] = dataclasses.replace(
+                    trimmed[i], **{name: getattr(trimmed[i], name)[:n]}
+                )
+                if name in _FAULTS:
+                    left_out[i] += size - n
+    return [
+        dataclasses.replace(j, faults_left_out=j.faults_left_out + n) if n else j
+        for j, n in zip(trimmed, left_out, strict=True)
+    ], cut
 
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:

@@ -62,6 +62,7 @@ def job_report_to_pb(r: JobReport) -> pb.JobReport:
         drops=r.drops,
         critical_xids=r.critical_xids,
         unranked=r.unranked,
+        faults_left_out=r.faults_left_out,
     )
     if r.progress_rate is not None:
         msg.progress_rate = r.progress_rate
@@ -146,6 +147,7 @@ def report_from_pb(
                 applied_level=applied,
                 critical_xids=tuple(j.critical_xids),
                 unranked=j.unranked,
+                faults_left_out=j.faults_left_out,
             )
         )
     for name in ("instance", "build"):

@@ -38,6 +38,7 @@ from gpud.cluster.model import (
     JobAttributes,
     NodeReport,
     Order,
+    by_turns,
     fair_shares,
 )
 from gpud.cluster.ports import TagStore
@@ -61,11 +62,13 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
     _TX,
     _CRITICAL,
     _RANKED,
-) = range(13)
+    _CUT,
+) = range(14)
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
 # nodes; _LINKS_DOWN: a list, None while empty (the usual case); _UNHEALTHY, _XIDS,
 # _CRITICAL: the same, of (node, its entries) until the round cuts them (_fair_faults);
-# _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them)
+# _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them);
+# _CUT: the fault entries its nodes cut from their own reports
 _Fold = list[Any]
 _new_tuple = tuple.__new__
 _FORMER = 8  # replaced instances remembered per node (restarts)
@@ -128,15 +131,14 @@ class Aggregator:
         self.release_after_s = (
             release_after_s if release_after_s is not None else 3 * node_timeout_s
         )
-        # node -> (received at, report): written by receive() from any thread, read by a
-        # round from a copy (each write is one dict assignment)
-        self._reports: dict[str, tuple[float, NodeReport]] = {}
+        # node -> (received at, report, the job names it left out (refused) as _remembered
+        # keeps them): written by receive() from any thread, read by a round from a copy;
+        # each write is one dict assignment, so a round never reads a report with another
+        # report's left-out names, nor drops one without the other
+        self._reports: dict[str, tuple[float, NodeReport, frozenset[str]]] = {}
         self._peers: dict[str, str] = {}  # node -> the address its latest report came from
         self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
-        # node -> job names its latest report left out (refused), as _remembered keeps
-        # them; dropped with its report
-        self._left_out: dict[str, frozenset[str]] = {}
         self._epoch, self._seq = after
         self._included: set[str] = set()  # nodes whose reports the last order folded in
         self.untagged: tuple[str, ...] = ()  # jobs of the last round left without a tag
@@ -172,23 +174,24 @@ class Aggregator:
             former[previous[1].instance] = None
             if len(former) > _FORMER:
                 del former[next(iter(former))]
-        self._reports[node] = (now, report)
+        said = previous[2] if previous is not None else frozenset()
+        kept = self._remembered(left_out) if left_out else frozenset()
+        self._reports[node] = (now, report, kept)
         if peer:
             self._peers[node] = peer
-        said = self._left_out.get(node, frozenset())
-        if left_out:
-            self._left_out[node] = self._remembered(left_out)
-        else:
-            self._left_out.pop(node, None)
         return [name for name in left_out if name not in said]
 
     def _remembered(self, names: Sequence[str]) -> frozenset[str]:
-        """The first of ``names`` (LEFT_OUT_KEPT) and those holding a tag (64 at most) (all, once the tags are read:
-        before, the round that reads them counts every stored tag as seen then)."""
-        kept = set(itertools.islice(names, LEFT_OUT_KEPT))
+        """The names of ``names`` to remember: the first LEFT_OUT_KEPT (each logged once)
+        and every one holding a tag (its node marks its packets with that DSCP, and
+        :func:`_follow_nodes` must not hand it to another job). Until a round has read the
+        tags (the first after a failover, or after a failed save) which names hold one is
+        not known: all are kept, at most a report's job bound (CLUSTER_MAX_JOBS)."""
         allocator = self._allocator
-        if allocator is not None:
-            kept.update(name for name in names if allocator.get(name) is not None)
+        if allocator is None:
+            return frozenset(names)
+        kept = set(itertools.islice(names, LEFT_OUT_KEPT))
+        kept.update(name for name in names if allocator.get(name) is not None)
         return frozenset(kept)
 
     def included_others(self) -> bool:
@@ -199,7 +202,7 @@ class Aggregator:
         """Nodes heard from within the node timeout, by name."""
         return [
             NodeSeen(name, now - t, len(r.jobs), r.applied_epoch, r.build)
-            for name, (t, r) in sorted(self._reports.items())
+            for name, (t, r, _) in sorted(self._reports.items())
             if now - t <= self.node_timeout_s
         ]
 
@@ -268,12 +271,11 @@ class Aggregator:
         # a copy: reports may arrive (another thread) while the round runs
         reports = list(self._reports.items())
         included: set[str] = set()
-        for name, (seen, report) in reports:
+        for name, (seen, report, _) in reports:
             if now - seen > self.node_timeout_s:
                 # soft state: it comes back with its next report
                 if self._reports.get(name, (None,))[0] == seen:
                     self._reports.pop(name, None)
-                    self._left_out.pop(name, None)
                 continue
             included.add(name)
             for jr in report.jobs:
@@ -285,9 +287,12 @@ class Aggregator:
                     slowest = "" if rate is None else name
                     f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0, None]
                     f.append(not jr.unranked)  # _RANKED
+                    f.append(jr.faults_left_out)  # _CUT
                     folds[job] = f
                 else:
                     f[_NODES].append(name)
+                    if jr.faults_left_out:
+                        f[_CUT] += jr.faults_left_out
                     if not jr.unranked:
                         f[_RANKED] = True
                     if f[_DSCP] is None:
@@ -334,9 +339,14 @@ class Aggregator:
         before = allocator.allocations()
         for job in self._unsaved:  # held, but lost by etcd: saved as if allocated now
             before.pop(job, None)
-        left_out = self._left_out
         # jobs nodes run with names this leader refuses: the tag one holds marks its packets
-        running = {job for name in included for job in left_out.get(name, ()) if job not in folds}
+        running = {
+            job
+            for name, (_, _, left_out) in reports
+            if name in included
+            for job in left_out
+            if job not in folds
+        }
         dropped = _follow_nodes(allocator, folds, running)
         free = len(allocator.pool) - len(allocator.allocations())
         untagged: list[str] = []
@@ -387,7 +397,7 @@ class Aggregator:
         self._sync_pins({j: folds[j][_PIN] for j in pinned})
         leveller = self._leveller
         if leveller.last is None:  # its first ranking: from the levels in force
-            live = (r for name, (_, r) in reports if name in included)
+            live = (r for name, (_, r, _) in reports if name in included)
             leveller.seed(seed_levels(live, leveller.config.levels))
         # a job no node ranks (ended, or stopped and silent, everywhere) holds no level: its
         # last rate, decayed to its gap limit, would rank it slow and push live jobs down
@@ -426,7 +436,7 @@ class Aggregator:
                     f[_TX],
                     stamp,
                     critical,
-                    cut_unhealthy + cut_xids + cut_critical,
+                    cut_unhealthy + cut_xids + cut_critical + f[_CUT],
                 ),
             )
         self.untagged = tuple(untagged)
@@ -478,19 +488,25 @@ def _fair_faults(
     parts: list[tuple[str, Sequence[object]]] | None, sep: str
 ) -> tuple[tuple[str, ...], int]:
     """One job's fault list over its nodes (``node<sep>entry``), at most
-    :data:`MAX_JOB_FAULTS` of them, and how many were cut: nodes in name order, whatever
-    order their reports arrived in (a new leader keeps the same), each an even share
+    :data:`MAX_JOB_FAULTS` of them, and how many were cut: each node an even share
     (:func:`fair_shares`), so that one node reporting a thousand faults first hides no
-    other node's."""
+    other node's, listed round robin (each node's first entry, in node name order whatever
+    order their reports arrived in, so a new leader keeps the same; then each one's second
+    ...), so that the front of the list, which :meth:`Order.for_jobs` keeps of a job past
+    its share of an order, is an even share of each node's too."""
     if parts is None:
         return (), 0
+    if len(parts) == 1:  # the usual case: nothing to interleave
+        node, entries = parts[0]
+        kept = tuple(f"{node}{sep}{x}" for x in entries[:MAX_JOB_FAULTS])
+        return kept, len(entries) - len(kept)
     parts.sort(key=_node_of)
     shares = fair_shares([len(entries) for _, entries in parts], MAX_JOB_FAULTS)
-    kept = tuple(
-        f"{node}{sep}{x}"
+    per_node = [
+        [f"{node}{sep}{x}" for x in entries[:n]]
         for (node, entries), n in zip(parts, shares, strict=True)
-        for x in entries[:n]
-    )
+    ]
+    kept = tuple(by_turns(per_node))
     return kept, sum(len(entries) for _, entries in parts) - len(kept)
 
 

@@ -8,9 +8,10 @@ aggregated over every node that runs it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from gpud.shared import shown
 
@@ -23,6 +24,7 @@ from gpud.shared import shown
 # then keeps an even share of each of its nodes' entries (fair_shares, nodes in name
 # order), an order an even share of each of its jobs' (xids, the codes alone, cut before
 # critical_xids and unhealthy_gpus), and JobAttributes.faults_left_out counts what was cut.
+_T = TypeVar("_T")
 MAX_JOB_FAULTS = 1024
 MAX_ORDER_FAULTS = 8192
 
@@ -46,6 +48,13 @@ def fair_shares(sizes: Sequence[int], budget: int) -> list[int]:
         left -= sizes[i]
         waiting -= 1
     return shares
+
+
+def by_turns(lists: Iterable[Sequence[_T]]) -> list[_T]:
+    """The entries of ``lists`` round robin: each one's first, then each one's second...,
+    so that any front of the result keeps an even share of each (as :func:`fair_shares`
+    counts them)."""
+    return [x for turn in itertools.zip_longest(*lists) for x in turn if x is not None]
 
 
 def node_name(name: str) -> str:
@@ -73,7 +82,10 @@ class JobReport:
     it, or none is in force; a gpud started again, before its first order, the level its
     tc class held at the start, as of epoch 0), which a new leader starts from; ``unranked`` that the job
     holds no level on this node (its run ended, or it stopped and fell silent; never with
-    a pin): the leader ranks it only where another node reports it ranked.
+    a pin): the leader ranks it only where another node reports it ranked;
+    ``faults_left_out`` how many entries of ``unhealthy_gpus``, ``xids`` and
+    ``critical_xids`` this node cut to the report's bounds (the leader adds them into
+    :attr:`JobAttributes.faults_left_out`).
     """
 
     job: str
@@ -90,6 +102,7 @@ class JobReport:
     applied_level: int | None = None  # its level in the order in force here
     critical_xids: tuple[str, ...] = ()
     unranked: bool = False  # ended or stopped and silent here: no level (False: older gpud)
+    faults_left_out: int = 0  # fault entries this node cut to the report's bounds
 
 
 @dataclass(frozen=True, slots=True)

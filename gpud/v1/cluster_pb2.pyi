@@ -42,6 +42,7 @@ class JobReport(_message.Message):
     APPLIED_LEVEL_FIELD_NUMBER: _builtins.int
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     UNRANKED_FIELD_NUMBER: _builtins.int
+    FAULTS_LEFT_OUT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     progress_rate: _builtins.float
     """contention-free / observed iteration time"""
@@ -61,6 +62,11 @@ class JobReport(_message.Message):
     """the job holds no level on the node (its run ended, or it stopped and fell silent, and
     no pin holds it): the leader leaves it out of the ranking unless another node runs it
     (a gpud before the field: false, ranked)
+    """
+    faults_left_out: _builtins.int
+    """entries of unhealthy_gpus, xids and critical_xids the node cut to the report's bounds
+    (an even share of each job's, of each device's codes); the leader adds them into the
+    job's JobAttributes.faults_left_out (0 from an older gpud)
     """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -99,10 +105,11 @@ class JobReport(_message.Message):
         applied_level: _builtins.int | None = ...,
         critical_xids: _abc.Iterable[_builtins.str] | None = ...,
         unranked: _builtins.bool = ...,
+        faults_left_out: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "unranked", b"unranked", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "faults_left_out", b"faults_left_out", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "unranked", b"unranked", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__applied_level: _TypeAlias = _typing.Literal["applied_level"]  # noqa: Y015
     _WhichOneofArgType__applied_level: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level"]  # noqa: Y015

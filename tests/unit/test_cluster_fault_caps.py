@@ -5,11 +5,18 @@ cut)."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
 from gpud.api.validate import request_bounds
-from gpud.cluster.convert import attributes_from_pb, attributes_to_pb, report_to_pb
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.convert import (
+    attributes_from_pb,
+    attributes_to_pb,
+    report_from_pb,
+    report_to_pb,
+)
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import (
@@ -21,7 +28,7 @@ from gpud.cluster.model import (
 )
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.net.port import FakeTraffic
-from gpud.shared import CLUSTER_MAX_REPORT_XIDS
+from gpud.shared import CLUSTER_MAX_REPORT_XIDS, CLUSTER_MAX_XIDS
 from netshaper.leveller import Leveller, LevellerConfig
 from tests.unit.cluster_support import Clock, LoopbackPeers, agent, job
 
@@ -121,13 +128,9 @@ def test_the_fold_keeps_the_same_faults_whatever_order_the_reports_arrived_in() 
     assert folded[0] == folded[1]
 
 
-def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical XIDs over
-    the report, past the 16384 the leader takes. The node sent them all and was refused
-    whole every tick, cut off the cluster. It now cuts each job to an even share, says so
-    once, and the leader's bounds pass its report."""
+def _crowded_node() -> ClusterAgent:
+    """A node of 64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical
+    XIDs over the report, past the 16384 the leader takes."""
     devices = tuple(f"GPU-{d}" for d in range(64))
     jobs = [f"j{i:02d}" for i in range(20)]
     view = StaticNodeView(
@@ -135,7 +138,17 @@ def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
     )
     info = LeaderInfo("leader", "10.0.0.9:7443", 3, False)
     traffic = FakeTraffic(tuple(job(name, 0.5) for name in jobs))
-    node = agent("n1", info, traffic, LoopbackPeers(), Clock(), view=view)
+    return agent("n1", info, traffic, LoopbackPeers(), Clock(), view=view)
+
+
+def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """64 devices with 13 uncleared codes each, held by 20 jobs: 16640 critical XIDs over
+    the report, past the 16384 the leader takes. The node sent them all and was refused
+    whole every tick, cut off the cluster. It now cuts each job to an even share, says so
+    once, and the leader's bounds pass its report."""
+    node = _crowded_node()
     with caplog.at_level(logging.WARNING, logger="gpud.cluster"):
         report = node.local_report()
         again = node.local_report()
@@ -148,3 +161,55 @@ def test_a_node_past_the_reports_totals_trims_its_own_and_is_accepted(
         "cluster: this node's report cut to the cluster's bounds, each job an even share: "
         "256 of critical_xids"
     ]
+
+
+def test_an_order_cut_past_its_bound_keeps_the_quiet_nodes_fault_of_a_job() -> None:
+    """n0 reports jobs a..i with 1024 critical XIDs each and n1 job a with one; z9 runs
+    a..i. z9's order keeps an even share of each job's list, its front: the fold listed
+    n0's entries before n1's, so job a's share in z9's order lacked n1's XID."""
+    leader = _aggregator()
+    jobs = list("abcdefghi")
+    noisy = tuple(f"GPU-{i}:79" for i in range(MAX_JOB_FAULTS))
+    leader.receive(NodeReport("n0", tuple(JobReport(j, critical_xids=noisy) for j in jobs)), 0.0)
+    leader.receive(NodeReport("n1", (JobReport("a", critical_xids=("GPU-Q:48",)),)), 0.0)
+    leader.receive(NodeReport("z9", tuple(JobReport(j) for j in jobs)), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("z9")
+    assert answer is not None
+    a = answer.attributes["a"]
+    assert len(a.critical_xids) < MAX_JOB_FAULTS  # the order cut it
+    assert "n1/GPU-Q:48" in a.critical_xids
+    assert a.critical_xids[:3] == ("n0/GPU-0:79", "n1/GPU-Q:48", "n0/GPU-1:79")
+
+
+def test_a_node_cutting_its_report_keeps_every_devices_codes_and_says_how_many_it_cut() -> None:
+    """The crowded node cut each job to its share, the front of its list, which listed
+    device by device: the job's last devices lost all or most of their codes, and the
+    leader's faults_left_out did not count them."""
+    report = _crowded_node().local_report()
+    for j in report.jobs:
+        per_device = Counter(pair.rsplit(":", 1)[0] for pair in j.critical_xids)
+        assert len(per_device) == 64 and min(per_device.values()) >= 12, j.job
+        assert j.faults_left_out == 64 * 13 - len(j.critical_xids)
+    assert sum(j.faults_left_out for j in report.jobs) == 256
+    assert report_from_pb(report_to_pb(report)) == report
+    leader = _aggregator()
+    leader.receive(report, 0.0)
+    leader.receive(NodeReport("n2", (JobReport("j00", faults_left_out=3),)), 0.0)
+    leader.compute(1, 0.0)
+    assert leader.order is not None
+    assert leader.order.attributes["j00"].faults_left_out == report.jobs[0].faults_left_out + 3
+
+
+def test_a_job_past_its_xid_bound_keeps_every_devices_codes_and_counts_the_cut() -> None:
+    """One job on 64 devices with 17 uncleared codes each: 1088 pairs, past the 1024 a
+    job may send. The node kept the first 1024, device by device: the last three devices
+    reported none, and nothing counted the 64 cut."""
+    devices = tuple(f"GPU-{d}" for d in range(64))
+    view = StaticNodeView(gpus={"a": devices}, critical=dict.fromkeys(devices, tuple(range(17))))
+    info = LeaderInfo("leader", "10.0.0.9:7443", 3, False)
+    node = agent("n1", info, FakeTraffic((job("a", 0.5),)), LoopbackPeers(), Clock(), view=view)
+    (a,) = node.local_report().jobs
+    per_device = Counter(pair.rsplit(":", 1)[0] for pair in a.critical_xids)
+    assert len(a.critical_xids) == CLUSTER_MAX_XIDS and a.faults_left_out == 64
+    assert set(per_device.values()) == {16}
