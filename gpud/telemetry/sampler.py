@@ -11,8 +11,8 @@ shorter) is left behind while the rest are read on threads of their own. So:
   while the others keep samples no older than twice the interval. A call past its deadline
   with other GPUs' calls late too (a host that starves gpud of CPU) is late, not hung: the
   GPU shows its last answer (older each tick, ``gpud_gpu_sample_age_seconds``) until
-  another GPU answers in time a read begun after its deadline while it is still
-  outstanding, or it has been outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch`
+  another GPU answers in time a read of a later tick while it is still outstanding, or it
+  has been outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch`
   has the rule); a GPU found hung stays so until the call returns;
 - a GPU reset or MIG-changed through gpud twice during one read is ``healthy=False`` with
   :data:`SUPERSEDED` for that tick (no call is outstanding), and read again the next;
