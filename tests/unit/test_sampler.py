@@ -36,7 +36,6 @@ from gpud.events import EventLog
 from gpud.store import StateStore
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.sampler import (
-    SUPERSEDED,
     XID_STATE_VERSION,
     Sampler,
     XidWatcher,
@@ -1176,9 +1175,11 @@ class _ResetWhileRead(FakeBackend):
         return super().memory(gpu, mig)
 
 
-def test_a_gpu_reset_twice_during_one_read_says_so_not_that_a_call_is_outstanding(
+def test_a_gpu_reset_twice_during_one_read_keeps_its_health_for_that_tick(
     clock: FakeClock, events: EventLog
 ) -> None:
+    """As a MIG apply of several steps does: no gpu.unhealthy and gpu.recovered pair, and
+    nothing to make the GPU faulty meanwhile."""
     backend = _ResetWhileRead()
     s = Sampler(backend, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
     backend.sampler = s
@@ -1187,12 +1188,13 @@ def test_a_gpu_reset_twice_during_one_read_says_so_not_that_a_call_is_outstandin
         backend.resets = 2  # during the read, and again during the read made anew
         clock.now += 1
         snap = s.tick()
-        assert [g.healthy for g in snap.gpus] == [True, False, True, True]
-        assert snap.gpus[1].reason == SUPERSEDED
+        assert [(g.healthy, g.reason) for g in snap.gpus] == [(True, "")] * 4
+        assert not snap.gpus[1].mig_devices_read
         assert not _read_outstanding(s, 1)
         clock.now += 1
         snap = s.tick()
         assert snap.gpus[1].healthy and snap.gpus[1].sampled_at == clock.now
+        assert "gpu.unhealthy" not in events.counts()
     finally:
         s.close()
 
@@ -1835,3 +1837,35 @@ def test_a_pass_thread_descheduled_before_stamping_its_read_keeps_the_gpus_healt
         assert dispatcher.late_answer(target, [target], 60.0) == answer
     finally:
         dispatcher.close()
+
+
+class _ResetLate(_ResetWhileRead):
+    """GPU 1's reset comes ``after_s`` into its read, on the sampler's clock."""
+
+    def __init__(self, clock: FakeClock, after_s: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.after_s = after_s
+
+    def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
+        if gpu == 1 and mig is None and self.resets:
+            self.clock.now += self.after_s
+        return super().memory(gpu, mig)
+
+
+def test_a_read_made_anew_after_a_reset_is_outstanding_from_when_it_was_made_again(
+    clock: FakeClock, events: EventLog
+) -> None:
+    """Time spent on the read a reset made void is not the new read's: the call timeout
+    counts from when it was made again."""
+    backend = _ResetLate(clock, after_s=50.0)  # 50 s of a 60 s call timeout
+    s = Sampler(backend, interval_s=120.0, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
+    backend.sampler = s
+    try:
+        s.tick()
+        backend.resets = 1
+        s.tick()
+        target = next(slot.target for slot in s._slots or () if slot.reader.index == 1)
+        assert target.since == clock.now
+    finally:
+        s.close()
