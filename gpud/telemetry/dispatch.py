@@ -19,18 +19,20 @@ Whether a late read is hung is judged by :meth:`Dispatcher.late_answer`, by this
     begun in that tick or since is late too (a GPU hung alone, or on a node of one GPU, is
     found in the tick it hangs, as before), and otherwise (reads late together, as when the
     host starves gpud of CPU) as soon as another GPU answers within its deadline a read
-    begun after this read's deadline, or begun with or after this read and after the
-    deadline of another read still outstanding, or once it has been outstanding
+    handed out in a later tick than this one, or once it has been outstanding
     ``call_timeout_s``; once found hung it stays so until its call returns. Only a read that
     returned a sample without a driver error, begun since the GPU's last reset or MIG change
     made through gpud (:meth:`Target.renew`), is an answer, to show or to prove another GPU
     hung: a late GPU shows its last answer, and one with none since its last failure, reset
     or MIG change is not answering at the deadline.
 
-Starvation slows every thread of the process alike, so a read late with others is slow, not
-stuck, and no read then answers within its deadline; a hung call never returns, which a
-read of another GPU begun after its deadline, answered in time, shows while it is still
-outstanding. A read whose GPU was reset or changed through gpud while it ran is read again
+Starvation slows the threads of the process, so a read late with others is slow, not stuck;
+a hung call never returns, which a read of another GPU in a later tick, answered in time,
+shows while it is still outstanding. An answer in time within the same tick proves nothing:
+a host starved unevenly (a CPU quota's throttle window ending mid-tick, the GIL handed to
+some threads before others, a costlier read) lets some reads of one burst finish in time
+and not others, so several GPUs hung at once are found one interval later, by the next
+tick's reads. A read whose GPU was reset or changed through gpud while it ran is read again
 once (its reader reads the GPU's identity anew), and that one's sample taken; one changed
 again during that read is :class:`Superseded`.
 
@@ -75,7 +77,7 @@ class Target:
         "entered",
         "generation",
         "hung",
-        "in_time_began",
+        "in_time_tick",
         "index",
         "last",
         "late",
@@ -106,8 +108,8 @@ class Target:
         self.deadline = 0.0
         self.hung = False  # its outstanding read was judged hung: until it returns
         self.last: GpuSample | None = None  # its latest answer; None after a failure or renew
-        # when its latest read answered within its deadline began (monotonic); -inf: never
-        self.in_time_began = float("-inf")
+        # the tick of its latest read that answered within its deadline; -1: never
+        self.in_time_tick = -1
 
     def renew(self) -> None:
         """The GPU was reset or its MIG layout changed through gpud: no read begun before is
@@ -128,14 +130,20 @@ class Target:
             self.late = True
 
 
-def _read(target: Target) -> tuple[Result, bool]:
+def _read(target: Target, clock: Callable[[], float]) -> tuple[Result, bool]:
     """Read ``target`` (again once if it was renewed meanwhile); its result and whether that
     is of a read begun since the last renew (else it is dropped)."""
     with target.lock:
         target.entered = True
         generation = target.generation
     result: Result = RuntimeError("not read")
-    for _ in range(2):
+    for attempt in range(2):
+        if attempt:
+            # a read made anew is judged as begun now: its own deadline and time outstanding
+            now, began = clock(), time.monotonic()
+            with target.lock:
+                wait_s = target.deadline - target.began
+                target.since, target.began, target.deadline = now, began, began + wait_s
         try:
             result = target.read()
         except BaseException as err:  # reported as that GPU's result
@@ -148,7 +156,7 @@ def _read(target: Target) -> tuple[Result, bool]:
                     assert isinstance(result, GpuSample)
                     target.outcome, target.last = "answer", result
                     if returned <= target.deadline:
-                        target.in_time_began = target.began
+                        target.in_time_tick = target.tick
                 else:
                     target.outcome, target.last = "failed", None
                 return result, True
@@ -213,9 +221,14 @@ class _Pass:
                     self.current = target
                     self.started = time.monotonic()
                     target.busy = True
-                if not self.stamped:
-                    target._begin(self.tick, self.clock(), self.started, self.wait_s, entered=True)
-                result, fresh = _read(target)
+                    if not self.stamped:
+                        # under the pass lock: a deadline passing before the read is stamped
+                        # marks this read late, not the GPU's previous one (which the stamp
+                        # would then make not late, judged by its stale outcome)
+                        target._begin(
+                            self.tick, self.clock(), self.started, self.wait_s, entered=False
+                        )
+                result, fresh = _read(target, self.clock)
                 with lock:
                     target.busy = False
                     if self.abandoned:
@@ -331,7 +344,6 @@ class Dispatcher:
         with target.lock:
             late, outcome, entered, hung = target.late, target.outcome, target.entered, target.hung
             last, tick, since = target.last, target.tick, target.since
-            began, deadline = target.began, target.deadline
         if outcome == "dropped":
             return Superseded(f"GPU {target.index}: reset or MIG-changed twice during one read")
         if not late or last is None or outcome == "failed":
@@ -342,22 +354,17 @@ class Dispatcher:
             return last
         if hung or self._clock() - since >= hung_after_s:
             return self._judged_hung(target, tick)
-        # An answer within its deadline to a read begun from ``proof`` on shows that the host
-        # runs gpud: after this read's deadline, or with or after this read once another read
-        # still outstanding was past its own.
-        proof = deadline
-        answered_in_time = float("-inf")  # when the latest such read of another GPU began
-        together = False
+        # Only an answer within its deadline to a read of a later tick shows that the host
+        # runs gpud: the reads of one burst are starved unevenly, some in time, some not.
+        together = proven = False
         for other in targets:
             if other is target:
                 continue
             with other.lock:
-                if other.late and other.outcome == "":
-                    proof = min(proof, max(began, other.deadline))
                 if other.tick >= tick and other.late and other.outcome in ("", "answer"):
                     together = True
-                answered_in_time = max(answered_in_time, other.in_time_began)
-        if not together or answered_in_time >= proof:
+                proven = proven or other.in_time_tick > tick
+        if not together or proven:
             return self._judged_hung(target, tick)
         return last
 

@@ -11,11 +11,12 @@ shorter) is left behind while the rest are read on threads of their own. So:
   while the others keep samples no older than twice the interval. A call past its deadline
   with other GPUs' calls late too (a host that starves gpud of CPU) is late, not hung: the
   GPU shows its last answer (older each tick, ``gpud_gpu_sample_age_seconds``) until
-  another GPU answers in time a read begun after its deadline while it is still
-  outstanding, or it has been outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch`
+  another GPU answers in time a read of a later tick while it is still outstanding, or it
+  has been outstanding ``call_timeout_s`` (:mod:`gpud.telemetry.dispatch`
   has the rule); a GPU found hung stays so until the call returns;
-- a GPU reset or MIG-changed through gpud twice during one read is ``healthy=False`` with
-  :data:`SUPERSEDED` for that tick (no call is outstanding), and read again the next;
+- a GPU reset or MIG-changed through gpud twice during one read (a MIG apply renews it after
+  every step) keeps the health and reason last reported for that tick, its MIG devices not
+  read (no call is outstanding, no transition), and is read again the next;
 - health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
@@ -81,11 +82,6 @@ NOT_ANSWERING = "not answering: a driver call is outstanding"
 words all along (not how long it has been): it is a metric label, the reason of events and
 of what co-location and admission show, and a label that changed while the GPU stayed hung
 would resolve an alert and fire it again. How long is ``gpud_gpu_sample_age_seconds``."""
-
-SUPERSEDED = "not read: reset or MIG layout changed during its read, read again next tick"
-"""The reason of a GPU whose read returned, but with the GPU reset or its MIG layout changed
-through gpud during it and again during the read made anew: no call is outstanding, and no
-sample of the GPU as it is now was read. The next tick reads it."""
 
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
@@ -397,7 +393,7 @@ class Sampler:
             sample = result
         else:
             if isinstance(result, Superseded):
-                reason = SUPERSEDED
+                reason = slot.reason
             elif result is not None:
                 # Not a driver error (the reader handles those): a bug. Report it and go on.
                 # The reason names the exception's type alone: it is a metric label and each
@@ -433,6 +429,10 @@ class Sampler:
                 sample = sample._replace(
                     healthy=False, reason=f"{sample.reason}; {why}" if sample.reason else why
                 )
+        if isinstance(result, Superseded):
+            # A MIG apply renews the GPU after every step: a read it outran says nothing of
+            # the GPU's health, which stays as last reported (no event, not faulty for MPS).
+            return sample._replace(healthy=slot.healthy, reason=slot.reason)
         if sample.healthy != slot.healthy or sample.reason != slot.reason:
             self._transition(slot, sample)
         return sample

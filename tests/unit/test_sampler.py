@@ -8,7 +8,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
@@ -36,7 +36,6 @@ from gpud.events import EventLog
 from gpud.store import StateStore
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.sampler import (
-    SUPERSEDED,
     XID_STATE_VERSION,
     Sampler,
     XidWatcher,
@@ -743,7 +742,7 @@ def test_rejects_bad_settings(backend: FakeBackend) -> None:
         Sampler(backend, call_timeout_s=0)  # type: ignore[arg-type]
 
 
-def test_several_hung_gpus_cost_two_timeouts_not_one_each(
+def test_several_hung_gpus_cost_two_timeouts_not_one_each_and_are_found_at_the_next_tick(
     sampler: Sampler, backend: FakeBackend, clock: FakeClock
 ) -> None:
     sampler.tick()
@@ -756,11 +755,13 @@ def test_several_hung_gpus_cost_two_timeouts_not_one_each(
     # (each is called once, while 0 still hangs), and 3 keeps a fresh sample.
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
     assert snap.gpus[3].sampled_at == clock.now
-    # GPU 3's read, begun after GPU 0's deadline with 1's and 2's, answered within its own:
-    # the host runs gpud, so the three late reads are hung, not starved
-    assert [g.healthy for g in snap.gpus] == [False, False, False, True]
+    # late together, and GPU 3's answer of the same tick proves nothing (an unevenly starved
+    # host answers some reads of a burst in time and not others)
+    assert [g.healthy for g in snap.gpus] == [True] * 4
+    clock.now += 1
     snap = sampler.tick()  # all three still stuck: not called again
     assert [backend.calls[(g, "memory")] for g in (0, 1, 2)] == [2, 2, 2]
+    # GPU 3 answers in time a read of a later tick while the three are outstanding: hung
     assert [g.healthy for g in snap.gpus] == [False, False, False, True]
     backend.hang.clear()
     gate.set()
@@ -1049,17 +1050,113 @@ def test_a_gpu_found_hung_stays_so_when_the_other_gpu_hangs_a_tick_later(
         s.close()
 
 
-def test_gpus_hung_at_once_while_others_answer_in_time_are_not_answering_in_that_tick(
+def test_gpus_hung_at_once_while_others_answer_in_time_are_not_answering_at_the_next_tick(
     sampler: Sampler, backend: FakeBackend, clock: FakeClock
 ) -> None:
-    """GPUs 2 and 3 are read after GPU 0's deadline and answer within their own: the host
-    runs gpud, so the reads of 0 and 1 late with them are hung, not starved."""
+    """GPUs 2 and 3 answer in time in the tick 0 and 1 hang: no proof (a host starved
+    unevenly does that too); their reads of the next tick, in time while 0's and 1's are
+    outstanding, show that the host runs gpud, so 0 and 1 are hung, not starved."""
     sampler.tick()
     _starve(backend, [0, 1])
+    clock.now += 0.1
+    assert [g.healthy for g in sampler.tick().gpus] == [True] * 4
     clock.now += 0.1
     snap = sampler.tick()
     assert [g.healthy for g in snap.gpus] == [False, False, True, True]
     assert [g.reason for g in snap.gpus[:2]] == [NOT_ANSWERING] * 2
+
+
+class _Cpu:
+    """The host's one CPU, given out in slices in the order they were asked for."""
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition()
+        self._queue: deque[object] = deque()
+
+    @contextlib.contextmanager
+    def slice(self) -> Iterator[None]:
+        me = object()
+        with self._turns:
+            self._queue.append(me)
+            self._turns.wait_for(lambda: self._queue[0] is me)
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._queue.popleft()
+                self._turns.notify_all()
+
+
+class _SharedCpu(FakeBackend):
+    """A backend whose reads each need ``cpu`` for ``cost_s`` once set, GPU 0's four times
+    (a costlier read, as of a GPU with MIG devices) in four slices, asked for one by one."""
+
+    def __init__(self, gpus: int) -> None:
+        super().__init__(gpus=gpus)
+        self.cpu = _Cpu()
+        self.cost_s = 0.0
+
+    def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
+        for _ in range(4 if gpu == 0 else 1):
+            with self.cpu.slice():
+                time.sleep(self.cost_s)
+        return super().gpu_readings(gpu, skip)
+
+
+def test_a_host_starved_unevenly_within_a_tick_keeps_every_gpus_health(
+    clock: FakeClock, events: EventLog
+) -> None:
+    """The CPU is taken from gpud at the start of a tick and given back mid-way: some reads
+    of the fan-out answer in time, others do not; none of the GPUs is hung."""
+    backend = _SharedCpu(gpus=8)
+    # waits of 0.2 s: min(call_timeout_s, interval_s / 2)
+    s = Sampler(backend, interval_s=0.4, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
+    hogging = threading.Event()
+    release = threading.Event()
+
+    def hog() -> None:
+        with backend.cpu.slice():
+            hogging.set()
+            release.wait(0.25)  # a throttle window that ends after the first read's deadline
+
+    try:
+        s.tick()
+        backend.cost_s = 0.04
+        hogger = threading.Thread(target=hog, daemon=True)
+        hogger.start()
+        hogging.wait(5)
+        clock.now += 0.4
+        s.tick()
+        hogger.join(5)
+        _wait_for(lambda: not any(_read_outstanding(s, gpu) for gpu in range(8)))
+        backend.cost_s = 0.0  # the host runs gpud again: no read waits for the CPU
+        clock.now += 0.4
+        assert all(g.healthy for g in s.tick().gpus)
+        assert "gpu.unhealthy" not in events.counts()
+    finally:
+        release.set()
+        s.close()
+
+
+def test_answers_after_their_deadline_prove_nothing_in_later_ticks(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """GPU 0's read is outstanding from one tick on; the others' reads of the next tick
+    answer only after their deadline (still starved): no proof that 0 hangs."""
+    sampler.tick()
+    first = _starve(backend, range(4))
+    clock.now += 0.1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    _answer(backend, sampler, {g: first[g] for g in (1, 2, 3)})
+    second = _starve(backend, [1, 2, 3])
+    clock.now += 0.1
+    assert all(g.healthy for g in sampler.tick().gpus)
+    _answer(backend, sampler, second)  # answers of a later tick than 0's, each late
+    _starve(backend, [1, 2, 3])
+    clock.now += 0.1
+    snap = sampler.tick()  # GPU 0 still outstanding, the others late again
+    assert [g.healthy for g in snap.gpus] == [True] * 4
+    assert "gpu.unhealthy" not in events.counts()
 
 
 class _ResetWhileRead(FakeBackend):
@@ -1078,9 +1175,11 @@ class _ResetWhileRead(FakeBackend):
         return super().memory(gpu, mig)
 
 
-def test_a_gpu_reset_twice_during_one_read_says_so_not_that_a_call_is_outstanding(
+def test_a_gpu_reset_twice_during_one_read_keeps_its_health_for_that_tick(
     clock: FakeClock, events: EventLog
 ) -> None:
+    """As a MIG apply of several steps does: no gpu.unhealthy and gpu.recovered pair, and
+    nothing to make the GPU faulty meanwhile."""
     backend = _ResetWhileRead()
     s = Sampler(backend, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
     backend.sampler = s
@@ -1089,12 +1188,13 @@ def test_a_gpu_reset_twice_during_one_read_says_so_not_that_a_call_is_outstandin
         backend.resets = 2  # during the read, and again during the read made anew
         clock.now += 1
         snap = s.tick()
-        assert [g.healthy for g in snap.gpus] == [True, False, True, True]
-        assert snap.gpus[1].reason == SUPERSEDED
+        assert [(g.healthy, g.reason) for g in snap.gpus] == [(True, "")] * 4
+        assert not snap.gpus[1].mig_devices_read
         assert not _read_outstanding(s, 1)
         clock.now += 1
         snap = s.tick()
         assert snap.gpus[1].healthy and snap.gpus[1].sampled_at == clock.now
+        assert "gpu.unhealthy" not in events.counts()
     finally:
         s.close()
 
@@ -1690,3 +1790,82 @@ def test_a_closed_worker_refuses_jobs_and_a_read_through_it_finds_every_gpu_hung
     reader.start()
     reader.join(30)
     assert got == [{}] and called == [] and not target.busy
+
+
+class _StampedSlowly(Target):
+    """A target whose stamping of a read is held (its pass thread descheduled) until the
+    read was marked late, or ``hold_s`` passed where marking it must wait for the stamp."""
+
+    def __init__(self, index: int, read: Callable[[], GpuSample], hold_s: float) -> None:
+        super().__init__(index, read)
+        self.hold = False
+        self.hold_s = hold_s
+        self.marked = threading.Event()
+        self.stamped = threading.Event()
+
+    def _begin(self, tick: int, now: float, began: float, wait_s: float, entered: bool) -> None:
+        if self.hold:
+            self.marked.wait(self.hold_s)
+        super()._begin(tick, now, began, wait_s, entered)
+        self.stamped.set()
+
+    def _mark_late(self) -> None:
+        super()._mark_late()
+        self.marked.set()
+
+
+def test_a_pass_thread_descheduled_before_stamping_its_read_keeps_the_gpus_health(
+    sampler: Sampler,
+) -> None:
+    """The deadline passes between the pass handing the GPU its read and stamping it: the
+    read is late before its driver call, not the GPU's previous read judged anew."""
+    answer = sampler.tick().gpus[0]
+    dispatcher = Dispatcher(0.05, name="test-dispatcher")
+
+    def read() -> GpuSample:
+        if target.hold:  # a driver call past the deadline, however the stamp went
+            target.marked.wait(5)
+        return answer
+
+    target = _StampedSlowly(0, read, hold_s=0.5)
+    try:
+        assert dispatcher.read([target]) == {0: answer}
+        target.hold = True
+        target.stamped.clear()
+        assert dispatcher.read([target]) == {}
+        target.stamped.wait(5)
+        assert dispatcher.late_answer(target, [target], 60.0) == answer
+    finally:
+        dispatcher.close()
+
+
+class _ResetLate(_ResetWhileRead):
+    """GPU 1's reset comes ``after_s`` into its read, on the sampler's clock."""
+
+    def __init__(self, clock: FakeClock, after_s: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.after_s = after_s
+
+    def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
+        if gpu == 1 and mig is None and self.resets:
+            self.clock.now += self.after_s
+        return super().memory(gpu, mig)
+
+
+def test_a_read_made_anew_after_a_reset_is_outstanding_from_when_it_was_made_again(
+    clock: FakeClock, events: EventLog
+) -> None:
+    """Time spent on the read a reset made void is not the new read's: the call timeout
+    counts from when it was made again."""
+    backend = _ResetLate(clock, after_s=50.0)  # 50 s of a 60 s call timeout
+    s = Sampler(backend, interval_s=120.0, call_timeout_s=60.0, clock=clock, events=events)  # type: ignore[arg-type]
+    backend.sampler = s
+    try:
+        s.tick()
+        backend.resets = 1
+        s.tick()
+        target = next(slot.target for slot in s._slots or () if slot.reader.index == 1)
+        assert target.since == clock.now
+    finally:
+        s.close()
