@@ -217,7 +217,27 @@ async def _abort_for(
         log.error("%s: unexpected error", method, exc_info=err)
         details = f"internal error in {method}: {type(err).__name__}: {err}"
         metadata = ((ERROR_KEY, type(err).__name__),)
+    _drop_frames(err)
     await context.abort(grpc.StatusCode[code_name], details[:_MAX_DETAIL], metadata)
+
+
+def _drop_frames(err: BaseException) -> None:
+    """``err`` and the exceptions it chains without their tracebacks, logged by now.
+
+    The ``AbortError`` that ends the call and gRPC's per-call state refer to each other, a
+    cycle only the cyclic GC frees, and ``err`` becomes the AbortError's ``__context__``.
+    Its traceback's frames hold the servicer's locals, the request among them: the C memory
+    of a decoded request (protobuf's arena, up to the peer port's 16 MiB) is not counted by
+    the GC's thresholds, and stayed until a full collection, thousands of calls later."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        pending += (exc.__context__, exc.__cause__)
 
 
 def _runs_whole(method: str, request: Any) -> bool:
@@ -345,6 +365,9 @@ def _wrap_unary_response(
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:
+            # this frame is in the AbortError's traceback (_drop_frames says why that waits
+            # for the cyclic GC): it lets go of the request first
+            request = result = None
             await _abort_for(err, method, context, once)
             raise  # not reached: abort raises
         if once is not None:
@@ -379,6 +402,7 @@ def _wrap_stream_response(
         except grpc.aio.AbortError:
             raise
         except Exception as err:
+            request = result = None  # as the unary handler's
             await _abort_for(err, method, context, once)
 
     return handler
