@@ -64,7 +64,10 @@ What is buffered is sent by :meth:`Progress.close`, which the interpreter's exit
 (waiting at most a second or two per live ``Progress`` for a gpud that is away); a process
 that ends without running exit handlers (``os._exit``, SIGKILL, a signal it does not handle)
 loses them (those of the last ``flush_interval_s``, and while gpud is away all it buffered),
-and gpud learns its count from the next report of the job.
+and gpud learns its count from the next report of the job. After the close, what it could
+not send is counted in :attr:`Progress.dropped`, a :meth:`Progress.step` still counts (never
+blocking nor raising), its report dropped and counted likewise, and
+:meth:`Progress.flush` returns True at once.
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
@@ -190,6 +193,8 @@ class Progress:
         # try that emptied it has counted them (set under _flushed)
         self._settled = 0
         self._stop = threading.Event()
+        # closed (its sender stopped): what is not sent by now never will be, and is dropped
+        self._closed = False
         self._wake = threading.Event()
         self._flushed = threading.Condition()
         self._channel: Any = None
@@ -237,12 +242,20 @@ class Progress:
         """Reports made by :meth:`step` that gpud will never be sent: the oldest, past
         ``max_buffer`` while gpud is away; where gRPC could not be loaded or its channel
         made (:attr:`last_error` says why), every one, as a ``Latency`` counts its
-        requests then. A rank that does not report (``active=False``) and a forked copy
-        drop none: their steps are not theirs to send."""
-        return self._appended if self._unreported else self._dropped
+        requests then; once :meth:`close` stopped the sender, every one not sent nor
+        rejected by then (gpud away at the close) and every step after it. A rank that does
+        not report (``active=False``) and a forked copy drop none: their steps are not
+        theirs to send."""
+        if self._unreported:
+            return self._appended
+        if self._closed:
+            return self._appended - self.sent - self.rejected
+        return self._dropped
 
     def step(self, n: int = 1) -> None:
-        """``n`` more iterations completed now. Never blocks, never raises."""
+        """``n`` more iterations completed now. Never blocks, never raises, closed or not:
+        after :meth:`close` the count goes on (:attr:`iterations`) and the report, which no
+        sender is left to send, is counted in :attr:`dropped`."""
         self._count += n
         self._queue.append((self._count, self._clock()))
         self._appended += 1
@@ -250,13 +263,15 @@ class Progress:
     def flush(self, timeout: float | None = None) -> bool:
         """Send what is buffered now; True once everything so far was sent (or rejected or
         dropped) and the try that did it has counted it: :attr:`sent`, :attr:`rejected` and
-        :attr:`last_error` say so when it returns. False at ``timeout`` (gpud away, say)."""
+        :attr:`last_error` say so when it returns. False at ``timeout`` (gpud away, say).
+        After :meth:`close`, True at once: nothing is left to send, what was not sent (at the
+        close, or stepped since) is counted in :attr:`dropped`."""
         target = self._appended
         if not self.active:
             return True  # nothing of this rank's is to be sent
         if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
-            # without gRPC every report is dropped, and so accounted for
-            return self._unreported or self._settled >= target
+            # without gRPC, or closed, every report not sent is dropped, and so accounted for
+            return self._unreported or self._closed or self._settled >= target
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._flushed:
             self._wake.set()
@@ -269,7 +284,10 @@ class Progress:
         return True
 
     def close(self, timeout: float = 1.0) -> None:
-        """Flush (up to ``timeout`` seconds) and stop the sender thread. Idempotent."""
+        """Flush (up to ``timeout`` seconds) and stop the sender thread. Idempotent. What is
+        not sent by then (gpud away) never is: it is counted in :attr:`dropped`, as is each
+        :meth:`step` after the close (which still never blocks nor raises), and a
+        :meth:`flush` after it returns True at once, everything accounted for."""
         if self._stop.is_set():
             return
         self.flush(timeout)
@@ -281,6 +299,7 @@ class Progress:
         self._thread.join(timeout)
         atexit.unregister(self.close)
         self._channel = None
+        self._closed = True
 
     def _forked(self) -> None:
         """In a forked child: the sender thread is not there, its locks may have been held at
@@ -291,6 +310,7 @@ class Progress:
         self.active = False
         self._dropped = 0
         self._unreported = False
+        self._closed = False  # the parent's close: the copy is inert, as if never closed
         self._stop = threading.Event()
         self._stop.set()
         self._wake = threading.Event()

@@ -362,13 +362,13 @@ def _unclocked(data: Mapping[str, Any]) -> tuple[dict[str, Any], float, dict[str
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
     """A number of the state file, finite and within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{key}: a number expected, not {value!r}")
+        raise ValueError(f"{key}: a number expected, not {_value(value)}")
     try:
         x = float(value)
     except OverflowError:  # an int JSON holds with more digits than a float's range
         raise ValueError(f"{key}: out of range (outside [{low:g}, {high:g}])") from None
     if not (math.isfinite(x) and low <= x <= high):
-        raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
+        raise ValueError(f"{key}: {_value(value)} outside [{low:g}, {high:g}]")
     return x
 
 
@@ -390,7 +390,7 @@ def _saved_company(value: object, key: str) -> frozenset[tuple[str, str]]:
     if not isinstance(value, list) or not all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value
     ):
-        raise ValueError(f"{key}: [device, job] pairs expected, not {value!r}")
+        raise ValueError(f"{key}: [device, job] pairs expected, not {_value(value)}")
     return frozenset((p[0], p[1]) for p in value)
 
 
@@ -572,7 +572,7 @@ def _saved_entries(
                 "co-location state %s: %s.%s not read (%s): skipped; %s",
                 path,
                 key,
-                name,
+                _key(name),
                 err,
                 aside.made(),
             )
@@ -682,6 +682,19 @@ def _saved_config(config: object, where: str) -> str:
         f"{where}: a text like '50%' or 'MIG 3g.40gb' expected (MPS shares from 1% to"
         f" 100%), not {_value(config)}"
     )
+
+
+# The longest state file key (a job's name, a waiting run's id, a device) a message repeats
+# as it is: a job name is 63 characters at most; a longer key is a hand edit, or a hostile
+# file, and is shortened (a 1 MB key would be a 1 MB journal line, twice over).
+_KEY_CHARS = 64
+
+
+def _key(key: object) -> str:
+    """A key of the state file as a message names it: as it is when it is no longer than a
+    key gpud writes, else its start and its length (:func:`gpud.shared.shown`)."""
+    text = str(key)
+    return text if len(text) <= _KEY_CHARS else shown(text, _KEY_CHARS)
 
 
 def _value(value: object) -> str:
@@ -1564,7 +1577,7 @@ class ColoService:
                 # another gpud's layout (one gpud was downgraded from), whatever its shape:
                 # its fields may mean what this one would misread
                 raise ValueError(
-                    f"version {version!r}: this gpud reads version {STATE_FILE_VERSION}"
+                    f"version {_value(version)}: this gpud reads version {STATE_FILE_VERSION}"
                 )
             if not isinstance(data.get("jobs"), dict):
                 raise ValueError('not a co-location state: no "jobs" object')
@@ -1624,8 +1637,8 @@ class ColoService:
                 log.error(
                     "co-location state %s: jobs.%s not read (%s): that job starts afresh; %s",
                     path,
-                    name,
-                    err if isinstance(err, ValueError) else f"jobs.{name}: {err!r}",
+                    _key(name),
+                    err if isinstance(err, ValueError) else f"jobs.{_key(name)}: {err!r}",
                     aside.made(),
                 )
         return skipped
@@ -1651,7 +1664,7 @@ class ColoService:
                 " for a rerun of %s (evictions already told stand); %s",
                 path,
                 "not read" if whole else "entries skipped",
-                f"[{first_few(map(repr, unread), 5)}]" if not whole else _value(evicted),
+                f"[{first_few(map(_value, unread), 5)}]" if not whole else _value(evicted),
                 "an evicted job" if whole else "the jobs they stand for",
                 aside.made(),
             )
@@ -1676,10 +1689,10 @@ class ColoService:
         boot, saved_boot = self._boot, data.get("boot_id")
         if saved_boot is not None and not isinstance(saved_boot, str):
             log.error(
-                "co-location state %s: boot_id is not a string (%r): its leaves and removals"
+                "co-location state %s: boot_id is not a string (%s): its leaves and removals"
                 " are read by Unix time",
                 path,
-                saved_boot,
+                _value(saved_boot),
             )
             saved_boot = None
         if isinstance(saved_boot, str) and boot is not None and saved_boot != boot:
@@ -1688,7 +1701,7 @@ class ColoService:
                     "co-location state %s: written on another boot (%s, now %s): its leaves"
                     " and removals of waiting runs are forgotten",
                     path,
-                    saved_boot,
+                    _value(saved_boot),
                     boot,
                 )
             return
@@ -1712,12 +1725,14 @@ class ColoService:
             return None
 
         def one_left(wid: str, saved: Any) -> tuple[float, str, _Left] | None:
-            where = f"left.{wid}"
+            where = f"left.{_key(wid)}"
             # three: a gpud from before the loop's clock was kept wrote it, read by Unix time
             if not (isinstance(saved, list) and len(saved) in (3, 4) and isinstance(saved[0], str)):
-                raise ValueError(f"[job, Unix time, anonymous(, clock)] expected, not {saved!r}")
+                raise ValueError(
+                    f"[job, Unix time, anonymous(, clock)] expected, not {_value(saved)}"
+                )
             if not isinstance(saved[2], bool):
-                raise ValueError(f"anonymous is true or false, not {saved[2]!r}")
+                raise ValueError(f"anonymous is true or false, not {_value(saved[2])}")
             came = at(where, saved[1], saved[3] if len(saved) == 4 else None)
             return (
                 None
@@ -1730,8 +1745,8 @@ class ColoService:
             if not (
                 isinstance(saved, list) and len(saved) in (2, 3) and isinstance(saved[1], bool)
             ):
-                raise ValueError(f"[Unix time, forced(, clock)] expected, not {saved!r}")
-            came = at(f"removed.{job}", saved[0], saved[2] if len(saved) == 3 else None)
+                raise ValueError(f"[Unix time, forced(, clock)] expected, not {_value(saved)}")
+            came = at(f"removed.{_key(job)}", saved[0], saved[2] if len(saved) == 3 else None)
             return None if came is None else (came, job, _Removed(came, saved[1], float(saved[0])))
 
         left = _saved_entries(path, data, "left", one_left, aside)
@@ -1762,7 +1777,7 @@ class ColoService:
                 "co-location state %s: %s no longer registered, forgotten: %s",
                 path,
                 "a job" if len(gone) == 1 else f"{len(gone)} jobs",
-                ", ".join(gone),
+                ", ".join(map(_key, gone)),
             )
         if again:
             log.info(
@@ -1770,7 +1785,7 @@ class ColoService:
                 " write, what the removed one showed forgotten: %s",
                 path,
                 "a job" if len(again) == 1 else f"{len(again)} jobs",
-                ", ".join(again),
+                ", ".join(map(_key, again)),
             )
 
     def _forget_job(self, name: str) -> None:
@@ -1797,30 +1812,31 @@ class ColoService:
     def _load_job(self, name: str, saved: dict[str, Any]) -> None:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a
         footprint over the whole device) raises ValueError naming it."""
+        key = _key(name)  # as the errors name it
         if not isinstance(saved, dict):
-            raise ValueError(f"jobs.{name}: an object expected, not {saved!r}")
+            raise ValueError(f"jobs.{key}: an object expected, not {_value(saved)}")
         st = self._jobs.setdefault(name, _JobState())
         # it ran before the restart (``idle_s`` ago, one that was not running then): kept
         # as long as a job that ran then
-        idle = _saved_number(saved.get("idle_s") or 0.0, f"jobs.{name}.idle_s", 0.0)
+        idle = _saved_number(saved.get("idle_s") or 0.0, f"jobs.{key}.idle_s", 0.0)
         st.seen = self._clock() - idle
         # absent from files written before it was kept: taken as the kind it runs as
         if (kind := saved.get("kind")) is not None:
             if kind not in ("training", "inference"):
-                raise ValueError(f"jobs.{name}.kind: training or inference, not {kind!r}")
+                raise ValueError(f"jobs.{key}.kind: training or inference, not {_value(kind)}")
             st.kind = kind
         if saved.get("registered_at") is not None:  # absent likewise: taken as the same
-            where = f"jobs.{name}.registered_at"
+            where = f"jobs.{key}.registered_at"
             st.registered_at = _saved_number(saved["registered_at"], where, 0.0)
         if saved.get("alone_rate") is not None:
-            st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
+            st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{key}.alone_rate", 0.0)
         if (config := saved.get("alone_config")) is not None:
-            st.alone_config = _saved_config(config, f"jobs.{name}.alone_config")
+            st.alone_config = _saved_config(config, f"jobs.{key}.alone_config")
         rates = saved.get("alone_rates") or {}
         if not isinstance(rates, dict):
-            raise ValueError(f"jobs.{name}.alone_rates: share -> rate expected, not {rates!r}")
+            raise ValueError(f"jobs.{key}.alone_rates: share -> rate expected, not {_value(rates)}")
         for share, rate in rates.items():
-            where = f"jobs.{name}.alone_rates.{share}"
+            where = f"jobs.{key}.alone_rates.{_key(share)}"
             try:
                 x = float(share)
             except ValueError:
@@ -1830,7 +1846,9 @@ class ColoService:
         # device until the job shows its own there
         devices = saved.get("devices") or {}
         if not isinstance(devices, dict) or not all(isinstance(f, dict) for f in devices.values()):
-            raise ValueError(f"jobs.{name}.devices: device -> footprint expected, not {devices!r}")
+            raise ValueError(
+                f"jobs.{key}.devices: device -> footprint expected, not {_value(devices)}"
+            )
         devices = dict(devices)
         if saved.get("sm") is not None:
             devices[""] = saved
@@ -1839,7 +1857,7 @@ class ColoService:
         shown = _share_of(st.alone_config or "")
         for place, f in devices.items():
             # a file from before kept the job's footprint at its top level
-            where = f"jobs.{name}.devices.{place}" if place else f"jobs.{name}"
+            where = f"jobs.{key}.devices.{_key(place)}" if place else f"jobs.{key}"
             share = _saved_number(f.get("share", shown), f"{where}.share", 0.01, 1.0)
             # a saved footprint is taken as settled: a restart does not let its next
             # reading replace it (the readings it averages are not kept)
@@ -1848,36 +1866,40 @@ class ColoService:
             )
             if (whole := f.get("whole")) is not None:
                 if not isinstance(whole, dict):
-                    raise ValueError(f"{where}.whole: a footprint expected, not {whole!r}")
+                    raise ValueError(f"{where}.whole: a footprint expected, not {_value(whole)}")
                 ds.whole, ds.whole_n = _saved_features(whole, f"{where}.whole"), MAX_READINGS
             elif share >= 1.0:
                 # a file from before the whole GPU's footprint was kept apart
                 ds.whole, ds.whole_n = ds.features, MAX_READINGS
         if saved.get("duty") is not None:
-            duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
+            duty = _saved_number(saved["duty"], f"jobs.{key}.duty", 0.0, 1.0)
             self._directives[name] = Directive(duty, False, "as before the restart")
         if (why := saved.get("evict")) is not None:
             if not isinstance(why, str):
-                raise ValueError(f"jobs.{name}.evict: the eviction's reason expected, not {why!r}")
+                raise ValueError(
+                    f"jobs.{key}.evict: the eviction's reason expected, not {_value(why)}"
+                )
             self._directives[name] = Directive(0.0, True, why)
         if saved.get("guard_duty") is not None and saved.get("slo_s"):
-            slo_s = _saved_number(saved["slo_s"], f"jobs.{name}.slo_s", 1e-6)
+            slo_s = _saved_number(saved["slo_s"], f"jobs.{key}.slo_s", 1e-6)
             g = ServiceGuard(name, slo_s, self._guard_params)
-            g.duty = _saved_number(saved["guard_duty"], f"jobs.{name}.guard_duty", 0.0, 1.0)
+            g.duty = _saved_number(saved["guard_duty"], f"jobs.{key}.guard_duty", 0.0, 1.0)
             # absent from files written before they were kept: no breach counted, the
             # latencies from the restart on see the duty, and the company taken as the same
             breaches = saved.get("guard_breaches") or 0
             if isinstance(breaches, bool) or not isinstance(breaches, int) or breaches < 0:
-                raise ValueError(f"jobs.{name}.guard_breaches: a count expected, not {breaches!r}")
+                raise ValueError(
+                    f"jobs.{key}.guard_breaches: a count expected, not {_value(breaches)}"
+                )
             g.breaches_at_floor = breaches
             wait = saved.get("guard_wait_s") or 0.0
-            wait = _saved_number(wait, f"jobs.{name}.guard_wait_s", 0.0, DIRECTIVE_DELAY_S)
+            wait = _saved_number(wait, f"jobs.{key}.guard_wait_s", 0.0, DIRECTIVE_DELAY_S)
             st.guard_since = self._clock() + wait if wait else float("-inf")
             if (company := saved.get("guard_company")) is not None:
-                st.guard_company = _saved_company(company, f"jobs.{name}.guard_company")
+                st.guard_company = _saved_company(company, f"jobs.{key}.guard_company")
             paused = saved.get("guard_paused", False)
             if not isinstance(paused, bool):
-                raise ValueError(f"jobs.{name}.guard_paused: true or false, not {paused!r}")
+                raise ValueError(f"jobs.{key}.guard_paused: true or false, not {_value(paused)}")
             if paused:
                 self._paused_services.add(name)
             self._guards[name] = g

@@ -24,7 +24,8 @@ XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 (:class:`XidWatcher`); counts show in each :class:`GpuSample` and an XID goes to the
 event log as ``gpu.xid``, a code raised again on the same device at most once per
 :data:`REMIND_S` with the raises counted meanwhile (and an ECC error type likewise as
-``gpu.ecc``); a storm that stops is said with its last count once its window is over. A
+``gpu.ecc``); a storm that stops is said with its last count once its window is over, or at
+a clean stop. A
 critical XID (any but ``ignored_xids``, the application-caused ones: 13, 31, 43, 45, 68, 109
 by default, as the Kubernetes device plugin has it) marks the GPU unhealthy with the XID in
 the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or the fault is cleared by hand
@@ -95,7 +96,8 @@ REMIND_S = 600.0
 """An XID code (or an ECC error type) raised again on the same GPU or MIG device within this
 many seconds of the ``gpu.xid`` (``gpu.ecc``) that last said it is counted, not said: a storm
 of one fault is one line and one event, then one every 10 minutes carrying how many went
-unsaid (``repeats``); once a window ends with raises unsaid, the next tick says them. The
+unsaid (``repeats``); once a window ends with raises unsaid, the next tick says them, and
+a clean stop (:meth:`Sampler.close`) says those of every window still open. The
 driver's counters go on regardless: ``gpud_gpu_xid_errors_total`` counts every XID the event
 thread takes in once the GPUs are counted, and ``gpud_gpu_ecc_errors_total`` is NVML's
 volatile ECC counters."""
@@ -717,11 +719,17 @@ class Sampler:
 
     def close(self) -> None:
         """Stop the event watcher and the GPU workers. A worker stuck in the driver is left
-        behind (it is a daemon thread); nothing else waits on it."""
+        behind (it is a daemon thread); nothing else waits on it. The raises counted but not
+        said yet (within :data:`REMIND_S` of the ``gpu.xid``/``gpu.ecc`` that said their
+        code) are said now, one event per code with its ``repeats``, as the end of their
+        window would: no tick comes after the close to say them."""
         if self._closed:
             return
         self._closed = True
         self._xid.stop()
+        with self._lock:
+            over = self._forget_said(lambda key: True)
+        self._say_the_rest(over, "since it was last said, before gpud stopped")
         self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second
         self._dispatcher.close()
 

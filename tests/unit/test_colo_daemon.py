@@ -5539,6 +5539,43 @@ def test_an_unreadable_state_file_is_an_event(tmp_path: Path) -> None:
     assert event.message.endswith(f"starting afresh; the file is kept as {event.fields['kept']}")
 
 
+def test_a_megabyte_key_in_colo_json_is_named_shortened_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostile colo.json whose keys are a megabyte each (a job with a bad value, a
+    waiting run taken out that is not a list, a job no longer registered, a device): each
+    error or line naming the key names its start and its length, never the whole key. A
+    megabyte key was a megabyte journal line."""
+    caplog.set_level(logging.INFO)
+    long = "j" * 1_000_000
+    state = tmp_path / "colo.json"
+    jobs = {
+        long + "1": {"alone_rate": -1.0},
+        long + "2": {"devices": {long + "d": {"sm": 2.0, "mem_bw": 0.1}}},
+        long + "3": {"alone_rate": 4.0},
+    }
+    left = {long + "4": "x"}
+    state.write_text(json.dumps({"version": STATE_FILE_VERSION, "jobs": jobs, "left": left}))
+    kept_loop(tmp_path, [], Clock(), registered=dict)
+    said = [r.getMessage() for r in caplog.records if "co-location state" in r.getMessage()]
+    assert len(said) == 4, [s[:200] for s in said]
+    assert all(len(s) < 2000 for s in said), [len(s) for s in said]
+    assert all("(1000001 characters)" in s for s in said)
+
+
+def test_a_megabyte_version_in_colo_json_is_shortened_in_its_event(tmp_path: Path) -> None:
+    """A colo.json whose version is a megabyte string: not read, and the
+    colo.state_unreadable event (and the error) repeat its start and its length, not the
+    megabyte."""
+    state = tmp_path / "colo.json"
+    state.write_text(json.dumps({"version": "v" * 1_000_000, "jobs": {}}))
+    events = EventLog(None)
+    ColoService(ColocateConfig(), events, running=list, state_file=state)
+    (event,) = events.recent(kind_prefix="colo.")
+    assert event.kind == "colo.state_unreadable" and len(event.message) < 2000
+    assert "(1000000 characters): this gpud reads version" in event.message
+
+
 def test_a_bad_value_in_the_state_file_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -106,6 +106,36 @@ def test_progress_batches_reports_to_the_daemon(node: Node, sock: Path) -> None:
     assert a.iterations == 50 and a.contention_free_iteration_s == 0.1
 
 
+def test_a_step_after_close_is_dropped_and_a_flush_after_close_returns_true_at_once(
+    node: Node, sock: Path
+) -> None:
+    """close() sends what is held and stops the sender: a step after it counts on, its
+    report counted as dropped (no sender is left to send it), and flush() after it returns
+    True at once, everything accounted for. It returned False, the step neither sent nor
+    counted as dropped."""
+    p = Progress("train-a", socket=sock, flush_interval_s=60)
+    p.step()
+    p.close()
+    assert (p.sent, p.dropped) == (1, 0)
+    p.step(2)
+    assert p.flush(timeout=0) is True
+    assert p.flush() is True  # no timeout: returns all the same, never waits
+    assert (p.iterations, p.sent, p.dropped, p.rejected) == (3, 1, 1, 0)
+    assert node.service.accepted_reports == 1
+
+
+def test_what_a_close_could_not_send_is_counted_as_dropped() -> None:
+    """gpud away at the close: the reports it held are never sent, counted in dropped, and
+    flush() after the close says everything is accounted for."""
+    with short_dir() as d:
+        p = Progress("train-a", socket=d / "gpud.sock", flush_interval_s=60, call_timeout_s=0.2)
+        for _ in range(3):
+            p.step()
+        p.close(timeout=0.1)
+    assert (p.sent, p.dropped) == (0, 3)
+    assert p.flush(timeout=0) is True
+
+
 def test_progress_sends_a_full_buffer_in_batches_the_api_accepts(node: Node, sock: Path) -> None:
     # a second of a fast loop, or what waited through a gpud restart: more reports than the
     # API takes in one call (its bound on a repeated field)

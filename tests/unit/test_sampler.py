@@ -1457,30 +1457,56 @@ def test_a_mig_device_made_on_the_ids_of_a_destroyed_one_says_its_first_xid(
     ]
 
 
+def _storm_said_once(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog, later_s: float
+) -> None:
+    """Raise 500 of XID 43 on GPU 1, two single-bit ECC errors on GPU 2's GPU instance 7 and
+    one XID 79 on GPU 3; tick ``later_s`` after, still within their window: each said once."""
+    sampler.tick()
+    sampler.start()
+    single = GpuEvent(gpu=2, kind=EventKind.ECC_SINGLE_BIT, gpu_instance_id=7)
+    _raise(sampler, backend, *[_xid(1, 43)] * 500, single, single, _xid(3, 79))
+    clock.now += later_s
+    sampler.tick()
+    assert len(_said(events)) == 3
+
+
+def _said_the_rest_of_the_storm(events: EventLog, when: str) -> None:
+    """What :func:`_storm_said_once` left unsaid is said, with the fields of the raise said
+    and ``when`` in the message; XID 79, said alone, leaves nothing to say."""
+    assert _said(events)[3:] == [("gpu.xid", 1, 43, None, 499), ("gpu.ecc", 2, None, 7, 1)]
+    last = events.recent(kind_prefix="gpu.xid")[-1]
+    assert last.message == f"GPU 1 reported Xid 43: 499 more times {when}"
+    assert (last.fields["critical"], last.fields["uuid"]) == (False, "GPU-00000001")
+
+
 def test_a_storm_that_stops_says_its_last_count_when_its_window_ends(
     sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
 ) -> None:
     """Raises left unsaid are said by the first tick after the ten minutes that followed the
     last gpu.xid (gpu.ecc) of the code, with the same fields; then the code is forgot, so a
     raise after that is said as new, and one said alone leaves nothing to say."""
-    sampler.tick()
-    sampler.start()
-    single = GpuEvent(gpu=2, kind=EventKind.ECC_SINGLE_BIT, gpu_instance_id=7)
-    _raise(sampler, backend, *[_xid(1, 43)] * 500, single, single, _xid(3, 79))
-    clock.now += 599
-    sampler.tick()
-    assert len(_said(events)) == 3
+    _storm_said_once(sampler, backend, clock, events, 599)
     clock.now += 1
     sampler.tick()
     sampler.tick()
-    assert _said(events)[3:] == [("gpu.xid", 1, 43, None, 499), ("gpu.ecc", 2, None, 7, 1)]
-    last = events.recent(kind_prefix="gpu.xid")[-1]
-    assert last.message == (
-        "GPU 1 reported Xid 43: 499 more times in the 10 minutes after it was last said"
-    )
-    assert (last.fields["critical"], last.fields["uuid"]) == (False, "GPU-00000001")
+    _said_the_rest_of_the_storm(events, "in the 10 minutes after it was last said")
     _raise(sampler, backend, _xid(1, 43), _xid(3, 79))
     assert _said(events)[5:] == [("gpu.xid", 1, 43, None, 0), ("gpu.xid", 3, 79, None, 0)]
+
+
+def test_a_storm_still_counting_when_gpud_stops_is_said_at_the_close(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """Raises counted within a window still open when the sampler closes (a clean stop)
+    are said then, one gpu.xid (gpu.ecc) per code with its count and the same fields, as
+    the window's end would; a code said alone leaves nothing to say. They were never said:
+    no tick comes after the close."""
+    _storm_said_once(sampler, backend, clock, events, 10)
+    sampler.close()
+    _said_the_rest_of_the_storm(events, "since it was last said, before gpud stopped")
+    sampler.close()  # a second close says nothing again
+    assert len(_said(events)) == 5
 
 
 def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
