@@ -2021,6 +2021,8 @@ class ColoService:
                 said_s=wait_s,
                 writer=(writer, began),
             )
+            if why:  # a failed write: its own line, traceback and all, comes first
+                writer.join(max(0.0, deadline - time.monotonic()))
         if why:
             log.warning(
                 "co-location state %s not written at the stop (%s): the next start reads"
