@@ -1495,7 +1495,12 @@ class MpsManager:
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
                 self._stop_device(target.uuid, reason="disabled")
-            elif not self.enabled:
+                return
+            # none ran to stop (one dead in a crash loop's back-off, say): the disable ends
+            # its loop all the same, as a stop does, so that turned on again its daemon is a
+            # first start and no loop is said over a minute later
+            dev.up_since, dev.crashes, dev.started = None, 0, False
+            if not self.enabled:
                 with self._lock:
                     self._idle.add(target.uuid)
             return

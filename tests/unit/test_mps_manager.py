@@ -4376,3 +4376,42 @@ def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_crash_loop_a_disable_ended_while_its_daemon_was_dead_is_not_said_over_later(
+    root: Path,
+) -> None:
+    """A device in a crash loop, disabled while its last daemon lies dead in back-off, then
+    turned on again: its daemon starts at once as a first start (``mps.start``), and no
+    ``mps.crash_loop_ended`` follows for the loop the disable already ended."""
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(4):
+            kill_and_wait_restart(mgr, clock, up_s=1)
+        clock.now += 1
+        mgr.reconcile()
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()  # dead, its restart backed off
+        assert mgr.status()[0].pid is None
+        mgr.set_limits("0", enabled=False)
+        mgr.reconcile()
+        mgr.set_limits("0", enabled=True)
+        mgr.reconcile()
+        assert mgr.status()[0].pid is not None
+        starts = [e.kind for e in events.recent(kind_prefix="mps.") if e.kind in _STARTS]
+        assert starts == ["mps.start", "mps.restart", "mps.start"], starts
+        clock.now += 61
+        mgr.reconcile()
+        mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.crash_loop_ended")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+_STARTS = ("mps.start", "mps.restart")
