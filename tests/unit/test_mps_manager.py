@@ -1519,6 +1519,7 @@ def test_metrics(manager: MpsManager) -> None:
         registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", labels) == 20 * GIB
     )
     assert registry.get_sample_value("gpud_mps_daemon_restarts_total", labels) == 0.0
+    assert registry.get_sample_value("gpud_mps_daemon_start_failures_total", labels) == 0.0
     other = {"gpu": "1", "uuid": gpu_uuid(1), "profile": "TEST-40GB"}
     assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", other) == 1.0
     assert registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", other) is None
@@ -4240,7 +4241,7 @@ def test_a_crash_loop_that_ends_is_said_over_with_the_restarts_it_took(root: Pat
         mgr.reconcile()
         mgr.reconcile()
         (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
-        assert ended.fields["crashes"] == 4 and ended.fields["loop_restarts"] == 4
+        assert ended.fields["crashes"] == 4 and "loop_restarts" not in ended.fields
         assert ended.fields["restarts"] == 4 and ended.fields["gpu"] == 0
         assert "crash loop is over after 4 in a row" in ended.message, ended.message
         # one death after a stable run is no loop: its end is not said
@@ -4415,3 +4416,66 @@ def test_a_crash_loop_a_disable_ended_while_its_daemon_was_dead_is_not_said_over
 
 
 _STARTS = ("mps.start", "mps.restart")
+
+
+def test_a_start_failing_with_another_error_is_said_again_and_every_failure_is_counted(
+    root: Path,
+) -> None:
+    """Starts that keep failing with one error are said once (``mps.start_failed``); one
+    failing with another error is said too, though no daemon ran well between. The status
+    and ``gpud_mps_daemon_start_failures_total`` count every failed start, said or not."""
+    why = root / "why"
+    why.write_text("no GPU answers")
+    wrapper = control_wrapper(root, f'[ "$1" = -d ] && cat {shlex.quote(str(why))} >&2 && exit 1')
+    clock = Hand()
+    mgr, store, events = make_manager(
+        root, [str(wrapper)], clock=clock, sleep=lambda s: None, backoff_max_s=60.0
+    )
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(3):
+            clock.now += 60
+            mgr.reconcile()
+        (said,) = events.recent(kind_prefix="mps.start_failed")
+        assert "no GPU answers" in said.message, said.message
+        why.write_text("the MPS pipe directory is full")
+        clock.now += 60
+        mgr.reconcile()
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["failed_starts"] for e in failed] == [1, 5]
+        assert "the MPS pipe directory is full" in failed[1].message, failed[1].message
+        clock.now += 60
+        mgr.reconcile()
+        assert len(events.recent(kind_prefix="mps.start_failed")) == 2
+        assert mgr.status()[0].failed_starts == 6
+        labels = {"gpu": "0", "uuid": gpu_uuid(0), "profile": "H100-SXM5-80GB"}
+        registry = _metrics_registry(mgr)
+        assert registry.get_sample_value("gpud_mps_daemon_start_failures_total", labels) == 6.0
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_crash_loop_whose_end_is_seen_only_after_its_daemon_exited_says_it_ran_not_runs(
+    root: Path,
+) -> None:
+    """A crash loop whose last daemon ran 60 s, then exited before a pass saw it up: the
+    loop's end (``mps.crash_loop_ended``) says the daemon ran, and exited, not that it runs."""
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(3):
+            kill_and_wait_restart(mgr, clock, up_s=1)
+        clock.now += 61
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()  # the first pass since it came up: it ran 61 s, and is gone
+        (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
+        assert "ran 61 s before it exited" in ended.message, ended.message
+        assert "has run" not in ended.message and ended.fields["up_s"] == 61
+    finally:
+        mgr.stop()
+        store.close()
