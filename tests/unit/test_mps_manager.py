@@ -4379,6 +4379,25 @@ def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
         store.close()
 
 
+def _crash_loop(mgr: MpsManager, clock: Hand, deaths: int) -> MpsManager:
+    """Start the daemon of GPU 0, then let ``deaths`` daemons die a second after each start."""
+    mgr.reconcile(snapshot(gpu_sample(0)))
+    for _ in range(deaths):
+        kill_and_wait_restart(mgr, clock, up_s=1)
+    return mgr
+
+
+def kill_unseen(mgr: MpsManager, clock: Hand, *, up_s: float) -> None:
+    """Let the daemon of the node's one device run ``up_s`` (the clock) unseen by any pass,
+    SIGKILL it, and pass once."""
+    clock.now += up_s
+    pid = mgr.status()[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    mgr.reconcile()
+
+
 def test_a_crash_loop_a_disable_ended_while_its_daemon_was_dead_is_not_said_over_later(
     root: Path,
 ) -> None:
@@ -4388,16 +4407,7 @@ def test_a_crash_loop_a_disable_ended_while_its_daemon_was_dead_is_not_said_over
     clock = Hand()
     mgr, store, events = make_manager(root, clock=clock)
     try:
-        mgr.reconcile(snapshot(gpu_sample(0)))
-        for _ in range(4):
-            kill_and_wait_restart(mgr, clock, up_s=1)
-        clock.now += 1
-        mgr.reconcile()
-        pid = mgr.status()[0].pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        wait_dead(pid)
-        mgr.reconcile()  # dead, its restart backed off
+        kill_unseen(_crash_loop(mgr, clock, 4), clock, up_s=1)  # its restart backed off
         assert mgr.status()[0].pid is None
         mgr.set_limits("0", enabled=False)
         mgr.reconcile()
@@ -4464,15 +4474,8 @@ def test_a_crash_loop_whose_end_is_seen_only_after_its_daemon_exited_says_it_ran
     clock = Hand()
     mgr, store, events = make_manager(root, clock=clock)
     try:
-        mgr.reconcile(snapshot(gpu_sample(0)))
-        for _ in range(3):
-            kill_and_wait_restart(mgr, clock, up_s=1)
-        clock.now += 61
-        pid = mgr.status()[0].pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        wait_dead(pid)
-        mgr.reconcile()  # the first pass since it came up: it ran 61 s, and is gone
+        # the first pass since it came up: it ran 61 s, and is gone
+        kill_unseen(_crash_loop(mgr, clock, 3), clock, up_s=61)
         (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
         assert "ran 61 s before it exited" in ended.message, ended.message
         assert "has run" not in ended.message and ended.fields["up_s"] == 61
