@@ -75,6 +75,7 @@ import functools
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -95,7 +96,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mps import procs, protocol
-from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, device_dir
+from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, Run, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size, mps_unhealthy_wait
@@ -412,6 +413,7 @@ class MpsManager:
     ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
     ``holding()``: the jobs holding a reservation, by device UUID (a GPU or a MIG device),
     named when a device's daemon is passed over for its GPU's health.
+    ``run_control``: how ``nvidia-cuda-mps-control`` is run (:class:`gpud.mps.daemon.ControlDaemon`).
     """
 
     def __init__(
@@ -438,7 +440,9 @@ class MpsManager:
         others_root: Path = Path("/"),
         alive: Callable[[int, Path], bool] = procs.alive,
         holding: Callable[[], Mapping[str, Sequence[str]]] = dict,
+        run_control: Run = subprocess.run,
     ) -> None:
+        self._run_control = run_control
         self._holding = holding
         self._store = store
         self._alive = alive
@@ -879,6 +883,7 @@ class MpsManager:
             clock=self._clock,
             place=functools.partial(self._place, uuid),
             alive=self._alive,
+            run=self._run_control,
         )
 
     def _place(self, uuid: str, pid: int) -> None:

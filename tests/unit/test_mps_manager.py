@@ -1212,23 +1212,48 @@ def test_clearing_the_memory_limit_restarts_an_idle_daemon(manager: MpsManager) 
     assert status.observed_memory_bytes is None and status.up and status.restarts == 0
 
 
+class Hang:
+    """How the manager runs the control program (``run``): as :func:`subprocess.run`, but
+    while ``hung`` every command sent to a daemon (``-d`` aside) times out at once, as the
+    client of a daemon that answers nothing does after its timeout."""
+
+    def __init__(self) -> None:
+        self.hung = False
+
+    def __call__(
+        self,
+        command: list[str],
+        *,
+        input: str | None = None,
+        check: bool = False,
+        **kwargs: Any,
+    ) -> subprocess.CompletedProcess[str]:
+        if self.hung and input is not None:
+            raise subprocess.TimeoutExpired(command, kwargs.get("timeout") or 0.0)
+        result: subprocess.CompletedProcess[str] = subprocess.run(
+            command, input=input, check=check, **kwargs
+        )
+        return result
+
+
 def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
     root: Path,
 ) -> None:
     """A daemon whose memory limit waits to be removed (its servers still run) that did
     not answer once and answers again: said recovered, its failed check no longer counted,
     so two later hangs in a row (under max_failures 3) kill no daemon serving jobs."""
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=3)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=3, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         mgr.set_limits("0", memory_bytes=GIB)
         mgr.start_server("0", os.getuid())
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
         assert [e.kind for e in events.recent(kind_prefix="mps.hung")] == ["mps.hung"]
-        os.kill(pid, signal.SIGCONT)
+        hang.hung = False
         with store.transaction() as conn:  # cleared while the server runs
             conn.execute("UPDATE mps_limits SET pinned_mem_limit_bytes = NULL")
         mgr.reconcile()
@@ -1236,9 +1261,9 @@ def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
         assert status.up and status.last_error.startswith("memory limit removal waits")
         assert events.recent(kind_prefix="mps.recovered")
         for _ in range(2):
-            os.kill(pid, signal.SIGSTOP)
+            hang.hung = True
             mgr.reconcile()
-            os.kill(pid, signal.SIGCONT)
+            hang.hung = False
             mgr.reconcile()
         assert not events.recent(kind_prefix="mps.unresponsive")
         assert alive(pid) and mgr.status()[0].pid == pid
@@ -4348,12 +4373,13 @@ def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
     """The first failed check is its event alone (``mps.hung``, logged as every event is),
     not also a warning; the second, which no event says, is a warning naming the GPU; the
     last (``mps.unresponsive``) says its error in the event."""
-    mgr, store, events = make_manager(root, timeout_s=0.3, max_failures=3)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=3, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
 
         def warned() -> list[str]:
             return [
