@@ -1088,18 +1088,20 @@ def test_a_daemon_being_restarted_is_not_shown_up_before_its_limits_are_back(
 
 
 def test_a_hung_daemon_is_killed_and_restarted(root: Path) -> None:
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=2, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         mgr.set_limits("0", threads_percent=60)
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()  # first failed check
         assert not mgr.status()[0].up
         assert "did not answer" in mgr.status()[0].last_error
         mgr.reconcile()  # second: killed
         wait_dead(pid)
+        hang.hung = False  # the next daemon answers
         mgr.reconcile()  # restarted
         status = mgr.status()[0]
         assert status.up and status.pid != pid and status.restarts == 1
@@ -1116,15 +1118,17 @@ def test_a_daemon_killed_for_not_answering_on_an_unhealthy_gpu_is_said_killed_no
     """A daemon that stops answering while its GPU is unhealthy is killed; its restart
     waits for the GPU, and both events say so: killed for not answering (it did not exit),
     restarted once the GPU is healthy."""
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=2, run_control=hang)
     try:
         mgr.reconcile(HEALTHY_0)
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile(SICK_0)  # first failed check
         mgr.reconcile(SICK_0)  # second: killed
         wait_dead(pid)
+        hang.hung = False  # the next daemon answers
         (killed,) = events.recent(kind_prefix="mps.unresponsive")
         assert "failed 2 health checks, the last: " in killed.message, killed.message
         assert killed.message.endswith("; killing it; it is restarted once GPU 0 is healthy"), (
@@ -3968,12 +3972,13 @@ def test_a_hung_daemon_whose_limits_wait_is_killed_not_said_restarted(root: Path
     """Killed for not answering while its limits wait to be moved: the event says that a
     new one waits for them, not that it is restarted."""
     store = _FullDisk(root / "state")
-    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1) as (
+    hang = Hang()
+    with _adopted_while_limits_wait(root, store, max_failures=1, run_control=hang) as (
         mgr,
         events,
         pid,
     ):
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
         wait_dead(pid)
         (said,) = events.recent(kind_prefix="mps.unresponsive")
@@ -4054,14 +4059,15 @@ def test_a_daemon_stopped_for_a_mig_apply_while_its_limits_wait_is_not_said_exit
     """A daemon whose limits wait to be moved, that once missed a health check, is stopped
     by gpud for a MIG apply: its stop is said, and no ``mps.exited`` (an alert) follows."""
     store = _FullDisk(root / "state")
-    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=3) as (
+    hang = Hang()
+    with _adopted_while_limits_wait(root, store, max_failures=3, run_control=hang) as (
         mgr,
         events,
-        pid,
+        _pid,
     ):
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
-        os.kill(pid, signal.SIGCONT)
+        hang.hung = False
         assert events.recent(kind_prefix="mps.hung")
         with mgr.released(["MIG-b"]) as kept:
             assert not kept
