@@ -4490,6 +4490,8 @@ def test_a_start_failing_with_another_error_is_said_again_and_every_failure_is_c
         mgr.reconcile()
         assert len(events.recent(kind_prefix="mps.start_failed")) == 2
         assert mgr.status()[0].failed_starts == 6
+        # gpuctl mps show --json
+        assert message_to_dict(device_message(mgr.status()[0], None))["failed_starts"] == 6
         labels = {"gpu": "0", "uuid": gpu_uuid(0), "profile": "H100-SXM5-80GB"}
         registry = _metrics_registry(mgr)
         assert registry.get_sample_value("gpud_mps_daemon_start_failures_total", labels) == 6.0
