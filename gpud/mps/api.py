@@ -51,6 +51,7 @@ def device_message(
         up=s.up,
         server_pids=list(s.servers),
         restarts=s.restarts,
+        failed_starts=s.failed_starts,
         last_error=s.last_error,
         reserved_memory_bytes=load.memory_bytes if load else 0,
         jobs=list(load.jobs) if load else [],

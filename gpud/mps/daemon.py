@@ -88,6 +88,8 @@ def _interpreter_missing(program: str) -> bool:
 # ``sigterm`` or ``sigkill`` (it ignored ``quit``, or did not answer, and that signal ended
 # it), ``exited`` (it went unasked: no ``quit`` could reach it, or none ran).
 How = Literal["quit", "sigterm", "sigkill", "exited"]
+# How the control program is run: :func:`subprocess.run`'s arguments, its text result.
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 # Below this much free space a daemon's failure to start is put down to a full file system.
@@ -125,13 +127,18 @@ class ControlDaemon:
         statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
         place: Callable[[int], None] = lambda pid: None,
         alive: Callable[[int, Path], bool] = procs.alive,
+        run: Run = subprocess.run,
     ) -> None:
         """``place(pid)``: called with the PID of a daemon :meth:`start` started, as soon as
         its PID file names it (before it answers, before any client): moves it into a cgroup
         of its own (see :class:`gpud.mps.manager.MpsManager`). It raises nothing.
         ``alive(pid, proc_root)``: whether a process runs (tests: one that outlives
-        SIGKILL, as a daemon stuck in the driver does)."""
+        SIGKILL, as a daemon stuck in the driver does).
+        ``run``: how the control program is run (:func:`subprocess.run`, given the command,
+        ``input``, ``timeout`` and the rest); tests: one raising
+        :class:`subprocess.TimeoutExpired` as a hung daemon's client does."""
         self._alive = alive
+        self._run_program = run
         self.uuid = uuid
         self._place = place
         self._statvfs = statvfs
@@ -407,7 +414,7 @@ class ControlDaemon:
     ) -> subprocess.CompletedProcess[str]:
         timeout = self._timeout_s if timeout_s is None else timeout_s
         try:
-            return subprocess.run(
+            return self._run_program(
                 [*self._command, *args],
                 input=stdin,
                 stdin=None if stdin is not None else subprocess.DEVNULL,

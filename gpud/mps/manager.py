@@ -74,6 +74,8 @@ import copy
 import functools
 import logging
 import os
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,7 +96,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mps import procs, protocol
-from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, device_dir
+from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, Run, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size, mps_unhealthy_wait
@@ -211,6 +213,9 @@ class MpsDeviceStatus:
     servers: tuple[int, ...]
     restarts: int
     last_error: str
+    # its daemon's starts that failed since gpud started (``nvidia-cuda-mps-control -d``
+    # exiting non-zero, or not coming up)
+    failed_starts: int = 0
     # from set_limits only: whether it changed the threads or memory default the device had
     # (one its running MPS servers' clients keep till they exit); False in any other status
     limits_changed: bool = False
@@ -237,13 +242,14 @@ class _Device:
     # daemons started in a row that died (or were killed for not answering) sooner than the
     # longest back-off after their start: each restart waits longer (:meth:`MpsManager._ended`)
     crashes: int = 0
-    # the device's restarts before its crash loop began: what the loop took, said as it ends
-    # (``mps.crash_loop_ended``)
-    loop_from: int = 0
     # a failed start was said (``mps.start_failed``) and the device has not run well since
     # (up ``backoff_max_s``), nor been stopped or disabled: its later failed starts, a
-    # daemon that started between them or not, are the same trouble, not said again
+    # daemon that started between them or not, are the same trouble, not said again, unless
+    # they fail otherwise
     start_trouble: bool = False
+    # the error the last said ``mps.start_failed`` gave, its numbers aside: a start failing
+    # with another is news
+    start_error_said: str = ""
     # its starts that failed since gpud started, said or not: the count the next
     # ``mps.start_failed`` gives
     failed_starts: int = 0
@@ -407,6 +413,7 @@ class MpsManager:
     ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
     ``holding()``: the jobs holding a reservation, by device UUID (a GPU or a MIG device),
     named when a device's daemon is passed over for its GPU's health.
+    ``run_control``: how ``nvidia-cuda-mps-control`` is run (:class:`gpud.mps.daemon.ControlDaemon`).
     """
 
     def __init__(
@@ -433,7 +440,9 @@ class MpsManager:
         others_root: Path = Path("/"),
         alive: Callable[[int, Path], bool] = procs.alive,
         holding: Callable[[], Mapping[str, Sequence[str]]] = dict,
+        run_control: Run = subprocess.run,
     ) -> None:
+        self._run_control = run_control
         self._holding = holding
         self._store = store
         self._alive = alive
@@ -852,6 +861,7 @@ class MpsManager:
             servers=dev.servers,
             restarts=dev.restarts,
             last_error=dev.last_error,
+            failed_starts=dev.failed_starts,
         )
 
     def _device(self, uuid: str) -> _Device:
@@ -873,6 +883,7 @@ class MpsManager:
             clock=self._clock,
             place=functools.partial(self._place, uuid),
             alive=self._alive,
+            run=self._run_control,
         )
 
     def _place(self, uuid: str, pid: int) -> None:
@@ -1495,7 +1506,12 @@ class MpsManager:
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
                 self._stop_device(target.uuid, reason="disabled")
-            elif not self.enabled:
+                return
+            # none ran to stop (one dead in a crash loop's back-off, say): the disable ends
+            # its loop all the same, as a stop does, so that turned on again its daemon is a
+            # first start and no loop is said over a minute later
+            dev.up_since, dev.crashes, dev.started = None, 0, False
+            if not self.enabled:
                 with self._lock:
                     self._idle.add(target.uuid)
             return
@@ -1587,10 +1603,8 @@ class MpsManager:
             return
         lived, dev.up_since = now - dev.up_since, None
         if lived >= self._backoff_max_s:
-            self._ran_well(target, dev, lived)
+            self._ran_well(target, dev, lived, ended=True)
             return
-        if not dev.crashes:
-            dev.loop_from = dev.restarts
         dev.crashes += 1
         # the first that died young is restarted at once, as any that exited: one death is
         # no loop yet
@@ -1612,25 +1626,30 @@ class MpsManager:
             restarts=dev.restarts,
         )
 
-    def _ran_well(self, target: MpsTarget, dev: _Device, lived: float) -> None:
-        """The daemon gpud started ran ``backoff_max_s``: the next that dies is restarted
-        at once again, and the next start that fails is a new trouble, said anew
-        (``mps.start_failed``). A crash loop it ends is said over (``mps.crash_loop_ended``,
-        with the restarts it took), as its beginning was said."""
+    def _ran_well(
+        self, target: MpsTarget, dev: _Device, lived: float, *, ended: bool = False
+    ) -> None:
+        """The daemon gpud started ran ``backoff_max_s`` (``lived``; ``ended``: it has
+        exited since, seen only now): the next that dies is restarted at once again, and the
+        next start that fails is a new trouble, said anew (``mps.start_failed``). A crash
+        loop it ends is said over (``mps.crash_loop_ended``, with the deaths in a row it
+        took, each of which was restarted), as its beginning was said."""
         dev.start_trouble = False
         crashes, dev.crashes = dev.crashes, 0
         if crashes < 2:
             return  # one that died young is no loop: none was said
-        took = dev.restarts - dev.loop_from
+        ran, then = (
+            (f"ran {lived:.0f} s before it exited", "it is restarted at once")
+            if ended
+            else (f"has run {lived:.0f} s", "the next that dies is restarted at once")
+        )
         self._events.emit(
             "mps.crash_loop_ended",
-            f"the MPS control daemon of {_label(target)} ({target.uuid}) has run"
-            f" {lived:.0f} s: its crash loop is over after {crashes} in a row that ended"
-            f" within {self._backoff_max_s:g} s of their start, and {took}"
-            f" restart{'' if took == 1 else 's'}; the next that dies is restarted at once",
+            f"the MPS control daemon of {_label(target)} ({target.uuid}) {ran}: its crash"
+            f" loop is over after {crashes} in a row that ended within"
+            f" {self._backoff_max_s:g} s of their start; {then}",
             **_where(target),
             crashes=crashes,
-            loop_restarts=took,
             up_s=round(lived, 1),
             restarts=dev.restarts,
         )
@@ -1731,10 +1750,11 @@ class MpsManager:
         """Start the device's control daemon (``nvidia-cuda-mps-control -d``) and write
         ``desired`` to it. A start that fails is retried with back-off and said once per
         trouble (``mps.start_failed``, with the device's failed starts so far): not again
-        until a daemon of the device ran ``backoff_max_s`` (:meth:`_ran_well`), or the device
-        was stopped or disabled, or a skip for its GPU's health outlasted ``backoff_max_s``
-        (:meth:`_end_skip`); a daemon that starts between failures and dies sooner does not
-        end it."""
+        until one fails with another error (its numbers aside), a daemon of the device ran
+        ``backoff_max_s`` (:meth:`_ran_well`), the device was stopped or disabled, or a skip
+        for its GPU's health outlasted ``backoff_max_s`` (:meth:`_end_skip`); a daemon that
+        starts between failures and dies sooner does not end it. Each failed start is
+        counted (``gpud_mps_daemon_start_failures_total``)."""
         restart = dev.started
         # the servers the daemon before was last seen with, read before the new daemon's
         # (none yet) replace them: what a restart says its clients lost
@@ -1755,10 +1775,14 @@ class MpsManager:
             dev.last_error = str(err)
             delay = self._backoff(dev.failures + dev.crashes)
             dev.next_start_at = self._clock() + delay
-            if not dev.start_trouble:
+            # its numbers aside (KiB free, a pid, a timeout), so that an error that only
+            # counts on is the same trouble
+            error = _DIGITS.sub("N", str(err))
+            if not dev.start_trouble or error != dev.start_error_said:
                 # once per trouble: a daemon that starts now and then and dies young does
-                # not end it, only one that runs well, or a stop
-                dev.start_trouble = True
+                # not end it, only one that runs well, or a stop; a start failing otherwise
+                # (its binary gone, the disk full) is another trouble, said too
+                dev.start_trouble, dev.start_error_said = True, error
                 count = dev.failed_starts
                 self._events.emit(
                     "mps.start_failed",
@@ -2502,6 +2526,7 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
 
 # Why a daemon that no PID file names any more is stopped: see :meth:`MpsManager._end_orphan`.
 _LOST = "it lost its pipe directory"
+_DIGITS = re.compile(r"\d+")  # what a start error says twice alike (mps.start_failed)
 
 
 def _limits_wait(why: str) -> str:

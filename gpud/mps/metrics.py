@@ -8,6 +8,7 @@ Per control daemon, labels ``gpu`` (NVML index), ``uuid`` (GPU or MIG UUID), ``p
     gpud_mps_default_pinned_memory_limit_bytes   desired default; absent when unlimited
     gpud_mps_daemon_servers                      MPS servers running
     gpud_mps_daemon_restarts_total               restarts after the daemon died or hung
+    gpud_mps_daemon_start_failures_total         starts of the daemon that failed
 
 Read from :meth:`MpsManager.last_status`, so a scrape never waits for a reconcile pass.
 
@@ -63,6 +64,12 @@ class MpsMetrics:
             "Restarts of the MPS control daemon after it died or stopped answering.",
             labels=_LABELS,
         )
+        start_failures = CounterMetricFamily(
+            "gpud_mps_daemon_start_failures",
+            "Starts of the MPS control daemon that failed (nvidia-cuda-mps-control -d), said or"
+            " not as mps.start_failed.",
+            labels=_LABELS,
+        )
         for s in self._manager.last_status():
             if not s.target.uuid:
                 continue  # a GPU never read: no daemon, and none known to be wanted yet
@@ -74,4 +81,5 @@ class MpsMetrics:
                 memory.add_metric(labels, float(s.desired.memory_bytes))
             servers.add_metric(labels, float(len(s.servers)))
             restarts.add_metric(labels, float(s.restarts))
-        yield from (up, enabled, threads, memory, servers, restarts)
+            start_failures.add_metric(labels, float(s.failed_starts))
+        yield from (up, enabled, threads, memory, servers, restarts, start_failures)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/mps.proto\x12\x07gpud.v1\"\x9a\x05\n\tMpsDevice\x12\x11\n\x04uuid\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x10\n\x03mig\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x07profile\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0f\n\x07\x65nabled\x18\x06 \x01(\x08\x12\n\n\x02up\x18\x07 \x01(\x08\x12\x10\n\x03pid\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0epipe_directory\x18\t \x01(\tH\x05\x88\x01\x01\x12\x1c\n\x0fthreads_percent\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x0b \x01(\x04H\x07\x88\x01\x01\x12%\n\x18observed_threads_percent\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12(\n\x1bobserved_memory_limit_bytes\x18\r \x01(\x04H\t\x88\x01\x01\x12\x13\n\x0bserver_pids\x18\x0e \x03(\r\x12\x10\n\x08restarts\x18\x0f \x01(\r\x12\x12\n\nlast_error\x18\x10 \x01(\t\x12\x1d\n\x15reserved_memory_bytes\x18\x11 \x01(\x04\x12\x0c\n\x04jobs\x18\x12 \x03(\t\x12\x15\n\rgpu_unhealthy\x18\x13 \x01(\t\x12\x12\n\nup_unknown\x18\x14 \x01(\tB\x07\n\x05_uuidB\x06\n\x04_migB\n\n\x08_profileB\x15\n\x13_memory_total_bytesB\x06\n\x04_pidB\x11\n\x0f_pipe_directoryB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x1b\n\x19_observed_threads_percentB\x1e\n\x1c_observed_memory_limit_bytes\"0\n\x0eShowMpsRequest\x12\x13\n\x06\x64\x65vice\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_device\"K\n\x0fShowMpsResponse\x12\x13\n\x0bmps_enabled\x18\x01 \x01(\x08\x12#\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x12.gpud.v1.MpsDevice\"\xde\x01\n\x13SetMpsLimitsRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x1c\n\x0fthreads_percent\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\rclear_threads\x18\x04 \x01(\x08\x12\x14\n\x0c\x63lear_memory\x18\x05 \x01(\x08\x12\x14\n\x07\x65nabled\x18\x06 \x01(\x08H\x02\x88\x01\x01\x42\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\n\n\x08_enabled\"j\n\x14SetMpsLimitsResponse\x12\"\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x12.gpud.v1.MpsDevice\x12\x1b\n\x0elimits_changed\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_limits_changed2\x90\x01\n\x03Mps\x12<\n\x07ShowMps\x12\x17.gpud.v1.ShowMpsRequest\x1a\x18.gpud.v1.ShowMpsResponse\x12K\n\x0cSetMpsLimits\x12\x1c.gpud.v1.SetMpsLimitsRequest\x1a\x1d.gpud.v1.SetMpsLimitsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/mps.proto\x12\x07gpud.v1\"\xb1\x05\n\tMpsDevice\x12\x11\n\x04uuid\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x10\n\x03mig\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x07profile\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0f\n\x07\x65nabled\x18\x06 \x01(\x08\x12\n\n\x02up\x18\x07 \x01(\x08\x12\x10\n\x03pid\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0epipe_directory\x18\t \x01(\tH\x05\x88\x01\x01\x12\x1c\n\x0fthreads_percent\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x0b \x01(\x04H\x07\x88\x01\x01\x12%\n\x18observed_threads_percent\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12(\n\x1bobserved_memory_limit_bytes\x18\r \x01(\x04H\t\x88\x01\x01\x12\x13\n\x0bserver_pids\x18\x0e \x03(\r\x12\x10\n\x08restarts\x18\x0f \x01(\r\x12\x12\n\nlast_error\x18\x10 \x01(\t\x12\x1d\n\x15reserved_memory_bytes\x18\x11 \x01(\x04\x12\x0c\n\x04jobs\x18\x12 \x03(\t\x12\x15\n\rgpu_unhealthy\x18\x13 \x01(\t\x12\x12\n\nup_unknown\x18\x14 \x01(\t\x12\x15\n\rfailed_starts\x18\x15 \x01(\rB\x07\n\x05_uuidB\x06\n\x04_migB\n\n\x08_profileB\x15\n\x13_memory_total_bytesB\x06\n\x04_pidB\x11\n\x0f_pipe_directoryB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x1b\n\x19_observed_threads_percentB\x1e\n\x1c_observed_memory_limit_bytes\"0\n\x0eShowMpsRequest\x12\x13\n\x06\x64\x65vice\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_device\"K\n\x0fShowMpsResponse\x12\x13\n\x0bmps_enabled\x18\x01 \x01(\x08\x12#\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x12.gpud.v1.MpsDevice\"\xde\x01\n\x13SetMpsLimitsRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x1c\n\x0fthreads_percent\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\rclear_threads\x18\x04 \x01(\x08\x12\x14\n\x0c\x63lear_memory\x18\x05 \x01(\x08\x12\x14\n\x07\x65nabled\x18\x06 \x01(\x08H\x02\x88\x01\x01\x42\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\n\n\x08_enabled\"j\n\x14SetMpsLimitsResponse\x12\"\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x12.gpud.v1.MpsDevice\x12\x1b\n\x0elimits_changed\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_limits_changed2\x90\x01\n\x03Mps\x12<\n\x07ShowMps\x12\x17.gpud.v1.ShowMpsRequest\x1a\x18.gpud.v1.ShowMpsResponse\x12K\n\x0cSetMpsLimits\x12\x1c.gpud.v1.SetMpsLimitsRequest\x1a\x1d.gpud.v1.SetMpsLimitsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpud.v1.mps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MPSDEVICE']._serialized_start=31
-  _globals['_MPSDEVICE']._serialized_end=697
-  _globals['_SHOWMPSREQUEST']._serialized_start=699
-  _globals['_SHOWMPSREQUEST']._serialized_end=747
-  _globals['_SHOWMPSRESPONSE']._serialized_start=749
-  _globals['_SHOWMPSRESPONSE']._serialized_end=824
-  _globals['_SETMPSLIMITSREQUEST']._serialized_start=827
-  _globals['_SETMPSLIMITSREQUEST']._serialized_end=1049
-  _globals['_SETMPSLIMITSRESPONSE']._serialized_start=1051
-  _globals['_SETMPSLIMITSRESPONSE']._serialized_end=1157
-  _globals['_MPS']._serialized_start=1160
-  _globals['_MPS']._serialized_end=1304
+  _globals['_MPSDEVICE']._serialized_end=720
+  _globals['_SHOWMPSREQUEST']._serialized_start=722
+  _globals['_SHOWMPSREQUEST']._serialized_end=770
+  _globals['_SHOWMPSRESPONSE']._serialized_start=772
+  _globals['_SHOWMPSRESPONSE']._serialized_end=847
+  _globals['_SETMPSLIMITSREQUEST']._serialized_start=850
+  _globals['_SETMPSLIMITSREQUEST']._serialized_end=1072
+  _globals['_SETMPSLIMITSRESPONSE']._serialized_start=1074
+  _globals['_SETMPSLIMITSRESPONSE']._serialized_end=1180
+  _globals['_MPS']._serialized_start=1183
+  _globals['_MPS']._serialized_end=1327
 # @@protoc_insertion_point(module_scope)

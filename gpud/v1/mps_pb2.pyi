@@ -47,6 +47,7 @@ class MpsDevice(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     GPU_UNHEALTHY_FIELD_NUMBER: _builtins.int
     UP_UNKNOWN_FIELD_NUMBER: _builtins.int
+    FAILED_STARTS_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
     """A GPU not read since gpud started (lost or hung) has no daemon and no known size:
     memory_total_bytes and pipe_directory are then unset, and uuid and profile are the GPU's
@@ -89,6 +90,8 @@ class MpsDevice(_message.Message):
     UUID gpud cannot tell its daemons, which run on untouched); "" when known. When set,
     `up` means nothing (null in gpuctl --json).
     """
+    failed_starts: _builtins.int
+    """its control daemon's starts that failed since gpud started"""
     @_builtins.property
     def server_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -118,10 +121,11 @@ class MpsDevice(_message.Message):
         jobs: _abc.Iterable[_builtins.str] | None = ...,
         gpu_unhealthy: _builtins.str = ...,
         up_unknown: _builtins.str = ...,
+        failed_starts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "threads_percent", b"threads_percent", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "up_unknown", b"up_unknown", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "enabled", b"enabled", "failed_starts", b"failed_starts", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "up_unknown", b"up_unknown", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015

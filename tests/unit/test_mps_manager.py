@@ -1088,18 +1088,20 @@ def test_a_daemon_being_restarted_is_not_shown_up_before_its_limits_are_back(
 
 
 def test_a_hung_daemon_is_killed_and_restarted(root: Path) -> None:
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=2, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         mgr.set_limits("0", threads_percent=60)
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()  # first failed check
         assert not mgr.status()[0].up
         assert "did not answer" in mgr.status()[0].last_error
         mgr.reconcile()  # second: killed
         wait_dead(pid)
+        hang.hung = False  # the next daemon answers
         mgr.reconcile()  # restarted
         status = mgr.status()[0]
         assert status.up and status.pid != pid and status.restarts == 1
@@ -1116,15 +1118,17 @@ def test_a_daemon_killed_for_not_answering_on_an_unhealthy_gpu_is_said_killed_no
     """A daemon that stops answering while its GPU is unhealthy is killed; its restart
     waits for the GPU, and both events say so: killed for not answering (it did not exit),
     restarted once the GPU is healthy."""
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=2, run_control=hang)
     try:
         mgr.reconcile(HEALTHY_0)
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile(SICK_0)  # first failed check
         mgr.reconcile(SICK_0)  # second: killed
         wait_dead(pid)
+        hang.hung = False  # the next daemon answers
         (killed,) = events.recent(kind_prefix="mps.unresponsive")
         assert "failed 2 health checks, the last: " in killed.message, killed.message
         assert killed.message.endswith("; killing it; it is restarted once GPU 0 is healthy"), (
@@ -1212,23 +1216,48 @@ def test_clearing_the_memory_limit_restarts_an_idle_daemon(manager: MpsManager) 
     assert status.observed_memory_bytes is None and status.up and status.restarts == 0
 
 
+class Hang:
+    """How the manager runs the control program (``run``): as :func:`subprocess.run`, but
+    while ``hung`` every command sent to a daemon (``-d`` aside) times out at once, as the
+    client of a daemon that answers nothing does after its timeout."""
+
+    def __init__(self) -> None:
+        self.hung = False
+
+    def __call__(
+        self,
+        command: list[str],
+        *,
+        input: str | None = None,
+        check: bool = False,
+        **kwargs: Any,
+    ) -> subprocess.CompletedProcess[str]:
+        if self.hung and input is not None:
+            raise subprocess.TimeoutExpired(command, kwargs.get("timeout") or 0.0)
+        result: subprocess.CompletedProcess[str] = subprocess.run(
+            command, input=input, check=check, **kwargs
+        )
+        return result
+
+
 def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
     root: Path,
 ) -> None:
     """A daemon whose memory limit waits to be removed (its servers still run) that did
     not answer once and answers again: said recovered, its failed check no longer counted,
     so two later hangs in a row (under max_failures 3) kill no daemon serving jobs."""
-    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=3)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=3, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         mgr.set_limits("0", memory_bytes=GIB)
         mgr.start_server("0", os.getuid())
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
         assert [e.kind for e in events.recent(kind_prefix="mps.hung")] == ["mps.hung"]
-        os.kill(pid, signal.SIGCONT)
+        hang.hung = False
         with store.transaction() as conn:  # cleared while the server runs
             conn.execute("UPDATE mps_limits SET pinned_mem_limit_bytes = NULL")
         mgr.reconcile()
@@ -1236,9 +1265,9 @@ def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
         assert status.up and status.last_error.startswith("memory limit removal waits")
         assert events.recent(kind_prefix="mps.recovered")
         for _ in range(2):
-            os.kill(pid, signal.SIGSTOP)
+            hang.hung = True
             mgr.reconcile()
-            os.kill(pid, signal.SIGCONT)
+            hang.hung = False
             mgr.reconcile()
         assert not events.recent(kind_prefix="mps.unresponsive")
         assert alive(pid) and mgr.status()[0].pid == pid
@@ -1519,6 +1548,7 @@ def test_metrics(manager: MpsManager) -> None:
         registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", labels) == 20 * GIB
     )
     assert registry.get_sample_value("gpud_mps_daemon_restarts_total", labels) == 0.0
+    assert registry.get_sample_value("gpud_mps_daemon_start_failures_total", labels) == 0.0
     other = {"gpu": "1", "uuid": gpu_uuid(1), "profile": "TEST-40GB"}
     assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", other) == 1.0
     assert registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", other) is None
@@ -3942,12 +3972,13 @@ def test_a_hung_daemon_whose_limits_wait_is_killed_not_said_restarted(root: Path
     """Killed for not answering while its limits wait to be moved: the event says that a
     new one waits for them, not that it is restarted."""
     store = _FullDisk(root / "state")
-    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1) as (
+    hang = Hang()
+    with _adopted_while_limits_wait(root, store, max_failures=1, run_control=hang) as (
         mgr,
         events,
         pid,
     ):
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
         wait_dead(pid)
         (said,) = events.recent(kind_prefix="mps.unresponsive")
@@ -4028,14 +4059,15 @@ def test_a_daemon_stopped_for_a_mig_apply_while_its_limits_wait_is_not_said_exit
     """A daemon whose limits wait to be moved, that once missed a health check, is stopped
     by gpud for a MIG apply: its stop is said, and no ``mps.exited`` (an alert) follows."""
     store = _FullDisk(root / "state")
-    with _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=3) as (
+    hang = Hang()
+    with _adopted_while_limits_wait(root, store, max_failures=3, run_control=hang) as (
         mgr,
         events,
-        pid,
+        _pid,
     ):
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
         mgr.reconcile()
-        os.kill(pid, signal.SIGCONT)
+        hang.hung = False
         assert events.recent(kind_prefix="mps.hung")
         with mgr.released(["MIG-b"]) as kept:
             assert not kept
@@ -4240,7 +4272,7 @@ def test_a_crash_loop_that_ends_is_said_over_with_the_restarts_it_took(root: Pat
         mgr.reconcile()
         mgr.reconcile()
         (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
-        assert ended.fields["crashes"] == 4 and ended.fields["loop_restarts"] == 4
+        assert ended.fields["crashes"] == 4 and "loop_restarts" not in ended.fields
         assert ended.fields["restarts"] == 4 and ended.fields["gpu"] == 0
         assert "crash loop is over after 4 in a row" in ended.message, ended.message
         # one death after a stable run is no loop: its end is not said
@@ -4347,12 +4379,13 @@ def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
     """The first failed check is its event alone (``mps.hung``, logged as every event is),
     not also a warning; the second, which no event says, is a warning naming the GPU; the
     last (``mps.unresponsive``) says its error in the event."""
-    mgr, store, events = make_manager(root, timeout_s=0.3, max_failures=3)
+    hang = Hang()
+    mgr, store, events = make_manager(root, max_failures=3, run_control=hang)
     try:
         mgr.reconcile(snapshot(gpu_sample(0)))
         pid = mgr.status()[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        hang.hung = True
 
         def warned() -> list[str]:
             return [
@@ -4373,6 +4406,113 @@ def test_a_first_failed_health_check_is_said_once_and_later_ones_are_logged(
         (killed,) = events.recent(kind_prefix="mps.unresponsive")
         assert killed.fields["error"] and "the last: " in killed.message
         wait_dead(pid)
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def _crash_loop(mgr: MpsManager, clock: Hand, deaths: int) -> MpsManager:
+    """Start the daemon of GPU 0, then let ``deaths`` daemons die a second after each start."""
+    mgr.reconcile(snapshot(gpu_sample(0)))
+    for _ in range(deaths):
+        kill_and_wait_restart(mgr, clock, up_s=1)
+    return mgr
+
+
+def kill_unseen(mgr: MpsManager, clock: Hand, *, up_s: float) -> None:
+    """Let the daemon of the node's one device run ``up_s`` (the clock) unseen by any pass,
+    SIGKILL it, and pass once."""
+    clock.now += up_s
+    pid = mgr.status()[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    mgr.reconcile()
+
+
+def test_a_crash_loop_a_disable_ended_while_its_daemon_was_dead_is_not_said_over_later(
+    root: Path,
+) -> None:
+    """A device in a crash loop, disabled while its last daemon lies dead in back-off, then
+    turned on again: its daemon starts at once as a first start (``mps.start``), and no
+    ``mps.crash_loop_ended`` follows for the loop the disable already ended."""
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        kill_unseen(_crash_loop(mgr, clock, 4), clock, up_s=1)  # its restart backed off
+        assert mgr.status()[0].pid is None
+        mgr.set_limits("0", enabled=False)
+        mgr.reconcile()
+        mgr.set_limits("0", enabled=True)
+        mgr.reconcile()
+        assert mgr.status()[0].pid is not None
+        starts = [e.kind for e in events.recent(kind_prefix="mps.") if e.kind in _STARTS]
+        assert starts == ["mps.start", "mps.restart", "mps.start"], starts
+        clock.now += 61
+        mgr.reconcile()
+        mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.crash_loop_ended")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+_STARTS = ("mps.start", "mps.restart")
+
+
+def test_a_start_failing_with_another_error_is_said_again_and_every_failure_is_counted(
+    root: Path,
+) -> None:
+    """Starts that keep failing with one error are said once (``mps.start_failed``); one
+    failing with another error is said too, though no daemon ran well between. The status
+    and ``gpud_mps_daemon_start_failures_total`` count every failed start, said or not."""
+    why = root / "why"
+    why.write_text("no GPU answers")
+    wrapper = control_wrapper(root, f'[ "$1" = -d ] && cat {shlex.quote(str(why))} >&2 && exit 1')
+    clock = Hand()
+    mgr, store, events = make_manager(
+        root, [str(wrapper)], clock=clock, sleep=lambda s: None, backoff_max_s=60.0
+    )
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        for _ in range(3):
+            clock.now += 60
+            mgr.reconcile()
+        (said,) = events.recent(kind_prefix="mps.start_failed")
+        assert "no GPU answers" in said.message, said.message
+        why.write_text("the MPS pipe directory is full")
+        clock.now += 60
+        mgr.reconcile()
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert [e.fields["failed_starts"] for e in failed] == [1, 5]
+        assert "the MPS pipe directory is full" in failed[1].message, failed[1].message
+        clock.now += 60
+        mgr.reconcile()
+        assert len(events.recent(kind_prefix="mps.start_failed")) == 2
+        assert mgr.status()[0].failed_starts == 6
+        # gpuctl mps show --json
+        assert message_to_dict(device_message(mgr.status()[0], None))["failed_starts"] == 6
+        labels = {"gpu": "0", "uuid": gpu_uuid(0), "profile": "H100-SXM5-80GB"}
+        registry = _metrics_registry(mgr)
+        assert registry.get_sample_value("gpud_mps_daemon_start_failures_total", labels) == 6.0
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_crash_loop_whose_end_is_seen_only_after_its_daemon_exited_says_it_ran_not_runs(
+    root: Path,
+) -> None:
+    """A crash loop whose last daemon ran 60 s, then exited before a pass saw it up: the
+    loop's end (``mps.crash_loop_ended``) says the daemon ran, and exited, not that it runs."""
+    clock = Hand()
+    mgr, store, events = make_manager(root, clock=clock)
+    try:
+        # the first pass since it came up: it ran 61 s, and is gone
+        kill_unseen(_crash_loop(mgr, clock, 3), clock, up_s=61)
+        (ended,) = events.recent(kind_prefix="mps.crash_loop_ended")
+        assert "ran 61 s before it exited" in ended.message, ended.message
+        assert "has run" not in ended.message and ended.fields["up_s"] == 61
     finally:
         mgr.stop()
         store.close()
