@@ -16,9 +16,11 @@ import datetime
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpud.cli.asking import Stop, asked_once, enqueued_once
 from gpud.cli.context import (
     JOB_NAME,
     THREADS_PERCENT,
@@ -34,7 +36,7 @@ from gpud.cli.context import (
 )
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.cli.queue import colo_waiter_dict, show_colo
-from gpud.errors import InvalidArgument
+from gpud.errors import ERROR_TABLE, AlreadyExists, InvalidArgument
 from gpud.shared import (
     MIN_SLO_MS,
     check_owner,
@@ -46,6 +48,9 @@ from gpud.v1 import colo_pb2, mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 
+EXIT_EXISTS = ERROR_TABLE[AlreadyExists][1]
+# how a --devices item names a GPU or MIG device by UUID, as gpud keeps it
+UUID_PREFIXES = ("GPU-", "MIG-")
 HEADERS = (
     "JOB",
     "KIND",
@@ -364,15 +369,19 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
     fill_placement(job, args)
     if args.slo_p99_ms is not None:
         job.slo_p99_ms = args.slo_p99_ms
-    resp: pb.AddJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).AddJob, pb.AddJobRequest(job=job))
-    warn_if_mps_off(ctx, args)
-    if args.queue:
-        entry: queue_pb2.QueueEntry = ctx.call(
-            ctx.stub(queue_pb2_grpc.QueueStub).Enqueue,
-            queue_pb2.EnqueueRequest(
-                request=pb.ReserveRequest(job=args.name), keep_unfeasible=True
-            ),
-        )
+    stop = Stop()  # no signal sets it: Ctrl-C ends a wait to ask again as it ends gpuctl
+    try:
+        resp = _added_once(ctx, job, stop)
+        warn_if_mps_off(ctx, args)
+        if not args.queue:
+            entry = None
+        else:
+            # the entry's own id: a try again after a lost answer gets the entry gpud made
+            request = pb.ReserveRequest(job=args.name, request_id=str(uuid.uuid4()))
+            entry = enqueued_once(ctx, request, stop, keep_unfeasible=True)
+    finally:
+        stop.close()
+    if entry is not None:
         if not entry.unfeasible_reason:  # else the queued line says why
             warn_never(ctx, resp)
         if ctx.out.json:
@@ -387,6 +396,61 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
     else:
         ctx.out.print_table(HEADERS, [job_row(resp.job)])
     return 0
+
+
+def _added_once(ctx: Context, job: pb.Job, stop: Stop) -> pb.AddJobResponse:
+    """``job`` registered (``Jobs.AddJob``), asked again when an answer was lost as
+    :func:`asked_once` asks. gpud keeps no request id for a job: a try again that finds the
+    job (ALREADY_EXISTS) takes it as made by the lost try when gpud holds it as this
+    gpuctl asked (:func:`same_job`), said on stderr; otherwise the job is someone else's
+    and its ALREADY_EXISTS stands, saying so."""
+    tries = 0
+
+    def add_job(c: Context) -> Any:
+        nonlocal tries
+        tries += 1
+        return c.stub(pb_grpc.JobsStub).AddJob
+
+    try:
+        resp: pb.AddJobResponse = asked_once(ctx, add_job, pb.AddJobRequest(job=job), stop)
+        return resp
+    except CliError as err:
+        if tries == 1 or err.exit_code != EXIT_EXISTS:
+            raise
+        listed: pb.ListJobsResponse = ctx.call(
+            ctx.stub(pb_grpc.JobsStub).ListJobs, pb.ListJobsRequest(name=job.name)
+        )
+        if len(listed.jobs) != 1 or not same_job(listed.jobs[0], job):
+            raise CliError(
+                f"{err}, registered otherwise than this gpuctl asked: not by its try whose"
+                f" answer was lost (gpuctl jobs ls {job.name})",
+                err.exit_code,
+                error=err.error,
+                status=err.status,
+            ) from err
+    ctx.out.note(
+        f"job {job.name} exists as asked: registered by the try whose answer was lost,"
+        " taken as made"
+    )
+    return pb.AddJobResponse(job=listed.jobs[0])
+
+
+def same_job(held: pb.Job, asked: pb.Job) -> bool:
+    """Whether gpud holds the job ``held`` as AddJob was asked ``asked``: kind, owner,
+    placement, MPS limits, priority, SLO. gpud keeps a ``--devices`` index (``0``,
+    ``0:5``) as the UUID it names: such devices match by count alone."""
+    kept = pb.Job()
+    kept.CopyFrom(held)
+    for field in ("created_unix_seconds", "reservations", "processes", "unhealthy_gpus"):
+        kept.ClearField(field)  # gpud's, not the caller's
+    given = pb.Job()
+    given.CopyFrom(asked)
+    if not all(d.startswith(UUID_PREFIXES) for d in given.devices):
+        if len(given.devices) != len(kept.devices):
+            return False
+        given.ClearField("devices")
+        kept.ClearField("devices")
+    return kept == given
 
 
 def warn_never(ctx: Context, resp: pb.AddJobResponse) -> None:

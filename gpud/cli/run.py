@@ -82,6 +82,14 @@ if TYPE_CHECKING:
     import subprocess
     from types import FrameType
 
+from gpud.cli.asking import (
+    RELEASE_RETRY_MAX_S,
+    RELEASE_RETRY_S,
+    Stop,
+    StoppedAsking,
+    asked_once,
+    enqueued_once,
+)
 from gpud.cli.context import (
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
@@ -151,16 +159,6 @@ TERM_TIMEOUT_MIN_S = 0.01
 # systemd starts a failed gpud again after RestartSec=2s (gpud.service), and gpud answers
 # within seconds of starting; a `systemctl restart` waits for the old one to stop first.
 RELEASE_WAIT_S = 60.0
-# the first try again; each after waits twice as long, up to RELEASE_RETRY_MAX_S (a try
-# while gpud is away is a refused connect() on a local socket)
-RELEASE_RETRY_S = 0.25
-RELEASE_RETRY_MAX_S = 2.0
-# How many times in all `gpuctl run` asks gpud for a reservation whose answer did not come
-# (each with the same request id, which gpud reserves once)
-RESERVE_TRIES = 3
-# How long after a Reserve or Enqueue got no answer `gpuctl run` keeps asking a gpud that
-# is not running: a restart in progress (RestartSec=2s in gpud.service, then its start)
-RESERVE_RESTART_WAIT_S = 30.0
 # How long a stopped `gpuctl run` waits for gpud to take back its wait or reservation on
 # the way out: whoever stopped it waits for it to end, and gpud drops them by itself anyway.
 LEAVE_TIMEOUT_S = 2.0
@@ -333,92 +331,8 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     return request
 
 
-class StoppedAsking(Exception):
-    """A signal (``stop``) ended the asking again of :func:`asked_once` after a try that may
-    have reached gpud: the run stops before its command started, as on a signal in any
-    other wait before it (what such a try made names this gpuctl as its holder, and gpud
-    lets it go once gpuctl exits)."""
-
-
-def asked_once(
-    ctx: Context,
-    method: Callable[[Context], Any],
-    request: pb.ReserveRequest,
-    stop: _Stop,
-    *,
-    message: object | None = None,
-    restart_wait_s: float = RESERVE_RESTART_WAIT_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> Any:
-    """``method(ctx)`` (a stub's method on the channel open then) called
-    with ``message`` (default ``request``), asked again when a try may have reached gpud
-    and no answer came (:attr:`CliError.unanswered`: past ``--timeout``, gpud went away
-    during the call or closed the connection as it stopped), up to RESERVE_TRIES such tries
-    in all: gpud keeps ``request.request_id`` with the reservation or queue entry it made
-    and answers a try again with it, so a first try whose answer was lost is not done
-    twice. After such a try, a gpud not running (restarting) is asked again RELEASE_RETRY_S
-    later, then less often (up to RELEASE_RETRY_MAX_S), for up to ``restart_wait_s`` after
-    that try (by ``clock``); a signal (``stop``) ends the asking. A refusal gpud sent (its
-    own UNAVAILABLE: starting, stopping, its database full) and a gpud not running at the
-    first try are raised at once. The last failure is raised as gpud's error; what a try
-    may have made names this gpuctl as its holder, and gpud lets it go once gpuctl
-    exits. :class:`StoppedAsking` when a signal ends the asking again."""
-    tries = 1
-    away_since: float | None = None  # when a try that may have reached gpud got no answer
-    interval = RELEASE_RETRY_S
-    waiting = False  # said that it waits for gpud to be back
-    while True:
-        try:
-            # The stub is taken for each try: a wait through a gpud restart has closed the
-            # channel it started on.
-            return ctx.call(method(ctx), request if message is None else message)
-        except CliError as err:
-            if stop.is_set():
-                if away_since is not None:  # asking again: not this try's error to say
-                    raise StoppedAsking from err
-                raise
-            if err.unanswered:
-                if tries == RESERVE_TRIES:
-                    raise
-                tries += 1
-                away_since, interval, waiting = clock(), RELEASE_RETRY_S, False
-                _asking_again(err, request.request_id, "(gpud does it once)")
-            elif (
-                away_since is None
-                or err.exit_code != EXIT_NOT_RUNNING
-                or err.error  # gpud's own refusal: it runs, and said no
-                or clock() - away_since >= restart_wait_s
-            ):
-                raise
-            elif not waiting:
-                waiting = True
-                _asking_again(
-                    err,
-                    request.request_id,
-                    f"while it restarts, for up to {restart_wait_s:g} s (Ctrl-C stops)",
-                )
-            ctx.close()  # a fresh channel: gpud may have restarted
-            if stop.wait_until(clock() + interval, clock):
-                raise StoppedAsking from err
-            interval = min(RELEASE_RETRY_MAX_S, interval * 2)
-
-
-def _asking_again(err: CliError, request_id: str, how: str) -> None:
-    """Says on stderr why a Reserve or Enqueue is asked again, in a sentence of its own
-    after ``err``'s."""
-    print(
-        f"gpuctl: {str(err).rstrip('.')}. Asking again as request {request_id} {how}.",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
 def _reserve(ctx: Context) -> Any:
     return ctx.stub(pb_grpc.JobsStub).Reserve
-
-
-def _enqueue(ctx: Context) -> Any:
-    return ctx.stub(queue_pb2_grpc.QueueStub).Enqueue
 
 
 NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would not help
@@ -428,7 +342,7 @@ def advise(
     ctx: Context,
     args: argparse.Namespace,
     request: pb.ReserveRequest,
-    stop: _Stop,
+    stop: Stop,
     notes: list[str],
 ) -> bool:
     """Where the co-location loop would put a job that names no place (on the command line
@@ -498,7 +412,7 @@ def advise(
 
 
 def _reserve_advised(
-    ctx: Context, args: argparse.Namespace, stop: _Stop, notes: list[str]
+    ctx: Context, args: argparse.Namespace, stop: Stop, notes: list[str]
 ) -> pb.ReserveResponse | None:
     """Reserve what the request (and the loop's advice) names. A GPU the advice named but
     another run took in between is asked about again, up to ADVICE_ROUNDS times, so the
@@ -549,7 +463,7 @@ def _registered(ctx: Context, job: str) -> pb.Job | None:
 
 
 def _wait_for_advice(
-    ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse, stop: _Stop
+    ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse, stop: Stop
 ) -> colo_pb2.AdviseResponse | None:
     """Ask again, every POLL_S and less often (up to ADVICE_POLL_MAX_S) while the answer
     stays the same, until the loop names a GPU (that advice), saying why it waits whenever
@@ -618,7 +532,7 @@ def _wait_for_advice(
     return None
 
 
-def _leave_wait(ctx: Context, waiter_id: str, stop: _Stop) -> bool:
+def _leave_wait(ctx: Context, waiter_id: str, stop: Stop) -> bool:
     """Take this stopped run's wait for co-location out of gpud (Queue.Leave, saying the
     signal), so that `gpuctl queue` stops listing it now rather than once gpud finds it
     stopped asking (10 s); whether gpud lists it no more (NOT_FOUND: it never listed it,
@@ -632,7 +546,7 @@ def _leave_wait(ctx: Context, waiter_id: str, stop: _Stop) -> bool:
     return True
 
 
-def _stop_name(stop: _Stop) -> str:
+def _stop_name(stop: Stop) -> str:
     """The signal that stopped the run, as LeaveRequest.stopped_by says it ("": a Ctrl-C
     raised as KeyboardInterrupt, with no handler to say which)."""
     return _signame(stop.signum) if stop.signum is not None else ""
@@ -686,66 +600,7 @@ def _give_back(ctx: Context, reservation: str) -> None:
             )
 
 
-class _Stop:
-    """Set by a signal handler, waited on by the main thread: a flag and a byte on a pipe,
-    which the handler sets without a lock. A ``threading.Event`` set from a handler waits
-    for its own lock whenever the signal lands while the main thread holds it (inside
-    ``Event.wait``, between two polls): gpuctl then hangs, and every later SIGTERM or
-    Ctrl-C waits behind it, until SIGKILL."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)
-        # what ends a wait without setting it (an answer came: wake), drained by the wait
-        self._woken, self._wake = os.pipe()
-        os.set_blocking(self._woken, False)
-        os.set_blocking(self._wake, False)
-        self.signum: int | None = None  # the first signal that set it (None: Ctrl-C raised)
-        self._set = False
-        # the handlers its own replaced: put back by whatever takes the signals over next
-        self.previous: dict[signal.Signals, Any] = {}
-
-    def set(self, signum: int | None = None) -> None:
-        if self.signum is None:
-            self.signum = signum
-        self._set = True
-        with contextlib.suppress(BlockingIOError):  # a byte there already wakes the wait
-            os.write(self._write, b"s")
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float) -> bool:
-        """Whether it is set, after up to ``timeout`` seconds (at once once it is, or
-        :meth:`wake` was called). A signal during select() runs the handler, and select()
-        goes on (PEP 475) to find the byte it wrote."""
-        if not self._set:
-            import select  # imported here: only a waiting `gpuctl run` pays for it
-
-            ready, _, _ = select.select([self._read, self._woken], [], [], max(timeout, 0.0))
-            if self._woken in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._woken, 64)
-        return self._set
-
-    def wait_until(self, until: float, clock: Callable[[], float] = time.monotonic) -> bool:
-        """Whether it is set, by ``until`` (read on ``clock``), at once once it is; a wake
-        does not end this wait."""
-        while not self._set and (left := until - clock()) > 0:
-            self.wait(left)
-        return self._set
-
-    def wake(self) -> None:
-        """From any thread: end the wait under way (or the next) without setting it."""
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake, b"w")
-
-    def close(self) -> None:
-        for fd in (self._read, self._write, self._woken, self._wake):
-            os.close(fd)
-
-
-def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
+def _setting(stop: Stop) -> Callable[[int, FrameType | None], None]:
     """A signal handler that sets ``stop``, naming the signal."""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -754,7 +609,7 @@ def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
     return on_signal
 
 
-def _hand_to(after: _Stop, sigs: Iterable[int]) -> None:
+def _hand_to(after: Stop, sigs: Iterable[int]) -> None:
     """Have each of ``sigs`` set ``after`` from now on (the command has ended, or never
     will): the caller puts the handlers back once it is done."""
     on_signal = _setting(after)
@@ -763,14 +618,14 @@ def _hand_to(after: _Stop, sigs: Iterable[int]) -> None:
 
 
 @contextlib.contextmanager
-def _signals_stop() -> Iterator[_Stop]:
+def _signals_stop() -> Iterator[Stop]:
     """A stop that SIGINT, SIGTERM, SIGHUP and SIGQUIT set while waiting (those gpuctl was
     not started ignoring: :func:`_not_ignored`). Raised inside a gRPC
     call, KeyboardInterrupt could leave the channel unusable for the calls that follow
     (leaving the queue, releasing)."""
     import threading  # imported here: only a waiting `gpuctl run` pays for it
 
-    stop = _Stop()
+    stop = Stop()
     main = threading.current_thread() is threading.main_thread()
     taken = _not_ignored() if main else []
     previous = {sig: signal.signal(sig, _setting(stop)) for sig in taken}
@@ -791,7 +646,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     # nothing started and nothing left in gpud; _launch then forwards them to the command.
     # Once the command has ended, they set ``after`` (see _launch) until the with's end puts
     # the original handlers back.
-    after = _Stop()
+    after = Stop()
     try:
         with _signals_stop() as stop:
             return _run(ctx, args, command, stop, after)
@@ -801,7 +656,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _run(
-    ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop, after: _Stop
+    ctx: Context, args: argparse.Namespace, command: list[str], stop: Stop, after: Stop
 ) -> int:
     try:
         notes: list[str] = []
@@ -929,7 +784,7 @@ def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
     return known is None or reservation not in {r.id for r in known.reservations}
 
 
-def _not_started(job: str, never: NotStarted, stop: _Stop, told: int | None = None) -> int:
+def _not_started(job: str, never: NotStarted, stop: Stop, told: int | None = None) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
     started (``gpuctl jobs rm --force`` between the reservation and the command's exec,
     which SIGTERMs the gate's process, also once the gate has opened, or leaves nothing to
@@ -964,7 +819,7 @@ def release_run(
     returncode: int | None,
     told: int | None = None,
     *,
-    after: _Stop | None = None,
+    after: Stop | None = None,
 ) -> None:
     """Release ``reservation``, telling gpud how the command ended. A gpud that is away
     (stopped, restarting) is asked again (:func:`release_retried`) while the command's exit
@@ -1018,7 +873,7 @@ def release_retried(
     wait_s: float = RELEASE_WAIT_S,
     told: int | None = None,
     why: CliError | None = None,
-    stop: _Stop | None = None,
+    stop: Stop | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
@@ -1145,7 +1000,7 @@ class TakenOut(CliError):
 def wait_in_queue(
     ctx: Context,
     request: pb.ReserveRequest,
-    stop: _Stop,
+    stop: Stop,
     *,
     why: str = "",
     notes: list[str] | None = None,
@@ -1160,9 +1015,7 @@ def wait_in_queue(
     holder judged gone). ``why``: why it could not start at once, said once when it joins the queue,
     after ``notes`` (why co-location's advice was not followed). ``clock``: what the pace of
     the questions (POLL_S apart at least) is measured by."""
-    entry: queue_pb2.QueueEntry = asked_once(
-        ctx, _enqueue, request, stop, message=queue_pb2.EnqueueRequest(request=request)
-    )
+    entry = enqueued_once(ctx, request, stop)
     if not stop.is_set():  # else it leaves at once: why it was placed so matters no more
         _say(notes or [])
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
@@ -1216,7 +1069,7 @@ def wait_in_queue(
     return entry
 
 
-def _ask_entry(ctx: Context, entry_id: str, stop: _Stop) -> queue_pb2.QueueEntry | None:
+def _ask_entry(ctx: Context, entry_id: str, stop: Stop) -> queue_pb2.QueueEntry | None:
     """The queued entry, once gpud says it started, left or moved up, or after up to
     ENTRY_WAIT_S (half of --timeout at most; the call's deadline is --timeout); None when
     a signal stopped the wait (the call is cancelled, and gpud stops waiting with it)."""
@@ -1236,7 +1089,7 @@ def _ask_entry(ctx: Context, entry_id: str, stop: _Stop) -> queue_pb2.QueueEntry
     return answer
 
 
-def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
+def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: Stop) -> None:
     """Out of the queue, saying the signal that stopped the run; a job that started
     meanwhile gives its reservation back."""
     asked = f"the withdrawal of entry {entry.id} from the queue"
@@ -1273,7 +1126,7 @@ def _stop_leftovers(
     job: str,
     run: str,
     grace_s: float,
-    hurry: _Stop,
+    hurry: Stop,
     *,
     proc_root: Path = Path("/proc"),
     send: Callable[[int, int], None] = os.kill,
@@ -1347,9 +1200,9 @@ def _launch(
     env: dict[str, str],
     place: Callable[[int], None] | None = None,
     told: Callable[[int], None] | None = None,
-    stop: _Stop | None = None,
+    stop: Stop | None = None,
     *,
-    after: _Stop | None = None,
+    after: Stop | None = None,
     json_errors: bool = False,
     popen: Callable[..., subprocess.Popen[bytes]] | None = None,
     term_timeout: float | None = None,

@@ -58,8 +58,8 @@ class EnqueueRequest(_message.Message):
     """queue it even if it can never start here as the node is"""
     @_builtins.property
     def request(self) -> _jobs_pb2.ReserveRequest:
-        """Its request_id (gpuctl run makes a uuid4 for each queueing, and sends it again when it
-        asks again after a lost answer) is kept with the entry: an Enqueue with the id of an
+        """Its request_id (gpuctl run and gpuctl jobs add --queue make a uuid4 for each queueing,
+        and send it again when they ask again after a lost answer) is kept with the entry: an Enqueue with the id of an
         entry kept (queued, or ended less than an hour ago) answers that entry as it is now,
         nothing queued again; the same id with other fields or keep_unfeasible:
         FAILED_PRECONDITION naming the id.

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import grpc
 import pytest
@@ -24,7 +24,7 @@ import pytest
 from gpud.api import ApiServer
 from gpud.cli.context import CliError
 from gpud.cli.main import main as gpuctl
-from gpud.cli.run import RELEASE_RETRY_S, _Stop, env_request
+from gpud.cli.run import RELEASE_RETRY_S, Stop, env_request
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
@@ -1511,7 +1511,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
     assert "has no exit status for the run" in err
 
 
-class Waits(_Stop):
+class Waits(Stop):
     """A stop no signal sets whose waits take no time: each moves ``now`` (its ``clock``) on
     by what was asked, and is noted, as gpuctl's retries wait on it for gpud. ``cut``: a
     Ctrl-C sets it in its first wait (a wait that should not be ends at once)."""
@@ -2529,10 +2529,10 @@ def test_a_run_stopped_as_it_joins_the_queue_says_nothing_of_its_placement(
     without the lines on why it was placed and why it waits, which no longer matter."""
     from gpud.cli.context import Context
     from gpud.cli.output import Output
-    from gpud.cli.run import _Stop, wait_in_queue
+    from gpud.cli.run import Stop, wait_in_queue
 
     queue = SlowToLetGo(delay_s=0.0)
-    stop = _Stop()
+    stop = Stop()
     with serving(queue.register) as n:
         ctx = Context(socket_path=n.socket, timeout=5.0, output=Output(json_output=False))
         try:
@@ -3125,7 +3125,7 @@ def test_a_queued_run_lets_gpud_wait_yet_stops_at_once(
     assert not marker.exists()
 
 
-class Paced(_Stop):
+class Paced(Stop):
     """A stop whose waits for a time (``wait_until``) take none: each notes how long it was
     to wait and moves ``now`` (its ``clock``) there; set, as SIGTERM does, at the
     ``stop_at``-th. Other waits (for an answer) are real."""
@@ -3405,14 +3405,14 @@ def test_a_leftover_whose_pid_another_process_took_since_it_was_listed_is_not_si
 ) -> None:
     """`gpuctl run` lists what its command left to say it, then stops what is left of the
     run as found then: a PID reused meanwhile by a process of no run gets no signal."""
-    from gpud.cli.run import _Stop, _stop_leftovers
+    from gpud.cli.run import Stop, _stop_leftovers
 
     (tmp_path / "41").mkdir()
     (tmp_path / "41" / "environ").write_bytes(b"HOME=/\0GPUD_RUN=r1\0")
     monkeypatch.setattr(sys, "stderr", _Reused(sys.stderr, tmp_path))
     sent: list[tuple[int, int]] = []
     _stop_leftovers(
-        "j", "r1", 0.0, _Stop(), proc_root=tmp_path, send=lambda pid, sig: sent.append((pid, sig))
+        "j", "r1", 0.0, Stop(), proc_root=tmp_path, send=lambda pid, sig: sent.append((pid, sig))
     )
     assert sent == []
     assert "1 process(es) of job j outlived its command (pid 41)" in capsys.readouterr().err
@@ -3481,6 +3481,19 @@ async def held_until_asked_again(asked: list[str]) -> None:
         await asyncio.sleep(0.02)
 
 
+T = TypeVar("T")
+
+
+async def first_answer_lost(asked: list[str], key: str, answer: Awaitable[T]) -> T:
+    """``answer`` awaited, ``key`` noted in ``asked`` first; the first call's answer is held
+    until a second call came (:func:`held_until_asked_again`): lost to its caller."""
+    asked.append(key)
+    got = await answer
+    if len(asked) == 1:
+        await held_until_asked_again(asked)
+    return got
+
+
 def test_a_reserve_whose_answer_came_past_its_deadline_is_asked_again_and_made_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -3520,7 +3533,7 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
     from gpud.admission.service import AdmissionService
     from gpud.cli.context import Context
     from gpud.cli.output import Output
-    from gpud.cli.run import _Stop, wait_in_queue
+    from gpud.cli.run import Stop, wait_in_queue
     from gpud.config import AdmissionConfig
     from gpud.jobs.service import RunRequest
 
@@ -3542,7 +3555,7 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
             return await super().GetEntry(request, context)
 
     queue = AnswersFirstEnqueueTooLate(cast(AdmissionService, None))
-    stop = _Stop()
+    stop = Stop()
     with serving(queue.register) as n:
         svc = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
         queue._service = svc
@@ -3562,6 +3575,100 @@ def test_an_enqueue_whose_answer_came_past_its_deadline_is_asked_again_and_queue
         assert [r.job for r in n.jobs.reservations.held()] == ["b"]
     assert asked == ["q-1", "q-1"]
     assert ". Asking again as request q-1 (gpud does it once)." in capsys.readouterr().err
+
+
+def test_jobs_add_queue_whose_enqueue_answer_was_lost_is_asked_again_and_queued_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud queued the job, but gpuctl's deadline passed before the answer came: `gpuctl
+    jobs add --queue` asks again with the same request id, as `gpuctl run` does, and is
+    answered with that entry, with no second one queued."""
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    asked: list[str] = []
+
+    class AnswersFirstEnqueueTooLate(QueueServicer):
+        async def Enqueue(self, request: queue_pb2.EnqueueRequest, context: Any) -> Any:
+            answer = super().Enqueue(request, context)
+            return await first_answer_lost(asked, request.request.request_id, answer)
+
+    queue = AnswersFirstEnqueueTooLate(cast(Any, None))
+    with serving(queue.register) as n:
+        svc = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        queue._service = svc
+        n.jobs.reserve(RunRequest(job="a", gpu_count=1, memory_bytes=60 * GIB))
+        code = gpuctl(
+            ["--socket", str(n.socket), "--timeout", "1",
+             "jobs", "add", "b", "--gpus", "1", "--memory", "60GiB", "--queue"],
+            env={},
+        )  # fmt: skip
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        (row,) = svc.entries(state=None)
+        assert row.job == "b" and f"job b queued ({row.id})" in out
+    first, again = asked
+    assert first == again and len(first) == 36  # a uuid4
+    assert f"). Asking again as request {first} (gpud does it once)." in err
+
+
+def test_jobs_add_whose_answer_was_lost_takes_the_job_it_registered_as_made(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud registered the job, but gpuctl's deadline passed before the answer came:
+    `gpuctl jobs add` asks again, finds the job as it asked for it (its --devices index
+    kept as the GPU's UUID), and takes it as made, saying so, rather than failing on
+    "exists"."""
+    asked: list[str] = []
+
+    class AnswersFirstAddTooLate(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            answer = super().AddJob(request, context)
+            return await first_answer_lost(asked, request.job.name, answer)
+
+    with serving(jobs_api=AnswersFirstAddTooLate) as n:
+        code = gpuctl(
+            ["--socket", str(n.socket), "--timeout", "1",
+             "jobs", "add", "c", "--devices", "1", "--memory", "20GiB"],
+            env={},
+        )  # fmt: skip
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert [j.name for j in n.jobs.registry.all()] == ["c"]
+    assert asked == ["c", "c"]
+    assert ". Asking again to register job c (a job it registered then is taken as made)." in err
+    assert "job c exists as asked: registered by the try whose answer was lost" in err
+    assert out.startswith("JOB") and "\nc " in out
+
+
+def test_jobs_add_asked_again_that_finds_another_job_of_its_name_says_it_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The job a try again finds is not as this gpuctl asked (another client registered
+    it otherwise meanwhile): its ALREADY_EXISTS stands (exit 5), nothing taken as made."""
+    asked: list[str] = []
+
+    class RegistersAnotherFirst(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            asked.append(request.job.name)
+            if len(asked) == 1:
+                self._service.add(JobSpec(request.job.name, gpu_count=2))
+                await held_until_asked_again(asked)
+            return await super().AddJob(request, context)
+
+    with serving(jobs_api=RegistersAnotherFirst) as n:
+        code = gpuctl(
+            ["--socket", str(n.socket), "--timeout", "1", "jobs", "add", "d", "--gpus", "1"],
+            env={},
+        )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 5, err
+    assert err.endswith(
+        "gpuctl: job 'd' exists, registered otherwise than this gpuctl asked: not by its try"
+        " whose answer was lost (gpuctl jobs ls d)\n"
+    )
+    assert asked == ["d", "d"]
 
 
 class RefusesReserveUnavailable(JobsServicer):
@@ -3641,7 +3748,7 @@ def test_a_reserve_that_went_away_is_asked_again_once_gpud_is_back(
     from gpud.cli.run import asked_once
 
     ctx = AwayThenBack([went_away(), not_running(), not_running()])
-    stop = _Stop()
+    stop = Stop()
     try:
         got = asked_once(
             cast(Context, ctx), lambda c: None, jobs_pb2.ReserveRequest(request_id="r-1"), stop
@@ -3665,7 +3772,7 @@ def test_a_signal_while_gpud_restarts_ends_the_asking_as_stopped() -> None:
     from gpud.cli.run import StoppedAsking, asked_once
 
     ctx = AwayThenBack([went_away(), not_running(), not_running()])
-    stop = _Stop()
+    stop = Stop()
     ticks = iter(range(1000))
 
     def clock() -> float:
@@ -3693,7 +3800,7 @@ def test_a_signal_while_gpud_restarts_ends_the_asking_as_stopped() -> None:
 class StoppedWhileAway(AwayThenBack):
     """As AwayThenBack, but SIGTERM lands during the try after gpud went away."""
 
-    stop: _Stop | None = None
+    stop: Stop | None = None
 
     def call(self, method: Any, request: object, *, timeout: float | None = None) -> Any:
         if self.calls == 1 and self.stop is not None:
@@ -3715,7 +3822,7 @@ def test_a_run_stopped_while_gpud_restarts_says_it_stopped_before_its_command(
     from gpud.cli.run import _run
 
     args = build_parser().parse_args(["run", "--job", "t", "--gpus", "1", "--", "true"])
-    stop, after = _Stop(), _Stop()
+    stop, after = Stop(), Stop()
     ctx = StoppedWhileAway([went_away(), not_running()], stop=stop)
     try:
         code = _run(cast(Context, ctx), args, ["true"], stop, after)
@@ -3733,7 +3840,7 @@ def test_a_gpud_still_away_past_the_restart_wait_is_said_as_not_running() -> Non
     from gpud.cli.run import asked_once
 
     ctx = AwayThenBack([went_away(), not_running(), not_running()])
-    stop = _Stop()
+    stop = Stop()
     try:
         with pytest.raises(CliError, match="gpud is not running"):
             asked_once(
@@ -3755,7 +3862,7 @@ def test_gpud_refusing_a_try_again_is_said_as_its_refusal() -> None:
 
     refused = CliError("no GPU seen yet", 3, error="Unavailable")
     ctx = AwayThenBack([went_away(), refused, not_running()])
-    stop = _Stop()
+    stop = Stop()
     try:
         with pytest.raises(CliError) as raised:
             asked_once(

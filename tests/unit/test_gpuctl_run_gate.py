@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpud.cli.context import CliError
-from gpud.cli.run import NotStarted, _launch, _signals_stop, _Stop, still_the_gate
+from gpud.cli.run import NotStarted, Stop, _launch, _signals_stop, still_the_gate
 from tests.unit.process_support import proc_state, until
 
 
@@ -325,8 +325,8 @@ def test_a_signal_while_the_command_is_held_keeps_the_gate_shut(tmp_path: Path) 
 _SIGNAL_AS_THE_GATE_OPENS = """
 import os, signal, sys, time
 from pathlib import Path
-from gpud.cli.run import _Stop, _launch, _setting
-class LandsOnceLooked(_Stop):
+from gpud.cli.run import Stop, _launch, _setting
+class LandsOnceLooked(Stop):
     def is_set(self):
         was = super().is_set()
         os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
@@ -367,7 +367,7 @@ def test_a_command_that_cannot_be_started_leaves_the_signals_to_end_the_run(
     def no_fork(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
         raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
 
-    after = _Stop()
+    after = Stop()
     try:
         with _signals_stop() as stop:
             code = _launch(
@@ -396,7 +396,7 @@ def test_a_signal_taken_before_the_fork_failed_stops_the_run_not_exit_127(
         os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
         raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
 
-    after = _Stop()
+    after = Stop()
     try:
         with _signals_stop() as stop, pytest.raises(NotStarted) as never:
             _launch(
