@@ -90,6 +90,8 @@ def _interpreter_missing(program: str) -> bool:
 How = Literal["quit", "sigterm", "sigkill", "exited"]
 # How the control program is run: :func:`subprocess.run`'s arguments, its text result.
 Run = Callable[..., "subprocess.CompletedProcess[str]"]
+# The control program's runner unless a caller gives another (a test's hang made at will).
+RUN_CONTROL: Run = subprocess.run
 
 
 # Below this much free space a daemon's failure to start is put down to a full file system.
@@ -127,7 +129,7 @@ class ControlDaemon:
         statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
         place: Callable[[int], None] = lambda pid: None,
         alive: Callable[[int, Path], bool] = procs.alive,
-        run: Run = subprocess.run,
+        run: Run = RUN_CONTROL,
     ) -> None:
         """``place(pid)``: called with the PID of a daemon :meth:`start` started, as soon as
         its PID file names it (before it answers, before any client): moves it into a cgroup

@@ -75,7 +75,6 @@ import functools
 import logging
 import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -96,7 +95,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mps import procs, protocol
-from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, Run, device_dir
+from gpud.mps.daemon import DEFAULT_BASE_ENV, RUN_CONTROL, ControlDaemon, How, Run, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size, mps_unhealthy_wait
@@ -440,7 +439,7 @@ class MpsManager:
         others_root: Path = Path("/"),
         alive: Callable[[int, Path], bool] = procs.alive,
         holding: Callable[[], Mapping[str, Sequence[str]]] = dict,
-        run_control: Run = subprocess.run,
+        run_control: Run = RUN_CONTROL,
     ) -> None:
         self._run_control = run_control
         self._holding = holding
