@@ -239,17 +239,23 @@ def backend() -> FakeBackend:
     return FakeBackend(gpus=4, mig_gpus={1: 7})
 
 
-@pytest.fixture
-def sampler(backend: FakeBackend, clock: FakeClock, events: EventLog) -> Iterator[Sampler]:
-    s = Sampler(
+def _sampler(
+    backend: FakeBackend, clock: FakeClock, events: EventLog, event_wait_s: float = 0.05
+) -> Sampler:
+    return Sampler(
         backend,  # type: ignore[arg-type]  # only the reading half is implemented
         history=3,
         call_timeout_s=0.3,
         clock=clock,
         wall_clock=lambda: 1.7e9,
         events=events,
-        event_wait_s=0.05,
+        event_wait_s=event_wait_s,
     )
+
+
+@pytest.fixture
+def sampler(backend: FakeBackend, clock: FakeClock, events: EventLog) -> Iterator[Sampler]:
+    s = _sampler(backend, clock, events)
     yield s
     for gate in backend.hang.values():
         gate.set()
@@ -1552,15 +1558,7 @@ def test_a_storm_still_counting_is_said_before_the_close_waits_for_the_event_wat
     the close, the second of them counted and never said."""
     backend = _HeldAtTheClose()
     events = _ReleasingAtTheRest(backend)
-    sampler = Sampler(
-        backend,  # type: ignore[arg-type]  # only the reading half is implemented
-        history=3,
-        call_timeout_s=0.3,
-        clock=clock,
-        wall_clock=lambda: 1.7e9,
-        events=events,
-        event_wait_s=1,  # the join waits up to 2 s
-    )
+    sampler = _sampler(backend, clock, events, event_wait_s=1)  # the join waits up to 2 s
     _storm_said_once(sampler, backend, clock, events, 10)
     backend.held.set()
     assert backend.waiting.wait(5)
