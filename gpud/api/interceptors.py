@@ -43,6 +43,7 @@ import contextlib
 import inspect
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -222,13 +223,20 @@ async def _abort_for(
 
 
 def _drop_frames(err: BaseException) -> None:
-    """``err`` and the exceptions it chains without their tracebacks, logged by now.
+    """The locals of the finished frames in the tracebacks of ``err`` and of the exceptions
+    it chains or groups, logged by now; the tracebacks themselves stay whole.
 
     The ``AbortError`` that ends the call and gRPC's per-call state refer to each other, a
     cycle only the cyclic GC frees, and ``err`` becomes the AbortError's ``__context__``.
     Its traceback's frames hold the servicer's locals, the request among them: the C memory
     of a decoded request (protobuf's arena, up to the peer port's 16 MiB) is not counted by
-    the GC's thresholds, and stayed until a full collection, thousands of calls later."""
+    the GC's thresholds, and stayed until a full collection, thousands of calls later.
+
+    ``err`` need not be this call's alone: calls sharing one read (``GetEntry``'s waiters)
+    are each raised the same exception, and a later one logs it still. So no traceback is
+    cut, which would leave that one without where its error came from; a frame cleared
+    keeps its code and line, all that a logged traceback shows. A frame still running (the
+    handler's own, which drops the request itself) is left as it is."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [err]
     while pending:
@@ -236,8 +244,10 @@ def _drop_frames(err: BaseException) -> None:
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
-        exc.__traceback__ = None
+        traceback.clear_frames(exc.__traceback__)
         pending += (exc.__context__, exc.__cause__)
+        if isinstance(exc, BaseExceptionGroup):
+            pending += exc.exceptions
 
 
 def _runs_whole(method: str, request: Any) -> bool:
@@ -402,7 +412,7 @@ def _wrap_stream_response(
         except grpc.aio.AbortError:
             raise
         except Exception as err:
-            request = result = None  # as the unary handler's
+            request = result = item = None  # as the unary handler's
             await _abort_for(err, method, context, once)
 
     return handler

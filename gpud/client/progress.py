@@ -193,11 +193,16 @@ class Progress:
         # try that emptied it has counted them (set under _flushed)
         self._settled = 0
         self._stop = threading.Event()
-        # closed (its sender stopped): what is not sent by now never will be, and is dropped
+        # closed and its sender ended (the sender sets it on its way out): what is not sent
+        # by now never will be, and is dropped
         self._closed = False
         self._wake = threading.Event()
         self._flushed = threading.Condition()
         self._channel: Any = None
+        # close() and the sender take the channel under it: a stub made on a channel
+        # closed meanwhile crashes gRPC (a segfault), so a sender close() left behind makes
+        # its own instead
+        self._channel_lock = threading.Lock()
         # while gpud is away: since when (the clock's time) and how many were dropped before
         self._away: tuple[float, int] | None = None
         # whether the last failed try met a slow gpud, or a socket that refuses this user
@@ -265,11 +270,15 @@ class Progress:
         dropped) and the try that did it has counted it: :attr:`sent`, :attr:`rejected` and
         :attr:`last_error` say so when it returns. False at ``timeout`` (gpud away, say).
         After :meth:`close`, True at once: nothing is left to send, what was not sent (at the
-        close, or stepped since) is counted in :attr:`dropped`."""
+        close, or stepped since) is counted in :attr:`dropped`; but while a sender the close
+        could not wait for still runs (a try it began before the close), it waits up to
+        ``timeout`` for it to end, False if it has not."""
         target = self._appended
         if not self.active:
             return True  # nothing of this rank's is to be sent
-        if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
+        if self._stop.is_set():  # closed, or a forked copy: nothing more is sent
+            if self._thread.is_alive() and self._thread is not threading.current_thread():
+                self._thread.join(timeout)  # a sender the close left behind, still trying
             # without gRPC, or closed, every report not sent is dropped, and so accounted for
             return self._unreported or self._closed or self._settled >= target
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -284,22 +293,25 @@ class Progress:
         return True
 
     def close(self, timeout: float = 1.0) -> None:
-        """Flush (up to ``timeout`` seconds) and stop the sender thread. Idempotent. What is
-        not sent by then (gpud away) never is: it is counted in :attr:`dropped`, as is each
+        """Flush (up to ``timeout`` seconds) and stop the sender thread, waiting for it up to
+        ``timeout`` again: twice ``timeout`` in all at most. Idempotent. What is not sent by
+        then (gpud away) never is: it is counted in :attr:`dropped`, as is each
         :meth:`step` after the close (which still never blocks nor raises), and a
-        :meth:`flush` after it returns True at once, everything accounted for."""
+        :meth:`flush` after it returns True at once, everything accounted for. A sender
+        still in a try when the join gives up (stuck in an import, say) may send that try
+        yet: until it ends, :attr:`dropped` counts as the sender does (never less than it
+        said at the close) and it closes the channel it may make."""
         if self._stop.is_set():
             return
         self.flush(timeout)
         self._stop.set()
         self._wake.set()
-        channel = self._channel
-        if channel is not None:
-            channel.close()  # ends a call still waiting for gpud at once, not at its deadline
+        with self._channel_lock:
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                channel.close()  # ends a call still waiting for gpud at once, not at its deadline
         self._thread.join(timeout)
         atexit.unregister(self.close)
-        self._channel = None
-        self._closed = True
 
     def _forked(self) -> None:
         """In a forked child: the sender thread is not there, its locks may have been held at
@@ -315,6 +327,7 @@ class Progress:
         self._stop.set()
         self._wake = threading.Event()
         self._flushed = threading.Condition()
+        self._channel_lock = threading.Lock()
         self._queue = deque(maxlen=self._max_buffer)
         self._pending = deque()
         self._appended = self._drained = self._settled = 0
@@ -329,6 +342,19 @@ class Progress:
 
     # -- the sender thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._send_until_closed()
+        finally:
+            # the sender, not close(), marks the close done: a sender the close could not
+            # wait for may still make a channel (close() closed and dropped its) and send;
+            # until here dropped counts as the sender does, so that late send never lowers it
+            with self._channel_lock:
+                channel, self._channel = self._channel, None
+                if channel is not None:
+                    channel.close()
+            self._closed = True
+
+    def _send_until_closed(self) -> None:
         backoff = self._interval
         while not self._stop.is_set():
             self._wait(self._wake, backoff)
@@ -479,9 +505,10 @@ class Progress:
 
     def _send(self) -> None:
         grpc, net_pb2, net_pb2_grpc = _grpc_modules()
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        stub = net_pb2_grpc.NetStub(self._channel)
+        with self._channel_lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            stub = net_pb2_grpc.NetStub(self._channel)
         while self._pending:
             batch = [self._pending[i] for i in range(min(MAX_BATCH, len(self._pending)))]
             reports = []

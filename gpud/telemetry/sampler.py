@@ -25,7 +25,7 @@ XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 event log as ``gpu.xid``, a code raised again on the same device at most once per
 :data:`REMIND_S` with the raises counted meanwhile (and an ECC error type likewise as
 ``gpu.ecc``); a storm that stops is said with its last count once its window is over, or at
-a clean stop. A
+a clean stop (not cut short by a second SIGTERM). A
 critical XID (any but ``ignored_xids``, the application-caused ones: 13, 31, 43, 45, 68, 109
 by default, as the Kubernetes device plugin has it) marks the GPU unhealthy with the XID in
 the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or the fault is cleared by hand
@@ -97,7 +97,8 @@ REMIND_S = 600.0
 many seconds of the ``gpu.xid`` (``gpu.ecc``) that last said it is counted, not said: a storm
 of one fault is one line and one event, then one every 10 minutes carrying how many went
 unsaid (``repeats``); once a window ends with raises unsaid, the next tick says them, and
-a clean stop (:meth:`Sampler.close`) says those of every window still open. The
+a clean stop (:meth:`Sampler.close`, not cut short by a second SIGTERM) says those of every
+window still open. The
 driver's counters go on regardless: ``gpud_gpu_xid_errors_total`` counts every XID the event
 thread takes in once the GPUs are counted, and ``gpud_gpu_ecc_errors_total`` is NVML's
 volatile ECC counters."""
@@ -722,16 +723,25 @@ class Sampler:
         behind (it is a daemon thread); nothing else waits on it. The raises counted but not
         said yet (within :data:`REMIND_S` of the ``gpu.xid``/``gpu.ecc`` that said their
         code) are said now, one event per code with its ``repeats``, as the end of their
-        window would: no tick comes after the close to say them."""
+        window would: no tick comes after the close to say them. They are said before the
+        event watcher is joined, which waits up to ``event_wait_s`` + 1 s on the driver's
+        event wait: a second SIGTERM leaves this close behind on its daemon thread, and
+        gpud may be gone before the join ends. What the watcher takes in meanwhile is said
+        after the join, only on a clean stop (not cut short by a second SIGTERM)."""
         if self._closed:
             return
         self._closed = True
+        self._say_every_rest()
         self._xid.stop()
+        self._say_every_rest()  # the raises the watcher took in during the join
+        self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second
+        self._dispatcher.close()
+
+    def _say_every_rest(self) -> None:
+        """Say what every window still open counted but never said, and forget them all."""
         with self._lock:
             over = self._forget_said(lambda key: True)
         self._say_the_rest(over, "since it was last said, before gpud stopped")
-        self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second
-        self._dispatcher.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set, off the event loop; then close,

@@ -124,6 +124,37 @@ def test_a_step_after_close_is_dropped_and_a_flush_after_close_returns_true_at_o
     assert node.service.accepted_reports == 1
 
 
+def test_a_send_the_close_could_not_wait_for_never_lowers_dropped(node: Node, sock: Path) -> None:
+    """A sender still in its try when close() gives up on it (held here in its wait, as one
+    importing gRPC would be) may send that try yet: dropped counts as the sender does until
+    it ends, never falling, and the channel the late try makes is closed when it ends. The
+    close counted the report dropped, and the late send took it back."""
+    entered, release = threading.Event(), threading.Event()
+    tries = 0
+
+    def wait(wake: threading.Event, timeout: float) -> bool:
+        nonlocal tries
+        tries += 1
+        if tries == 2:  # the wait after the try the first flush woke
+            entered.set()
+            release.wait()
+            return True
+        return wake.wait(timeout)
+
+    p = Progress("train-a", socket=sock, flush_interval_s=60, wait=wait)
+    assert p.flush(timeout=5)
+    assert entered.wait(5)
+    p.step()  # drained only once the sender is let go, after the close gave up on it
+    p.close(timeout=0.1)
+    said_at_close = p.dropped
+    release.set()
+    assert p.flush(timeout=5) is True  # waits for the late sender to end
+    assert (p.sent, p.dropped) == (1, 0)
+    assert said_at_close <= p.dropped
+    assert node.service.accepted_reports == 1
+    assert p._channel is None  # the channel the late try made is closed with it
+
+
 def test_what_a_close_could_not_send_is_counted_as_dropped() -> None:
     """gpud away at the close: the reports it held are never sent, counted in dropped, and
     flush() after the close says everything is accounted for."""

@@ -32,7 +32,7 @@ from gpud.backend.port import (
     Utilization,
 )
 from gpud.errors import BackendError, GpuLost, NotSupported, Unavailable
-from gpud.events import EventLog
+from gpud.events import Event, EventLog
 from gpud.store import StateStore
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.sampler import (
@@ -239,17 +239,23 @@ def backend() -> FakeBackend:
     return FakeBackend(gpus=4, mig_gpus={1: 7})
 
 
-@pytest.fixture
-def sampler(backend: FakeBackend, clock: FakeClock, events: EventLog) -> Iterator[Sampler]:
-    s = Sampler(
+def _sampler(
+    backend: FakeBackend, clock: FakeClock, events: EventLog, event_wait_s: float = 0.05
+) -> Sampler:
+    return Sampler(
         backend,  # type: ignore[arg-type]  # only the reading half is implemented
         history=3,
         call_timeout_s=0.3,
         clock=clock,
         wall_clock=lambda: 1.7e9,
         events=events,
-        event_wait_s=0.05,
+        event_wait_s=event_wait_s,
     )
+
+
+@pytest.fixture
+def sampler(backend: FakeBackend, clock: FakeClock, events: EventLog) -> Iterator[Sampler]:
+    s = _sampler(backend, clock, events)
     yield s
     for gate in backend.hang.values():
         gate.set()
@@ -1507,6 +1513,65 @@ def test_a_storm_still_counting_when_gpud_stops_is_said_at_the_close(
     _said_the_rest_of_the_storm(events, "since it was last said, before gpud stopped")
     sampler.close()  # a second close says nothing again
     assert len(_said(events)) == 5
+
+
+class _HeldAtTheClose(FakeBackend):
+    """Once ``held`` is set, the event wait blocks until ``release`` (as the driver's
+    ``nvmlEventSetWait`` does for its timeout), then delivers two more raises of XID 43."""
+
+    def __init__(self) -> None:
+        super().__init__(gpus=4, mig_gpus={1: 7})
+        self.held = threading.Event()
+        self.waiting = threading.Event()  # the watcher is in the held wait
+        self.release = threading.Event()
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent]:
+        if not self.held.is_set():
+            return super().wait_events(timeout_s)
+        self.waiting.set()
+        self.release.wait()
+        self.held.clear()
+        return [_xid(1, 43)] * 2
+
+
+class _ReleasingAtTheRest(EventLog):
+    """Releases the held event wait once the close said the rest of the storm."""
+
+    def __init__(self, backend: _HeldAtTheClose) -> None:
+        super().__init__(None)
+        self._backend = backend
+
+    def emit(self, kind: str, message: str, **fields: object) -> Event:
+        event = super().emit(kind, message, **fields)
+        if message.endswith("before gpud stopped"):
+            self._backend.release.set()
+        return event
+
+
+def test_a_storm_still_counting_is_said_before_the_close_waits_for_the_event_watcher(
+    clock: FakeClock,
+) -> None:
+    """The close says what every open window left unsaid before it joins the event watcher
+    (up to event_wait_s + 1 s in the driver's wait, where a second SIGTERM leaves it behind),
+    then what the watcher took in during the join. The rest was said only after the join:
+    the event wait here ends only once it is said, so the raises it delivered came after
+    the close, the second of them counted and never said."""
+    backend = _HeldAtTheClose()
+    events = _ReleasingAtTheRest(backend)
+    sampler = _sampler(backend, clock, events, event_wait_s=1)  # the join waits up to 2 s
+    _storm_said_once(sampler, backend, clock, events, 10)
+    backend.held.set()
+    assert backend.waiting.wait(5)
+    sampler.close()
+    assert _said(events)[3:] == [
+        ("gpu.xid", 1, 43, None, 499),
+        ("gpu.ecc", 2, None, 7, 1),
+        ("gpu.xid", 1, 43, None, 0),  # said at once: the code was forgot before the join
+        ("gpu.xid", 1, 43, None, 1),
+    ]
+    assert events.recent(kind_prefix="gpu.xid")[-1].message == (
+        "GPU 1 reported Xid 43: 1 more time since it was last said, before gpud stopped"
+    )
 
 
 def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
