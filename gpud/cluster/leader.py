@@ -34,6 +34,7 @@ from typing import Any
 
 from gpud.cluster.model import (
     LEFT_OUT_KEPT,
+    MAX_FAULTS_LEFT_OUT,
     MAX_JOB_FAULTS,
     JobAttributes,
     NodeReport,
@@ -292,7 +293,7 @@ class Aggregator:
                 else:
                     f[_NODES].append(name)
                     if jr.faults_left_out:
-                        f[_CUT] += jr.faults_left_out
+                        f[_CUT] = min(f[_CUT] + jr.faults_left_out, MAX_FAULTS_LEFT_OUT)
                     if not jr.unranked:
                         f[_RANKED] = True
                     if f[_DSCP] is None:
@@ -436,7 +437,7 @@ class Aggregator:
                     f[_TX],
                     stamp,
                     critical,
-                    cut_unhealthy + cut_xids + cut_critical + f[_CUT],
+                    min(cut_unhealthy + cut_xids + cut_critical + f[_CUT], MAX_FAULTS_LEFT_OUT),
                 ),
             )
         self.untagged = tuple(untagged)
