@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,9 @@ class Aggregator:
         # each write is one dict assignment, so a round never reads a report with another
         # report's left-out names, nor drops one without the other
         self._reports: dict[str, tuple[float, NodeReport, frozenset[str]]] = {}
+        # held by receive()'s write and a round's drop of a silent node's report: without
+        # it, a report arriving between the drop's check and its removal was removed
+        self._lock = threading.Lock()
         self._peers: dict[str, str] = {}  # node -> the address its latest report came from
         self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
@@ -177,7 +181,8 @@ class Aggregator:
                 del former[next(iter(former))]
         said = previous[2] if previous is not None else frozenset()
         kept = self._remembered(left_out) if left_out else frozenset()
-        self._reports[node] = (now, report, kept)
+        with self._lock:
+            self._reports[node] = (now, report, kept)
         if peer:
             self._peers[node] = peer
         return [name for name in left_out if name not in said]
@@ -272,11 +277,13 @@ class Aggregator:
         # a copy: reports may arrive (another thread) while the round runs
         reports = list(self._reports.items())
         included: set[str] = set()
-        for name, (seen, report, _) in reports:
+        for name, entry in reports:
+            seen, report, _ = entry
             if now - seen > self.node_timeout_s:
-                # soft state: it comes back with its next report
-                if self._reports.get(name, (None,))[0] == seen:
-                    self._reports.pop(name, None)
+                # soft state: it comes back with its next report (unless it came meanwhile)
+                with self._lock:
+                    if self._reports.get(name) is entry:
+                        self._reports.pop(name, None)
                 continue
             included.add(name)
             for jr in report.jobs:
