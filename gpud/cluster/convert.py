@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 
 from gpud.api.validate import non_empty, optional
-from gpud.cluster.model import JobAttributes, JobReport, LeftOutJob, NodeReport, Order
+from gpud.cluster.model import (
+    MAX_FAULTS_LEFT_OUT,
+    JobAttributes,
+    JobReport,
+    LeftOutJob,
+    NodeReport,
+    Order,
+)
 from gpud.errors import InvalidArgument
 from gpud.jobs.registry import check_name
 from gpud.shared import CLUSTER_MAX_JOBS, CLUSTER_MAX_XIDS, shown
@@ -176,7 +183,7 @@ def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
         tx_bytes=min(a.tx_bytes, _MAX_COUNTER),
         computed_unix_seconds=a.computed_at,
         critical_xids=a.critical_xids,
-        faults_left_out=a.faults_left_out,
+        faults_left_out=min(a.faults_left_out, MAX_FAULTS_LEFT_OUT),  # uint32, as the counters
     )
     if a.level is not None:
         msg.level = a.level

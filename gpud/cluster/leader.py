@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpud.cluster.model import (
     LEFT_OUT_KEPT,
+    MAX_FAULTS_LEFT_OUT,
     MAX_JOB_FAULTS,
     JobAttributes,
     NodeReport,
@@ -136,6 +138,9 @@ class Aggregator:
         # each write is one dict assignment, so a round never reads a report with another
         # report's left-out names, nor drops one without the other
         self._reports: dict[str, tuple[float, NodeReport, frozenset[str]]] = {}
+        # held by receive()'s write and a round's drop of a silent node's report: without
+        # it, a report arriving between the drop's check and its removal was removed
+        self._lock = threading.Lock()
         self._peers: dict[str, str] = {}  # node -> the address its latest report came from
         self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
@@ -176,7 +181,8 @@ class Aggregator:
                 del former[next(iter(former))]
         said = previous[2] if previous is not None else frozenset()
         kept = self._remembered(left_out) if left_out else frozenset()
-        self._reports[node] = (now, report, kept)
+        with self._lock:
+            self._reports[node] = (now, report, kept)
         if peer:
             self._peers[node] = peer
         return [name for name in left_out if name not in said]
@@ -271,11 +277,13 @@ class Aggregator:
         # a copy: reports may arrive (another thread) while the round runs
         reports = list(self._reports.items())
         included: set[str] = set()
-        for name, (seen, report, _) in reports:
+        for name, entry in reports:
+            seen, report, _ = entry
             if now - seen > self.node_timeout_s:
-                # soft state: it comes back with its next report
-                if self._reports.get(name, (None,))[0] == seen:
-                    self._reports.pop(name, None)
+                # soft state: it comes back with its next report (unless it came meanwhile)
+                with self._lock:
+                    if self._reports.get(name) is entry:
+                        self._reports.pop(name, None)
                 continue
             included.add(name)
             for jr in report.jobs:
@@ -292,7 +300,7 @@ class Aggregator:
                 else:
                     f[_NODES].append(name)
                     if jr.faults_left_out:
-                        f[_CUT] += jr.faults_left_out
+                        f[_CUT] = min(f[_CUT] + jr.faults_left_out, MAX_FAULTS_LEFT_OUT)
                     if not jr.unranked:
                         f[_RANKED] = True
                     if f[_DSCP] is None:
@@ -436,7 +444,7 @@ class Aggregator:
                     f[_TX],
                     stamp,
                     critical,
-                    cut_unhealthy + cut_xids + cut_critical + f[_CUT],
+                    min(cut_unhealthy + cut_xids + cut_critical + f[_CUT], MAX_FAULTS_LEFT_OUT),
                 ),
             )
         self.untagged = tuple(untagged)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from gpud.shared import shown
 
@@ -21,12 +21,19 @@ from gpud.shared import shown
 # some 4 MiB, a quarter of the peer port's 16 MiB message limit past which the node would
 # get no order at all. A job faulted on every device of a hundred nodes may pass them (two
 # uncleared codes a GPU, or 7 MIG devices a GPU, each listing its GPU's codes): the leader
-# then keeps an even share of each of its nodes' entries (fair_shares, nodes in name
-# order), an order an even share of each of its jobs' (xids, the codes alone, cut before
-# critical_xids and unhealthy_gpus), and JobAttributes.faults_left_out counts what was cut.
-_T = TypeVar("_T")
+# then keeps an even share of each of its nodes' entries (fair_shares, taken from its nodes
+# round robin, by_turns), an order an even share of each of its jobs' (xids, the codes
+# alone, cut before critical_xids and unhealthy_gpus), and JobAttributes.faults_left_out
+# counts what was cut.
 MAX_JOB_FAULTS = 1024
 MAX_ORDER_FAULTS = 8192
+# uint32, faults_left_out's wire type: a job's count is the sum over its nodes, each of
+# which chooses its own, so the leader saturates it here rather than fail to build the order
+MAX_FAULTS_LEFT_OUT = 2**32 - 1
+
+_T = TypeVar("_T")
+# a gap of by_turns' shorter lists: its entries may be None themselves
+_GAP: Any = object()
 
 
 def fair_shares(sizes: Sequence[int], budget: int) -> list[int]:
@@ -54,7 +61,9 @@ def by_turns(lists: Iterable[Sequence[_T]]) -> list[_T]:
     """The entries of ``lists`` round robin: each one's first, then each one's second...,
     so that any front of the result keeps an even share of each (as :func:`fair_shares`
     counts them)."""
-    return [x for turn in itertools.zip_longest(*lists) for x in turn if x is not None]
+    return [
+        x for turn in itertools.zip_longest(*lists, fillvalue=_GAP) for x in turn if x is not _GAP
+    ]
 
 
 def node_name(name: str) -> str:
@@ -224,7 +233,7 @@ class Order:
                 unhealthy_gpus=unhealthy,
                 xids=a.xids[: share - len(unhealthy) - len(critical)],
                 critical_xids=critical,
-                faults_left_out=a.faults_left_out + need - share,
+                faults_left_out=min(a.faults_left_out + need - share, MAX_FAULTS_LEFT_OUT),
             )
         return Order(
             epoch=self.epoch,

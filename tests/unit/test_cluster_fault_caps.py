@@ -14,16 +14,20 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.convert import (
     attributes_from_pb,
     attributes_to_pb,
+    order_from_pb,
+    order_to_pb,
     report_from_pb,
     report_to_pb,
 )
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import (
+    MAX_FAULTS_LEFT_OUT,
     MAX_JOB_FAULTS,
     MAX_ORDER_FAULTS,
     JobReport,
     NodeReport,
+    by_turns,
     fair_shares,
 )
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
@@ -213,3 +217,44 @@ def test_a_job_past_its_xid_bound_keeps_every_devices_codes_and_counts_the_cut()
     per_device = Counter(pair.rsplit(":", 1)[0] for pair in a.critical_xids)
     assert len(a.critical_xids) == CLUSTER_MAX_XIDS and a.faults_left_out == 64
     assert set(per_device.values()) == {16}
+
+
+def test_a_jobs_left_out_count_past_its_wire_type_saturates_and_the_order_is_sent() -> None:
+    """Two nodes each said they cut 2**32 - 1 entries of job a: the leader's sum passed
+    faults_left_out's uint32 and building the order raised ValueError, so every node of
+    the job got INTERNAL for its reports instead of its order."""
+    leader = _aggregator()
+    most = 2**32 - 1
+    for node in ("n1", "n2"):
+        leader.receive(NodeReport(node, (JobReport("a", faults_left_out=most),)), 0.0)
+    leader.compute(1, 0.0)
+    answer = leader.answer("n1")
+    assert answer is not None
+    assert answer.attributes["a"].faults_left_out == MAX_FAULTS_LEFT_OUT == most
+    assert order_from_pb(order_to_pb(answer)).attributes["a"].faults_left_out == most
+    past = answer.attributes["a"]._replace(faults_left_out=2 * most)
+    assert attributes_to_pb(past).faults_left_out == most
+
+
+def test_an_orders_own_cut_keeps_a_saturated_left_out_count_within_its_wire_type() -> None:
+    """A job whose nodes' count is already at the bound, cut again by its order."""
+    leader = _aggregator()
+    noisy = tuple(f"GPU-{i}:79" for i in range(MAX_JOB_FAULTS))
+    jobs = list("abcdefghi")
+    most = 2**32 - 1
+    leader.receive(
+        NodeReport(
+            "n0", tuple(JobReport(j, critical_xids=noisy, faults_left_out=most) for j in jobs)
+        ),
+        0.0,
+    )
+    leader.compute(1, 0.0)
+    answer = leader.answer("n0")
+    assert answer is not None
+    assert len(answer.attributes["a"].critical_xids) < MAX_JOB_FAULTS  # the order cut it
+    assert answer.attributes["a"].faults_left_out == most
+    assert attributes_to_pb(answer.attributes["a"]).faults_left_out == most
+
+
+def test_round_robin_keeps_entries_that_are_none() -> None:
+    assert by_turns([[None, 1], [2], [None, None, 3]]) == [None, 2, None, 1, None, 3]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from collections.abc import Callable
+from types import TracebackType
 
 import pytest
 from hypothesis import given, settings
@@ -200,12 +203,9 @@ class _ReceivedDuringPop(dict[str, object]):
         return gone
 
 
-def test_a_report_arriving_while_a_round_drops_the_nodes_last_keeps_its_left_out_names() -> None:
-    """n1 falls silent past the node timeout and reports again, leaving out the job
-    tagged 10, while a round drops its last report: the round then dropped the left-out
-    names of the new report, kept apart from it, and the next round gave DSCP 10 to
-    n2's job though n1 still marks its job with it."""
-    store = MemoryTagStore(tags={"old\n": 10})
+def _silent_n1_and_its_next_report(store: MemoryTagStore) -> tuple[Aggregator, Callable[[], None]]:
+    """A leader whose n1 reported at 100, leaving out the job tagged 10 in ``store``, and
+    n1's next report of 110 (the same), to deliver: n1 is past the timeout at 110."""
     agg = make(store, timeout=5)
     agg.receive(NodeReport("n1", (JobReport("a"),)), 100, left_out=["old\n"])
     agg.compute(2, 100)
@@ -213,12 +213,90 @@ def test_a_report_arriving_while_a_round_drops_the_nodes_last_keeps_its_left_out
     def arrive() -> None:
         agg.receive(NodeReport("n1", (JobReport("a"),)), 110, left_out=["old\n"])
 
-    agg._reports = _ReceivedDuringPop(agg._reports, arrive)  # type: ignore[assignment]
-    agg.compute(2, 110)  # n1's report of 100 is past the timeout
+    return agg, arrive
+
+
+def _n1s_tag_is_held(agg: Aggregator, store: MemoryTagStore) -> None:
+    """n2 marks its job with DSCP 10: the next round leaves it to n1's left-out job."""
     agg.receive(NodeReport("n2", (JobReport("x", dscp=10),)), 111)
     order = agg.compute(2, 111)
     assert store.tags["old\n"] == 10
     assert order.tags["x"] != 10
+
+
+def test_a_report_arriving_while_a_round_drops_the_nodes_last_keeps_its_left_out_names() -> None:
+    """n1 falls silent past the node timeout and reports again, leaving out the job
+    tagged 10, while a round drops its last report: the round then dropped the left-out
+    names of the new report, kept apart from it, and the next round gave DSCP 10 to
+    n2's job though n1 still marks its job with it."""
+    store = MemoryTagStore(tags={"old\n": 10})
+    agg, arrive = _silent_n1_and_its_next_report(store)
+    agg._reports = _ReceivedDuringPop(agg._reports, arrive)  # type: ignore[assignment]
+    # the report arrives on the round's own thread here, inside the round's hold of the lock
+    agg._lock = contextlib.nullcontext()  # type: ignore[assignment]
+    agg.compute(2, 110)  # n1's report of 100 is past the timeout
+    _n1s_tag_is_held(agg, store)
+
+
+class _SaysWhenWaitedOn:
+    """A lock that sets ``waiting`` when a thread finds it held and waits for it."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._waiting = waiting
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waiting.set()
+            self._lock.acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._lock.release()
+
+
+class _ReceivedDuringCheck(dict[str, object]):
+    """A leader's reports, into which another thread (the gRPC one) delivers a node's next
+    report right after a round has looked up the node's last one to drop it: the round
+    goes on once that report is in, or once its thread waits for the leader's lock."""
+
+    def __init__(self, reports: dict[str, object], arrive: Callable[[], None]) -> None:
+        super().__init__(reports)
+        self.arrive: Callable[[], None] | None = arrive
+        self.progress = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def get(self, key: str, default: object = None) -> object:
+        found = super().get(key, default)
+        arrive, self.arrive = self.arrive, None
+        if arrive is not None:
+
+            def deliver() -> None:
+                arrive()
+                self.progress.set()
+
+            self.thread = threading.Thread(target=deliver)
+            self.thread.start()
+            self.progress.wait(timeout=60)  # not a bound on the round: only against a hang
+        return found
+
+
+def test_a_report_arriving_between_a_rounds_check_and_its_drop_of_the_nodes_last_is_kept() -> None:
+    """n1 falls silent past the node timeout and reports again, leaving out the job
+    tagged 10, after a round checked that its last report was the silent one and before
+    the round removed it: the round removed the new report with its left-out names, n1
+    was gone, and the next round gave DSCP 10 to n2's job though n1 marks its job with it."""
+    store = MemoryTagStore(tags={"old\n": 10})
+    agg, arrive = _silent_n1_and_its_next_report(store)
+    reports = _ReceivedDuringCheck(agg._reports, arrive)
+    agg._reports = reports  # type: ignore[assignment]
+    agg._lock = _SaysWhenWaitedOn(reports.progress)  # type: ignore[assignment]
+    agg.compute(2, 110)  # n1's report of 100 is past the timeout
+    assert reports.thread is not None
+    reports.thread.join()
+    assert [n.node for n in agg.nodes(110)] == ["n1"]
+    _n1s_tag_is_held(agg, store)
 
 
 def test_a_nodes_refused_job_is_new_once_until_the_node_falls_silent() -> None:
@@ -460,6 +538,7 @@ _job_reports = st.builds(
     drops=st.integers(0, 9),
     pinned_level=st.none() | st.integers(-1, 4),
     unranked=st.booleans(),
+    faults_left_out=st.integers(0, 9),
 )
 
 
@@ -498,6 +577,8 @@ def test_the_fold_is_the_plain_fold_over_the_nodes_in_order(
         assert a.xids == _round_robin(seen, "xids", ":")
         assert a.critical_xids == _round_robin(seen, "critical_xids", "/")
         assert a.links_down == tuple(n for n, jr in seen if jr.link_up is False)
+        # the lists are within MAX_JOB_FAULTS: the leader cuts none of its own
+        assert a.faults_left_out == sum(jr.faults_left_out for _, jr in seen)
         assert a.drops == sum(jr.drops for _, jr in seen)
         assert a.tx_bytes == sum(jr.tx_bytes for _, jr in seen)
         # ranked where some node ranks it or pins it
