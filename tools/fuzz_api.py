@@ -25,6 +25,11 @@ RESOURCE_EXHAUSTED, or grew more than ``--max-growth-mb`` (default 20) from the 
 or SIGINT stops it cleanly: the daemon stopped, with its MPS control daemons, its directory
 removed, what was measured so far printed, "cut short by SIGNAL", dying by it (128 + its number).
 
+gpud runs as the shipped unit runs it: with the variables of ``systemd/gpud.service``'s
+``Environment=`` added to the caller's environment (glibc's malloc tunables: its RSS is then
+the installed daemon's), a variable the caller sets itself winning (``GLIBC_TUNABLES=``: glibc's
+defaults). The first line names them: ``gpud pid PID, run dir DIR, env NAME=VALUE``.
+
 ``--peer`` fuzzes ``gpud.v1.ClusterPeer`` instead, as a certified but buggy or hostile
 node would: the simulated node leads a cluster of its own (a throw-away etcd,
 :mod:`tools.etcd_local`; a CA and certificates, :mod:`tools.certs`), and the requests go to
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import tempfile
 import time
@@ -68,11 +74,13 @@ from tools.certs import make_ca, make_node
 from tools.etcd_local import LocalEtcd, free_port
 from tools.simdaemon import (
     SimDaemon,
+    as_installed,
     cut_short,
     exit_as,
     restores_signals,
     simulated_gpud,
     stopped_by_signal,
+    unit_environment,
 )
 
 MB = 1_000_000
@@ -239,9 +247,12 @@ class PeerTarget:
 
 
 @contextlib.contextmanager
-def leading_gpud(root: Path) -> Iterator[tuple[SimDaemon, PeerTarget]]:
+def leading_gpud(
+    root: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[SimDaemon, PeerTarget]]:
     """A simulated node that leads a cluster of its own (etcd election on a throw-away
-    etcd, certificates under ``root``), and how to reach its peer port as another node."""
+    etcd, certificates under ``root``; gpud's environment ``env``), and how to reach its peer
+    port as another node."""
     make_ca(root)
     for name in (PEER_LEADER, PEER_NODE):
         make_node(root, name, root)
@@ -257,7 +268,7 @@ cert_file = "{root / f"{PEER_LEADER}.pem"}"
 key_file = "{root / f"{PEER_LEADER}-key.pem"}"
 etcd_endpoints = "{etcd.endpoint}"
 """
-        with simulated_gpud(SPEC, config_text=CONFIG + cluster) as daemon:
+        with simulated_gpud(SPEC, config_text=CONFIG + cluster, env=env) as daemon:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=(root / "ca.pem").read_bytes(),
                 private_key=(root / f"{PEER_NODE}-key.pem").read_bytes(),
@@ -530,12 +541,17 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stopped = stack.enter_context(stopped_by_signal())
         peer = None
+        # as the shipped unit runs it: its RSS is then the installed daemon's
+        env = as_installed(os.environ)
         if args.peer:
             pki = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz-pki-")))
-            daemon, peer = stack.enter_context(leading_gpud(pki))
+            daemon, peer = stack.enter_context(leading_gpud(pki, env))
         else:
-            daemon = stack.enter_context(simulated_gpud(SPEC, config_text=CONFIG))
-        print(f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}", flush=True)
+            daemon = stack.enter_context(simulated_gpud(SPEC, config_text=CONFIG, env=env))
+        taken = " ".join(f"{name}={env[name]}" for name in unit_environment())
+        print(
+            f"gpud pid {daemon.pid}, run dir {daemon.socket.parent}, env {taken or '-'}", flush=True
+        )
         fuzz(daemon, random.Random(args.seed), run, peer)
     run.cut_by = stopped.by
     return report(run, args.max_growth_mb)

@@ -42,6 +42,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +385,30 @@ def _stop_and_remove(started: list[subprocess.Popen[bytes]], work: Path) -> None
                     proc.wait(5)
         kill_mps_daemons(work / "run")
         shutil.rmtree(work, ignore_errors=True)
+
+
+UNIT = Path(__file__).resolve().parents[1] / "systemd" / "gpud.service"
+
+
+def unit_environment(unit: Path = UNIT) -> dict[str, str]:
+    """The variables systemd sets for gpud from ``unit``'s ``Environment=`` lines (each a
+    space-separated list of ``NAME=VALUE``, quoted as a shell would): what the installed
+    daemon's process finds in its environment besides systemd's own."""
+    env: dict[str, str] = {}
+    for line in unit.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "Environment":
+            for assignment in shlex.split(value):
+                name, _, val = assignment.partition("=")
+                env[name] = val
+    return env
+
+
+def as_installed(caller: Mapping[str, str], unit: Path = UNIT) -> dict[str, str]:
+    """``caller``'s environment with ``unit``'s variables added, so that a tool's daemon
+    allocates as the installed one does (e.g. glibc's malloc tunables); a variable the
+    caller sets itself wins, so that ``GLIBC_TUNABLES=`` runs it with glibc's defaults."""
+    return {**unit_environment(unit), **caller}
 
 
 @contextmanager

@@ -43,6 +43,38 @@ def test_a_sigterm_mid_run_stops_its_gpud_removes_its_directory_and_reports_so_f
         assert tool.left() == []
 
 
+def test_the_fuzzed_gpud_runs_with_the_environment_the_shipped_unit_gives_it() -> None:
+    argv = ["-m", "tools.fuzz_api", "--requests", "10000000", "--big", "0"]
+    with running_tool(argv, began="fuzzing: ") as tool:
+        first = tool.began[0]
+        pid = int(first.split()[2].rstrip(","))
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        stopped_by(tool, signal.SIGTERM)
+    # its RSS is then the installed daemon's: glibc maps and unmaps blocks of 128 KiB and
+    # more rather than keeping them in its arenas
+    assert b"GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072" in environ, first
+    assert first.rstrip().endswith(", env GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072")
+
+
+def test_a_daemon_as_installed_gets_the_units_variables_unless_the_caller_sets_them(
+    tmp_path: Path,
+) -> None:
+    unit = tmp_path / "gpud.service"
+    unit.write_text(
+        "[Service]\n"
+        "Environment=GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072\n"
+        'Environment="GREETING=two words" EMPTY=\n'
+        "ExecStart=/usr/local/bin/gpud\n"
+    )
+    assert simdaemon.unit_environment(unit) == {
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072",
+        "GREETING": "two words",
+        "EMPTY": "",
+    }
+    env = simdaemon.as_installed({"PATH": "/bin", "GLIBC_TUNABLES": ""}, unit)
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "", "GREETING": "two words", "EMPTY": ""}
+
+
 def test_a_run_cut_short_counts_the_big_strings_it_sent_not_those_it_planned(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
