@@ -177,13 +177,25 @@ def _asking_again(err: CliError, asked_as: str, how: str) -> None:
 
 
 def enqueued_once(
-    ctx: Context, request: pb.ReserveRequest, stop: Stop, *, keep_unfeasible: bool = False
+    ctx: Context,
+    request: pb.ReserveRequest,
+    stop: Stop,
+    *,
+    keep_unfeasible: bool = False,
+    tried: Callable[[], object] | None = None,
 ) -> queue_pb2.QueueEntry:
     """``request`` queued (``Queue.Enqueue``) as :func:`asked_once` asks: with its
-    ``request_id``, a lost answer's try again is answered the entry the first try made."""
+    ``request_id``, a lost answer's try again is answered the entry the first try made.
+    ``tried`` is called before each try."""
+
+    def enqueue(c: Context) -> Any:
+        if tried is not None:
+            tried()
+        return _enqueue(c)
+
     entry: queue_pb2.QueueEntry = asked_once(
         ctx,
-        _enqueue,
+        enqueue,
         request,
         stop,
         message=queue_pb2.EnqueueRequest(request=request, keep_unfeasible=keep_unfeasible),

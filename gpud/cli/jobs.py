@@ -16,6 +16,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -369,16 +370,27 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
     fill_placement(job, args)
     if args.slo_p99_ms is not None:
         job.slo_p99_ms = args.slo_p99_ms
+    # gpud's clock stamps the job it registers: one registered before this (less a second
+    # for the clocks of two processes) was not registered by a try of this gpuctl
+    started = time.time()
     stop = Stop()  # no signal sets it: Ctrl-C ends a wait to ask again as it ends gpuctl
+    tries = _Tries()
     try:
-        resp = _added_once(ctx, job, stop)
+        resp = _added_once(ctx, job, stop, started, tries)
         warn_if_mps_off(ctx, args)
         if not args.queue:
             entry = None
         else:
             # the entry's own id: a try again after a lost answer gets the entry gpud made
             request = pb.ReserveRequest(job=args.name, request_id=str(uuid.uuid4()))
-            entry = enqueued_once(ctx, request, stop, keep_unfeasible=True)
+            entry = enqueued_once(
+                ctx, request, stop, keep_unfeasible=True, tried=tries.enqueue_tried
+            )
+    except KeyboardInterrupt:
+        said = tries.stopped(job.name)
+        if said:
+            print(f"gpuctl: {said}", file=sys.stderr, flush=True)
+        return 130
     finally:
         stop.close()
     if entry is not None:
@@ -398,59 +410,133 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
-def _added_once(ctx: Context, job: pb.Job, stop: Stop) -> pb.AddJobResponse:
+class _Tries:
+    """How many times ``gpuctl jobs add`` asked gpud to register the job and to queue it:
+    more than once, a try whose answer was lost may have done it."""
+
+    def __init__(self) -> None:
+        self.add = 0
+        self.enqueue = 0
+
+    def enqueue_tried(self) -> None:
+        self.enqueue += 1
+
+    def stopped(self, name: str) -> str:
+        """What a Ctrl-C while asking again leaves unknown: empty where no answer was lost."""
+        if self.enqueue > 1:
+            return (
+                f"stopped while asking again: job {name} is registered, and may have been"
+                f" queued by the try whose answer was lost (gpuctl queue)"
+            )
+        if self.add > 1 and self.enqueue == 0:
+            return (
+                f"stopped while asking again: job {name} may have been registered by the try"
+                f" whose answer was lost (gpuctl jobs ls {name})"
+            )
+        return ""
+
+
+def _added_once(
+    ctx: Context, job: pb.Job, stop: Stop, started: float, tries: _Tries
+) -> pb.AddJobResponse:
     """``job`` registered (``Jobs.AddJob``), asked again when an answer was lost as
     :func:`asked_once` asks. gpud keeps no request id for a job: a try again that finds the
     job (ALREADY_EXISTS) takes it as made by the lost try when gpud holds it as this
-    gpuctl asked (:func:`same_job`), said on stderr; otherwise the job is someone else's
-    and its ALREADY_EXISTS stands, saying so."""
-    tries = 0
+    gpuctl asked (:func:`same_job`, its ``--devices`` indexes read as the UUIDs gpud
+    keeps), registered no earlier than a second before ``started`` (the wall time before
+    the first try) and holding no reservation, said on stderr; otherwise the job is
+    someone else's and its ALREADY_EXISTS stands, saying so."""
 
     def add_job(c: Context) -> Any:
-        nonlocal tries
-        tries += 1
+        tries.add += 1
         return c.stub(pb_grpc.JobsStub).AddJob
 
     try:
         resp: pb.AddJobResponse = asked_once(ctx, add_job, pb.AddJobRequest(job=job), stop)
         return resp
     except CliError as err:
-        if tries == 1 or err.exit_code != EXIT_EXISTS:
+        if tries.add == 1 or err.exit_code != EXIT_EXISTS:
             raise
-        listed: pb.ListJobsResponse = ctx.call(
-            ctx.stub(pb_grpc.JobsStub).ListJobs, pb.ListJobsRequest(name=job.name)
-        )
-        if len(listed.jobs) != 1 or not same_job(listed.jobs[0], job):
+        try:
+            listed: pb.ListJobsResponse = ctx.call(
+                ctx.stub(pb_grpc.JobsStub).ListJobs, pb.ListJobsRequest(name=job.name)
+            )
+        except CliError as failed:
             raise CliError(
-                f"{err}, registered otherwise than this gpuctl asked: not by its try whose"
-                f" answer was lost (gpuctl jobs ls {job.name})",
+                f"{err}, found registered when asked again after a lost answer; listing it"
+                f" to tell whether that lost try registered it failed: {failed}",
+                failed.exit_code,
+                error=failed.error,
+                status=failed.status,
+            ) from failed
+        held = listed.jobs[0] if len(listed.jobs) == 1 else None
+        why = _not_made(ctx, held, job, started)
+        if why:
+            raise CliError(
+                f"{err}, {why}: not by its try whose answer was lost (gpuctl jobs ls {job.name})",
                 err.exit_code,
                 error=err.error,
                 status=err.status,
             ) from err
     ctx.out.note(
         f"job {job.name} exists as asked: registered by the try whose answer was lost,"
-        " taken as made"
+        f" taken as made; gpud's warnings on it, if any, came in that answer (gpuctl env"
+        f" --job {job.name} says why a job can never start here; gpuctl jobs ls {job.name})"
     )
-    return pb.AddJobResponse(job=listed.jobs[0])
+    return pb.AddJobResponse(job=held)
+
+
+def _not_made(ctx: Context, held: pb.Job | None, asked: pb.Job, started: float) -> str:
+    """Why the job gpud holds (``held``, None: not listed) is not the one this gpuctl's lost
+    try registered; empty when it may be."""
+    if held is not None and held.created_unix_seconds < started - 1.0:
+        return "registered before this gpuctl asked"
+    if held is not None and held.reservations:
+        return f"holding reservation {held.reservations[0].id} already"
+    given = device_uuids(ctx, asked.devices)
+    if held is None or given is None:
+        return "registered otherwise than this gpuctl asked"
+    resolved = pb.Job()
+    resolved.CopyFrom(asked)
+    del resolved.devices[:]
+    resolved.devices.extend(given)
+    return "" if same_job(held, resolved) else "registered otherwise than this gpuctl asked"
+
+
+def device_uuids(ctx: Context, devices: Sequence[str]) -> list[str] | None:
+    """``devices`` as gpud keeps them in a job: an index (``0``, ``0:1``) as the UUID of
+    the GPU or MIG device it names now (``Mps.ShowMps``: every device gpud serves, as it
+    resolves them; a GPU with one device only, its MIG device, is named by its index), a
+    UUID as given. None when an index names none, or gpud cannot say."""
+    if all(d.startswith(UUID_PREFIXES) for d in devices):
+        return list(devices)
+    shown = _show_mps(ctx)
+    if shown is None:
+        return None
+    uuids = []
+    for name in devices:
+        if name.startswith(UUID_PREFIXES):
+            uuids.append(name)
+            continue
+        gpu, sep, mig = name.partition(":")
+        found = [d for d in shown.devices if str(d.gpu) == gpu]
+        if sep:
+            found = [d for d in found if d.HasField("mig") and str(d.mig) == mig]
+        if len(found) != 1 or not found[0].HasField("uuid"):
+            return None
+        uuids.append(found[0].uuid)
+    return uuids
 
 
 def same_job(held: pb.Job, asked: pb.Job) -> bool:
     """Whether gpud holds the job ``held`` as AddJob was asked ``asked``: kind, owner,
-    placement, MPS limits, priority, SLO. gpud keeps a ``--devices`` index (``0``,
-    ``0:5``) as the UUID it names: such devices match by count alone."""
+    placement (``asked``'s devices as UUIDs: :func:`device_uuids`), MPS limits, priority,
+    SLO."""
     kept = pb.Job()
     kept.CopyFrom(held)
     for field in ("created_unix_seconds", "reservations", "processes", "unhealthy_gpus"):
         kept.ClearField(field)  # gpud's, not the caller's
-    given = pb.Job()
-    given.CopyFrom(asked)
-    if not all(d.startswith(UUID_PREFIXES) for d in given.devices):
-        if len(given.devices) != len(kept.devices):
-            return False
-        given.ClearField("devices")
-        kept.ClearField("devices")
-    return kept == given
+    return kept == asked
 
 
 def warn_never(ctx: Context, resp: pb.AddJobResponse) -> None:

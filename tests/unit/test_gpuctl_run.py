@@ -3639,6 +3639,7 @@ def test_jobs_add_whose_answer_was_lost_takes_the_job_it_registered_as_made(
     assert asked == ["c", "c"]
     assert ". Asking again to register job c (a job it registered then is taken as made)." in err
     assert "job c exists as asked: registered by the try whose answer was lost" in err
+    assert "gpud's warnings on it, if any, came in that answer (gpuctl env --job c" in err
     assert out.startswith("JOB") and "\nc " in out
 
 
@@ -3669,6 +3670,109 @@ def test_jobs_add_asked_again_that_finds_another_job_of_its_name_says_it_exists(
         " whose answer was lost (gpuctl jobs ls d)\n"
     )
     assert asked == ["d", "d"]
+
+
+def lost_add(
+    capsys: pytest.CaptureFixture[str], jobs_api: type[JobsServicer], *argv: str
+) -> tuple[int, str]:
+    """`gpuctl jobs add ARGV` against ``jobs_api`` (whose first answer is lost): its exit
+    status and stderr."""
+    with serving(jobs_api=jobs_api) as n:
+        code = gpuctl(["--socket", str(n.socket), "--timeout", "1", "jobs", "add", *argv], env={})
+    return code, capsys.readouterr().err
+
+
+def test_jobs_add_asked_again_that_finds_the_job_on_another_device_by_index_says_it_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another client registered the job on MIG device 0:0 meanwhile; this gpuctl asked for
+    0:1, as many devices: the job a try again finds is not as asked (an index is read as the
+    UUID it names, as gpud keeps it), so its ALREADY_EXISTS stands, exit 5."""
+    asked: list[str] = []
+
+    class RegistersOnAnotherDevice(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            if not asked:
+                request.job.devices[:] = ["0:0"]
+            answer = super().AddJob(request, context)
+            return await first_answer_lost(asked, request.job.name, answer)
+
+    code, err = lost_add(capsys, RegistersOnAnotherDevice, "d", "--devices", "0:1")
+    assert code == 5, err
+    assert "job 'd' exists, registered otherwise than this gpuctl asked" in err
+    assert asked == ["d", "d"]
+
+
+def test_jobs_add_asked_again_that_finds_a_job_registered_before_it_ran_says_it_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The job a try again finds is as this gpuctl asked, but gpud registered it an hour
+    before gpuctl ran: not its lost try's, so its ALREADY_EXISTS stands, exit 5."""
+    asked: list[str] = []
+
+    class RegisteredAnHourAgo(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            answer = super().AddJob(request, context)
+            return await first_answer_lost(asked, request.job.name, answer)
+
+        async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Any) -> Any:
+            listed: jobs_pb2.ListJobsResponse = await super().ListJobs(request, context)
+            for job in listed.jobs:
+                job.created_unix_seconds -= 3600
+            return listed
+
+    code, err = lost_add(capsys, RegisteredAnHourAgo, "e", "--gpus", "1")
+    assert code == 5, err
+    assert err.endswith(
+        "gpuctl: job 'e' exists, registered before this gpuctl asked: not by its try whose"
+        " answer was lost (gpuctl jobs ls e)\n"
+    )
+
+
+def test_jobs_add_asked_again_that_finds_the_job_reserved_says_it_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The job a try again finds is as asked, but already holds a reservation (another
+    client runs it): not taken as made, exit 5."""
+    asked: list[str] = []
+
+    class ReservedMeanwhile(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            answer = super().AddJob(request, context)
+            if not asked:
+                got = await answer
+                await asyncio.to_thread(self._service.reserve, RunRequest(job=request.job.name))
+                asked.append(request.job.name)
+                await held_until_asked_again(asked)
+                return got
+            asked.append(request.job.name)
+            return await answer
+
+    code, err = lost_add(capsys, ReservedMeanwhile, "f", "--gpus", "1")
+    assert code == 5, err
+    assert "job 'f' exists, holding reservation " in err
+    assert "not by its try whose answer was lost (gpuctl jobs ls f)" in err
+
+
+def test_jobs_add_whose_listing_fails_after_exists_names_the_job_found_registered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A try again finds the job registered, and listing it to tell whose it is fails: the
+    error names the job, says it was found registered, then what the listing got."""
+    asked: list[str] = []
+
+    class ListsNothing(JobsServicer):
+        async def AddJob(self, request: jobs_pb2.AddJobRequest, context: Any) -> Any:
+            answer = super().AddJob(request, context)
+            return await first_answer_lost(asked, request.job.name, answer)
+
+        async def ListJobs(self, request: jobs_pb2.ListJobsRequest, context: Any) -> Any:
+            await context.abort(grpc.StatusCode.INTERNAL, "the registry is unreadable")
+
+    code, err = lost_add(capsys, ListsNothing, "g", "--gpus", "1")
+    assert code != 0
+    assert "job 'g' exists, found registered when asked again after a lost answer" in err
+    assert "the registry is unreadable" in err
 
 
 class RefusesReserveUnavailable(JobsServicer):
@@ -3736,6 +3840,65 @@ def went_away() -> CliError:
 
 def not_running() -> CliError:
     return CliError("gpud is not running: nothing listens on S.", 3)
+
+
+class Methods:
+    """A stub whose methods are their names."""
+
+    def __getattr__(self, name: str) -> str:
+        return name
+
+
+class Scripted:
+    """A Context whose calls answer or raise, one a call, as ``script`` says."""
+
+    def __init__(self, script: list[object]) -> None:
+        from gpud.cli.output import Output
+
+        self.script = script
+        self.out = Output(json_output=False)
+
+    def stub(self, kind: type) -> Any:
+        return Methods()
+
+    def call(self, method: Any, request: object, *, timeout: float | None = None) -> Any:
+        step = self.script.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        (
+            [went_away(), KeyboardInterrupt()],
+            "gpuctl: stopped while asking again: job h may have been registered by the try"
+            " whose answer was lost (gpuctl jobs ls h)\n",
+        ),
+        (
+            [jobs_pb2.AddJobResponse(job=jobs_pb2.Job(name="h")), went_away(), KeyboardInterrupt()],
+            "gpuctl: stopped while asking again: job h is registered, and may have been queued"
+            " by the try whose answer was lost (gpuctl queue)\n",
+        ),
+    ],
+    ids=["registering", "queueing"],
+)
+def test_ctrl_c_while_jobs_add_asks_again_names_what_the_lost_try_may_have_made(
+    script: list[object], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C while `gpuctl jobs add --queue` asks again after a lost answer exits 130
+    with one line naming what that try may have made, and where to look."""
+    from gpud.cli.context import Context
+    from gpud.cli.jobs import run_add
+    from gpud.cli.main import build_parser
+
+    args = build_parser().parse_args(["jobs", "add", "h", "--gpus", "1", "--queue"])
+    assert run_add(cast(Context, Scripted(script)), args) == 130
+    assert capsys.readouterr().err.endswith(said)
 
 
 def test_a_reserve_that_went_away_is_asked_again_once_gpud_is_back(
