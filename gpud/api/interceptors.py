@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import logging
 import time
-import traceback
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -236,7 +237,8 @@ def _drop_frames(err: BaseException) -> None:
     are each raised the same exception, and a later one logs it still. So no traceback is
     cut, which would leave that one without where its error came from; a frame cleared
     keeps its code and line, all that a logged traceback shows. A frame still running (the
-    handler's own, which drops the request itself) is left as it is."""
+    handler's own, which drops the request itself) or suspended (a task that caught the
+    error, handed it on and went on) is left as it is: only one that ended is cleared."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [err]
     while pending:
@@ -244,10 +246,24 @@ def _drop_frames(err: BaseException) -> None:
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
+        tb = exc.__traceback__
+        while tb is not None:
+            if _finished(tb.tb_frame):
+                tb.tb_frame.clear()
+            tb = tb.tb_next
         pending += (exc.__context__, exc.__cause__)
         if isinstance(exc, BaseExceptionGroup):
             pending += exc.exceptions
+
+
+def _finished(frame: types.FrameType) -> bool:
+    """Whether ``frame`` ended (returned or raised), so that clearing its locals ends nothing.
+
+    ``frame.clear()`` (and ``traceback.clear_frames``) on the frame of a suspended coroutine
+    or generator closes it, throwing ``GeneratorExit`` into it: a loop task that handed its
+    error to waiters and went on would die at the first refusal of one of them. Only a frame
+    that ended owns its locals, and only then does the cyclic GC see them through it."""
+    return frame.f_code in gc.get_referents(frame)
 
 
 def _runs_whole(method: str, request: Any) -> bool:

@@ -67,7 +67,9 @@ loses them (those of the last ``flush_interval_s``, and while gpud is away all i
 and gpud learns its count from the next report of the job. After the close, what it could
 not send is counted in :attr:`Progress.dropped`, a :meth:`Progress.step` still counts (never
 blocking nor raising), its report dropped and counted likewise, and
-:meth:`Progress.flush` returns True at once.
+:meth:`Progress.flush` returns True at once; but a try of the sender that the close could
+not wait for may send yet: until it ends, ``dropped`` counts as the sender does and
+``flush`` waits for it (up to its ``timeout``, or ``call_timeout_s`` and a second).
 
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
@@ -248,9 +250,11 @@ class Progress:
         ``max_buffer`` while gpud is away; where gRPC could not be loaded or its channel
         made (:attr:`last_error` says why), every one, as a ``Latency`` counts its
         requests then; once :meth:`close` stopped the sender, every one not sent nor
-        rejected by then (gpud away at the close) and every step after it. A rank that does
-        not report (``active=False``) and a forked copy drop none: their steps are not
-        theirs to send."""
+        rejected by then (gpud away at the close) and every step after it, once the sender
+        ended: until a try the close could not wait for ends (it may send yet), as the
+        sender counts them, the reports it still holds not among them. A rank that does not
+        report (``active=False``) and a forked copy drop none: their steps are not theirs
+        to send."""
         if self._unreported:
             return self._appended
         if self._closed:
@@ -272,13 +276,17 @@ class Progress:
         After :meth:`close`, True at once: nothing is left to send, what was not sent (at the
         close, or stepped since) is counted in :attr:`dropped`; but while a sender the close
         could not wait for still runs (a try it began before the close), it waits up to
-        ``timeout`` for it to end, False if it has not."""
+        ``timeout`` for it to end (``call_timeout_s`` and a second if None), False if it has
+        not."""
         target = self._appended
         if not self.active:
             return True  # nothing of this rank's is to be sent
         if self._stop.is_set():  # closed, or a forked copy: nothing more is sent
             if self._thread.is_alive() and self._thread is not threading.current_thread():
-                self._thread.join(timeout)  # a sender the close left behind, still trying
+                # a sender the close left behind, still trying: its call ends within
+                # call_timeout_s; one stuck before it (in an import) is not waited for on end
+                bound = self._timeout + 1.0 if timeout is None else timeout
+                self._thread.join(bound)
             # without gRPC, or closed, every report not sent is dropped, and so accounted for
             return self._unreported or self._closed or self._settled >= target
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -521,11 +529,12 @@ class Progress:
                 reports.append(r)
             try:
                 # while gpud is away the call waits for the channel to connect instead of
-                # failing at once: it goes out the moment gpud listens
+                # failing at once: it goes out the moment gpud listens; not once close()
+                # stopped the sender (this try woken by it), whose join would give up on it
                 resp = stub.ReportProgressBatch(
                     net_pb2.ReportProgressBatchRequest(reports=reports),
                     timeout=self._timeout,
-                    wait_for_ready=True,
+                    wait_for_ready=not self._stop.is_set(),
                     metadata=self._metadata,
                 )
             except grpc.RpcError as err:

@@ -725,13 +725,16 @@ class Sampler:
         code) are said now, one event per code with its ``repeats``, as the end of their
         window would: no tick comes after the close to say them. They are said before the
         event watcher is joined, which waits up to ``event_wait_s`` + 1 s on the driver's
-        event wait: a second SIGTERM leaves this close behind on its daemon thread, and
-        gpud may be gone before the join ends. What the watcher takes in meanwhile is said
+        event wait, and the critical XIDs' last counts saved: a second SIGTERM leaves this
+        close behind on its daemon thread, and gpud may be gone before the join ends. What the watcher takes in meanwhile is said
         after the join, only on a clean stop (not cut short by a second SIGTERM)."""
         if self._closed:
             return
         self._closed = True
         self._say_every_rest()
+        # the storm's last count (raised within a second of the last write), saved before
+        # the join too: a second SIGTERM may end gpud before the join does
+        self._save_xids(only_unsaved=True)
         self._xid.stop()
         self._say_every_rest()  # the raises the watcher took in during the join
         self._save_xids(only_unsaved=True)  # the storm's last count, raised within a second

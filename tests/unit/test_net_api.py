@@ -127,8 +127,8 @@ def test_a_step_after_close_is_dropped_and_a_flush_after_close_returns_true_at_o
 def test_a_send_the_close_could_not_wait_for_never_lowers_dropped(node: Node, sock: Path) -> None:
     """A sender still in its try when close() gives up on it (held here in its wait, as one
     importing gRPC would be) may send that try yet: dropped counts as the sender does until
-    it ends, never falling, and the channel the late try makes is closed when it ends. The
-    close counted the report dropped, and the late send took it back."""
+    it ends (the report it has not drained is not counted at the close), never falling, and
+    the channel the late try makes is closed when it ends."""
     entered, release = threading.Event(), threading.Event()
     tries = 0
 
@@ -147,6 +147,7 @@ def test_a_send_the_close_could_not_wait_for_never_lowers_dropped(node: Node, so
     p.step()  # drained only once the sender is let go, after the close gave up on it
     p.close(timeout=0.1)
     said_at_close = p.dropped
+    assert said_at_close == 0
     release.set()
     assert p.flush(timeout=5) is True  # waits for the late sender to end
     assert (p.sent, p.dropped) == (1, 0)
@@ -1273,3 +1274,66 @@ def test_net_show_says_the_marking_and_how_often_its_table_was_written_again(
             assert code == 0 and line in out.splitlines()
             code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
     assert code == 0 and json.loads(out)["marking_restores"] == shown.marking_restores
+
+
+def test_a_try_woken_by_the_close_gives_up_at_once_on_an_absent_gpud() -> None:
+    """A sender in its wait when close() stops it (here held there until the stop) tries
+    once more: that try no longer waits call_timeout_s for gpud to listen, so the sender
+    ends with the close's join, its channel closed, the report counted dropped. It made a
+    new channel and waited out the minute, the close's join and a flush after giving up."""
+    holder: list[Progress] = []
+
+    made = threading.Event()
+
+    def wait(wake: threading.Event, timeout: float) -> bool:
+        made.wait()
+        holder[0]._stop.wait()
+        return True
+
+    with short_dir() as d:
+        p = Progress(
+            "train-a", socket=d / "gpud.sock", flush_interval_s=60, call_timeout_s=60, wait=wait
+        )
+        holder.append(p)
+        made.set()
+        p.step()
+        p.close(timeout=0.1)
+        assert p.flush(timeout=30) is True
+        assert not p._thread.is_alive()
+        assert p._channel is None
+        assert (p.sent, p.dropped) == (0, 1)
+
+
+def test_a_flush_with_no_timeout_after_the_close_waits_a_stuck_sender_a_call_at_most(
+    node: Node, sock: Path
+) -> None:
+    """flush() with no timeout after a close that gave up on its sender (held here in its
+    wait, as one stuck in an import would be) waits call_timeout_s and a second for it, then
+    says False: not all is accounted for yet. It waited for as long as the sender was stuck."""
+    entered, release = threading.Event(), threading.Event()
+    tries = 0
+
+    def wait(wake: threading.Event, timeout: float) -> bool:
+        nonlocal tries
+        tries += 1
+        if tries == 2:
+            entered.set()
+            release.wait()
+            return True
+        return wake.wait(timeout)
+
+    p = Progress("train-a", socket=sock, flush_interval_s=60, call_timeout_s=0.2, wait=wait)
+    assert p.flush(timeout=5)
+    assert entered.wait(5)
+    p.step()
+    p.close(timeout=0.1)
+    # lets go of the sender only well after the bounded wait, should the flush not end
+    letting_go = threading.Timer(30, release.set)
+    letting_go.start()
+    try:
+        assert p.flush() is False
+    finally:
+        letting_go.cancel()
+        release.set()
+    assert p.flush(timeout=5) is True
+    assert (p.sent, p.dropped) == (1, 0)

@@ -148,3 +148,47 @@ async def test_calls_sharing_one_failed_read_each_log_where_it_failed(
     for text in logged:
         assert 'int("not a number")' in text
         assert 'raise RuntimeError("the queue could not be read") from err' in text
+
+
+async def test_a_loop_that_hands_its_error_to_waiters_outlives_a_call_refused_with_it() -> None:
+    # a loop task that catches an error, gives it to each waiter and goes on is suspended
+    # in that error's traceback: a refused call must not close it (frame.clear would)
+    waiters: list[asyncio.Future[None]] = []
+    wake = asyncio.Event()
+    rounds: list[int] = []
+
+    async def broadcast() -> None:
+        while True:
+            await wake.wait()
+            wake.clear()
+            try:
+                raise RuntimeError("the queue could not be read")
+            except RuntimeError as err:
+                for waiter in waiters:
+                    waiter.set_exception(err)
+                waiters.clear()
+                rounds.append(len(rounds))
+                await asyncio.sleep(0)  # suspended here while the waiter's call is refused
+
+    async def get_entry(request: Request, context: Context) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        wake.set()
+        await waiter
+
+    loop_task = asyncio.ensure_future(broadcast())
+    handler = _wrap_unary_response(get_entry, "/gpud.v1.Queue/GetEntry", None, None)
+    try:
+        with pytest.raises(grpc.aio.AbortError):
+            await handler(Request(), Context())
+        # the next round: a loop gone would leave this waiter waiting for ever
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        wake.set()
+        await asyncio.wait({waiter, loop_task}, return_when=asyncio.FIRST_COMPLETED)
+        assert not loop_task.done()
+        assert isinstance(waiter.exception(), RuntimeError)
+        assert rounds == [0, 1]
+    finally:
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)

@@ -1641,6 +1641,37 @@ def test_a_critical_xid_storm_is_saved_at_once_then_at_most_once_a_second_and_at
         again.close()
 
 
+def test_a_critical_xid_storm_s_last_count_is_saved_before_the_close_waits_for_the_watcher(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    """The close writes the count raised within a second of the last write before it joins
+    the event watcher (up to event_wait_s + 1 s in the driver's wait), which a second
+    SIGTERM may not let end. It was written only after the join."""
+    path = tmp_path / "xid-faults.json"
+    backend = _HeldAtTheClose()
+    s = Sampler(backend, clock=clock, event_wait_s=1, xid_state=path)  # type: ignore[arg-type]
+    at_the_join: list[int] = []
+
+    def read_at_the_join() -> None:
+        s._xid._stop.wait()  # set as the join begins
+        at_the_join.append(parse_xid_state(json.loads(path.read_text()))[1][79].count)
+        backend.release.set()
+
+    reader = threading.Thread(target=read_at_the_join)
+    try:
+        s.tick()
+        s.start()
+        _raise(s, backend, *[_xid(1, 79)] * 5)
+        backend.held.set()
+        assert backend.waiting.wait(5)
+        reader.start()
+    finally:
+        s.close()
+        backend.release.set()
+    reader.join(5)
+    assert at_the_join == [5]
+
+
 def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
     backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
 ) -> None:
