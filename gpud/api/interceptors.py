@@ -249,7 +249,8 @@ def _drop_frames(err: BaseException) -> None:
         tb = exc.__traceback__
         while tb is not None:
             if _finished(tb.tb_frame):
-                tb.tb_frame.clear()
+                with contextlib.suppress(RuntimeError):  # still executing, by another reading
+                    tb.tb_frame.clear()
             tb = tb.tb_next
         pending += (exc.__context__, exc.__cause__)
         if isinstance(exc, BaseExceptionGroup):
@@ -262,7 +263,9 @@ def _finished(frame: types.FrameType) -> bool:
     ``frame.clear()`` (and ``traceback.clear_frames``) on the frame of a suspended coroutine
     or generator closes it, throwing ``GeneratorExit`` into it: a loop task that handed its
     error to waiters and went on would die at the first refusal of one of them. Only a frame
-    that ended owns its locals, and only then does the cyclic GC see them through it."""
+    that ended owns its locals, and only then does the cyclic GC see them through it (so on
+    CPython 3.11 and 3.12, where this matters; from 3.13 clearing a suspended frame raises
+    RuntimeError, which the caller takes as "leave it")."""
     return frame.f_code in gc.get_referents(frame)
 
 
