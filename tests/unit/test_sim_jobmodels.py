@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from pathlib import Path
 
@@ -470,27 +471,29 @@ def test_a_host_process_that_exits_ends_only_its_own_declared_processes(
     assert listed(node, 1) == {}
 
 
-class CountingPath(type(Path())):  # type: ignore[misc]
-    """A ``/proc`` root that counts the reads of ``stat`` files under it."""
+_COUNTING: list[list[str]] = []  # while a test counts: the stat files opened since
 
-    reads: list[str] = []
 
-    def read_text(self, *args: object, **kwargs: object) -> str:
-        if self.name == "stat":
-            CountingPath.reads.append(str(self))
-        return super().read_text(*args, **kwargs)  # type: ignore[arg-type]
+def _count_stat_opens(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and _COUNTING and str(args[0]).endswith("/stat"):
+        _COUNTING[-1].append(str(args[0]))
+
+
+sys.addaudithook(_count_stat_opens)  # inert unless a test counts (hooks cannot be removed)
 
 
 def test_a_declared_process_reads_its_host_process_stat_once(tmp_path: Path) -> None:
     """Whether a declared PID is a live host process and when it started come from one read
     of ``/proc/<pid>/stat`` (it was read twice, per declared process and tick)."""
     Procs(tmp_path).add(10, 1, {"PATH": "/bin"})
-    root = CountingPath(tmp_path)
-    CountingPath.reads = []
-    assert host_start(root, 10) == 1010
-    assert len(CountingPath.reads) == 1
+    _COUNTING.append([])
+    try:
+        assert host_start(tmp_path, 10) == 1010
+        assert _COUNTING[-1] == [f"{tmp_path}/10/stat"]
+    finally:
+        _COUNTING.clear()
     Procs(tmp_path).add(10, 1, {"PATH": "/bin"}, state="Z")
-    assert host_start(root, 10) is None
+    assert host_start(tmp_path, 10) is None
 
 
 def test_stat_gives_the_name_whatever_it_holds_and_the_fields_after_it(tmp_path: Path) -> None:
